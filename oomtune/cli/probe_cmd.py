@@ -1,0 +1,164 @@
+"""`oomtune probe` and the rendering of a ladder search (shared with `estimate`)."""
+
+from __future__ import annotations
+
+import json
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich import box
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from . import RESULT_SHORT, RESULT_STYLE, DebugOpt, app, err, fmt_bytes, out, user_errors
+
+
+def rung_label(rung: str, precision: str) -> str:
+    return {"fp32": "fp32", "amp": precision, "checkpointing": f"{precision}+ckpt"}.get(rung, rung)
+
+
+def trials_table(records) -> Table:
+    table = Table(title="trials", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    for col, just in (("#", "right"), ("rung", "left"), ("stage", "left"), ("batch", "right"),
+                      ("ctx", "right"), ("result", "left"), ("peak", "right"), ("tok/s", "right"),
+                      ("sec", "right")):
+        table.add_column(col, justify=just, no_wrap=True)
+    for i, r in enumerate(records, 1):
+        accum = f"x{r.grad_accum_steps}" if r.grad_accum_steps > 1 else ""
+        table.add_row(str(i), rung_label(r.rung, r.precision),
+                      r.stage, f"{r.micro_batch_size}{accum}", str(r.context_length),
+                      f"[{RESULT_STYLE[r.result]}]{RESULT_SHORT[r.result]}[/]", fmt_bytes(r.peak_bytes),
+                      f"{r.tokens_per_s:,.0f}" if r.tokens_per_s else "-", f"{r.seconds:.2f}")
+    return table
+
+
+def rungs_table(ladder, targets) -> Table:
+    table = Table(title="ladder", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    for col in ("rung", "best context", "best micro-batch", "trials"):
+        table.add_column(col, no_wrap=True)
+    for r in ladder.rungs:
+        table.add_row(rung_label(r.rung.name, r.rung.precision),
+                      f"{r.context_length}/{targets.context}" if r.found else "[red]none[/]",
+                      f"{r.micro_batch_size}/{targets.batch}" if r.found else "-", str(r.trials))
+    return table
+
+
+@contextmanager
+def trial_progress(enabled: bool):
+    """A spinner with the trial in flight; each finished trial is printed above it (stderr)."""
+    if not enabled:
+        yield (lambda point: None), (lambda rec: None)
+        return
+    progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), TextColumn("[dim]{task.completed} trials"),
+                        TimeElapsedColumn(), console=err, transient=True)
+    task = progress.add_task("starting", total=None)
+
+    def on_start(point):
+        ck = " + checkpointing" if point.rung.activation_checkpointing else ""
+        accum = f" x{point.grad_accum_steps} accum" if point.grad_accum_steps > 1 else ""
+        progress.update(task, description=f"{point.rung.precision}{ck}: micro-batch {point.micro_batch_size}, "
+                                          f"context {point.context_length}{accum}")
+
+    def on_trial(rec):
+        progress.advance(task)
+        progress.console.print(
+            f"  [dim]{rec.rung:<13}[/] b={rec.micro_batch_size:<4} T={rec.context_length:<6} "
+            f"[{RESULT_STYLE[rec.result]}]{RESULT_SHORT[rec.result]:<6}[/] {fmt_bytes(rec.peak_bytes):>10}"
+        )
+
+    with progress:
+        yield on_start, on_trial
+
+
+def result_json(result, config_path: Path | None) -> dict:
+    from ..plan import to_dict
+
+    cfg = result.config
+    return {
+        "fits": cfg is not None,
+        "plan": to_dict(cfg.plan) if cfg else None,
+        "peak_bytes": cfg.found_by.peak_bytes if cfg else None,
+        "tokens_per_s": cfg.found_by.tokens_per_s if cfg else None,
+        "budget_bytes": cfg.found_by.budget_bytes if cfg else None,
+        "limit_bytes": result.limit_bytes,
+        "static": {"weights_bytes": result.static.weights_bytes, "gradients_bytes": result.static.gradients_bytes,
+                   "optimizer_bytes": result.static.optimizer_bytes},
+        "rungs": [{"rung": r.rung.name, "precision": r.rung.precision,
+                   "activation_checkpointing": r.rung.activation_checkpointing,
+                   "context_length": r.context_length, "micro_batch_size": r.micro_batch_size, "trials": r.trials}
+                  for r in result.ladder.rungs],
+        "trials": [to_dict(t) for t in result.records],
+        "config_path": str(config_path) if config_path else None,
+        "why_nothing_fits": result.why_nothing_fits,
+    }
+
+
+def render_search(result, out_path: Path | None, as_json: bool, verb: str) -> None:
+    """Shared by probe and estimate: the tables, the plan, where it was written; exit 1 if nothing fits."""
+    if as_json:
+        print(json.dumps(result_json(result, out_path), indent=2))
+    else:
+        out.print(trials_table(result.records))
+        out.print(rungs_table(result.ladder, result.targets))
+        if result.config is not None:
+            fb = result.config.found_by
+            tps = f", {fb.tokens_per_s:,.0f} tokens/s" if fb.tokens_per_s else ""
+            out.print(f"[bold green]plan:[/] {result.config.plan.describe()}")
+            out.print(f"      peak {fmt_bytes(fb.peak_bytes)} of {fmt_bytes(result.limit_bytes)} allowed "
+                      f"(budget {fmt_bytes(fb.budget_bytes)}, {fb.headroom:.0%} headroom){tps}; "
+                      f"{len(result.records)} trials")
+            out.print(f"[bold]wrote[/] {out_path}   next: [cyan]oomtune train --config {out_path}[/]")
+    if result.config is None:
+        err.print(f"[bold red]{verb}:[/] {result.why_nothing_fits}")
+        raise typer.Exit(1)
+
+
+@app.command()
+def probe(
+    model: Annotated[Path, typer.Argument(help="Your model file (build_model, make_batch, optional hooks).")],
+    batch: Annotated[int | None, typer.Option("--batch", "-b", help="Target global batch B (kept exact). "
+                                              "Default: the model file's DEFAULTS, else 32.")] = None,
+    context: Annotated[int | None, typer.Option("--context", "-t", help="Target context length T. "
+                                                "Default: DEFAULTS, else 512.")] = None,
+    min_context: Annotated[int | None, typer.Option("--min-context", help="Shortest context you accept "
+                                                    "(default: T, i.e. never cut).")] = None,
+    device: Annotated[str, typer.Option("--device", "-d", help="auto | cuda | cpu (cpu simulates a GPU's "
+                                        "memory limit with a tensor-level tracker).")] = "auto",
+    budget: Annotated[str | None, typer.Option("--budget", help="Memory to fit in: 24GiB, 512MiB, 80% "
+                                               "(default: the GPU's free memory; cpu: available RAM).")] = None,
+    headroom: Annotated[float, typer.Option(help="Fraction of the budget kept free.")] = 0.1,
+    steps: Annotated[int, typer.Option(help="Optimizer steps per trial (2: optimizer state exists).")] = 2,
+    objective: Annotated[str, typer.Option(help="fit: the first rung that fits; throughput: the fastest "
+                                           "fitting rung (measures them all).")] = "fit",
+    amp: Annotated[str, typer.Option(help="Mixed precision for the amp rungs: auto (bf16 where supported, "
+                                     "else fp16) | bf16 | fp16.")] = "auto",
+    out_path: Annotated[Path, typer.Option("--out", "-o", help="Where to write the config.")] = Path("best.yaml"),
+    as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON (for CI).")] = False,
+    debug: DebugOpt = False,
+):
+    """Probe MODEL on a device: climb batch/context -> amp -> checkpointing -> accumulation until it fits.
+
+    Example: [cyan]oomtune probe examples/tiny_gpt.py --device cpu --budget 12MiB[/]
+    """
+    with user_errors(debug):
+        from ..devices import make_device
+        from ..model_file import load_model_file
+        from ..plan import save_config
+        from ..probe import probe as run_probe
+        from ..probe import resolve_targets
+
+        model_file = load_model_file(model)
+        targets = resolve_targets(model_file, batch, context, min_context)
+        dev = make_device(device, budget)
+        if not as_json:
+            err.print(f"probing [bold]{model_file.label}[/] on {dev.name}: batch {targets.batch}, "
+                      f"context {targets.context}" + (f" (min {targets.min_context})"
+                                                      if targets.min_context < targets.context else ""))
+        with trial_progress(not as_json) as (on_start, on_trial):
+            result = run_probe(model_file, dev, targets, headroom=headroom, steps=steps, objective=objective,
+                               amp=amp, on_start=on_start, on_trial=on_trial)
+        if result.config is not None:
+            save_config(result.config, out_path, header=f"written by `oomtune probe {model}` — edit `train:` freely")
+        render_search(result, out_path if result.config else None, as_json, "probe")

@@ -1,0 +1,240 @@
+"""Where a trial runs and how its memory is measured.
+
+| device | compute   | memory accounting                                    | OOM comes from                 |
+| cuda   | real GPU  | torch.cuda.max_memory_allocated / _reserved, NVML    | the caching allocator (capped) |
+| cpu    | real CPU  | MemoryTracker (tensor storages, 512-byte rounding)    | the tracker, CUDA-shaped       |
+
+Everything else (building the model, the training step) is identical across devices: a device only
+decides where tensors live and how the peak is read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from .errors import OomtuneError
+from .memtrack import MemoryTracker
+from .units import format_bytes, parse_budget
+
+DEVICE_KINDS = ("auto", "cuda", "cpu")
+
+
+@dataclass
+class Reading:
+    """Peak memory of one measured stretch of work, overall and per phase of the training step.
+    On the simulated devices allocated and reserved are the same number."""
+
+    peak_bytes: int = 0  # what must fit: reserved on cuda (what the card holds), tracked bytes on cpu
+    peak_allocated_bytes: int = 0  # bytes in live tensors at the peak
+    phase_peaks: dict[str, int] = field(default_factory=dict)  # allocated peak per phase: setup, forward, ...
+    phase: str = "setup"  # the phase running now
+
+    @property
+    def batch_peak_bytes(self) -> int | None:
+        """Peak of the phases that grow with the micro-batch (forward, backward), in peak_bytes' units (the
+        allocator's overhead added on cuda). The optimizer step's peak does not grow with the batch, so a
+        line through these points predicts the largest batch even where small batches peak in the optimizer."""
+        grows = [self.phase_peaks[p] for p in ("forward", "backward") if p in self.phase_peaks]
+        if not grows:
+            return None
+        return max(grows) + (self.peak_bytes - self.peak_allocated_bytes)
+
+
+def _system_memory() -> tuple[int, int]:
+    """(total, available) bytes of host RAM."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    available = total
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+    return total, available
+
+
+class Device:
+    """Base: a torch device plus a way to measure peak memory under a budget."""
+
+    kind: str = ""
+    name: str = ""
+    torch_device: torch.device
+    budget_bytes: int
+    capacity_bytes: int | None = None
+    computes: bool = True  # False where tensors hold no values (the fake device): losses cannot be read
+
+    @property
+    def autocast_device_type(self) -> str:
+        return self.torch_device.type
+
+    def supports_bf16(self) -> bool:
+        return True
+
+    def amp_dtype(self) -> str:
+        """Precision `auto`: bf16 where the device supports it, else fp16 (with GradScaler)."""
+        return "bf16" if self.supports_bf16() else "fp16"
+
+    @contextlib.contextmanager
+    def measure(self) -> Iterator[Reading]:
+        """Run work inside; the yielded Reading holds its peaks once the block exits (even by an OOM).
+        Call `mark(reading, phase)` at phase boundaries to split the peak by phase."""
+        reading = Reading()
+        self._reset_peak()
+        try:
+            with self._accounting():
+                yield reading
+        finally:
+            self.mark(reading, None)
+
+    def mark(self, reading: Reading, phase: str | None) -> None:
+        """Close the running phase (record its peak) and start `phase`."""
+        self.synchronize()
+        allocated, reserved = self._read_peak()
+        reading.phase_peaks[reading.phase] = max(reading.phase_peaks.get(reading.phase, 0), allocated)
+        reading.peak_allocated_bytes = max(reading.peak_allocated_bytes, allocated)
+        reading.peak_bytes = max(reading.peak_bytes, reserved)
+        self._reset_peak()
+        if phase is not None:
+            reading.phase = phase
+
+    def _accounting(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def _read_peak(self) -> tuple[int, int]:
+        """(allocated, reserved) peak bytes since the last reset."""
+        raise NotImplementedError
+
+    def _reset_peak(self) -> None:
+        raise NotImplementedError
+
+    def live_bytes(self) -> int:
+        raise NotImplementedError
+
+    @contextlib.contextmanager
+    def placement(self) -> Iterator[None]:
+        """Tensors created inside land on this device by default (model building, batches)."""
+        with torch.device(self.torch_device):
+            yield
+
+    def release(self) -> None:
+        """Give memory back after a trial (call it outside any `except` block)."""
+        gc.collect()
+
+    def synchronize(self) -> None:
+        pass
+
+    def describe(self) -> dict:
+        return {"device": self.kind, "gpu_name": self.name, "capacity_bytes": self.capacity_bytes}
+
+
+class TrackedDevice(Device):
+    """Simulated memory: a MemoryTracker enforces the budget the way the CUDA allocator would."""
+
+    def __init__(self, kind: str, torch_device: torch.device, budget_bytes: int, capacity_bytes: int | None):
+        self.kind = kind
+        self.torch_device = torch_device
+        self.budget_bytes = budget_bytes
+        self.capacity_bytes = capacity_bytes
+        self.tracker = MemoryTracker(budget_bytes, kind=kind)  # one accountant for the device's lifetime
+
+    def _accounting(self) -> contextlib.AbstractContextManager:
+        return self.tracker
+
+    def _read_peak(self) -> tuple[int, int]:
+        return self.tracker.peak_bytes, self.tracker.peak_bytes
+
+    def _reset_peak(self) -> None:
+        self.tracker.reset_peak()
+
+    def live_bytes(self) -> int:
+        return self.tracker.live_bytes
+
+
+class CpuDevice(TrackedDevice):
+    def __init__(self, budget: str | None = None):
+        total, available = _system_memory()
+        budget_bytes = parse_budget(budget, total) if budget else available
+        super().__init__("cpu", torch.device("cpu"), budget_bytes, total)
+        self.name = f"cpu (simulated memory, budget {format_bytes(budget_bytes)})"
+
+
+class CudaDevice(Device):
+    """The real GPU. A budget below the card's free memory is enforced by capping the caching allocator."""
+
+    kind = "cuda"
+
+    def __init__(self, budget: str | None = None, index: int | None = None):
+        if not torch.cuda.is_available():
+            raise OomtuneError("--device cuda: no CUDA GPU is visible to PyTorch (try --device cpu)")
+        from . import nvml
+
+        index = torch.cuda.current_device() if index is None else index
+        self.torch_device = torch.device("cuda", index)
+        torch.cuda.set_device(self.torch_device)
+        torch.cuda.init()
+        props = torch.cuda.get_device_properties(index)
+        self.name = props.name
+        self.capacity_bytes = props.total_memory
+        free = nvml.free_bytes(index)
+        if free is None:
+            free, _ = torch.cuda.mem_get_info(index)
+        self.free_bytes = free
+        self.budget_bytes = parse_budget(budget, self.capacity_bytes) if budget else free
+        if self.budget_bytes > free:
+            raise OomtuneError(
+                f"--budget {format_bytes(self.budget_bytes)} is more than the {format_bytes(free)} free on "
+                f"{self.name} (other processes hold the rest; see `oomtune gpus`)"
+            )
+        # the cap is a fraction of total memory and applies to what the caching allocator reserves
+        torch.cuda.set_per_process_memory_fraction(self.budget_bytes / self.capacity_bytes, index)
+
+    def supports_bf16(self) -> bool:
+        return torch.cuda.is_bf16_supported()
+
+    def _read_peak(self) -> tuple[int, int]:
+        return (torch.cuda.max_memory_allocated(self.torch_device),
+                torch.cuda.max_memory_reserved(self.torch_device))
+
+    def _reset_peak(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.torch_device)
+
+    def live_bytes(self) -> int:
+        return torch.cuda.memory_allocated(self.torch_device)
+
+    def release(self) -> None:
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.torch_device)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.torch_device)
+
+
+def make_device(kind: str = "auto", budget: str | None = None) -> Device:
+    """`auto` is cuda when PyTorch sees a GPU, else cpu."""
+    if kind == "auto":
+        kind = "cuda" if torch.cuda.is_available() else "cpu"
+    if kind == "cuda":
+        return CudaDevice(budget)
+    if kind == "cpu":
+        return CpuDevice(budget)
+    raise OomtuneError(f"--device {kind!r}: expected one of {', '.join(DEVICE_KINDS)}")
+
+
+_OOM_TEXT = (
+    "CUDA out of memory",  # the caching allocator (and the simulated devices)
+    "CUBLAS_STATUS_ALLOC_FAILED",  # cuBLAS could not get its workspace
+    "DefaultCPUAllocator: can't allocate memory",  # the host ran out
+)
+
+
+def is_oom(exc: BaseException) -> bool:
+    """Is this error the device running out of memory (real or simulated), rather than a bug?"""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    return isinstance(exc, RuntimeError) and any(s in str(exc) for s in _OOM_TEXT)

@@ -1,0 +1,26 @@
+"""The one project error. Library code raises it; cli.py turns it into a one-line message and an exit code."""
+
+from __future__ import annotations
+
+BAD_INPUT = 2  # a broken model file, a wrong YAML key, a budget smaller than the weights
+NO_FIT = 1  # valid input, but nothing fits / the config no longer fits
+
+
+class OomtuneError(Exception):
+    """An error the user can act on: one line, naming the thing that is wrong."""
+
+    def __init__(self, message: str, exit_code: int = BAD_INPUT):
+        super().__init__(message)
+        self.message = message
+        self.exit_code = exit_code
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class ModelFileError(OomtuneError):
+    """The user's model file is missing, broken, or breaks the contract."""
+
+
+class ConfigError(OomtuneError):
+    """A config file is missing, malformed, or has an unknown key / wrong type."""

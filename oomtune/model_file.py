@@ -1,0 +1,254 @@
+"""Load a user's model file by path, check it keeps the contract, and fill in the default hooks.
+
+Required: build_model() and make_batch(batch_size, context_length, device).
+Optional: loss(model, batch), blocks(model), optimizer(params, lr), train_batches(...), eval_batches(...),
+DEFAULTS = {"batch": ..., "context": ...}. A missing hook means the default, never an error.
+Every call into user code goes through `_call`, so a user's bug becomes one line naming the file and the
+hook, while an out-of-memory error passes through untouched for the search to catch.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import sys
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from .devices import is_oom
+from .errors import ModelFileError, OomtuneError
+
+Batch = Any  # a Tensor, a tuple/list of Tensors, or a dict of str -> Tensor
+DEFAULT_KEYS = {"batch", "context", "min_context"}
+
+
+@dataclass
+class ModelFile:
+    path: Path
+    module: ModuleType
+    defaults: dict[str, int] = field(default_factory=dict)
+
+    # -- plumbing --------------------------------------------------------------------------------
+    @property
+    def label(self) -> str:
+        return self.path.name
+
+    def has(self, hook: str) -> bool:
+        return callable(getattr(self.module, hook, None))
+
+    def _call(self, hook: str, *args, **kwargs):
+        fn = getattr(self.module, hook)
+        try:
+            return fn(*args, **kwargs)
+        except OomtuneError:
+            raise
+        except Exception as e:
+            if is_oom(e):
+                raise
+            raise ModelFileError(f"{self.label}: {hook}() raised {type(e).__name__}: {_one_line(e)}") from e
+
+    def fail(self, hook: str, what: str) -> ModelFileError:
+        return ModelFileError(f"{self.label}: {hook}() {what}")
+
+    # -- the hooks -------------------------------------------------------------------------------
+    def build(self) -> nn.Module:
+        model = self._call("build_model")
+        if not isinstance(model, nn.Module):
+            raise self.fail("build_model", f"returned {type(model).__name__}; expected a torch.nn.Module")
+        if not any(p.requires_grad for p in model.parameters()):
+            raise self.fail("build_model", "returned a model with no trainable parameters")
+        return model
+
+    def batch(self, batch_size: int, context_length: int, device: torch.device) -> Batch:
+        batch = self._call("make_batch", batch_size, context_length, device)
+        self.check_batch("make_batch", batch, device)
+        return batch
+
+    def check_batch(self, hook: str, batch: Batch, device: torch.device) -> None:
+        if isinstance(batch, torch.Tensor):
+            tensors = [batch]
+        elif isinstance(batch, (tuple, list)) and batch and all(isinstance(t, torch.Tensor) for t in batch):
+            tensors = list(batch)
+        elif isinstance(batch, dict) and batch and all(isinstance(k, str) for k in batch):
+            tensors = [t for t in batch.values() if isinstance(t, torch.Tensor)]
+            if not tensors:
+                raise self.fail(hook, "returned a dict with no tensors in it")
+        else:
+            raise self.fail(
+                hook,
+                f"returned {_describe(batch)}; expected a Tensor, a tuple/list of Tensors, or a dict of "
+                "name -> Tensor",
+            )
+        for t in tensors:
+            if t.device.type != device.type:
+                raise self.fail(hook, f"returned a tensor on {t.device}; expected {device} (use its `device` "
+                                      "argument)")
+
+    def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        if self.has("loss"):
+            value = self._call("loss", model, batch)
+            where = "loss"
+        else:
+            value = self._default_loss(model, batch)
+            where = "the default loss (model output)"
+        if not isinstance(value, torch.Tensor):
+            raise ModelFileError(f"{self.label}: {where} gave {_describe(value)}; expected a scalar Tensor")
+        if value.dim() != 0:
+            raise ModelFileError(
+                f"{self.label}: {where} gave a tensor of shape {tuple(value.shape)}; expected a scalar "
+                "(reduce it, e.g. .mean())"
+            )
+        if torch.is_grad_enabled() and not value.requires_grad:
+            raise ModelFileError(f"{self.label}: {where} does not require grad; is it computed from the model?")
+        return value
+
+    def _default_loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        """model(*batch) / model(**batch) / model(batch) -> a scalar, (logits, loss), or an object with .loss."""
+        try:
+            if isinstance(batch, dict):
+                out = model(**batch)
+            elif isinstance(batch, (tuple, list)):
+                out = model(*batch)
+            else:
+                out = model(batch)
+        except OomtuneError:
+            raise
+        except Exception as e:
+            if is_oom(e):
+                raise
+            raise ModelFileError(
+                f"{self.label}: the model's forward raised {type(e).__name__}: {_one_line(e)}"
+            ) from e
+        if isinstance(out, torch.Tensor):
+            return out
+        if isinstance(out, (tuple, list)) and len(out) == 2 and isinstance(out[1], torch.Tensor):
+            return out[1]  # (logits, loss)
+        loss = getattr(out, "loss", None)
+        if loss is None and isinstance(out, dict):
+            loss = out.get("loss")
+        if isinstance(loss, torch.Tensor):
+            return loss
+        raise ModelFileError(
+            f"{self.label}: the model returned {_describe(out)}; the default loss takes a scalar, "
+            "(logits, loss) or an object with .loss — define loss(model, batch)"
+        )
+
+    def optimizer(self, params: Iterable[nn.Parameter], lr: float) -> torch.optim.Optimizer:
+        if not self.has("optimizer"):
+            return torch.optim.AdamW(params, lr=lr)
+        opt = self._call("optimizer", params, lr)
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise self.fail("optimizer", f"returned {_describe(opt)}; expected a torch.optim.Optimizer")
+        return opt
+
+    def blocks(self, model: nn.Module) -> list[nn.Module]:
+        """The modules activation checkpointing wraps: the `blocks` hook, else the longest nn.ModuleList
+        whose members all have the same type."""
+        if self.has("blocks"):
+            found = list(self._call("blocks", model))
+            if not all(isinstance(b, nn.Module) for b in found):
+                raise self.fail("blocks", "must return nn.Module objects")
+            return found
+        best: list[nn.Module] = []
+        for mod in model.modules():
+            if isinstance(mod, nn.ModuleList) and len(mod) > len(best):
+                kinds = {type(m) for m in mod}
+                if len(kinds) == 1:
+                    best = list(mod)
+        return best
+
+    def supports_checkpointing(self, model: nn.Module) -> bool:
+        return self.has("blocks") or hasattr(model, "gradient_checkpointing_enable") or bool(self.blocks(model))
+
+    def enable_checkpointing(self, model: nn.Module) -> None:
+        """Recompute each block's activations in backward instead of keeping them."""
+        if not self.has("blocks") and hasattr(model, "gradient_checkpointing_enable"):  # Hugging Face models
+            try:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            except TypeError:  # older transformers
+                model.gradient_checkpointing_enable()
+            return
+        blocks = self.blocks(model)
+        if not blocks:
+            raise ModelFileError(
+                f"{self.label}: activation checkpointing found no blocks (no nn.ModuleList of same-type "
+                "modules); define blocks(model)"
+            )
+        for block in blocks:
+            block.forward = _checkpointed(block.forward)
+
+    def train_batches(self, batch_size: int, context_length: int, device: torch.device) -> Iterator[Batch] | None:
+        return iter(self._call("train_batches", batch_size, context_length, device)) \
+            if self.has("train_batches") else None
+
+    def eval_batches(self, batch_size: int, context_length: int, device: torch.device) -> Iterator[Batch] | None:
+        return iter(self._call("eval_batches", batch_size, context_length, device)) \
+            if self.has("eval_batches") else None
+
+
+def _checkpointed(forward: Callable) -> Callable:
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        if not torch.is_grad_enabled():  # eval: nothing to save, nothing to recompute
+            return forward(*args, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    return run
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0] if text else "(no message)"
+
+
+def _describe(x: Any) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"a Tensor of shape {tuple(x.shape)}"
+    if isinstance(x, (tuple, list)):
+        inner = ", ".join(type(v).__name__ for v in x[:4])
+        return f"a {type(x).__name__} of ({inner}{', ...' if len(x) > 4 else ''})"
+    if x is None:
+        return "None"
+    return f"a {type(x).__name__}"
+
+
+def load_model_file(path: str | Path) -> ModelFile:
+    """Import a model file by path and check the contract; every problem is one ModelFileError line."""
+    p = Path(path)
+    if not p.exists():
+        raise ModelFileError(f"model file not found: {p}")
+    if not p.is_file() or p.suffix != ".py":
+        raise ModelFileError(f"model file {p}: expected a Python file (.py)")
+    name = f"oomtune_model_{abs(hash(str(p.resolve())))}"
+    spec = importlib.util.spec_from_file_location(name, p)
+    if spec is None or spec.loader is None:
+        raise ModelFileError(f"model file {p}: cannot be imported")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses / pickling inside the file need their module registered
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as e:
+        sys.modules.pop(name, None)
+        raise ModelFileError(f"{p.name}: syntax error at line {e.lineno}: {e.msg}") from e
+    except Exception as e:
+        sys.modules.pop(name, None)
+        raise ModelFileError(f"{p.name}: importing it raised {type(e).__name__}: {_one_line(e)}") from e
+    for required in ("build_model", "make_batch"):
+        if not callable(getattr(module, required, None)):
+            raise ModelFileError(f"{p.name}: missing required function {required}()")
+    defaults = getattr(module, "DEFAULTS", {})
+    if not isinstance(defaults, dict):
+        raise ModelFileError(f"{p.name}: DEFAULTS must be a dict like {{'batch': 32, 'context': 512}}")
+    for k, v in defaults.items():
+        if k not in DEFAULT_KEYS:
+            raise ModelFileError(f"{p.name}: DEFAULTS has unknown key {k!r} (allowed: {', '.join(sorted(DEFAULT_KEYS))})")
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ModelFileError(f"{p.name}: DEFAULTS[{k!r}] must be a positive integer, got {v!r}")
+    return ModelFile(path=p.resolve(), module=module, defaults=dict(defaults))

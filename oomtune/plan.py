@@ -1,0 +1,311 @@
+"""The plan and the config file: frozen dataclasses, strict YAML round-trip, atomic writes.
+
+Defaults live here and only here. Loading rejects unknown keys (naming them) and wrong types.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+import types
+import typing
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from .errors import ConfigError
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+Precision = Literal["fp32", "bf16", "fp16"]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one optimizer step looks like. global_batch_size = micro_batch_size x grad_accum_steps."""
+
+    micro_batch_size: int
+    context_length: int
+    precision: Precision = "fp32"
+    activation_checkpointing: bool = False
+    grad_accum_steps: int = 1
+    global_batch_size: int = 0  # 0 = derive it
+
+    def __post_init__(self):
+        for name in ("micro_batch_size", "context_length", "grad_accum_steps"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"plan.{name} must be at least 1, got {getattr(self, name)}")
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"plan.precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        expected = self.micro_batch_size * self.grad_accum_steps
+        if self.global_batch_size == 0:
+            object.__setattr__(self, "global_batch_size", expected)
+        elif self.global_batch_size != expected:
+            raise ConfigError(
+                f"plan.global_batch_size is {self.global_batch_size} but micro_batch_size x grad_accum_steps "
+                f"= {self.micro_batch_size} x {self.grad_accum_steps} = {expected}"
+            )
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch_size * self.context_length
+
+    def describe(self) -> str:
+        parts = [f"micro-batch {self.micro_batch_size}", f"context {self.context_length}", self.precision]
+        if self.activation_checkpointing:
+            parts.append("checkpointing")
+        if self.grad_accum_steps > 1:
+            parts.append(f"x{self.grad_accum_steps} accumulation")
+        return ", ".join(parts) + f" (global batch {self.global_batch_size})"
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The section a person edits by hand. Names follow torchtune where it has one."""
+
+    steps: int = 1000
+    lr: float = 3e-4
+    min_lr: float = 3e-5
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    clip_grad_norm: float | None = 1.0
+    eval_interval: int = 100
+    eval_steps: int = 20
+    checkpoint_interval: int = 200
+    log_every_n_steps: int = 10
+    run_dir: str = "runs/oomtune"
+    seed: int = 1337
+
+    def __post_init__(self):
+        for name in ("steps", "eval_interval", "eval_steps", "checkpoint_interval", "log_every_n_steps"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"train.{name} must be at least 1, got {getattr(self, name)}")
+        if self.warmup_steps < 0:
+            raise ConfigError(f"train.warmup_steps must be 0 or more, got {self.warmup_steps}")
+        if self.lr <= 0 or self.min_lr < 0:
+            raise ConfigError("train.lr must be > 0 and train.min_lr >= 0")
+
+
+@dataclass(frozen=True)
+class TrialRecord:
+    """One trial as the config file and --json report it."""
+
+    rung: str
+    stage: str  # target | context | batch | verify
+    micro_batch_size: int
+    context_length: int
+    grad_accum_steps: int
+    precision: Precision
+    activation_checkpointing: bool
+    result: Literal["fits", "oom", "over-headroom"]
+    peak_bytes: int | None = None
+    tokens_per_s: float | None = None
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class FoundBy:
+    """How the plan was found: enough to tell whether it still applies."""
+
+    command: str  # probe | estimate
+    estimated: bool  # true when no real memory was measured (the fake device)
+    device: str
+    gpu_name: str
+    budget_bytes: int
+    headroom: float
+    objective: Literal["fit", "throughput"]
+    target_batch: int
+    target_context: int
+    min_context: int
+    peak_bytes: int
+    tokens_per_s: float | None
+    torch_version: str
+    cuda_version: str | None
+    oomtune_version: str
+    date: str
+    trials: tuple[TrialRecord, ...] = ()
+
+
+@dataclass(frozen=True)
+class Config:
+    model: str  # the model file, relative to the config file's folder or absolute
+    plan: Plan
+    train: TrainConfig = field(default_factory=TrainConfig)
+    found_by: FoundBy | None = None
+
+    def model_path(self, config_path: str | Path) -> Path:
+        p = Path(self.model)
+        return p if p.is_absolute() else (Path(config_path).resolve().parent / p)
+
+
+# -- strict loading ------------------------------------------------------------------------------
+
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    return "null" if tp is type(None) else getattr(tp, "__name__", str(tp))
+
+
+def _convert(value: Any, tp: Any, where: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        if value in typing.get_args(tp):
+            return value
+    elif origin in (typing.Union, types.UnionType):
+        for arg in typing.get_args(tp):
+            try:
+                return _convert(value, arg, where)
+            except ConfigError:
+                continue
+    elif origin is tuple:
+        (item_tp, _) = typing.get_args(tp)
+        if isinstance(value, list):
+            return tuple(_convert(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value))
+    elif dataclasses.is_dataclass(tp):
+        if isinstance(value, dict):
+            return from_dict(tp, value, where)
+    elif tp is type(None):
+        if value is None:
+            return None
+    elif tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    raise ConfigError(f"{where}: expected {_type_name(tp)}, got {value!r}")
+
+
+def from_dict(cls: type, data: dict, where: str = "") -> Any:
+    """Build dataclass `cls` from a mapping; unknown keys, missing keys and wrong types are errors."""
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in fields(cls)}
+    prefix = f"{where}." if where else ""
+    for key in data:
+        if key not in names:
+            raise ConfigError(f"unknown key {prefix}{key} (allowed: {', '.join(sorted(names))})")
+    kwargs = {}
+    for f in fields(cls):
+        if f.name in data:
+            kwargs[f.name] = _convert(data[f.name], hints[f.name], f"{prefix}{f.name}")
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ConfigError(f"missing key {prefix}{f.name}")
+    return cls(**kwargs)
+
+
+def load_config(path: str | Path) -> Config:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file not found: {p}")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        line = f" at line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"{p}: not valid YAML{line}") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: expected a mapping with keys model, plan, train")
+    try:
+        return from_dict(Config, data)
+    except ConfigError as e:
+        raise ConfigError(f"{p}: {e.message}") from None
+
+
+# -- writing -------------------------------------------------------------------------------------
+
+COMMENTS = {
+    "model": "the model file (relative to this file's folder)",
+    "plan.micro_batch_size": "examples per forward/backward pass",
+    "plan.context_length": "tokens per example",
+    "plan.precision": "fp32 | bf16 | fp16 (autocast keeps fp32 weights; fp16 adds a GradScaler)",
+    "plan.activation_checkpointing": "less memory, ~30% more compute (blocks recomputed in backward)",
+    "plan.grad_accum_steps": "micro-batches per optimizer step; more = less memory, same result",
+    "plan.global_batch_size": "micro_batch_size x grad_accum_steps: what the optimizer sees",
+    "train.steps": "optimizer steps",
+    "train.lr": "peak learning rate, after warmup",
+    "train.min_lr": "cosine decay ends here",
+    "train.warmup_steps": "linear warmup from 0",
+    "train.clip_grad_norm": "null = no clipping",
+    "train.eval_interval": "optimizer steps between evaluations",
+    "train.eval_steps": "batches per evaluation",
+    "train.checkpoint_interval": "optimizer steps between checkpoints",
+    "train.log_every_n_steps": "optimizer steps between metric lines",
+    "train.run_dir": "checkpoints and metrics.jsonl go here",
+    "found_by.estimated": "true: predicted on the fake device, never measured",
+    "found_by.budget_bytes": "memory the search was allowed to use",
+    "found_by.headroom": "fraction of the budget kept free (fragmentation, longer batches)",
+    "found_by.peak_bytes": "measured peak of the plan",
+}
+
+
+def _scalar(v: Any) -> str:
+    return yaml.safe_dump(v, default_flow_style=True, width=10_000, sort_keys=False).strip().removesuffix("...").strip()
+
+
+def _emit(obj: Any, path: str, indent: int, lines: list[str]) -> None:
+    pad = "  " * indent
+    for f in fields(obj):
+        v = getattr(obj, f.name)
+        key = f"{path}{f.name}"
+        comment = f"  # {COMMENTS[key]}" if key in COMMENTS else ""
+        if dataclasses.is_dataclass(v):
+            lines.append(f"{pad}{f.name}:{comment}")
+            _emit(v, f"{key}.", indent + 1, lines)
+        elif isinstance(v, tuple):
+            if not v:
+                lines.append(f"{pad}{f.name}: []{comment}")
+                continue
+            lines.append(f"{pad}{f.name}:{comment}")
+            for item in v:
+                lines.append(f"{pad}- {_scalar(to_dict(item))}")
+        else:
+            lines.append(f"{pad}{f.name}: {_scalar(v)}{comment}")
+
+
+def to_dict(obj: Any) -> Any:
+    """A dataclass as plain dicts/lists (tuples become lists), for JSON and YAML."""
+    if dataclasses.is_dataclass(obj):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in fields(obj)}
+    if isinstance(obj, (tuple, list)):
+        return [to_dict(v) for v in obj]
+    return obj
+
+
+def dump_config(config: Config, header: str = "") -> str:
+    lines = [f"# {h}" for h in header.splitlines()] if header else []
+    _emit(config, "", 0, lines)
+    return "\n".join(lines) + "\n"
+
+
+def atomic_write(path: str | Path, text: str) -> None:
+    """Write via a temp file in the same folder + rename: a reader sees the old file or the new, never half."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, p)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def save_config(config: Config, path: str | Path, header: str = "") -> None:
+    """Write atomically; an absolute model path under the config's folder is stored relative to it."""
+    model = Path(config.model)
+    if model.is_absolute() and model.is_relative_to(Path(path).resolve().parent):
+        config = dataclasses.replace(config, model=str(model.relative_to(Path(path).resolve().parent)))
+    atomic_write(path, dump_config(config, header))

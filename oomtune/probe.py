@@ -1,0 +1,149 @@
+"""`oomtune probe`: wire the ladder search to trials on a device and return what the CLI renders."""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from . import __version__
+from .devices import Device
+from .errors import BAD_INPUT, OomtuneError
+from .estimate import StaticMemory, static_memory
+from .model_file import ModelFile
+from .plan import Config, FoundBy, Plan, TrialRecord
+from .search import LadderResult, LadderSearch, Measurement, Objective, Point, Rung, Trial
+from .trial import run_trial
+from .units import format_bytes
+
+OBJECTIVES = ("fit", "throughput")
+AMP_CHOICES = ("auto", "bf16", "fp16")
+
+
+@dataclass(frozen=True)
+class Targets:
+    batch: int  # B: the global batch to keep exact
+    context: int  # T: the context to reach
+    min_context: int  # T_min: the shortest context the user accepts (default T: never cut)
+
+
+def resolve_targets(model_file: ModelFile, batch: int | None, context: int | None,
+                    min_context: int | None) -> Targets:
+    """CLI values first, then the model file's DEFAULTS, then 32 x 512."""
+    d = model_file.defaults
+    b = batch if batch is not None else d.get("batch", 32)
+    t = context if context is not None else d.get("context", 512)
+    t_min = min_context if min_context is not None else d.get("min_context", t)
+    for name, v in (("--batch", b), ("--context", t), ("--min-context", t_min)):
+        if v < 1:
+            raise OomtuneError(f"{name} must be at least 1, got {v}")
+    if t_min > t:
+        raise OomtuneError(f"--min-context {t_min} is longer than --context {t}")
+    return Targets(b, t, t_min)
+
+
+def ladder_rungs(device: Device, amp: str, checkpointing_supported: bool) -> list[Rung]:
+    """fp32 -> +amp -> +checkpointing (which keeps amp)."""
+    if amp not in AMP_CHOICES:
+        raise OomtuneError(f"--amp {amp!r}: expected one of {', '.join(AMP_CHOICES)}")
+    dtype = device.amp_dtype() if amp == "auto" else amp
+    rungs = [Rung("fp32", "fp32", False), Rung("amp", dtype, False)]
+    if checkpointing_supported:
+        rungs.append(Rung("checkpointing", dtype, True))
+    return rungs
+
+
+@dataclass
+class ProbeResult:
+    ladder: LadderResult
+    records: list[TrialRecord]
+    static: StaticMemory
+    targets: Targets
+    limit_bytes: int
+    config: Config | None  # None when nothing fits
+    why_nothing_fits: str | None = None
+
+    @property
+    def trials_per_rung(self) -> dict[str, int]:
+        return {r.rung.name: r.trials for r in self.ladder.rungs}
+
+
+def plan_of(point: Point) -> Plan:
+    return Plan(micro_batch_size=point.micro_batch_size, context_length=point.context_length,
+                precision=point.rung.precision, activation_checkpointing=point.rung.activation_checkpointing,
+                grad_accum_steps=point.grad_accum_steps)
+
+
+def _record(trial: Trial, seconds: float) -> TrialRecord:
+    p, m = trial.point, trial.measurement
+    return TrialRecord(rung=p.rung.name, stage=trial.stage, micro_batch_size=p.micro_batch_size,
+                       context_length=p.context_length, grad_accum_steps=p.grad_accum_steps,
+                       precision=p.rung.precision, activation_checkpointing=p.rung.activation_checkpointing,
+                       result=trial.result, peak_bytes=m.peak_bytes,
+                       tokens_per_s=round(m.tokens_per_s, 1) if m.tokens_per_s else None,
+                       seconds=round(seconds, 3))
+
+
+def check_static_fits(static: StaticMemory, device: Device, limit_bytes: int, headroom: float) -> None:
+    if static.total_bytes > limit_bytes:
+        raise OomtuneError(
+            f"budget {format_bytes(device.budget_bytes)} ({format_bytes(limit_bytes)} after {headroom:.0%} "
+            f"headroom) is too small for the weights alone: {static.describe()}",
+            BAD_INPUT,
+        )
+
+
+def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: float = 0.1, steps: int = 2,
+          objective: Objective = "fit", amp: str = "auto", command: str = "probe",
+          on_start: Callable[[Point], None] | None = None,
+          on_trial: Callable[[TrialRecord], None] | None = None) -> ProbeResult:
+    """Climb the ladder with real trials on `device`; every trial runs the training step itself."""
+    if not 0 <= headroom < 1:
+        raise OomtuneError(f"--headroom must be in [0, 1), got {headroom}")
+    if steps < 1:
+        raise OomtuneError(f"--steps must be at least 1, got {steps}")
+    if objective not in OBJECTIVES:
+        raise OomtuneError(f"--objective {objective!r}: expected one of {', '.join(OBJECTIVES)}")
+    limit = int(device.budget_bytes * (1 - headroom))
+    static = static_memory(model_file)
+    check_static_fits(static, device, limit, headroom)
+    rungs = ladder_rungs(device, amp, static.checkpointing_supported)
+
+    seconds: dict[Point, float] = {}
+
+    def measure(point: Point) -> Measurement:
+        if on_start:
+            on_start(point)
+        r = run_trial(model_file, plan_of(point), device, steps=steps)
+        seconds[point] = r.seconds
+        return Measurement(oom=r.oom, peak_bytes=r.peak_bytes, tokens_per_s=r.tokens_per_s,
+                           batch_peak_bytes=r.batch_peak_bytes)
+
+    records: list[TrialRecord] = []
+
+    def collect(trial: Trial) -> None:
+        records.append(_record(trial, seconds.get(trial.point, 0.0)))
+        if on_trial:
+            on_trial(records[-1])
+
+    search = LadderSearch(measure, limit, on_trial=collect)
+    ladder = search.run(rungs, targets.batch, targets.context, targets.min_context, objective)
+    if ladder.choice is None:
+        why = (f"nothing fits in {format_bytes(limit)}: micro-batch 1 at context {targets.min_context} runs out "
+               f"of memory on every rung ({', '.join(r.name for r in rungs)}); {static.describe()} before "
+               "activations. Allow a shorter --min-context, a larger --budget, or a smaller model.")
+        return ProbeResult(ladder, records, static, targets, limit, None, why)
+    c = ladder.choice
+    plan = plan_of(Point(c.rung, c.micro_batch_size, c.context_length, c.grad_accum_steps))
+    found = FoundBy(
+        command=command, estimated=not device.computes, device=device.kind, gpu_name=device.name,
+        budget_bytes=device.budget_bytes, headroom=headroom, objective=objective,
+        target_batch=targets.batch, target_context=targets.context, min_context=targets.min_context,
+        peak_bytes=c.peak_bytes or 0, tokens_per_s=round(c.tokens_per_s, 1) if c.tokens_per_s else None,
+        torch_version=str(torch.__version__), cuda_version=torch.version.cuda, oomtune_version=__version__,
+        date=dt.datetime.now(dt.timezone.utc).replace(microsecond=0).isoformat(), trials=tuple(records),
+    )
+    config = Config(model=str(model_file.path), plan=plan, found_by=found)
+    return ProbeResult(ladder, records, static, targets, limit, config)

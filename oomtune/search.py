@@ -1,0 +1,278 @@
+"""The ladder and the per-rung search. No torch here: memory is seen only through `measure`.
+
+Ladder: for each rung in order (fp32, +amp, +checkpointing) find the largest context T_S in
+[T_min, T] at which micro-batch 1 fits (context first: batch can be recovered by accumulation,
+context cannot), then the largest micro-batch b_S <= B at T_S. Stop at the first rung that fits
+(T, B) outright; otherwise take the best rung and add accumulation: micro-batch b (the largest
+divisor of B not above b_S) and B / b accumulation steps, so the global batch stays exactly B.
+
+Per rung, memory is close to affine in the micro-batch (strictly: convex, the max over the step of
+lines in b), so two measured peaks predict the largest batch under the limit; the prediction is
+verified (b fits and b+1 does not). A miss that still measured a peak (over the limit but under the
+budget) brackets the answer and the chord between the bracket's ends predicts again; a miss that ran
+out of memory outright gives no peak, so the search bisects. A rung costs about 4-6 trials where
+doubling-then-bisecting costs about 2*log2(B).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+Objective = Literal["fit", "throughput"]
+
+
+@dataclass(frozen=True)
+class Rung:
+    name: str  # fp32 | amp | checkpointing
+    precision: str  # fp32 | bf16 | fp16
+    activation_checkpointing: bool
+
+
+@dataclass(frozen=True)
+class Point:
+    rung: Rung
+    micro_batch_size: int
+    context_length: int
+    grad_accum_steps: int = 1
+
+
+@dataclass(frozen=True)
+class Measurement:
+    oom: bool
+    peak_bytes: int | None = None  # decides fit
+    tokens_per_s: float | None = None
+    batch_peak_bytes: int | None = None  # the part of the step whose memory grows with the batch; predicts
+
+    @property
+    def predictor_bytes(self) -> int | None:
+        return self.batch_peak_bytes if self.batch_peak_bytes is not None else self.peak_bytes
+
+
+@dataclass(frozen=True)
+class Trial:
+    point: Point
+    stage: str  # target | context | batch | verify
+    measurement: Measurement
+    fits: bool
+
+    @property
+    def result(self) -> str:
+        if self.measurement.oom:
+            return "oom"
+        return "fits" if self.fits else "over-headroom"
+
+
+@dataclass(frozen=True)
+class RungResult:
+    rung: Rung
+    context_length: int | None  # T_S; None when micro-batch 1 does not fit even at T_min
+    micro_batch_size: int | None  # b_S
+    trials: int  # trials this rung ran
+
+    @property
+    def found(self) -> bool:
+        return self.context_length is not None
+
+
+@dataclass(frozen=True)
+class Choice:
+    rung: Rung
+    micro_batch_size: int
+    context_length: int
+    grad_accum_steps: int
+    peak_bytes: int | None
+    tokens_per_s: float | None
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.micro_batch_size * self.grad_accum_steps
+
+
+@dataclass(frozen=True)
+class LadderResult:
+    rungs: tuple[RungResult, ...]
+    choice: Choice | None
+    trials: tuple[Trial, ...] = field(default=())
+
+
+def fits_within(m: Measurement, limit_bytes: int) -> bool:
+    """A trial fits when it ran without OOM and its peak left the headroom free."""
+    return not m.oom and m.peak_bytes is not None and m.peak_bytes <= limit_bytes
+
+
+def context_candidates(min_context: int, context: int) -> list[int]:
+    """Context lengths the search may pick, ascending: T_min, multiples of a round step, T.
+    The step is a power of two near T/16, so a cut context is a friendly number (T=1024 -> 64s)."""
+    quantum = 1
+    while quantum * 2 <= context // 16:
+        quantum *= 2
+    inner = range((min_context // quantum + 1) * quantum, context, quantum)
+    return sorted({min_context, *inner, context})
+
+
+def largest_divisor_at_most(n: int, cap: int) -> int:
+    """The micro-batch that keeps the global batch exact: the largest d <= cap with n % d == 0."""
+    return max(d for d in range(1, min(n, cap) + 1) if n % d == 0)
+
+
+def extrapolate(b1: int, p1: int, b2: int, p2: int, limit_bytes: int) -> int | None:
+    """The line through two fitting points (b1 < b2), solved for the largest b under the limit. Peak memory
+    is the max over the step of lines in b, so it is convex in b: this over-estimates. None when memory
+    does not grow with b."""
+    slope = (p2 - p1) / (b2 - b1)
+    if slope <= 0:
+        return None
+    return b2 + int((limit_bytes - p2) // slope)
+
+
+def interpolate(b_in: int, p_in: int, b_out: int, p_out: int, limit_bytes: int) -> int:
+    """The chord between a point under the limit and one over it, solved for the limit. For a convex peak
+    the chord lies above the curve, so this under-estimates (never past the true largest batch)."""
+    return b_in + int((limit_bytes - p_in) * (b_out - b_in) // (p_out - p_in))
+
+
+class LadderSearch:
+    """Runs the ladder against `measure(point) -> Measurement`, never measuring a point twice."""
+
+    def __init__(self, measure: Callable[[Point], Measurement], limit_bytes: int,
+                 on_trial: Callable[[Trial], None] | None = None):
+        self.measure = measure
+        self.limit_bytes = limit_bytes
+        self.on_trial = on_trial
+        self.trials: list[Trial] = []
+        self._seen: dict[Point, Trial] = {}
+
+    def check(self, point: Point, stage: str) -> bool:
+        if point not in self._seen:
+            m = self.measure(point)
+            trial = Trial(point, stage, m, fits_within(m, self.limit_bytes))
+            self._seen[point] = trial
+            self.trials.append(trial)
+            if self.on_trial:
+                self.on_trial(trial)
+        return self._seen[point].fits
+
+    def _peaks(self, rung: Rung, context: int) -> dict[int, int]:
+        return {p.micro_batch_size: t.measurement.predictor_bytes for p, t in self._seen.items()
+                if p.rung == rung and p.context_length == context and p.grad_accum_steps == 1
+                and t.measurement.predictor_bytes is not None}
+
+    # -- one rung --------------------------------------------------------------------------------
+    def search_rung(self, rung: Rung, batch: int, context: int, min_context: int) -> RungResult:
+        start = len(self.trials)
+        done = lambda t, b: RungResult(rung, t, b, len(self.trials) - start)  # noqa: E731
+        if batch > 1 and self.check(Point(rung, batch, context), "target"):
+            return done(context, batch)
+        if self.check(Point(rung, 1, context), "context"):
+            best_context = context
+        else:
+            best_context = self.largest_context(rung, min_context, context)
+            if best_context is None:
+                return done(None, None)
+        return done(best_context, self.largest_batch(rung, best_context, batch))
+
+    def largest_context(self, rung: Rung, min_context: int, context: int) -> int | None:
+        """Bisect the candidate contexts for the largest at which micro-batch 1 fits ((1, T) did not)."""
+        if min_context >= context or not self.check(Point(rung, 1, min_context), "context"):
+            return None
+        cands = context_candidates(min_context, context)
+        lo, hi = 0, len(cands) - 1  # cands[lo] fits, cands[hi] does not
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if self.check(Point(rung, 1, cands[mid]), "context"):
+                lo = mid
+            else:
+                hi = mid
+        return cands[lo]
+
+    def largest_batch(self, rung: Rung, context: int, batch: int) -> int:
+        """Largest micro-batch <= batch that fits at `context`, given that 1 fits there.
+
+        The next size is, in order of preference: b+1 right after a predicted b fit (the verify that makes
+        a prediction exact); the chord between the largest fitting point and the smallest over-the-limit
+        point that has a peak; the line through the two largest fitting points; else the midpoint
+        (bisection), which is also the fallback after a line's prediction ran out of memory outright."""
+        seen = {p.micro_batch_size: t for p, t in self._seen.items()
+                if p.rung == rung and p.context_length == context and p.grad_accum_steps == 1}
+        lo = max(b for b, t in seen.items() if t.fits)
+        hi = min([b for b, t in seen.items() if not t.fits] + [batch + 1])  # smallest known not to fit
+        verify_next = False  # the last prediction fit: try one more
+        bisect_next = False  # the last prediction ran out of memory: no new point to refit with
+        while hi - lo > 1:
+            seen = {p.micro_batch_size: t for p, t in self._seen.items()
+                    if p.rung == rung and p.context_length == context and p.grad_accum_steps == 1}
+            fit = sorted(b for b, t in seen.items() if t.fits and t.measurement.predictor_bytes is not None)
+            over = sorted(b for b, t in seen.items() if not t.fits and t.measurement.predictor_bytes is not None
+                          and b > lo)
+            peak = {b: seen[b].measurement.predictor_bytes for b in fit + over}
+            guess, stage, predicted = None, "batch", True
+            if verify_next:
+                guess, stage = lo + 1, "verify"
+            elif over and not bisect_next:
+                guess = interpolate(lo, peak[lo], over[0], peak[over[0]], self.limit_bytes)
+            elif len(fit) >= 2 and not bisect_next:
+                guess = extrapolate(fit[-2], peak[fit[-2]], fit[-1], peak[fit[-1]], self.limit_bytes)
+                guess = hi - 1 if guess is None else guess
+            elif len(fit) < 2:
+                guess, predicted = lo + 1, False  # a second point for the line
+            if guess is None:
+                guess, predicted = (lo + hi) // 2, False
+            guess = min(max(guess, lo + 1), hi - 1)
+            ok = self.check(Point(rung, guess, context), stage)
+            verify_next = ok and predicted and stage != "verify"
+            bisect_next = not ok and predicted and self._seen[Point(rung, guess, context)].measurement.oom
+            if ok:
+                lo = guess
+            else:
+                hi = guess
+        return lo
+
+    # -- the ladder ------------------------------------------------------------------------------
+    def run(self, rungs: Sequence[Rung], batch: int, context: int, min_context: int,
+            objective: Objective = "fit") -> LadderResult:
+        results: list[RungResult] = []
+        for rung in rungs:
+            r = self.search_rung(rung, batch, context, min_context)
+            results.append(r)
+            if objective == "fit" and r.context_length == context and r.micro_batch_size == batch:
+                break
+        choice = self.choose(results, batch, context, objective)
+        return LadderResult(tuple(results), choice, tuple(self.trials))
+
+    def _trial(self, rung: Rung, b: int, t: int, accum: int = 1) -> Trial | None:
+        return self._seen.get(Point(rung, b, t, accum))
+
+    def choose(self, results: Sequence[RungResult], batch: int, context: int,
+               objective: Objective) -> Choice | None:
+        found = [r for r in results if r.found]
+        if not found:
+            return None
+        if objective == "fit":
+            full = [r for r in found if r.context_length == context and r.micro_batch_size == batch]
+            # else the best rung: the longest context, then the largest micro-batch; ties go to the earlier rung
+            picks = full[:1] or [max(found, key=lambda r: (r.context_length, r.micro_batch_size))]
+        else:
+            best_t = max(r.context_length for r in found)  # context is never traded for speed
+            picks = sorted((r for r in found if r.context_length == best_t),
+                           key=lambda r: -(self._speed(r, batch) or 0.0))
+        return self._with_accumulation(picks[0], batch)
+
+    def _speed(self, r: RungResult, batch: int) -> float | None:
+        b = largest_divisor_at_most(batch, r.micro_batch_size)
+        trial = self._trial(r.rung, b, r.context_length) or self._trial(r.rung, r.micro_batch_size, r.context_length)
+        return trial.measurement.tokens_per_s if trial else None
+
+    def _with_accumulation(self, r: RungResult, batch: int) -> Choice | None:
+        """Micro-batch b dividing B, accumulation B / b; a plan with accumulation is verified by a trial."""
+        cap = r.micro_batch_size
+        while cap >= 1:
+            b = largest_divisor_at_most(batch, cap)
+            accum = batch // b
+            point = Point(r.rung, b, r.context_length, accum)
+            if accum == 1 or self.check(point, "verify"):
+                m = self._seen[point].measurement
+                return Choice(r.rung, b, r.context_length, accum, m.peak_bytes, m.tokens_per_s)
+            cap = b - 1  # accumulation itself did not fit: next smaller divisor
+        return None

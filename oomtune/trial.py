@@ -1,0 +1,87 @@
+"""A trial: run one plan for a few optimizer steps on a device and report fits/OOM, peak and speed."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+from .devices import Device, is_oom
+from .errors import ModelFileError
+from .model_file import ModelFile
+from .plan import Plan, TrainConfig
+from .step import build_training, train_step
+
+ACCUM_IN_TRIAL = 2  # memory of k >= 2 accumulated micro-steps equals that of 2: run at most 2 per step
+
+
+@dataclass(frozen=True)
+class TrialResult:
+    plan: Plan
+    oom: bool
+    oom_message: str | None = None
+    peak_bytes: int | None = None  # what must fit (reserved on cuda)
+    peak_allocated_bytes: int | None = None
+    batch_peak_bytes: int | None = None  # peak of forward/backward, the part that grows with the batch
+    phase_peaks: dict | None = None
+    step_seconds: float | None = None  # one optimizer step, after the first (warm-up) step
+    tokens_per_s: float | None = None
+    loss: float | None = None
+    seconds: float = 0.0  # the whole trial, model build included
+
+
+def _steps(model_file: ModelFile, plan: Plan, device: Device, steps: int, reading_box: list) -> tuple:
+    train_defaults = TrainConfig()  # the trial runs the step the trainer will run, clipping included
+    with device.measure() as reading:
+        reading_box.append(reading)
+        t = build_training(model_file, plan, device, lr=train_defaults.lr,
+                           clip_grad_norm=train_defaults.clip_grad_norm)
+        t.on_phase = lambda phase: device.mark(reading, phase)
+        micro = min(plan.grad_accum_steps, ACCUM_IN_TRIAL)
+        timings: list[float] = []
+        first_loss = None
+        for i in range(steps):
+            batches = [model_file.batch(plan.micro_batch_size, plan.context_length, device.torch_device)
+                       for _ in range(micro)]
+            start = time.perf_counter()
+            loss = train_step(t, batches)
+            device.synchronize()
+            timings.append(time.perf_counter() - start)
+            del batches
+            if i == 0 and device.computes:
+                first_loss = float(loss)  # a sync point, once per trial
+                if not math.isfinite(first_loss):
+                    raise ModelFileError(
+                        f"{model_file.label}: the loss is {first_loss} at micro-batch {plan.micro_batch_size}, "
+                        f"context {plan.context_length}, {plan.precision} (check the model's init and inputs)"
+                    )
+        del t, loss
+    timed = timings[1:] or timings
+    step_s = sum(timed) / len(timed)
+    tokens = plan.micro_batch_size * plan.context_length * micro
+    return step_s, tokens / step_s if step_s > 0 else None, first_loss
+
+
+def run_trial(model_file: ModelFile, plan: Plan, device: Device, steps: int = 2) -> TrialResult:
+    """Run `steps` optimizer steps of `plan`. An OOM is a result, not an error; any other error is the
+    user's and propagates. Memory is given back outside the `except` block (its frames hold the
+    failed step's tensors)."""
+    start = time.perf_counter()
+    box: list = []
+    oom_message = None
+    try:
+        step_s, tps, loss = _steps(model_file, plan, device, steps, box)
+    except Exception as e:
+        if not is_oom(e):
+            raise
+        oom_message = str(e).strip().splitlines()[0]
+    device.release()
+    seconds = time.perf_counter() - start
+    if oom_message is not None:
+        return TrialResult(plan, oom=True, oom_message=oom_message, seconds=seconds)
+    reading = box[0]
+    return TrialResult(plan, oom=False, peak_bytes=reading.peak_bytes,
+                       peak_allocated_bytes=reading.peak_allocated_bytes,
+                       batch_peak_bytes=reading.batch_peak_bytes, phase_peaks=dict(reading.phase_peaks),
+                       step_seconds=step_s,
+                       tokens_per_s=tps, loss=loss, seconds=seconds)

@@ -1,0 +1,48 @@
+"""Byte sizes: parse '24GiB' / '80%' / '1.5GB', format 1234567 -> '1.18 MiB'. No torch."""
+
+from __future__ import annotations
+
+import re
+
+from .errors import OomtuneError
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
+    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+}
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_budget(text: str, capacity_bytes: int | None = None) -> int:
+    """'24GiB' -> bytes; '80%' -> 80% of capacity_bytes (the device's memory)."""
+    s = str(text).strip()
+    if s.endswith("%"):
+        try:
+            pct = float(s[:-1])
+        except ValueError:
+            raise OomtuneError(f"budget {text!r}: expected a size like 24GiB or a percentage like 80%") from None
+        if not 0 < pct <= 100:
+            raise OomtuneError(f"budget {text!r}: a percentage must be in (0, 100]")
+        if capacity_bytes is None:
+            raise OomtuneError(f"budget {text!r}: a percentage needs a device whose memory size is known")
+        return int(capacity_bytes * pct / 100)
+    m = _SIZE.match(s)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise OomtuneError(f"budget {text!r}: expected a size like 24GiB, 512MiB, 1.5GB or a percentage like 80%")
+    value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if value <= 0:
+        raise OomtuneError(f"budget {text!r}: must be more than zero bytes")
+    return value
+
+
+def format_bytes(n: int | float | None) -> str:
+    """Binary units, three significant-ish digits: 1536 -> '1.50 KiB'."""
+    if n is None:
+        return "-"
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{int(n)} B" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
