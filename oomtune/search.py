@@ -10,7 +10,8 @@ Per rung, memory is close to affine in the micro-batch (strictly: convex, the ma
 lines in b), so two measured peaks predict the largest batch under the limit; the prediction is
 verified (b fits and b+1 does not). A miss that still measured a peak (over the limit but under the
 budget) brackets the answer and the chord between the bracket's ends predicts again; a miss that ran
-out of memory outright gives no peak, so the search bisects. A rung costs about 4-6 trials where
+out of memory outright gives no peak, so the search bisects when the line points at a size already
+known not to fit. A rung costs about 4-6 trials where
 doubling-then-bisecting costs about 2*log2(B).
 """
 
@@ -154,11 +155,6 @@ class LadderSearch:
                 self.on_trial(trial)
         return self._seen[point].fits
 
-    def _peaks(self, rung: Rung, context: int) -> dict[int, int]:
-        return {p.micro_batch_size: t.measurement.predictor_bytes for p, t in self._seen.items()
-                if p.rung == rung and p.context_length == context and p.grad_accum_steps == 1
-                and t.measurement.predictor_bytes is not None}
-
     # -- one rung --------------------------------------------------------------------------------
     def search_rung(self, rung: Rung, batch: int, context: int, min_context: int) -> RungResult:
         start = len(self.trials)
@@ -190,44 +186,52 @@ class LadderSearch:
     def largest_batch(self, rung: Rung, context: int, batch: int) -> int:
         """Largest micro-batch <= batch that fits at `context`, given that 1 fits there.
 
-        The next size is, in order of preference: b+1 right after a predicted b fit (the verify that makes
-        a prediction exact); the chord between the largest fitting point and the smallest over-the-limit
-        point that has a peak; the line through the two largest fitting points; else the midpoint
-        (bisection), which is also the fallback after a line's prediction ran out of memory outright."""
-        seen = {p.micro_batch_size: t for p, t in self._seen.items()
-                if p.rung == rung and p.context_length == context and p.grad_accum_steps == 1}
-        lo = max(b for b, t in seen.items() if t.fits)
-        hi = min([b for b, t in seen.items() if not t.fits] + [batch + 1])  # smallest known not to fit
-        verify_next = False  # the last prediction fit: try one more
-        bisect_next = False  # the last prediction ran out of memory: no new point to refit with
+        The next size tried is, in order of preference:
+        1. b+1 right after a predicted b fit (the verify that makes a prediction exact);
+        2. the chord between the largest fitting point and the smallest over-the-limit point with a peak;
+        3. the line through the two largest fitting points (b=2 is measured first to have two);
+        4. the midpoint (bisection): whenever the line predicts a size already known not to fit, i.e. its
+           last prediction ran out of memory outright and left no new peak to refit with."""
+        lo, hi = self._bounds(rung, context, batch)
+        verify_next = False
         while hi - lo > 1:
-            seen = {p.micro_batch_size: t for p, t in self._seen.items()
-                    if p.rung == rung and p.context_length == context and p.grad_accum_steps == 1}
-            fit = sorted(b for b, t in seen.items() if t.fits and t.measurement.predictor_bytes is not None)
-            over = sorted(b for b, t in seen.items() if not t.fits and t.measurement.predictor_bytes is not None
-                          and b > lo)
-            peak = {b: seen[b].measurement.predictor_bytes for b in fit + over}
-            guess, stage, predicted = None, "batch", True
+            fit, over, peak = self._batch_points(rung, context, lo)
+            stage, guess = "batch", None
             if verify_next:
-                guess, stage = lo + 1, "verify"
-            elif over and not bisect_next:
+                stage, guess = "verify", lo + 1
+            elif over:
                 guess = interpolate(lo, peak[lo], over[0], peak[over[0]], self.limit_bytes)
-            elif len(fit) >= 2 and not bisect_next:
-                guess = extrapolate(fit[-2], peak[fit[-2]], fit[-1], peak[fit[-1]], self.limit_bytes)
-                guess = hi - 1 if guess is None else guess
-            elif len(fit) < 2:
-                guess, predicted = lo + 1, False  # a second point for the line
+            elif len(fit) >= 2:
+                line = extrapolate(fit[-2], peak[fit[-2]], fit[-1], peak[fit[-1]], self.limit_bytes)
+                guess = hi - 1 if line is None else line if line < hi else None
+            else:
+                guess = lo + 1  # the second point for the line
+            predicted = guess is not None and stage == "batch" and len(fit) >= 2
             if guess is None:
-                guess, predicted = (lo + hi) // 2, False
+                guess = (lo + hi) // 2
             guess = min(max(guess, lo + 1), hi - 1)
             ok = self.check(Point(rung, guess, context), stage)
-            verify_next = ok and predicted and stage != "verify"
-            bisect_next = not ok and predicted and self._seen[Point(rung, guess, context)].measurement.oom
-            if ok:
-                lo = guess
-            else:
-                hi = guess
+            verify_next = ok and predicted
+            lo, hi = (guess, hi) if ok else (lo, guess)
         return lo
+
+    def _bounds(self, rung: Rung, context: int, batch: int) -> tuple[int, int]:
+        """(largest micro-batch known to fit, smallest known not to: batch+1 when none)."""
+        seen = self._at(rung, context)
+        lo = max(b for b, t in seen.items() if t.fits)
+        hi = min([b for b, t in seen.items() if not t.fits] + [batch + 1])
+        return lo, hi
+
+    def _at(self, rung: Rung, context: int) -> dict[int, Trial]:
+        return {p.micro_batch_size: t for p, t in self._seen.items()
+                if p.rung == rung and p.context_length == context and p.grad_accum_steps == 1}
+
+    def _batch_points(self, rung: Rung, context: int, lo: int) -> tuple[list[int], list[int], dict[int, int]]:
+        """Measured sizes that fit, sizes above lo that ran but went over the limit, and their peaks."""
+        seen = {b: t for b, t in self._at(rung, context).items() if t.measurement.predictor_bytes is not None}
+        fit = sorted(b for b, t in seen.items() if t.fits)
+        over = sorted(b for b, t in seen.items() if not t.fits and b > lo)
+        return fit, over, {b: seen[b].measurement.predictor_bytes for b in fit + over}
 
     # -- the ladder ------------------------------------------------------------------------------
     def run(self, rungs: Sequence[Rung], batch: int, context: int, min_context: int,
