@@ -203,7 +203,10 @@ class LadderSearch:
                 guess = interpolate(lo, peak[lo], over[0], peak[over[0]], self.limit_bytes)
             elif len(fit) >= 2:
                 line = extrapolate(fit[-2], peak[fit[-2]], fit[-1], peak[fit[-1]], self.limit_bytes)
-                guess = hi - 1 if line is None else line if line < hi else None
+                if line is None or line >= hi:  # past what is known not to fit: bisect, unless that is the target
+                    guess = hi - 1 if hi == batch + 1 else None
+                else:
+                    guess = line
             else:
                 guess = lo + 1  # the second point for the line
             predicted = guess is not None and stage == "batch" and len(fit) >= 2

@@ -1,0 +1,182 @@
+"""The ladder search, torch-free, against fake memory functions: exact sequences of sizes tried."""
+
+import subprocess
+import sys
+
+import pytest
+
+from oomtune.search import (
+    LadderSearch,
+    Measurement,
+    Point,
+    Rung,
+    context_candidates,
+    largest_divisor_at_most,
+)
+
+FP32 = Rung("fp32", "fp32", False)
+AMP = Rung("amp", "bf16", False)
+CKPT = Rung("checkpointing", "bf16", True)
+BUDGET = 2000
+LIMIT = 1800  # 10% headroom
+
+
+def fake_device(peak_of, budget=BUDGET, speed_of=None):
+    """measure(point): OOM past the budget (no peak, like the allocator), else the peak (and a speed)."""
+
+    def measure(p: Point) -> Measurement:
+        peak = peak_of(p)
+        if peak > budget:
+            return Measurement(oom=True)
+        return Measurement(oom=False, peak_bytes=peak, tokens_per_s=speed_of(p) if speed_of else 1.0)
+
+    return measure
+
+
+def sizes(search):
+    return [(t.point.micro_batch_size, t.point.context_length, t.point.grad_accum_steps, t.stage)
+            for t in search.trials]
+
+
+def test_search_module_does_not_import_torch():
+    code = "import sys, oomtune.search; print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True).stdout.strip() == "False"
+
+
+def test_affine_memory_is_found_with_one_prediction_and_one_verify():
+    # peak = 1000 + 100 b: the largest b under 1800 is 8
+    s = LadderSearch(fake_device(lambda p: 1000 + 100 * p.micro_batch_size), LIMIT)
+    r = s.search_rung(FP32, batch=64, context=128, min_context=128)
+    assert (r.context_length, r.micro_batch_size, r.trials) == (128, 8, 5)
+    assert sizes(s) == [(64, 128, 1, "target"), (1, 128, 1, "context"), (2, 128, 1, "batch"),
+                        (8, 128, 1, "batch"), (9, 128, 1, "verify")]
+    assert [t.result for t in s.trials] == ["oom", "fits", "fits", "fits", "over-headroom"]
+
+
+def test_a_prediction_that_misses_falls_back_to_bisection_then_the_chord():
+    # small batches peak in a flat phase (the optimizer step): 1 and 2 cost about the same, so the line through
+    # them predicts far too much. Truth: max(1600 + 10b, 1000 + 150b) <= 1800 -> b = 5.
+    peak = lambda p: max(1600 + 10 * p.micro_batch_size, 1000 + 150 * p.micro_batch_size)  # noqa: E731
+    s = LadderSearch(fake_device(peak), LIMIT)
+    r = s.search_rung(FP32, batch=64, context=128, min_context=128)
+    assert r.micro_batch_size == 5
+    assert [b for b, *_ in sizes(s)] == [
+        64,  # target: OOM
+        1, 2,  # two points: 1610, 1620 -> the line predicts 2 + 180 // 10 = 20
+        20,  # the prediction misses: OOM outright, no peak to refit with
+        11,  # so bisect (2 + 20) // 2: OOM; the line still points past it -> bisect again
+        6,  # (2 + 11) // 2: 1900 > limit but under budget: a peak over the limit brackets the answer
+        4,  # the chord 2 + (1800 - 1620) * 4 // 280 = 4: fits (a chord never overshoots a convex peak)
+        5,  # verify: fits, and 6 is known over -> 5
+    ]
+
+
+def test_memory_that_does_not_grow_with_batch_bisects_instead_of_walking():
+    s = LadderSearch(fake_device(lambda p: 1000 if p.micro_batch_size < 40 else 5000), LIMIT)
+    r = s.search_rung(FP32, batch=64, context=128, min_context=128)
+    # 64 OOM; 1 and 2 cost the same, so the line says "anything fits" -- past 64, known not to: bisect
+    assert r.micro_batch_size == 39
+    assert [b for b, *_ in sizes(s)] == [64, 1, 2, 33, 48, 40, 36, 38, 39]
+
+
+def test_memory_that_does_not_grow_tries_the_target_when_nothing_is_known_to_fail():
+    s = LadderSearch(fake_device(lambda p: 1000 + 100 * p.micro_batch_size), LIMIT)
+    s.check(Point(FP32, 1, 128), "context")
+    assert s.largest_batch(FP32, 128, 5) == 5
+    assert [b for b, *_ in sizes(s)] == [1, 2, 5]  # the line predicts 8 > 5: try the target itself
+
+
+def test_context_is_searched_before_batch_and_cut_only_to_candidates():
+    assert context_candidates(64, 256) == [64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240, 256]
+    assert context_candidates(1000, 1024) == [1000, 1024]
+    assert context_candidates(5, 5) == [5]
+    # peak = 1600 + b*T: micro-batch 1 fits up to T = 200, so the largest candidate is 192
+    s = LadderSearch(fake_device(lambda p: 1600 + p.micro_batch_size * p.context_length), LIMIT)
+    r = s.search_rung(FP32, batch=8, context=256, min_context=64)
+    assert (r.context_length, r.micro_batch_size) == (192, 1)
+    assert [(b, t, stage) for b, t, _, stage in sizes(s)] == [
+        (8, 256, "target"), (1, 256, "context"), (1, 64, "context"),  # T does not fit, T_min does
+        (1, 160, "context"), (1, 208, "context"), (1, 176, "context"), (1, 192, "context"),  # bisect candidates
+        (2, 192, "batch"),  # 1984: over the limit -> micro-batch 1 at 192
+    ]
+
+
+def test_context_is_never_cut_unless_allowed():
+    s = LadderSearch(fake_device(lambda p: 1600 + p.micro_batch_size * p.context_length), LIMIT)
+    r = s.search_rung(FP32, batch=8, context=256, min_context=256)
+    assert not r.found and r.trials == 2
+
+
+def test_ladder_stops_at_the_first_rung_that_fits_the_target():
+    # fp32: 200/sample, amp: 100/sample, ckpt: 50/sample, all on top of 1000
+    per = {"fp32": 200, "amp": 100, "checkpointing": 50}
+    s = LadderSearch(fake_device(lambda p: 1000 + per[p.rung.name] * p.micro_batch_size), LIMIT)
+    result = s.run([FP32, AMP, CKPT], batch=8, context=128, min_context=128)
+    assert [r.rung.name for r in result.rungs] == ["fp32", "amp"]  # amp fits 8 x 128 outright: stop
+    assert [(r.micro_batch_size, r.trials) for r in result.rungs] == [(4, 5), (8, 1)]
+    c = result.choice
+    assert (c.rung, c.micro_batch_size, c.grad_accum_steps, c.global_batch_size) == (AMP, 8, 1, 8)
+
+
+def test_accumulation_keeps_the_global_batch_exact_and_is_verified():
+    # the best rung fits 7 per micro-batch; B = 12 -> micro-batch 6 x 2 (7 does not divide 12)
+    s = LadderSearch(fake_device(lambda p: 1100 + 100 * p.micro_batch_size), LIMIT)
+    result = s.run([FP32], batch=12, context=128, min_context=128)
+    assert result.rungs[0].micro_batch_size == 7
+    c = result.choice
+    assert (c.micro_batch_size, c.grad_accum_steps, c.global_batch_size) == (6, 2, 12)
+    assert sizes(s)[-1] == (6, 128, 2, "verify")
+    # a prime global batch is still exact: 1 x 13
+    assert largest_divisor_at_most(13, 7) == 1
+    assert largest_divisor_at_most(12, 7) == 6
+
+
+def test_accumulation_that_itself_does_not_fit_steps_down_to_the_next_divisor():
+    # accumulating gradients costs an extra 150 bytes (a second gradient buffer while the next micro-step runs)
+    peak = lambda p: 1100 + 100 * p.micro_batch_size + (150 if p.grad_accum_steps > 1 else 0)  # noqa: E731
+    s = LadderSearch(fake_device(peak), LIMIT)
+    c = s.run([FP32], batch=12, context=128, min_context=128).choice
+    assert (c.micro_batch_size, c.grad_accum_steps) == (4, 3)
+    assert [x for x in sizes(s) if x[3] == "verify" and x[2] > 1] == [(6, 128, 2, "verify"), (4, 128, 3, "verify")]
+
+
+def test_best_rung_prefers_context_then_batch_then_the_earlier_rung():
+    # no rung reaches the target; amp and ckpt both fit 5 -> the earlier (amp) wins, it recomputes nothing
+    per = {"fp32": 300, "amp": 150, "checkpointing": 150}
+    s = LadderSearch(fake_device(lambda p: 1000 + per[p.rung.name] * p.micro_batch_size), LIMIT)
+    result = s.run([FP32, AMP, CKPT], batch=16, context=64, min_context=64)
+    assert [r.micro_batch_size for r in result.rungs] == [2, 5, 5]
+    assert result.choice.rung == AMP and result.choice.micro_batch_size == 4  # 4 x 4 = 16
+
+
+def test_throughput_objective_measures_every_rung_and_picks_the_fastest():
+    per = {"fp32": 50, "amp": 40, "checkpointing": 20}
+    speed = {"fp32": 900.0, "amp": 1500.0, "checkpointing": 700.0}
+    s = LadderSearch(fake_device(lambda p: 1000 + per[p.rung.name] * p.micro_batch_size,
+                                 speed_of=lambda p: speed[p.rung.name]), LIMIT)
+    result = s.run([FP32, AMP, CKPT], batch=16, context=64, min_context=64, objective="throughput")
+    assert len(result.rungs) == 3  # fp32 fits outright, but every rung is measured
+    assert result.choice.rung == AMP
+
+
+def test_a_point_is_never_measured_twice():
+    calls = []
+
+    def measure(p):
+        calls.append(p)
+        return Measurement(oom=False, peak_bytes=100, tokens_per_s=1.0)
+
+    s = LadderSearch(measure, LIMIT)
+    assert s.check(Point(FP32, 3, 8), "batch") and s.check(Point(FP32, 3, 8), "batch")
+    assert len(calls) == 1 and len(s.trials) == 1
+
+
+@pytest.mark.parametrize("batch", [1, 2, 3, 17, 100])
+@pytest.mark.parametrize("slope", [1, 37, 250])
+def test_the_answer_equals_exhaustive_search(batch, slope):
+    peak = lambda p: 1000 + slope * p.micro_batch_size  # noqa: E731
+    s = LadderSearch(fake_device(peak), LIMIT)
+    r = s.search_rung(FP32, batch=batch, context=16, min_context=16)
+    truth = max(b for b in range(1, batch + 1) if peak(Point(FP32, b, 16)) <= LIMIT)
+    assert r.micro_batch_size == truth
