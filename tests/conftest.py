@@ -1,0 +1,56 @@
+"""Shared test helpers. Tests say which device they use; `cpu` and `fake` simulate memory, `cuda` is real."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+
+# A minimal valid model file; tests write variants of it to tmp_path.
+TINY_MODEL = '''
+import torch
+from torch import nn
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(2))
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x, y):
+        for b in self.blocks:
+            x = torch.relu(b(x))
+        return nn.functional.cross_entropy(self.out(x).mean(1), y)
+
+def build_model():
+    return Net()
+
+def make_batch(batch_size, context_length, device):
+    return (torch.randn(batch_size, context_length, 16, device=device),
+            torch.randint(0, 4, (batch_size,), device=device))
+'''
+
+
+@pytest.fixture
+def write_model(tmp_path):
+    """write_model(source, name='model.py') -> Path of a model file in tmp_path."""
+
+    def write(source: str = TINY_MODEL, name: str = "model.py") -> Path:
+        path = tmp_path / name
+        path.write_text(textwrap.dedent(source))
+        return path
+
+    return write
+
+
+def run_cli(*args: str):
+    """Run the CLI in-process; returns typer's Result (exit_code, stdout, stderr)."""
+    from typer.testing import CliRunner
+
+    from oomtune.cli import app
+
+    return CliRunner().invoke(app, [str(a) for a in args])
