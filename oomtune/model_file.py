@@ -216,7 +216,8 @@ def _describe(x: Any) -> str:
         return f"a {type(x).__name__} of ({inner}{', ...' if len(x) > 4 else ''})"
     if x is None:
         return "None"
-    return f"a {type(x).__name__}"
+    name = type(x).__name__
+    return f"{'an' if name[0].lower() in 'aeiou' else 'a'} {name}"
 
 
 def load_model_file(path: str | Path) -> ModelFile:
