@@ -156,7 +156,13 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
         if value in typing.get_args(tp):
             return value
     elif origin in (typing.Union, types.UnionType):
-        for arg in typing.get_args(tp):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        options = [a for a in args if a is not type(None)]
+        if len(options) == 1:  # X | None: X's own error names the deepest key
+            return _convert(value, options[0], where)
+        for arg in options:
             try:
                 return _convert(value, arg, where)
             except ConfigError:

@@ -1,0 +1,108 @@
+"""Config files: strict round-trip through frozen dataclasses, atomic writes, clear errors naming the key."""
+
+import dataclasses
+import os
+
+import pytest
+
+from oomtune.errors import ConfigError
+from oomtune.plan import Config, FoundBy, Plan, TrainConfig, TrialRecord, dump_config, load_config, save_config
+
+PLAN = Plan(micro_batch_size=4, context_length=128, precision="bf16", activation_checkpointing=True,
+            grad_accum_steps=8)
+
+
+def make_config(model="model.py"):
+    trial = TrialRecord(rung="amp", stage="batch", micro_batch_size=4, context_length=128, grad_accum_steps=1,
+                        precision="bf16", activation_checkpointing=False, result="fits", peak_bytes=123456,
+                        tokens_per_s=1000.5, seconds=0.25)
+    found = FoundBy(command="probe", estimated=False, device="cpu", gpu_name="cpu", budget_bytes=1 << 20,
+                    headroom=0.1, objective="fit", target_batch=32, target_context=128, min_context=128,
+                    peak_bytes=123456, tokens_per_s=1000.5, torch_version="2.13.0", cuda_version=None,
+                    oomtune_version="0.1.0", date="2026-11-30T00:00:00+00:00", trials=(trial, trial))
+    return Config(model=model, plan=PLAN, train=TrainConfig(steps=50, lr=1e-3), found_by=found)
+
+
+def test_round_trip(tmp_path):
+    cfg = make_config()
+    save_config(cfg, tmp_path / "best.yaml", header="hello")
+    text = (tmp_path / "best.yaml").read_text()
+    assert text.startswith("# hello\n")
+    assert "activation_checkpointing: true  # less memory, ~30% more compute" in text
+    assert load_config(tmp_path / "best.yaml") == cfg
+    assert PLAN.global_batch_size == 32
+
+
+def test_model_path_is_stored_relative_to_the_config_when_inside_its_folder(tmp_path):
+    (tmp_path / "m.py").write_text("")
+    save_config(make_config(model=str(tmp_path / "m.py")), tmp_path / "sub" / ".." / "best.yaml")
+    cfg = load_config(tmp_path / "best.yaml")
+    assert cfg.model == "m.py" and cfg.model_path(tmp_path / "best.yaml") == tmp_path / "m.py"
+
+
+@pytest.mark.parametrize("edit, message", [
+    (("plan:\n", "plan:\n  micro_batch: 3\n"), r"unknown key plan\.micro_batch \(allowed: activation_checkpointing"),
+    (("train:\n", "train:\n  epochs: 3\n"), r"unknown key train\.epochs"),
+    (("model: model.py", "model: model.py\nmodle: x"), r"unknown key modle"),
+    (("  steps: 50", "  steps: fifty"), r"train\.steps: expected int, got 'fifty'"),
+    (("  steps: 50", "  steps: 50.0"), r"train\.steps: expected int, got 50\.0"),
+    (("activation_checkpointing: true", "activation_checkpointing: 1"), r"plan\.activation_checkpointing: expected bool"),
+    (("precision: bf16", "precision: fp8"), r"plan\.precision: expected 'fp32' \| 'bf16' \| 'fp16', got 'fp8'"),
+    (("global_batch_size: 32", "global_batch_size: 30"), r"plan\.global_batch_size is 30 but micro_batch_size x"),
+    (("  micro_batch_size: 4", "  micro_batch_size: 0"), r"plan\.micro_batch_size must be at least 1"),
+    (("result: fits", "result: maybe"), r"found_by\.trials\[0\]\.result: expected"),
+])
+def test_bad_keys_and_types_are_named(tmp_path, edit, message):
+    path = tmp_path / "best.yaml"
+    save_config(make_config(), path)
+    text = path.read_text()
+    assert edit[0] in text
+    path.write_text(text.replace(edit[0], edit[1], 1))
+    with pytest.raises(ConfigError, match=message):
+        load_config(path)
+
+
+def test_missing_keys_and_files_and_bad_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "none.yaml")
+    (tmp_path / "a.yaml").write_text("model: m.py\nplan: {micro_batch_size: 2}\n")
+    with pytest.raises(ConfigError, match="missing key plan.context_length"):
+        load_config(tmp_path / "a.yaml")
+    (tmp_path / "b.yaml").write_text("model: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML at line"):
+        load_config(tmp_path / "b.yaml")
+    (tmp_path / "c.yaml").write_text("- just a list\n")
+    with pytest.raises(ConfigError, match="expected a mapping"):
+        load_config(tmp_path / "c.yaml")
+
+
+def test_a_config_without_found_by_is_a_hand_written_config(tmp_path):
+    (tmp_path / "hand.yaml").write_text("model: m.py\nplan:\n  micro_batch_size: 2\n  context_length: 16\n")
+    cfg = load_config(tmp_path / "hand.yaml")
+    assert cfg.found_by is None and cfg.train == TrainConfig() and cfg.plan.global_batch_size == 2
+
+
+def test_a_failed_write_leaves_the_old_file_and_no_temp_file(tmp_path, monkeypatch):
+    path = tmp_path / "best.yaml"
+    save_config(make_config(), path)
+    before = path.read_text()
+
+    def boom(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", boom)
+    with pytest.raises(OSError, match="disk full"):
+        save_config(dataclasses.replace(make_config(), train=TrainConfig(steps=7)), path)
+    assert path.read_text() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best.yaml"]
+
+
+def test_every_example_config_loads(tmp_path):
+    from .conftest import ROOT
+
+    configs = sorted((ROOT / "configs").glob("*.yaml"))
+    assert configs, "configs/ has example configs"
+    for path in configs:
+        cfg = load_config(path)
+        assert cfg.model_path(path).is_file(), f"{path.name}: model {cfg.model} exists"
+        assert dump_config(cfg)  # and it writes back out
