@@ -171,18 +171,22 @@ class CudaDevice(Device):
     def __init__(self, budget: str | None = None, index: int | None = None):
         if not torch.cuda.is_available():
             raise OomtuneError("--device cuda: no CUDA GPU is visible to PyTorch (try --device cpu)")
-        from . import nvml
-
         index = torch.cuda.current_device() if index is None else index
         self.torch_device = torch.device("cuda", index)
         torch.cuda.set_device(self.torch_device)
-        torch.cuda.init()
         props = torch.cuda.get_device_properties(index)
         self.name = props.name
         self.capacity_bytes = props.total_memory
-        free = nvml.free_bytes(index)
-        if free is None:
-            free, _ = torch.cuda.mem_get_info(index)
+        self._bf16 = bool(torch.version.hip) or props.major >= 8  # native bf16; older cards only emulate it
+        # cudaMemGetInfo creates this process's CUDA context first, so the free memory read below already
+        # excludes it (the context and kernels live outside the caching allocator and outside any cap)
+        cuda_free, device_total = torch.cuda.mem_get_info(index)
+        nvml_free = _nvml_free_bytes(props)
+        self.free_source = "nvml" if nvml_free is not None else "cudaMemGetInfo"
+        # NVML's index is not torch's (CUDA_VISIBLE_DEVICES), so the GPU is matched by PCI address / UUID;
+        # min(): under MIG NVML reports the whole card while cudaMemGetInfo reports this slice
+        free = cuda_free if nvml_free is None else min(nvml_free, cuda_free)
+        free += torch.cuda.memory_reserved(index)  # what our allocator already holds is ours to reuse
         self.free_bytes = free
         self.budget_bytes = parse_budget(budget, self.capacity_bytes) if budget else free
         if self.budget_bytes > free:
@@ -190,11 +194,13 @@ class CudaDevice(Device):
                 f"--budget {format_bytes(self.budget_bytes)} is more than the {format_bytes(free)} free on "
                 f"{self.name} (other processes hold the rest; see `oomtune gpus`)"
             )
-        # the cap is a fraction of total memory and applies to what the caching allocator reserves
-        torch.cuda.set_per_process_memory_fraction(self.budget_bytes / self.capacity_bytes, index)
+        # the cap is a fraction of the total cudaMemGetInfo reports (what the allocator multiplies it by) and
+        # applies to what the caching allocator reserves: past it, allocation raises torch.OutOfMemoryError
+        torch.cuda.set_per_process_memory_fraction(min(1.0, self.budget_bytes / device_total), index)
 
     def supports_bf16(self) -> bool:
-        return torch.cuda.is_bf16_supported()
+        # not torch.cuda.is_bf16_supported(): by default it also says yes where bf16 is only emulated (slow)
+        return self._bf16
 
     def _read_peak(self) -> tuple[int, int]:
         return (torch.cuda.max_memory_allocated(self.torch_device),
@@ -213,6 +219,20 @@ class CudaDevice(Device):
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.torch_device)
+
+
+def _nvml_free_bytes(props) -> int | None:
+    """NVML's free bytes for the GPU behind torch device properties `props`, matched by PCI address then
+    UUID (attributes of recent PyTorch; None where missing or NVML is unavailable)."""
+    from . import nvml
+
+    pci = None
+    if all(hasattr(props, a) for a in ("pci_domain_id", "pci_bus_id", "pci_device_id")):
+        pci = (props.pci_domain_id, props.pci_bus_id, props.pci_device_id)
+    uuid = str(props.uuid) if getattr(props, "uuid", None) is not None else None
+    if pci is None and uuid is None:
+        return None
+    return nvml.free_bytes(pci=pci, uuid=uuid)
 
 
 def make_device(kind: str = "auto", budget: str | None = None) -> Device:

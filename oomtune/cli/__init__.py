@@ -75,4 +75,4 @@ def main() -> None:
 
 
 # each module registers its commands on `app`
-from . import probe_cmd  # noqa: E402, F401
+from . import gpus_cmd, probe_cmd  # noqa: E402, F401
