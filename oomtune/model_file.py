@@ -249,7 +249,8 @@ def load_model_file(path: str | Path) -> ModelFile:
         raise ModelFileError(f"{p.name}: DEFAULTS must be a dict like {{'batch': 32, 'context': 512}}")
     for k, v in defaults.items():
         if k not in DEFAULT_KEYS:
-            raise ModelFileError(f"{p.name}: DEFAULTS has unknown key {k!r} (allowed: {', '.join(sorted(DEFAULT_KEYS))})")
+            allowed = ", ".join(sorted(DEFAULT_KEYS))
+            raise ModelFileError(f"{p.name}: DEFAULTS has unknown key {k!r} (allowed: {allowed})")
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ModelFileError(f"{p.name}: DEFAULTS[{k!r}] must be a positive integer, got {v!r}")
     return ModelFile(path=p.resolve(), module=module, defaults=dict(defaults))

@@ -3,18 +3,11 @@ and errors (stderr). Commands are thin: parse, call the library, render, map err
 
 from __future__ import annotations
 
-import json
-import sys
-from collections.abc import Callable
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich import box
 from rich.console import Console
-from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
 from ..errors import OomtuneError
 from ..units import format_bytes

@@ -1,0 +1,117 @@
+"""`oomtune probe` end to end on the cpu device (real compute, simulated memory budget)."""
+
+import json
+
+import pytest
+
+from oomtune.devices import CpuDevice
+from oomtune.model_file import load_model_file
+from oomtune.plan import Plan, load_config
+from oomtune.probe import probe, resolve_targets
+from oomtune.trial import run_trial
+
+from .conftest import EXAMPLES, run_cli
+
+MiB = 1 << 20
+B, T = 8, 64
+
+
+@pytest.fixture(scope="module")
+def tiny_gpt():
+    return load_model_file(EXAMPLES / "tiny_gpt.py")
+
+
+@pytest.fixture(scope="module")
+def peaks(tiny_gpt):
+    """Exhaustive truth: the measured peak of every micro-batch 1..B on every rung (device: cpu, no cap)."""
+    device = CpuDevice("4GiB")
+    table = {}
+    for precision, ckpt in (("fp32", False), ("bf16", False), ("bf16", True)):
+        for b in range(1, B + 1):
+            r = run_trial(tiny_gpt, Plan(b, T, precision, ckpt), device)
+            assert not r.oom
+            table[(precision, ckpt, b)] = r.peak_bytes
+    return table
+
+
+@pytest.mark.parametrize("budget_mib", [5.5, 7, 9])
+def test_each_rung_picks_the_largest_micro_batch_that_fits(tiny_gpt, peaks, budget_mib):
+    """device: cpu. Every rung is searched (objective throughput); its micro-batch equals exhaustive search."""
+    device = CpuDevice(f"{budget_mib}MiB")
+    result = probe(tiny_gpt, device, resolve_targets(tiny_gpt, B, T, None), objective="throughput")
+    limit = int(budget_mib * MiB * 0.9)
+    assert result.limit_bytes == limit
+    searched = {(r.rung.precision, r.rung.activation_checkpointing): r for r in result.ladder.rungs}
+    assert len(searched) == 3
+    for (precision, ckpt), r in searched.items():
+        fitting = [b for b in range(1, B + 1) if peaks[(precision, ckpt, b)] <= limit]
+        truth = max(fitting) if fitting else None
+        assert r.micro_batch_size == truth, (precision, ckpt)
+        # trials are counted per rung, and the count is what ran
+        assert r.trials == sum(1 for t in result.records if t.rung == r.rung.name and t.grad_accum_steps == 1)
+        assert r.trials <= 6  # exhaustive search would run B = 8
+    plan = result.config.plan
+    assert plan.global_batch_size == B and plan.micro_batch_size * plan.grad_accum_steps == B
+    assert result.config.found_by.peak_bytes <= limit
+
+
+def test_the_demo_budget_forces_at_least_the_amp_rung(tiny_gpt):
+    """device: cpu. `make demo` probes tiny_gpt's DEFAULTS under 12 MiB: fp32 cannot hold the target."""
+    result = probe(tiny_gpt, CpuDevice("12MiB"), resolve_targets(tiny_gpt, None, None, None))
+    assert [r.rung.name for r in result.ladder.rungs][:2] == ["fp32", "amp"]
+    assert result.ladder.rungs[0].micro_batch_size < 16
+    assert result.config.plan.precision == "bf16"
+    assert result.config.plan.global_batch_size == 16
+
+
+def test_cli_writes_a_config_that_round_trips_and_json_for_ci(tmp_path):
+    """device: cpu."""
+    out = tmp_path / "best.yaml"
+    r = run_cli("probe", EXAMPLES / "conv_net.py", "--device", "cpu", "--budget", "8MiB", "--batch", "8",
+                "--context", "64", "--out", out, "--json")
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)
+    cfg = load_config(out)
+    assert data["plan"] == {
+        "micro_batch_size": cfg.plan.micro_batch_size, "context_length": 64, "precision": cfg.plan.precision,
+        "activation_checkpointing": cfg.plan.activation_checkpointing,
+        "grad_accum_steps": cfg.plan.grad_accum_steps, "global_batch_size": 8,
+    }
+    assert data["peak_bytes"] == cfg.found_by.peak_bytes <= data["limit_bytes"] == int(8 * MiB * 0.9)
+    assert len(data["trials"]) == len(cfg.found_by.trials) == sum(r["trials"] for r in data["rungs"]) + sum(
+        1 for t in data["trials"] if t["grad_accum_steps"] > 1)
+    assert {t["result"] for t in data["trials"]} <= {"fits", "oom", "over-headroom"}
+    assert cfg.model_path(out) == EXAMPLES / "conv_net.py"
+    assert cfg.found_by.device == "cpu" and cfg.found_by.estimated is False
+
+
+def test_cli_table_and_nothing_fits_exit_code(tmp_path):
+    """device: cpu. A budget that holds the weights but not one example: exit 1, the reason, no file."""
+    out = tmp_path / "best.yaml"
+    r = run_cli("probe", EXAMPLES / "tiny_gpt.py", "--device", "cpu", "--budget", "4.7MiB", "--out", out)
+    assert r.exit_code == 1, r.output
+    assert "nothing fits in 4.23 MiB" in r.stderr and "AdamW state" in r.stderr
+    assert "trials" in r.stdout and "OOM" in r.stdout
+    assert not out.exists()
+
+
+def test_an_existing_config_survives_a_failed_probe(tmp_path, write_model):
+    out = tmp_path / "best.yaml"
+    out.write_text("precious: true\n")
+    r = run_cli("probe", write_model("def build_model(:\n"), "--device", "cpu", "--out", out)
+    assert r.exit_code == 2
+    assert out.read_text() == "precious: true\n"
+
+
+def test_targets_fall_back_to_the_model_files_defaults(tiny_gpt):
+    t = resolve_targets(tiny_gpt, None, None, None)
+    assert (t.batch, t.context, t.min_context) == (16, 128, 128)
+    t = resolve_targets(tiny_gpt, 4, None, 32)
+    assert (t.batch, t.context, t.min_context) == (4, 128, 32)
+
+
+def test_help_lists_every_option():
+    r = run_cli("probe", "--help")
+    for opt in ("--batch", "--context", "--min-context", "--device", "--budget", "--headroom", "--steps",
+                "--objective", "--out", "--json", "--debug"):
+        assert opt in r.stdout
