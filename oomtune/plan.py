@@ -14,8 +14,6 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-
 from .errors import ConfigError
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -210,6 +208,8 @@ def from_dict(cls: type, data: dict, where: str = "") -> Any:
 
 
 def load_config(path: str | Path) -> Config:
+    import yaml  # here, not at the top: trials and probes run where PyYAML is not installed (gpu-check)
+
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"config file not found: {p}")
@@ -255,6 +255,8 @@ COMMENTS = {
 
 
 def _scalar(v: Any) -> str:
+    import yaml
+
     return yaml.safe_dump(v, default_flow_style=True, width=10_000, sort_keys=False).strip().removesuffix("...").strip()
 
 
