@@ -25,10 +25,18 @@ demo: $(STAMP)
 	@echo; echo "--- $(DEMO_DIR)/best.yaml (plan) ---"; sed -n '/^plan:/,/^train:/p' $(DEMO_DIR)/best.yaml | sed '$$d'
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check oomtune tests examples bench
+	$(VENV)/bin/ruff check oomtune tests examples bench scripts
 
 test: lint
 	$(PY) -m pytest -q
+
+# The real-GPU truth, on a machine with an NVIDIA GPU (< 8 minutes): the `gpu` tests, then the fake-vs-real memory
+# table and the probe's trials and wall time. The machine's own python3 with the checkout on PYTHONPATH: no venv,
+# no installs, no network. Exit 0 = all ran and passed, 1 = something failed or did not run, 3 = no CUDA GPU.
+# OUT=dir keeps the report (gpu_check.md, gpu_check.json, gpu_tests.txt).
+GPU_PYTHON ?= python3
+gpu-check:
+	PYTHONPATH=.$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) scripts/gpu_check.py
 
 clean:
 	rm -rf $(VENV) out .pytest_cache .ruff_cache
