@@ -194,9 +194,11 @@ class CudaDevice(Device):
                 f"--budget {format_bytes(self.budget_bytes)} is more than the {format_bytes(free)} free on "
                 f"{self.name} (other processes hold the rest; see `oomtune gpus`)"
             )
-        # the cap is a fraction of the total cudaMemGetInfo reports (what the allocator multiplies it by) and
-        # applies to what the caching allocator reserves: past it, allocation raises torch.OutOfMemoryError
-        torch.cuda.set_per_process_memory_fraction(min(1.0, self.budget_bytes / device_total), index)
+        # the cap applies to what the caching allocator reserves (past it, allocation raises an OOM) and is a
+        # fraction of a total: cudaMemGetInfo's in older torch, totalGlobalMem in newer. The two agree in practice;
+        # dividing by the larger keeps the cap at or under the budget either way
+        total = max(device_total, props.total_memory)
+        torch.cuda.set_per_process_memory_fraction(min(1.0, self.budget_bytes / total), index)
 
     def supports_bf16(self) -> bool:
         # not torch.cuda.is_bf16_supported(): by default it also says yes where bf16 is only emulated (slow)
