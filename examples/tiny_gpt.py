@@ -2,7 +2,14 @@
 
 Its transformer blocks live in one nn.ModuleList (`self.h`), so oomtune's default `blocks` finds them
 for activation checkpointing; forward returns (logits, loss), which the default loss understands.
+
+Real data without a download: the Python standard library's own top-level .py sources on this machine,
+read as bytes (vocab 256). Every 10th file (sorted by name) is held out for evaluation.
 """
+
+import functools
+import sysconfig
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -69,3 +76,43 @@ def make_batch(batch_size, context_length, device):
     x = torch.randint(0, VOCAB, (batch_size, context_length), device=device)
     y = torch.randint(0, VOCAB, (batch_size, context_length), device=device)
     return x, y
+
+
+EVAL_EVERY_NTH_FILE = 10
+
+
+@functools.lru_cache(maxsize=1)
+def _corpus() -> tuple[torch.Tensor, torch.Tensor]:
+    """(train, eval) byte tensors from the standard library's sources: deterministic on one machine."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(stdlib.glob("*.py"))
+    if len(files) < EVAL_EVERY_NTH_FILE:
+        raise RuntimeError(f"found only {len(files)} Python sources in {stdlib} to train on")
+    parts: tuple[list[bytes], list[bytes]] = ([], [])
+    for i, f in enumerate(files):
+        parts[i % EVAL_EVERY_NTH_FILE == EVAL_EVERY_NTH_FILE - 1].append(f.read_bytes())
+    return tuple(torch.frombuffer(bytearray(b"\n".join(p)), dtype=torch.uint8).long() for p in parts)
+
+
+def _windows(data: torch.Tensor, starts: torch.Tensor, context_length: int, device):
+    idx = starts[:, None] + torch.arange(context_length + 1)  # (B, T+1)
+    chunk = data[idx]
+    return chunk[:, :-1].to(device), chunk[:, 1:].to(device)  # inputs, next-byte targets
+
+
+def train_batches(batch_size, context_length, device):
+    """Random windows of the training text, forever (oomtune seeds the generator)."""
+    data = _corpus()[0]
+    while True:
+        starts = torch.randint(0, len(data) - context_length - 1, (batch_size,))
+        yield _windows(data, starts, context_length, device)
+
+
+def eval_batches(batch_size, context_length, device):
+    """Evenly spaced windows across the held-out text: the same batches every evaluation."""
+    data = _corpus()[1]
+    span = len(data) - context_length - 1
+    step = max(1, span // 4096)  # 4096 windows spread over the whole eval text
+    for first in range(0, 4096, batch_size):
+        starts = (torch.arange(first, first + batch_size) * step) % span
+        yield _windows(data, starts, context_length, device)

@@ -1,0 +1,162 @@
+"""Checkpoints of a training run: written atomically, read back safely, always resumable exactly.
+
+A checkpoint is one file `ckpt-<step>.pt` in the run directory holding the model, optimizer and
+GradScaler state, the step, the plan, every RNG the run draws from, and the data position (how many
+batches the data stream has handed out, at what batch size). It is written to a temp file in the same
+folder, fsynced, then renamed over the final name, so a reader (or a resume after SIGKILL) sees the old
+set of checkpoints or the new one, never half a file. It is read with `torch.load(weights_only=True)`:
+tensors, numbers, strings and containers only, no arbitrary pickled objects.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import BAD_INPUT, OomtuneError
+
+FORMAT = "oomtune-checkpoint"
+VERSION = 1
+KEEP = 2  # checkpoints kept on disk: the newest, and one before it in case the newest is lost
+_NAME = re.compile(r"^ckpt-(\d+)\.pt$")
+REQUIRED = ("step", "plan", "data", "model", "optimizer", "scaler", "rng")
+
+
+class CheckpointError(OomtuneError):
+    """A checkpoint is missing, unreadable, or does not belong to this run."""
+
+    def __init__(self, message: str):
+        super().__init__(message, BAD_INPUT)
+
+
+def checkpoint_path(run_dir: str | Path, step: int) -> Path:
+    return Path(run_dir) / f"ckpt-{step:08d}.pt"
+
+
+def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
+    """(step, path) of every finished checkpoint in run_dir, oldest first. Temp files are not checkpoints."""
+    d = Path(run_dir)
+    if not d.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in d.iterdir() if p.is_file() and (m := _NAME.match(p.name))]
+    return sorted(found)
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    found = list_checkpoints(run_dir)
+    return found[-1][1] if found else None
+
+
+def stale_temp_files(run_dir: str | Path) -> list[Path]:
+    """Temp files a killed checkpoint write left behind (`.ckpt-*.pt.*.tmp`)."""
+    d = Path(run_dir)
+    return sorted(d.glob(".ckpt-*.pt.*.tmp")) if d.is_dir() else []
+
+
+def save_checkpoint(run_dir: str | Path, state: dict[str, Any], keep: int = KEEP) -> Path:
+    """Write `state` as ckpt-<state['step']>.pt atomically (temp file, fsync, rename, fsync the folder), then
+    delete all but the newest `keep` checkpoints. Returns the new checkpoint's path."""
+    d = Path(run_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    final = checkpoint_path(d, int(state["step"]))
+    fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=d)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save({"format": FORMAT, "version": VERSION, **state}, f)
+            f.flush()
+            os.fsync(f.fileno())  # the bytes are on disk before the name points at them
+        os.replace(tmp, final)
+    except BaseException:  # KeyboardInterrupt included: never leave a half-written temp file behind
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    _fsync_dir(d)  # the rename itself survives a power cut
+    for _, old in list_checkpoints(d)[:-keep]:
+        old.unlink(missing_ok=True)
+    return final
+
+
+def _fsync_dir(d: Path) -> None:
+    try:
+        fd = os.open(d, os.O_RDONLY)
+    except OSError:  # some filesystems / platforms cannot open a folder
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def load_checkpoint(path: str | Path) -> dict[str, Any]:
+    """Read a checkpoint safely (weights_only: no code runs) onto the CPU; any problem is one CheckpointError
+    line naming the file."""
+    p = Path(path)
+    try:
+        state = torch.load(p, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint not found: {p}") from None
+    except Exception as e:  # truncated zip, bit rot, a file that is not a checkpoint, a pickled object
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"checkpoint {p} is corrupt or not a checkpoint ({reason[:160]})") from None
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise CheckpointError(f"checkpoint {p} is not an oomtune checkpoint")
+    if state.get("version") != VERSION:
+        raise CheckpointError(f"checkpoint {p} has format version {state.get('version')!r}; this oomtune reads "
+                              f"version {VERSION}")
+    missing = [k for k in REQUIRED if k not in state]
+    if missing:
+        raise CheckpointError(f"checkpoint {p} is incomplete: no {', '.join(missing)}")
+    return state
+
+
+# -- RNG state: every generator a step may draw from ------------------------------------------------
+
+def _numpy():
+    try:
+        import numpy
+    except ImportError:
+        return None
+    return numpy
+
+
+def capture_rng(cuda: bool) -> dict[str, Any]:
+    """The global RNG states (torch CPU, torch CUDA when used, Python's random, numpy's legacy global) as
+    plain tensors/lists, so a checkpoint holding them loads with weights_only=True."""
+    version, internal, gauss = random.getstate()
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": [version, list(internal), gauss]}
+    if cuda:
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    np = _numpy()
+    if np is not None:
+        name, keys, pos, has_gauss, cached = np.random.get_state()
+        state["numpy"] = [name, torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss), float(cached)]
+    return state
+
+
+def restore_rng(state: dict[str, Any], cuda: bool) -> None:
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if cuda and state.get("cuda") is not None:
+        torch.cuda.set_rng_state_all(state["cuda"])
+    np = _numpy()
+    if np is not None and state.get("numpy") is not None:
+        name, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((name, keys.numpy().astype("uint32"), pos, has_gauss, cached))
+
+
+def seed_everything(seed: int, cuda: bool) -> None:
+    torch.manual_seed(seed)  # seeds CUDA too where it is initialised
+    random.seed(seed)
+    np = _numpy()
+    if np is not None:
+        np.random.seed(seed % 2**32)
+    if cuda:
+        torch.cuda.manual_seed_all(seed)

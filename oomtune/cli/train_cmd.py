@@ -1,0 +1,122 @@
+"""`oomtune train`: a rich progress bar and one line per logged step over `oomtune.train`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from . import DebugOpt, app, err, fmt_bytes, out, user_errors
+
+
+def _metrics_line(m: dict) -> str:
+    parts = [f"step {m['step']:>6}", f"loss {m['loss']:.4f}"]
+    if "eval_loss" in m:
+        parts.append(f"[bold]eval {m['eval_loss']:.4f}[/]")
+    parts.append(f"lr {m['lr']:.2e}")
+    if m.get("tokens_per_s"):
+        parts.append(f"{m['tokens_per_s']:,.0f} tok/s")
+    parts.append(f"peak {fmt_bytes(m['peak_bytes'])}")
+    if m.get("nvml_used_bytes") is not None:
+        parts.append(f"nvml {fmt_bytes(m['nvml_used_bytes'])}")
+    return "  ".join(parts)
+
+
+def _render(progress: Progress, task):
+    """An on_event callback that renders training events above the progress bar (stderr)."""
+    from ..train import Checkpointed, Note, OomFallback, Started, StepDone
+
+    say = progress.console.print
+
+    def on_event(e) -> None:
+        if isinstance(e, Started):
+            where = f"resuming from {e.resumed_from} at step {e.start_step}" if e.resumed_from else "from scratch"
+            say(f"training {where} on {e.device}: {e.plan.describe()}, {e.train.steps} steps, lr {e.train.lr:g}, "
+                f"run dir {e.run_dir}")
+            progress.update(task, total=e.train.steps, completed=e.start_step)
+        elif isinstance(e, Note):
+            say(f"[yellow]warning:[/] {e.message}" if e.warning else f"[dim]{e.message}[/]")
+        elif isinstance(e, StepDone):
+            fields = {}
+            if e.metrics is not None:
+                m = e.metrics
+                mem = m.get("nvml_used_bytes") if m.get("nvml_used_bytes") is not None else m["peak_bytes"]
+                fields = {"loss": f"loss {m['loss']:.4f}", "speed": f"{m['tokens_per_s'] or 0:,.0f} tok/s",
+                          "memory": f"{'nvml' if 'nvml_used_bytes' in m else 'peak'} {fmt_bytes(mem)}"}
+                say(_metrics_line(m))
+            progress.update(task, completed=e.step, **fields)
+        elif isinstance(e, OomFallback):
+            say(f"[bold yellow]out of memory[/] at step {e.step} ({e.phase}): {e.message}")
+            say(f"  falling back: micro-batch {e.old_plan.micro_batch_size} x{e.old_plan.grad_accum_steps} -> "
+                f"{e.new_plan.micro_batch_size} x{e.new_plan.grad_accum_steps} (global batch "
+                f"{e.new_plan.global_batch_size} unchanged); retrying the same batch")
+        elif isinstance(e, Checkpointed):
+            say(f"[dim]checkpoint {e.path} (step {e.step}, {e.reason})[/]")
+
+    return on_event
+
+
+@app.command()
+def train(
+    config: Annotated[Path, typer.Option("--config", "-c", help="The config `oomtune probe` wrote.")],
+    steps: Annotated[int | None, typer.Option(help="Optimizer steps (train.steps).")] = None,
+    lr: Annotated[float | None, typer.Option(help="Peak learning rate (train.lr).")] = None,
+    min_lr: Annotated[float | None, typer.Option(help="Where cosine decay ends (train.min_lr).")] = None,
+    warmup_steps: Annotated[int | None, typer.Option(help="Linear warmup steps (train.warmup_steps).")] = None,
+    weight_decay: Annotated[float | None, typer.Option(help="AdamW weight decay (train.weight_decay).")] = None,
+    clip_grad_norm: Annotated[float | None, typer.Option(help="Max gradient norm (train.clip_grad_norm).")] = None,
+    eval_interval: Annotated[int | None, typer.Option(help="Steps between evaluations (train.eval_interval).")]
+    = None,
+    eval_steps: Annotated[int | None, typer.Option(help="Batches per evaluation (train.eval_steps).")] = None,
+    checkpoint_interval: Annotated[int | None, typer.Option(help="Steps between checkpoints "
+                                                            "(train.checkpoint_interval).")] = None,
+    log_every_n_steps: Annotated[int | None, typer.Option(help="Steps between metric lines "
+                                                          "(train.log_every_n_steps).")] = None,
+    run_dir: Annotated[Path | None, typer.Option(help="Checkpoints, metrics.jsonl, events.jsonl (train.run_dir).")]
+    = None,
+    seed: Annotated[int | None, typer.Option(help="Seed of the model's and the data's RNGs (train.seed).")] = None,
+    resume: Annotated[bool, typer.Option("--resume/--no-resume", help="Continue from the latest checkpoint in "
+                                         "the run dir (exactly: same data, same RNG).")] = False,
+    device: Annotated[str | None, typer.Option("--device", "-d", help="auto | cuda | cpu (default: where the "
+                                               "config was probed).")] = None,
+    budget: Annotated[str | None, typer.Option("--budget", help="Memory to fit in: 24GiB, 80% (default: cuda: "
+                                               "the free memory; cpu: the budget the config was probed with).")]
+    = None,
+    debug: DebugOpt = False,
+):
+    """Train with the plan in CONFIG; an out-of-memory error mid-run halves the micro-batch (same global batch)
+    and writes the plan that works back to CONFIG.
+
+    Example: [cyan]oomtune train --config best.yaml --steps 200[/]
+    """
+    with user_errors(debug):
+        from ..train import Trainer
+
+        overrides = {"steps": steps, "lr": lr, "min_lr": min_lr, "warmup_steps": warmup_steps,
+                     "weight_decay": weight_decay, "clip_grad_norm": clip_grad_norm, "eval_interval": eval_interval,
+                     "eval_steps": eval_steps, "checkpoint_interval": checkpoint_interval,
+                     "log_every_n_steps": log_every_n_steps, "run_dir": str(run_dir) if run_dir else None,
+                     "seed": seed}
+        progress = Progress(TextColumn("[bold]train[/]"), BarColumn(), MofNCompleteColumn(),
+                            TextColumn("{task.fields[loss]}"), TextColumn("{task.fields[speed]}"),
+                            TextColumn("{task.fields[memory]}"), TimeElapsedColumn(), TimeRemainingColumn(),
+                            console=err, transient=True)
+        task = progress.add_task("train", total=None, loss="", speed="", memory="")
+        trainer = Trainer(config, overrides=overrides, device=device, budget=budget, resume=resume,
+                          on_event=_render(progress, task))
+        with progress:
+            result = trainer.run()
+        if result.fallbacks:
+            out.print(f"[yellow]plan changed after out-of-memory:[/] {result.plan.describe()} (written to {config})")
+        if result.interrupted:
+            out.print(f"stopped at step {result.step}/{result.steps}; checkpoint {result.checkpoint}. "
+                      f"Continue with [cyan]oomtune train --config {config} --resume[/]"
+                      + (f" --run-dir {result.run_dir}" if run_dir else ""))
+            raise typer.Exit(130)
+        losses = (f"loss {result.first_loss:.4f} -> {result.last_loss:.4f}"
+                  if result.first_loss is not None and result.last_loss is not None else "no steps run")
+        ev = f", eval loss {result.eval_loss:.4f}" if result.eval_loss is not None else ""
+        out.print(f"[bold green]trained[/] {result.step}/{result.steps} steps in {result.seconds:.1f}s: {losses}{ev}")
+        out.print(f"metrics {result.run_dir / 'metrics.jsonl'}; checkpoint {result.checkpoint}")
