@@ -1,5 +1,5 @@
 # Two set-up commands work on a clean clone with only Python 3.10+ present:
-#   make demo   creates .venv, installs, probes examples/tiny_gpt.py on the simulated cpu device
+#   make demo   creates .venv, installs, probes examples/tiny_gpt.py on the simulated cpu device, trains the plan
 #   make test   creates .venv, installs, runs ruff and pytest
 # TORCH pins the CPU build this project is developed with; GPU users: `make test TORCH=torch` (or install
 # their CUDA build of torch into .venv first: an installed torch>=2.4 is kept).
@@ -23,6 +23,10 @@ demo: $(STAMP)
 	@mkdir -p $(DEMO_DIR)
 	$(VENV)/bin/oomtune probe examples/tiny_gpt.py --device cpu --budget 12MiB --out $(DEMO_DIR)/best.yaml
 	@echo; echo "--- $(DEMO_DIR)/best.yaml (plan) ---"; sed -n '/^plan:/,/^train:/p' $(DEMO_DIR)/best.yaml | sed '$$d'
+	@echo; echo "--- oomtune train: that plan, in the same 12 MiB, on the standard library's own sources ---"
+	@rm -rf $(DEMO_DIR)/run
+	OMP_NUM_THREADS=1 $(VENV)/bin/oomtune train --config $(DEMO_DIR)/best.yaml --run-dir $(DEMO_DIR)/run \
+		--steps 20 --lr 0.01 --warmup-steps 2 --log-every-n-steps 2 --eval-interval 20 --eval-steps 4
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check oomtune tests examples bench scripts
@@ -37,6 +41,12 @@ test: lint
 GPU_PYTHON ?= python3
 gpu-check:
 	PYTHONPATH=.$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) scripts/gpu_check.py
+
+# tokens/s of `oomtune train` vs a minimal hand-written loop at the same plan on CPU -> the train section of
+# bench/RESULTS.md (with the command that produced it)
+.PHONY: bench-train
+bench-train: $(STAMP)
+	$(PY) bench/bench_train.py
 
 clean:
 	rm -rf $(VENV) out .pytest_cache .ruff_cache
