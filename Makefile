@@ -11,7 +11,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.oomtune-installed
 DEMO_DIR ?= out/demo
 
-.PHONY: demo test lint bench gpu-check clean
+.PHONY: demo test lint bench gpu-check clean bench-estimate
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -41,6 +41,11 @@ test: lint
 GPU_PYTHON ?= python3
 gpu-check:
 	PYTHONPATH=.$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) scripts/gpu_check.py
+
+# oomtune estimate on GPT-2 small (124M, context 1024): the whole ladder on fake tensors, wall time, trial count
+# and the breakdown against the design's reference figures -> the estimate section of bench/RESULTS.md
+bench-estimate: $(STAMP)
+	$(PY) bench/bench_estimate.py
 
 # tokens/s of `oomtune train` vs a minimal hand-written loop at the same plan on CPU -> the train section of
 # bench/RESULTS.md (with the command that produced it)

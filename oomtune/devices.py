@@ -3,6 +3,7 @@
 | device | compute   | memory accounting                                    | OOM comes from                 |
 | cuda   | real GPU  | torch.cuda.max_memory_allocated / _reserved, NVML    | the caching allocator (capped) |
 | cpu    | real CPU  | MemoryTracker (tensor storages, 512-byte rounding)    | the tracker, CUDA-shaped       |
+| fake   | none      | the same MemoryTracker, on FakeTensors (no data)      | the tracker, CUDA-shaped       |
 
 Everything else (building the model, the training step) is identical across devices: a device only
 decides where tensors live and how the peak is read.
@@ -17,12 +18,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
+from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .errors import OomtuneError
 from .memtrack import MemoryTracker
 from .units import format_bytes, parse_budget
 
-DEVICE_KINDS = ("auto", "cuda", "cpu")
+DEVICE_KINDS = ("auto", "cuda", "cpu", "fake")
 
 
 @dataclass
@@ -163,6 +166,65 @@ class CpuDevice(TrackedDevice):
         self.name = f"cpu (simulated memory, budget {format_bytes(budget_bytes)})"
 
 
+class _ZeroScalars(TorchDispatchMode):
+    """Reading a fake tensor's value (`.item()`, `bool(t)`) has an answer only for small constants the fake mode
+    tracks (an optimizer's step count); for the rest say 0 so code that branches on one still runs
+    (GradScaler's found-inf check: 0 = finite, take the optimizer step, the worst case for memory)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        try:
+            return func(*args, **(kwargs or {}))
+        except DataDependentOutputException:
+            if func is not torch.ops.aten._local_scalar_dense.default:
+                raise
+            dtype = args[0].dtype
+            return False if dtype == torch.bool else (0.0 if dtype.is_floating_point else 0)
+
+
+class FakeDevice(TrackedDevice):
+    """The estimator: no compute. Inside `measure()` every tensor is a FakeTensor on the cpu device (shape,
+    dtype and storage size, no data), so a trial builds the model and runs the real training step for the
+    cost of its Python, and the same MemoryTracker as `cpu` counts the bytes: the two agree to the byte.
+    The model is built straight into fake tensors (the design's meta device, already materialised): a model
+    built on meta and moved with `.to()` cannot be, since Module._apply swaps each parameter and fake
+    tensors refuse the swap.
+
+    It stands in for a GPU of `budget` bytes: the peak it reports is the tensor peak plus `margin` (what a
+    real GPU needs beyond tensors, see gpus_table.Margin); its OOM fires when that total passes the budget."""
+
+    kind = "fake"
+    computes = False
+
+    def __init__(self, budget: str | None = None, *, gpu=None, margin=None):
+        from .gpus_table import parse_margin
+
+        capacity = gpu.memory_bytes if gpu is not None else None
+        if budget is None and capacity is None:
+            raise OomtuneError("--device fake has no memory of its own: give --budget (e.g. 24GiB) or --gpu NAME")
+        budget_bytes = parse_budget(budget, capacity) if budget else capacity
+        self.margin = margin if margin is not None else parse_margin(None)
+        super().__init__("fake", torch.device("cpu"), budget_bytes, capacity)
+        self.tracker.budget_bytes = self.margin.tensor_budget(budget_bytes)
+        if self.tracker.budget_bytes <= 0:
+            raise OomtuneError(f"budget {format_bytes(budget_bytes)} is not more than the margin "
+                               f"{self.margin.describe()} (see --margin)")
+        self._bf16 = gpu.bf16 if gpu is not None else True
+        self.name = f"{gpu.name} (estimated)" if gpu is not None else "fake (estimated)"
+
+    def supports_bf16(self) -> bool:
+        return self._bf16
+
+    def _accounting(self) -> contextlib.AbstractContextManager:
+        stack = contextlib.ExitStack()  # a fresh FakeTensorMode per measured stretch; the tracker innermost
+        stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+        stack.enter_context(_ZeroScalars())
+        stack.enter_context(self.tracker)
+        return stack
+
+    def _read_peak(self) -> tuple[int, int]:
+        return self.tracker.peak_bytes, self.margin.total(self.tracker.peak_bytes)
+
+
 class CudaDevice(Device):
     """The real GPU. A budget below the card's free memory is enforced by capping the caching allocator."""
 
@@ -245,6 +307,8 @@ def make_device(kind: str = "auto", budget: str | None = None) -> Device:
         return CudaDevice(budget)
     if kind == "cpu":
         return CpuDevice(budget)
+    if kind == "fake":
+        return FakeDevice(budget)
     raise OomtuneError(f"--device {kind!r}: expected one of {', '.join(DEVICE_KINDS)}")
 
 

@@ -14,7 +14,8 @@ when the last tensor or view using it dies.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -50,6 +51,102 @@ def simulated_oom_message(tried: int, budget: int, in_use: int, kind: str) -> st
     )
 
 
+@dataclass
+class StorageRecord:
+    """One storage's life, as a Recorder saw it. Events are numbered births and deaths: the storage was
+    live at event e when born <= e < died."""
+
+    nbytes: int  # counted bytes (512-byte rounded)
+    born: int
+    phase: str  # the recorder's label when it was born (forward, backward, ...)
+    span: int  # the stretch of same-kind work it was born in (see Recorder.span_kind)
+    died: int | None = None
+    tags: set[str] = field(default_factory=set)
+
+
+class Recorder:
+    """The tagging side of the tracker: every storage's birth, death, phase and tags, and the moment of the
+    peak, so that what was live at the peak can be sorted into kinds afterwards (oomtune.estimate does).
+    Attach with `tracker.recorder = Recorder(tracker)`; it costs a little per op, so only a breakdown runs it.
+
+    Its peak is that of everything it saw (never reset by phases): the live set at `peak_event` sums to
+    `peak_bytes` exactly."""
+
+    def __init__(self, tracker: MemoryTracker):
+        self.records: list[StorageRecord] = []
+        self._live: dict[int, StorageRecord] = {}  # storage key -> its record while it lives
+        self.event = 0
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self.peak_event = -1
+        self.peak_phase = "setup"
+        self.phase = "setup"
+        self.span = 0
+        self.span_kinds: list[str] = ["setup"]  # span -> its kind
+        self.span_ends: list[int | None] = [None]  # span -> the event at which the next span began
+        self.on_op: Callable[[Recorder, object, tuple, object], None] | None = None  # tags op outputs
+        for key, size in tracker._sizes.items():  # storages alive before recording began
+            self.born(key, size)
+            self._live[key].tags.add("preexisting")
+
+    # -- what the tracker tells it ------------------------------------------------------------------
+    def span_kind(self) -> str:
+        """forward: the whole forward phase; recompute: grad-enabled work inside the autograd engine during
+        backward (activation checkpointing re-running a block); otherwise the phase itself."""
+        if self.phase == "backward" and torch.is_grad_enabled() and torch._C._current_autograd_node() is not None:
+            return "recompute"
+        return self.phase
+
+    def born(self, key: int, nbytes: int) -> None:
+        kind = self.span_kind()
+        if kind != self.span_kinds[self.span]:
+            self.span_ends[self.span] = self.event
+            self.span += 1
+            self.span_kinds.append(kind)
+            self.span_ends.append(None)
+        rec = StorageRecord(nbytes, self.event, self.phase, self.span)
+        self.records.append(rec)
+        self._live[key] = rec
+        self.event += 1
+        self.live_bytes += nbytes
+        if self.live_bytes > self.peak_bytes:
+            self.peak_bytes, self.peak_event, self.peak_phase = self.live_bytes, rec.born, self.phase
+
+    def died(self, key: int) -> None:
+        rec = self._live.pop(key, None)
+        if rec is not None:
+            rec.died = self.event
+            self.event += 1
+            self.live_bytes -= rec.nbytes
+
+    # -- what a caller tells it ---------------------------------------------------------------------
+    def mark(self, phase: str) -> None:
+        self.phase = phase
+
+    def tag(self, tag: str, *objs) -> None:
+        """Tag the live storages of tensors (or containers of them)."""
+        for obj in objs:
+            for t in _tensors(obj):
+                rec = self.record_of(t)
+                if rec is not None:
+                    rec.tags.add(tag)
+
+    def record_of(self, t: torch.Tensor) -> StorageRecord | None:
+        try:
+            return self._live.get(id(t.untyped_storage()))
+        except (RuntimeError, NotImplementedError):
+            return None
+
+    def live_at_peak(self) -> list[StorageRecord]:
+        e = self.peak_event
+        return [r for r in self.records if r.born <= e and (r.died is None or r.died > e)]
+
+    def outlived_span(self, rec: StorageRecord) -> bool:
+        """Was it still alive when the stretch of work that made it ended (kept for later, not scratch)?"""
+        end = self.span_ends[rec.span]
+        return end is None or rec.died is None or rec.died > end
+
+
 class MemoryTracker(TorchDispatchMode):
     """Live and peak bytes of tensor storages, with an optional budget that raises a CUDA-shaped OOM."""
 
@@ -60,6 +157,7 @@ class MemoryTracker(TorchDispatchMode):
         self.live_bytes = 0
         self.peak_bytes = 0
         self._sizes: dict[int, int] = {}  # id(storage) -> counted bytes; an entry leaves when the storage dies
+        self.recorder: Recorder | None = None  # set to record each storage's life (a breakdown of the peak)
 
     # -- accounting -------------------------------------------------------------------------------
     def _count(self, t: torch.Tensor) -> int:
@@ -80,6 +178,13 @@ class MemoryTracker(TorchDispatchMode):
             self._sizes[key] = size
         else:
             return 0
+        if self.recorder is not None:  # a resize is the old size dying and the new one being born
+            tags = set()
+            if old is not None:
+                tags = self.recorder._live[key].tags if key in self.recorder._live else tags
+                self.recorder.died(key)
+            self.recorder.born(key, size)
+            self.recorder._live[key].tags |= tags
         delta = size - (old or 0)
         self.live_bytes += delta
         if self.live_bytes > self.peak_bytes:
@@ -88,6 +193,8 @@ class MemoryTracker(TorchDispatchMode):
 
     def _release(self, key: int) -> None:
         self.live_bytes -= self._sizes.pop(key, 0)
+        if self.recorder is not None:
+            self.recorder.died(key)
 
     def track(self, *objs) -> int:
         """Count tensors that were made outside the tracker: modules (params, grads, buffers),
@@ -119,6 +226,8 @@ class MemoryTracker(TorchDispatchMode):
         added = 0
         for t in _tensors(out):
             added += self._count(t)
+        if self.recorder is not None and self.recorder.on_op is not None:
+            self.recorder.on_op(self.recorder, func, args, out)
         if added and self.budget_bytes is not None and self.live_bytes > self.budget_bytes:
             in_use = self.live_bytes - added
             # `out` is dropped with this frame, so the op's outputs are freed as the error unwinds

@@ -104,6 +104,42 @@ class TrialRecord:
 
 
 @dataclass(frozen=True)
+class MemoryBreakdown:
+    """What a plan's peak is made of, in bytes (512-byte rounded, as the CUDA allocator rounds). The six
+    parts are what was live at the peak and sum to tensor_peak_bytes exactly; margin_bytes (what a GPU
+    needs beyond tensors: CUDA context, workspaces, allocator rounding) comes on top, so
+    peak_bytes = tensor_peak_bytes + margin_bytes."""
+
+    phase: str  # setup | forward | backward | optimizer: the phase of the step the peak fell in
+    parameters_bytes: int  # weights and buffers
+    gradients_bytes: int
+    optimizer_state_bytes: int
+    autocast_copies_bytes: int  # low-precision copies of the weights that autocast makes and caches
+    activations_bytes: int  # kept by the forward for the backward (recomputed ones under checkpointing)
+    temporaries_bytes: int  # the rest: op outputs in flight, activation gradients, the batch, optimizer scratch
+    tensor_peak_bytes: int
+    margin: str = "0"  # the margin rule, e.g. 512MiB+5% (see `oomtune estimate --help`)
+    margin_bytes: int = 0
+    peak_bytes: int = 0  # 0 = derive it
+
+    PARTS = ("parameters", "gradients", "optimizer_state", "autocast_copies", "activations", "temporaries")
+
+    def part_bytes(self) -> dict[str, int]:
+        return {name: getattr(self, f"{name}_bytes") for name in self.PARTS}
+
+    def __post_init__(self):
+        total = sum(self.part_bytes().values())
+        if total != self.tensor_peak_bytes:
+            raise ConfigError(f"breakdown: the parts sum to {total}, not tensor_peak_bytes {self.tensor_peak_bytes}")
+        expected = self.tensor_peak_bytes + self.margin_bytes
+        if self.peak_bytes == 0:
+            object.__setattr__(self, "peak_bytes", expected)
+        elif self.peak_bytes != expected:
+            raise ConfigError(f"breakdown.peak_bytes is {self.peak_bytes} but tensor_peak_bytes + margin_bytes "
+                              f"= {expected}")
+
+
+@dataclass(frozen=True)
 class FoundBy:
     """How the plan was found: enough to tell whether it still applies."""
 
@@ -123,6 +159,7 @@ class FoundBy:
     cuda_version: str | None
     oomtune_version: str
     date: str
+    breakdown: MemoryBreakdown | None = None  # what the peak is made of (estimate, check); absent in older files
     trials: tuple[TrialRecord, ...] = ()
 
 
@@ -251,6 +288,10 @@ COMMENTS = {
     "found_by.budget_bytes": "memory the search was allowed to use",
     "found_by.headroom": "fraction of the budget kept free (fragmentation, longer batches)",
     "found_by.peak_bytes": "measured peak of the plan",
+    "found_by.breakdown": "what the peak is made of; the parts sum to tensor_peak_bytes",
+    "found_by.breakdown.phase": "the step's phase at the peak: forward | backward | optimizer",
+    "found_by.breakdown.margin": "added for what tensors do not show on a GPU: CUDA context, workspaces, allocator",
+    "found_by.breakdown.peak_bytes": "tensor_peak_bytes + margin_bytes",
 }
 
 

@@ -45,7 +45,9 @@ def build_training(model_file: ModelFile, plan: Plan, device: Device, lr: float,
     """Build the model on the device, wrap its blocks for checkpointing, make the optimizer and scaler."""
     with device.placement():
         model = model_file.build()
-    model.to(device.torch_device)  # anything build_model placed explicitly elsewhere
+    if any(t.device != device.torch_device for t in (*model.parameters(), *model.buffers())):
+        model.to(device.torch_device)  # anything build_model placed explicitly elsewhere (never on fake tensors:
+        #                                Module.to swaps them, and a FakeTensor with weak references refuses)
     model.train()
     if plan.activation_checkpointing:
         model_file.enable_checkpointing(model)

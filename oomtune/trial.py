@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from .devices import Device, is_oom
 from .errors import ModelFileError
 from .model_file import ModelFile
 from .plan import Plan, TrainConfig
-from .step import build_training, train_step
+from .step import Training, build_training, train_step
 
 ACCUM_IN_TRIAL = 2  # memory of k >= 2 accumulated micro-steps equals that of 2: run at most 2 per step
 
@@ -30,13 +31,20 @@ class TrialResult:
     seconds: float = 0.0  # the whole trial, model build included
 
 
-def _steps(model_file: ModelFile, plan: Plan, device: Device, steps: int, reading_box: list) -> tuple:
+def _steps(model_file: ModelFile, plan: Plan, device: Device, steps: int, reading_box: list,
+           observe: Callable[[Training, str], None] | None = None) -> tuple:
     train_defaults = TrainConfig()  # the trial runs the step the trainer will run, clipping included
     with device.measure() as reading:
         reading_box.append(reading)
         t = build_training(model_file, plan, device, lr=train_defaults.lr,
                            clip_grad_norm=train_defaults.clip_grad_norm)
         t.on_phase = lambda phase: device.mark(reading, phase)
+        if observe is not None:
+            def on_phase(phase: str) -> None:
+                device.mark(reading, phase)
+                observe(t, phase)  # noqa: F821  (a closure cell: `del t` below empties it, breaking the cycle)
+
+            t.on_phase = on_phase
         micro = min(plan.grad_accum_steps, ACCUM_IN_TRIAL)
         timings: list[float] = []
         first_loss = None
@@ -55,22 +63,27 @@ def _steps(model_file: ModelFile, plan: Plan, device: Device, steps: int, readin
                         f"{model_file.label}: the loss is {first_loss} at micro-batch {plan.micro_batch_size}, "
                         f"context {plan.context_length}, {plan.precision} (check the model's init and inputs)"
                     )
+        if observe is not None:
+            observe(t, "end")
         del t, loss
     timed = timings[1:] or timings
     step_s = sum(timed) / len(timed)
     tokens = plan.micro_batch_size * plan.context_length * micro
-    return step_s, tokens / step_s if step_s > 0 else None, first_loss
+    # no speed where nothing was computed (the fake device times only Python)
+    return step_s, tokens / step_s if step_s > 0 and device.computes else None, first_loss
 
 
-def run_trial(model_file: ModelFile, plan: Plan, device: Device, steps: int = 2) -> TrialResult:
+def run_trial(model_file: ModelFile, plan: Plan, device: Device, steps: int = 2,
+              observe: Callable[[Training, str], None] | None = None) -> TrialResult:
     """Run `steps` optimizer steps of `plan`. An OOM is a result, not an error; any other error is the
     user's and propagates. Memory is given back outside the `except` block (its frames hold the
-    failed step's tensors)."""
+    failed step's tensors). `observe(training, phase)` is told each phase as it starts, after the
+    device marked it, and "end" after the last step (the memory breakdown tags tensors there)."""
     start = time.perf_counter()
     box: list = []
     oom_message = None
     try:
-        step_s, tps, loss = _steps(model_file, plan, device, steps, box)
+        step_s, tps, loss = _steps(model_file, plan, device, steps, box, observe)
     except Exception as e:
         if not is_oom(e):
             raise

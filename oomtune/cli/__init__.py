@@ -69,3 +69,5 @@ def main() -> None:
 
 # each module registers its commands on `app`
 from . import gpus_cmd, probe_cmd, train_cmd  # noqa: E402, F401
+
+from . import estimate_cmd  # noqa: E402, F401  # isort: skip

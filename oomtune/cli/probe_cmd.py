@@ -95,13 +95,16 @@ def result_json(result, config_path: Path | None) -> dict:
     }
 
 
-def render_search(result, out_path: Path | None, as_json: bool, verb: str) -> None:
-    """Shared by probe and estimate: the tables, the plan, where it was written; exit 1 if nothing fits."""
+def render_search(result, out_path: Path | None, as_json: bool, verb: str, extra_json: dict | None = None,
+                  details=None) -> None:
+    """Shared by probe and estimate: the tables, the plan, where it was written; exit 1 if nothing fits.
+    estimate adds keys to the JSON (`extra_json`) and prints its breakdown after the tables (`details()`)."""
     if as_json:
-        print(json.dumps(result_json(result, out_path), indent=2))
+        print(json.dumps(result_json(result, out_path) | (extra_json or {}), indent=2))
     else:
-        out.print(trials_table(result.records))
-        out.print(rungs_table(result.ladder, result.targets))
+        if result.records:  # none when the estimate knew without a trial that nothing fits
+            out.print(trials_table(result.records))
+            out.print(rungs_table(result.ladder, result.targets))
         if result.config is not None:
             fb = result.config.found_by
             tps = f", {fb.tokens_per_s:,.0f} tokens/s" if fb.tokens_per_s else ""
@@ -110,6 +113,8 @@ def render_search(result, out_path: Path | None, as_json: bool, verb: str) -> No
                       f"(budget {fmt_bytes(fb.budget_bytes)}, {fb.headroom:.0%} headroom){tps}; "
                       f"{len(result.records)} trials")
             out.print(f"[bold]wrote[/] {out_path}   next: [cyan]oomtune train --config {out_path}[/]")
+        if details is not None:
+            details()
     if result.config is None:
         err.print(f"[bold red]{verb}:[/] {result.why_nothing_fits}")
         raise typer.Exit(1)

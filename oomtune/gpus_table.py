@@ -1,0 +1,128 @@
+"""What the fake device needs to stand in for a real GPU: the memory of common cards, and the margin for
+what tensor-level accounting does not see on one. No torch here.
+
+Memory is the total the driver reports (nvidia-smi's "MiB" column), the most a process could ever get.
+The CUDA context, cuBLAS/cuDNN workspaces and the caching allocator's rounding come out of it: that is
+the margin's job, not the table's. Cards ship in variants (PCIe/SXM, ECC on/off) that differ by a few
+hundred MiB; for an exact figure pass `--budget` with what `nvidia-smi --query-gpu=memory.total` says.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+from .errors import OomtuneError
+from .units import parse_budget
+
+MiB = 1024**2
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    name: str
+    memory_bytes: int  # total as the driver reports it
+    bf16: bool  # Ampere (sm80) and newer; without it `--amp auto` means fp16 + GradScaler
+    aliases: tuple[str, ...] = ()
+
+
+GPUS: tuple[GpuSpec, ...] = (
+    GpuSpec("Tesla T4", 15360 * MiB, False, ("t4",)),
+    GpuSpec("GeForce RTX 3060", 12288 * MiB, True, ("rtx3060", "3060")),
+    GpuSpec("GeForce RTX 3090", 24576 * MiB, True, ("rtx3090", "3090")),
+    GpuSpec("GeForce RTX 4090", 24564 * MiB, True, ("rtx4090", "4090")),
+    GpuSpec("L4", 23034 * MiB, True, ("l4",)),
+    GpuSpec("A10", 23028 * MiB, True, ("a10", "a10g")),
+    GpuSpec("A100 40GB", 40960 * MiB, True, ("a100-40", "a100-40gb", "a100")),
+    GpuSpec("A100 80GB", 81920 * MiB, True, ("a100-80", "a100-80gb")),
+    GpuSpec("H100 80GB", 81559 * MiB, True, ("h100", "h100-80", "h100-80gb")),
+    GpuSpec("H200", 143771 * MiB, True, ("h200", "h200-141gb")),
+)
+
+
+def _key(name: str) -> str:
+    return re.sub(r"[^a-z0-9]", "", name.lower()).removeprefix("nvidia").removeprefix("geforce").removeprefix("tesla")
+
+
+def find_gpu(name: str) -> GpuSpec:
+    """`--gpu` lookup, forgiving about case, spaces and dashes: 'A100-80', 'rtx 4090', 'NVIDIA H100'."""
+    k = _key(name)
+    for spec in GPUS:
+        if k in {_key(spec.name), *(_key(a) for a in spec.aliases)}:
+            return spec
+    known = ", ".join(spec.aliases[0] for spec in GPUS)
+    raise OomtuneError(f"--gpu {name!r}: not in the table ({known}); pass --budget with the card's memory instead")
+
+
+# -- the margin ---------------------------------------------------------------------------------
+
+DEFAULT_MARGIN = "512MiB+5%"
+
+
+@dataclass(frozen=True)
+class Margin:
+    """Memory a real GPU run needs beyond the tensors the tracker counts:
+
+    fixed_bytes  the CUDA context (driver state and loaded kernels, a few hundred MiB with lazy module
+                 loading) and the cuBLAS / cuDNN workspaces;
+    fraction     of the tensor peak, for the caching allocator: large blocks are rounded up to 2 MiB,
+                 segments are reused imperfectly (fragmentation), so what it reserves exceeds what
+                 tensors hold.
+
+    The fake device reports `tensor peak + overhead(tensor peak)` as its peak and raises an OOM when
+    that passes the budget. It is separate from --headroom, which is a policy (keep this much free for
+    longer batches and luck), not a correction."""
+
+    fixed_bytes: int = 0
+    fraction: float = 0.0
+
+    def __post_init__(self):
+        if self.fixed_bytes < 0 or not 0 <= self.fraction < 1:
+            raise OomtuneError(f"margin: fixed part must be >= 0 and the fraction in [0, 1), got {self.describe()}")
+
+    def overhead(self, tensor_bytes: int) -> int:
+        return self.fixed_bytes + math.ceil(tensor_bytes * self.fraction)
+
+    def total(self, tensor_bytes: int) -> int:
+        return tensor_bytes + self.overhead(tensor_bytes)
+
+    def tensor_budget(self, budget_bytes: int) -> int:
+        """The most tensor bytes whose total still fits in `budget_bytes` (the tracker's OOM threshold)."""
+        return max(0, math.floor((budget_bytes - self.fixed_bytes) / (1 + self.fraction)))
+
+    def describe(self) -> str:
+        parts = []
+        if self.fixed_bytes:
+            parts.append(_size_text(self.fixed_bytes))
+        if self.fraction:
+            parts.append(f"{self.fraction * 100:g}%")
+        return "+".join(parts) or "0"
+
+
+def _size_text(n: int) -> str:
+    """Exact and short, so describe() parses back: 536870912 -> '512MiB', 1000 -> '1000B'."""
+    for unit, size in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if n % size == 0:
+            return f"{n // size}{unit}"
+    return f"{n}B"
+
+
+def parse_margin(text: str | None) -> Margin:
+    """'512MiB+5%', '1GiB', '8%', '0'; None means the default."""
+    s = (DEFAULT_MARGIN if text is None else str(text)).replace(" ", "")
+    if s in ("0", "none"):
+        return Margin()
+    fixed, fraction = 0, 0.0
+    for part in s.split("+"):
+        if part.endswith("%"):
+            try:
+                fraction += float(part[:-1]) / 100
+            except ValueError:
+                raise OomtuneError(f"--margin {text!r}: expected e.g. 512MiB+5%, 1GiB, 8% or 0") from None
+        else:
+            try:
+                fixed += parse_budget(part)
+            except OomtuneError:
+                raise OomtuneError(f"--margin {text!r}: expected e.g. 512MiB+5%, 1GiB, 8% or 0") from None
+    return Margin(fixed, fraction)

@@ -1,0 +1,253 @@
+"""`oomtune estimate` and `oomtune check`: the ladder on fake tensors, the breakdown of the peak, the CI gate."""
+
+import json
+
+import pytest
+
+from oomtune.devices import CpuDevice, FakeDevice
+from oomtune.errors import ConfigError
+from oomtune.estimate import breakdown, estimate, static_memory
+from oomtune.gpus_table import Margin
+from oomtune.model_file import load_model_file
+from oomtune.plan import MemoryBreakdown, Plan, load_config
+from oomtune.probe import probe, resolve_targets
+from oomtune.trial import run_trial
+
+from .conftest import EXAMPLES, ROOT, run_cli
+
+# A model whose hidden width the check test widens; DEFAULTS are the ladder's targets.
+WIDE_MODEL = '''
+import torch
+from torch import nn
+
+WIDTH = {width}
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(16, WIDTH)
+        self.blocks = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(2))
+        self.out = nn.Linear(WIDTH, 4)
+
+    def forward(self, x, y):
+        x = self.inp(x)
+        for b in self.blocks:
+            x = torch.relu(b(x))
+        return nn.functional.cross_entropy(self.out(x).mean(1), y)
+
+
+def build_model():
+    return Net()
+
+
+def make_batch(batch_size, context_length, device):
+    return (torch.randn(batch_size, context_length, 16, device=device),
+            torch.randint(0, 4, (batch_size,), device=device))
+
+
+DEFAULTS = {{"batch": 8, "context": 64}}
+'''
+NO_MARGIN = Margin()
+
+
+@pytest.fixture(scope="module")
+def tiny_gpt():
+    return load_model_file(EXAMPLES / "tiny_gpt.py")
+
+
+# -- the breakdown ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("plan", [
+    Plan(4, 64, "fp32"),
+    Plan(4, 64, "bf16"),
+    Plan(4, 64, "bf16", activation_checkpointing=True, grad_accum_steps=2),
+], ids=["fp32", "bf16", "bf16+ckpt x2"])
+def test_the_breakdown_adds_up_to_the_trial_peak(tiny_gpt, plan):
+    """The parts are the live set at the peak: they sum to it exactly, and it is the trial's own peak."""
+    margin = Margin(fixed_bytes=1 << 20, fraction=0.05)
+    device = FakeDevice("1GiB", margin=margin)
+    bd = breakdown(tiny_gpt, plan, device)
+    trial = run_trial(tiny_gpt, plan, device)
+    assert sum(bd.part_bytes().values()) == bd.tensor_peak_bytes == trial.peak_allocated_bytes
+    assert bd.margin_bytes == margin.overhead(bd.tensor_peak_bytes)
+    assert bd.peak_bytes == bd.tensor_peak_bytes + bd.margin_bytes == trial.peak_bytes
+    assert bd.phase in ("forward", "backward", "optimizer")
+    # the parts are the right things: weights are the model's, autocast copies exist only under autocast
+    static = static_memory(tiny_gpt)
+    assert bd.parameters_bytes == static.weights_bytes
+    assert bd.optimizer_state_bytes == static.optimizer_bytes  # the peak is in step 2: the state exists
+    assert (bd.autocast_copies_bytes > 0) == (plan.precision != "fp32")
+    assert bd.activations_bytes > 0
+    # the cpu device (real compute, same accountant) sorts its tensors the same way
+    assert breakdown(tiny_gpt, plan, CpuDevice("1GiB")) == dataclasses_replace_margin(bd, "0", 0)
+
+
+def dataclasses_replace_margin(bd: MemoryBreakdown, margin: str, margin_bytes: int) -> MemoryBreakdown:
+    import dataclasses
+
+    return dataclasses.replace(bd, margin=margin, margin_bytes=margin_bytes, peak_bytes=0)
+
+
+def test_checkpointing_trades_saved_activations_and_autocast_adds_weight_copies(tiny_gpt):
+    device = FakeDevice("1GiB", margin=NO_MARGIN)
+    fp32 = breakdown(tiny_gpt, Plan(8, 128, "fp32"), device)
+    bf16 = breakdown(tiny_gpt, Plan(8, 128, "bf16"), device)
+    ckpt = breakdown(tiny_gpt, Plan(8, 128, "bf16", activation_checkpointing=True), device)
+    assert bf16.activations_bytes < fp32.activations_bytes  # half-width activations
+    assert ckpt.activations_bytes < bf16.activations_bytes / 2  # only block inputs (and one block's recompute)
+    assert fp32.autocast_copies_bytes == 0 < bf16.autocast_copies_bytes < bf16.parameters_bytes  # bf16 copies
+    assert fp32.parameters_bytes == bf16.parameters_bytes  # autocast keeps the fp32 weights
+
+
+def test_a_breakdown_that_does_not_add_up_is_rejected_and_old_configs_load_without_one():
+    with pytest.raises(ConfigError, match="sum to 6"):
+        MemoryBreakdown("forward", 1, 1, 1, 1, 1, 1, tensor_peak_bytes=7)
+    for path in sorted((ROOT / "configs").glob("*.yaml")):  # written before the breakdown existed
+        config = load_config(path)
+        assert config.found_by is None or config.found_by.breakdown is None
+
+
+# -- estimate ------------------------------------------------------------------------------------
+
+def test_estimate_on_fake_climbs_the_same_ladder_as_probe_on_cpu(write_model):
+    """Same accountant: with no margin, the fake device's ladder is the cpu device's, trial for trial."""
+    mf = load_model_file(write_model(WIDE_MODEL.format(width=32)))
+    targets = resolve_targets(mf, None, None, None)
+    on_cpu = probe(mf, CpuDevice("300KiB"), targets)
+    est = estimate(mf, FakeDevice("300KiB", margin=NO_MARGIN), targets)
+    seen = lambda records: [(r.rung, r.micro_batch_size, r.context_length, r.grad_accum_steps, r.result,  # noqa: E731
+                             r.peak_bytes) for r in records]
+    assert seen(est.search.records) == seen(on_cpu.records)
+    assert len(est.search.records) >= 4  # it climbed: the target did not fit at fp32
+    assert est.config.plan == on_cpu.config.plan
+    fb = est.config.found_by
+    assert fb.command == "estimate" and fb.estimated is True and fb.device == "fake"
+    assert fb.peak_bytes == on_cpu.config.found_by.peak_bytes == fb.breakdown.peak_bytes
+    assert fb.breakdown == est.breakdown and est.breakdown_plan == est.config.plan
+
+
+def test_estimate_cli_writes_an_estimated_config_with_the_breakdown(write_model, tmp_path):
+    model = write_model(WIDE_MODEL.format(width=32))
+    out = tmp_path / "best.yaml"
+    r = run_cli("estimate", model, "--budget", "400KiB", "--margin", "16KiB+5%", "--out", out, "--json")
+    assert r.exit_code == 0, r.output
+    report = json.loads(r.stdout)
+    assert report["estimated"] is True and report["fits"] is True and report["margin"] == "16KiB+5%"
+    bd = report["breakdown"]
+    parts = ("parameters", "gradients", "optimizer_state", "autocast_copies", "activations", "temporaries")
+    assert sum(bd[f"{p}_bytes"] for p in parts) == bd["tensor_peak_bytes"]
+    assert bd["peak_bytes"] == bd["tensor_peak_bytes"] + bd["margin_bytes"] == report["peak_bytes"]
+    assert report["peak_bytes"] <= report["limit_bytes"]
+    assert all(t["tokens_per_s"] is None for t in report["trials"])  # nothing computed, no speed claimed
+    config = load_config(out)  # strict loading reads the new field back
+    assert config.found_by.estimated is True
+    assert config.found_by.breakdown.tensor_peak_bytes == bd["tensor_peak_bytes"]
+    assert config.plan.global_batch_size == 8
+    # the table form shows the breakdown and the margin separately
+    r = run_cli("estimate", model, "--budget", "400KiB", "--margin", "16KiB+5%", "--out", out)
+    assert r.exit_code == 0
+    for text in ("saved activations", "temporaries", "tensor peak", "margin 16KiB+5%", "peak in"):
+        assert text in r.stdout
+
+
+def test_nothing_fits_says_why_and_names_the_levers(tiny_gpt, tmp_path):
+    static = static_memory(tiny_gpt)
+    budget = static.total_bytes  # after 10% headroom the weights, gradients and AdamW state do not fit
+    r = run_cli("estimate", EXAMPLES / "tiny_gpt.py", "--budget", str(budget), "--margin", "0", "--json",
+                "--out", tmp_path / "x.yaml")
+    assert r.exit_code == 1
+    report = json.loads(r.stdout)
+    assert report["fits"] is False and report["trials"] == []  # known without a trial
+    assert report["why_nothing_fits"].startswith("weights + gradients + AdamW state = ")
+    levers = " ".join(report["levers"])
+    assert "8-bit" in levers and "shard" in levers and "offload" in levers
+    bd = report["breakdown"]  # of the smallest plan: micro-batch 1 at the target context, last rung
+    assert report["breakdown_plan"]["micro_batch_size"] == 1
+    assert bd["parameters_bytes"] + bd["gradients_bytes"] + bd["optimizer_state_bytes"] == static.total_bytes
+    assert not (tmp_path / "x.yaml").exists()
+    r = run_cli("estimate", EXAMPLES / "tiny_gpt.py", "--budget", str(budget), "--margin", "0",
+                "--out", tmp_path / "x.yaml")
+    assert "weights + gradients + AdamW state" in r.stderr and "what would help" in r.stdout
+
+
+def test_what_if_one_plan(tmp_path):
+    args = ("estimate", EXAMPLES / "tiny_gpt.py", "--micro-batch", "4", "--context", "64", "--precision", "bf16",
+            "--checkpointing", "--margin", "0", "--json")
+    r = run_cli(*args)  # no budget: the breakdown alone
+    assert r.exit_code == 0, r.output
+    report = json.loads(r.stdout)
+    assert report["fits"] is None
+    assert report["plan"]["activation_checkpointing"] is True and report["plan"]["precision"] == "bf16"
+    peak = report["breakdown"]["peak_bytes"]
+    fits = run_cli(*args, "--budget", str(int(peak / 0.9) + 1))
+    assert fits.exit_code == 0 and json.loads(fits.stdout)["fits"] is True
+    short = run_cli(*args, "--budget", str(int(peak / 0.9) - 512))
+    assert short.exit_code == 1 and json.loads(short.stdout)["fits"] is False
+
+
+# -- check ---------------------------------------------------------------------------------------
+
+def test_check_passes_unchanged_and_fails_after_a_wider_layer(write_model, tmp_path):
+    model = write_model(WIDE_MODEL.format(width=32))
+    config = tmp_path / "best.yaml"
+    r = run_cli("estimate", model, "--budget", "400KiB", "--margin", "0", "--out", config)
+    assert r.exit_code == 0, r.output
+    ok = run_cli("check", "--config", config, "--json")
+    assert ok.exit_code == 0, ok.output
+    report = json.loads(ok.stdout)
+    assert report["fits"] is True and report["new_peak_bytes"] == report["old_peak_bytes"]
+    assert all(v == 0 for v in report["difference"].values())
+
+    write_model(WIDE_MODEL.format(width=128))  # a wider layer, same file
+    grown = run_cli("check", "--config", config, "--json")
+    assert grown.exit_code == 1
+    report = json.loads(grown.stdout)
+    assert report["fits"] is False and report["new_peak_bytes"] > report["limit_bytes"]
+    diff = report["difference"]
+    assert diff["parameters"] > 0 and diff["activations"] > 0
+    assert diff["peak"] == report["new_peak_bytes"] - report["old_peak_bytes"]
+    # the human form prints the old and new peak and the difference by part
+    text = run_cli("check", "--config", config)
+    assert text.exit_code == 1
+    for phrase in ("old peak", "new peak", "difference", "parameters", "no longer fits"):
+        assert phrase in text.output
+    # a bigger budget makes it fit again
+    assert run_cli("check", "--config", config, "--budget", "10MiB").exit_code == 0
+
+
+def test_check_on_the_cpu_device_agrees(write_model, tmp_path):
+    model = write_model(WIDE_MODEL.format(width=32))
+    config = tmp_path / "best.yaml"
+    assert run_cli("estimate", model, "--budget", "400KiB", "--margin", "0", "--out", config).exit_code == 0
+    r = run_cli("check", "--config", config, "--device", "cpu", "--json")
+    assert r.exit_code == 0, r.output
+    report = json.loads(r.stdout)
+    assert report["device"] == "cpu" and report["new_peak_bytes"] == report["old_peak_bytes"]
+
+
+def test_bad_input_exits_2(write_model, tmp_path):
+    model = write_model(WIDE_MODEL.format(width=32))
+    bad_yaml = tmp_path / "bad.yaml"
+    bad_yaml.write_text("model: model.py\nplan: {micro_batch_size: 1, context_length: 8}\nbogus: 1\n")
+    no_model = tmp_path / "nomodel.yaml"
+    no_model.write_text("model: missing.py\nplan: {micro_batch_size: 1, context_length: 8}\n")
+    no_budget = tmp_path / "nobudget.yaml"
+    no_budget.write_text("model: model.py\nplan: {micro_batch_size: 1, context_length: 8}\n")
+    cases = {
+        "missing config": ("check", "--config", tmp_path / "nope.yaml"),
+        "unknown key": ("check", "--config", bad_yaml),
+        "missing model": ("check", "--config", no_model),
+        "no budget anywhere": ("check", "--config", no_budget),
+        "bad device": ("check", "--config", no_budget, "--budget", "1MiB", "--device", "tpu"),
+        "estimate without budget": ("estimate", model),
+        "unknown gpu": ("estimate", model, "--gpu", "voodoo2"),
+        "bad margin": ("estimate", model, "--budget", "1GiB", "--margin", "lots"),
+        "throughput needs compute": ("estimate", model, "--budget", "1GiB", "--objective", "throughput"),
+        "plan flag without --micro-batch": ("estimate", model, "--precision", "bf16"),
+        "budget under the margin": ("estimate", model, "--budget", "100MiB", "--margin", "1GiB"),
+    }
+    for name, args in cases.items():
+        r = run_cli(*args)
+        assert r.exit_code == 2, (name, r.output)
+        assert "error:" in r.stderr and "Traceback" not in r.output, name

@@ -1,0 +1,162 @@
+"""The fake device: the cpu device's accountant on FakeTensors, so it predicts a GPU's memory with no compute."""
+
+import pytest
+import torch
+
+from oomtune.devices import CpuDevice, FakeDevice, make_device
+from oomtune.errors import OomtuneError
+from oomtune.estimate import breakdown
+from oomtune.gpus_table import GPUS, Margin, find_gpu, parse_margin
+from oomtune.model_file import load_model_file
+from oomtune.plan import Plan
+from oomtune.trial import run_trial
+
+from .conftest import EXAMPLES
+
+MiB = 1 << 20
+EXAMPLE_FILES = ("tiny_gpt.py", "mlp_dict.py", "conv_net.py")
+# every rung of the ladder (fp32, amp, amp + checkpointing, + accumulation), at sizes that run in a blink
+RUNGS = {
+    "fp32": Plan(2, 32, "fp32"),
+    "bf16": Plan(2, 32, "bf16"),
+    "bf16+ckpt": Plan(2, 32, "bf16", activation_checkpointing=True),
+    "bf16+ckpt x2": Plan(2, 32, "bf16", activation_checkpointing=True, grad_accum_steps=2),
+}
+
+
+@pytest.fixture(scope="module")
+def model_files():
+    return {name: load_model_file(EXAMPLES / name) for name in EXAMPLE_FILES}
+
+
+@pytest.mark.parametrize("rung", RUNGS)
+@pytest.mark.parametrize("example", EXAMPLE_FILES)
+def test_fake_peak_equals_cpu_peak(model_files, example, rung):
+    """fake (no compute) vs cpu (real compute), same plan, same tracker: the peaks agree (they are in fact
+    equal to the byte), phase by phase."""
+    plan = RUNGS[rung]
+    cpu = run_trial(model_files[example], plan, CpuDevice("1GiB"))
+    fake = run_trial(model_files[example], plan, FakeDevice("1GiB", margin=Margin()))
+    assert not cpu.oom and not fake.oom
+    assert fake.peak_allocated_bytes == pytest.approx(cpu.peak_allocated_bytes, rel=0.01)
+    assert fake.phase_peaks.keys() == cpu.phase_peaks.keys()
+    for phase, peak in cpu.phase_peaks.items():
+        assert fake.phase_peaks[phase] == pytest.approx(peak, rel=0.01), phase
+    # nothing was computed on fake: no loss to read, no speed to report
+    assert cpu.loss is not None and fake.loss is None
+    assert cpu.tokens_per_s is not None and fake.tokens_per_s is None
+
+
+def test_fp16_with_gradscaler_runs_on_fake_and_matches_cpu(model_files):
+    """GradScaler reads a found-inf flag with .item(); on fake it reads 0 (finite: the step is taken)."""
+    plan = Plan(2, 32, "fp16", activation_checkpointing=True, grad_accum_steps=2)
+    mf = model_files["tiny_gpt.py"]
+    cpu = run_trial(mf, plan, CpuDevice("1GiB"))
+    fake = run_trial(mf, plan, FakeDevice("1GiB", margin=Margin()))
+    assert not fake.oom
+    assert fake.peak_allocated_bytes == cpu.peak_allocated_bytes
+    assert fake.phase_peaks["optimizer"] == cpu.phase_peaks["optimizer"]  # the optimizer step did run
+
+
+def test_the_fake_budget_raises_a_cuda_shaped_oom(model_files):
+    mf = model_files["tiny_gpt.py"]
+    need = run_trial(mf, RUNGS["fp32"], FakeDevice("1GiB", margin=Margin())).peak_allocated_bytes
+    r = run_trial(mf, RUNGS["fp32"], FakeDevice(str(need - 1), margin=Margin()))
+    assert r.oom and r.oom_message.startswith("CUDA out of memory. Tried to allocate")
+    assert "fake device" in r.oom_message
+    assert not run_trial(mf, RUNGS["fp32"], FakeDevice(str(need), margin=Margin())).oom
+
+
+def test_the_margin_is_added_to_the_tensor_peak_and_moves_the_oom(model_files):
+    mf = model_files["mlp_dict.py"]
+    margin = Margin(fixed_bytes=3 * MiB, fraction=0.25)
+    r = run_trial(mf, RUNGS["bf16"], FakeDevice("1GiB", margin=margin))
+    tensors = r.peak_allocated_bytes
+    assert r.peak_bytes == tensors + 3 * MiB + -(-tensors // 4)  # ceil(25%)
+    # a budget that holds the tensors but not tensors + margin runs out of memory
+    assert run_trial(mf, RUNGS["bf16"], FakeDevice(str(tensors), margin=Margin())).oom is False
+    assert run_trial(mf, RUNGS["bf16"], FakeDevice(str(tensors), margin=margin)).oom is True
+    assert run_trial(mf, RUNGS["bf16"], FakeDevice(str(r.peak_bytes), margin=margin)).oom is False
+
+
+def test_tied_weights_are_counted_once(write_model):
+    """The model is built straight into fake tensors (not meta + .to(), which unties and refuses fake tensors)."""
+    path = write_model('''
+        import torch
+        from torch import nn
+
+        class Tied(nn.Module):
+            def __init__(self, tie):
+                super().__init__()
+                self.emb = nn.Embedding(1000, 64)
+                self.head = nn.Linear(64, 1000, bias=False)
+                if tie:
+                    self.head.weight = self.emb.weight
+
+            def forward(self, x):
+                return nn.functional.cross_entropy(self.head(self.emb(x)).flatten(0, 1), x.flatten())
+
+        TIE = True
+
+        def build_model():
+            return Tied(TIE)
+
+        def make_batch(batch_size, context_length, device):
+            return torch.randint(0, 1000, (batch_size, context_length), device=device)
+    ''')
+    mf = load_model_file(path)
+    plan = Plan(1, 8, "fp32")
+    tied = breakdown(mf, plan, FakeDevice("1GiB", margin=Margin()))
+    assert tied.tensor_peak_bytes == run_trial(mf, plan, CpuDevice("1GiB")).peak_allocated_bytes
+    mf.module.TIE = False
+    untied = breakdown(mf, plan, FakeDevice("1GiB", margin=Margin()))
+    # untied: one more 1000x64 fp32 matrix, and AdamW keeps two moments and a step count (one block) for it
+    assert untied.parameters_bytes - tied.parameters_bytes == 1000 * 64 * 4
+    assert untied.optimizer_state_bytes - tied.optimizer_state_bytes == 2 * 1000 * 64 * 4 + 512  # + a step count
+
+
+def test_make_device_fake_needs_a_budget():
+    with pytest.raises(OomtuneError, match="--budget"):
+        make_device("fake", None)
+    dev = make_device("fake", "24GiB")
+    assert isinstance(dev, FakeDevice) and dev.computes is False and dev.budget_bytes == 24 << 30
+    assert dev.margin == parse_margin(None)  # the default margin applies
+    assert dev.tracker.budget_bytes < dev.budget_bytes
+
+
+def test_gpu_table_lookup_and_percent_budgets():
+    assert find_gpu("A100-80").name == "A100 80GB"
+    assert find_gpu("NVIDIA H100").name == find_gpu("h100").name
+    assert find_gpu("rtx 4090").memory_bytes == find_gpu("RTX4090").memory_bytes
+    assert find_gpu("t4").bf16 is False  # so `--amp auto` means fp16 there
+    with pytest.raises(OomtuneError, match="not in the table"):
+        find_gpu("voodoo2")
+    names = {g.name for g in GPUS}
+    for want in ("Tesla T4", "GeForce RTX 3060", "GeForce RTX 3090", "GeForce RTX 4090", "L4", "A10", "A100 40GB",
+                 "A100 80GB", "H100 80GB", "H200"):
+        assert want in names
+    t4 = find_gpu("t4")
+    dev = FakeDevice("50%", gpu=t4)
+    assert dev.budget_bytes == t4.memory_bytes // 2 and dev.amp_dtype() == "fp16"
+
+
+def test_parse_margin():
+    assert parse_margin("0") == Margin()
+    assert parse_margin("1GiB+8%") == Margin(1 << 30, 0.08)
+    assert parse_margin("5%") == Margin(0, 0.05)
+    m = parse_margin(None)
+    assert parse_margin(m.describe()) == m  # what the config records parses back
+    assert m.tensor_budget(m.total(10 << 30)) >= 10 << 30 > m.tensor_budget(m.total(10 << 30) - 1)
+    for bad in ("lots", "5%%", "1GiB+x"):
+        with pytest.raises(OomtuneError, match="--margin"):
+            parse_margin(bad)
+
+
+def test_item_on_fake_tensors_reads_zero_except_for_known_constants():
+    dev = FakeDevice("1GiB", margin=Margin())
+    with dev.measure():
+        x = torch.randn(4)
+        assert x.sum().item() == 0.0 and bool(x.max() > 1) is False
+        step = torch.tensor(0.0)
+        step += 1  # a small constant the fake mode follows, as an optimizer's step count
+        assert step.item() == 1.0
