@@ -1,0 +1,65 @@
+"""oomtune as a contender: its real `probe()` on the `cpu` device, with its trials' steps counted."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import oomtune.trial
+from oomtune.devices import CpuDevice
+from oomtune.model_file import ModelFile
+from oomtune.probe import ProbeResult, probe, resolve_targets
+
+STEPS_PER_TRIAL = 2  # oomtune's default --steps
+
+
+@contextlib.contextmanager
+def counting_steps() -> Iterator[Counter]:
+    """Count the training steps oomtune's trials start, keyed (precision, checkpointing, accumulating), by
+    wrapping the one training step the trials call. Restored on exit."""
+    counts: Counter = Counter()
+    step = oomtune.trial.train_step
+
+    def counted(t, micro_batches):
+        counts[(t.plan.precision, t.plan.activation_checkpointing, t.plan.grad_accum_steps > 1)] += 1
+        return step(t, micro_batches)
+
+    oomtune.trial.train_step = counted
+    try:
+        yield counts
+    finally:
+        oomtune.trial.train_step = step
+
+
+@dataclass
+class OursResult:
+    objective: str
+    probe: ProbeResult
+    steps_per_rung: dict[str, int]  # rung name -> steps its own trials started (accumulation verifies excluded)
+    steps: int  # every step the probe started
+    seconds: float  # the whole probe
+
+    def rung(self, name: str):
+        return next((r for r in self.probe.ladder.rungs if r.rung.name == name), None)
+
+    def rung_seconds(self, name: str) -> float:
+        """Seconds of the rung's own trials (accumulation verifies excluded), as the probe recorded them."""
+        return sum(t.seconds for t in self.probe.records if t.rung == name and t.grad_accum_steps == 1)
+
+
+def run_oomtune(model_file: ModelFile, batch: int, context: int, budget: str, objective: str = "fit",
+                headroom: float = 0.0) -> OursResult:
+    """`oomtune probe MODEL --device cpu --budget BUDGET --batch B --context T --headroom H --objective O`."""
+    device = CpuDevice(budget)
+    targets = resolve_targets(model_file, batch, context, None)
+    with counting_steps() as counts:
+        start = time.perf_counter()
+        result = probe(model_file, device, targets, headroom=headroom, steps=STEPS_PER_TRIAL, objective=objective)
+        seconds = time.perf_counter() - start
+    steps = {}
+    for r in result.ladder.rungs:
+        steps[r.rung.name] = counts.get((r.rung.precision, r.rung.activation_checkpointing, False), 0)
+    return OursResult(objective, result, steps, sum(counts.values()), seconds)

@@ -1,0 +1,264 @@
+"""`make bench`: oomtune against Lightning, Accelerate and exhaustive truth on the same model files, the same
+simulated-memory `cpu` device and the same budgets; writes bench/results.json and bench/RESULTS.md.
+
+    .venv/bin/python -m bench.run [--out bench/RESULTS.md] [--json bench/results.json] [--no-others]
+
+Every figure in the written files comes from this run. The trainer-overhead and estimate sections come from the
+`bench-train` / `bench-estimate` Makefile targets, run here when the Makefile has them (they write their own
+sections between markers; this script keeps what they wrote and puts a TODO line where a target is missing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from oomtune.model_file import load_model_file
+from oomtune.units import parse_budget
+
+from . import report
+from .ours import run_oomtune
+from .peers import oom_recognised, run_accelerate, run_lightning
+from .truth import PeakTable, peak_table, plan_label, time_plans, verify_boundary
+
+ROOT = Path(__file__).resolve().parent.parent
+THREADS = 1  # see RESULTS.md: 2 shared cores; two intra-op threads under contention made a step up to 40x slower
+HEADROOM = 0.0  # "fits" = runs without OOM in the budget, for every contender (justified in RESULTS.md)
+OTHER_SECTIONS = (("train", "bench-train"), ("estimate", "bench-estimate"))
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    path: str  # relative to the repository root
+    batch: int  # target global batch B
+    context: int  # T (= T_min: context is never cut here)
+    budgets: tuple[str, ...]
+
+
+# budgets chosen so that B does not fit at fp32 under any of them (the run checks and says so if it does)
+CASES = (
+    Case("tiny_gpt", "examples/tiny_gpt.py", 16, 128, ("9MiB", "16MiB", "30MiB")),
+    Case("mlp_dict", "examples/mlp_dict.py", 20, 64, ("10MiB", "16MiB", "24MiB")),
+    Case("parallel_gpt", "bench/models/parallel_gpt.py", 24, 64, ("12MiB", "24MiB", "40MiB")),
+)
+
+
+def log(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# -- one budget ----------------------------------------------------------------------------------------------
+
+def _peer_row(r, truth: int, table: PeakTable, limit: int) -> dict:
+    """A peer's result, and how many of its attempts ended differently from oomtune's step at that size."""
+    differs = sum(1 for b, ok in r.attempts if b <= table.batch and ok != table.fits("fp32", b, 1, limit))
+    return {"contender": r.contender, "trials": r.trials, "steps": r.steps, "seconds": round(r.seconds, 2),
+            "found": r.found, "ratio": _ratio(r.found, truth), "attempts": [[b, ok] for b, ok in r.attempts],
+            "attempts_differing_from_truth": differs}
+
+
+def _ratio(found: int | None, truth: int | None) -> float | None:
+    return round(found / truth, 3) if found is not None and truth else None
+
+
+def bench_budget(case: Case, mf, table: PeakTable, budget: str) -> dict:
+    limit = int(parse_budget(budget) * (1 - HEADROOM))
+    truth = table.true_max("fp32", limit)
+    out = {"model": case.name, "budget": budget, "budget_bytes": limit, "batch": case.batch,
+           "context": case.context, "true_max": {r.name: table.true_max(r.name, limit) for r in table.rungs}}
+    out["target_fits_fp32"] = truth == case.batch
+    out["truth_boundary_verified"] = verify_boundary(mf, table, "fp32", budget)
+
+    log(f"{case.name} {budget}: oomtune (fit, throughput)")
+    fit = run_oomtune(mf, case.batch, case.context, budget, "fit", HEADROOM)
+    thr = run_oomtune(mf, case.batch, case.context, budget, "throughput", HEADROOM)
+    fp32 = fit.rung("fp32")
+    rows = [{"contender": "oomtune", "trials": fp32.trials, "steps": fit.steps_per_rung["fp32"],
+             "seconds": round(fit.rung_seconds("fp32"), 2), "found": fp32.micro_batch_size,
+             "ratio": _ratio(fp32.micro_batch_size, truth),
+             "attempts": [[t.micro_batch_size, t.result == "fits"] for t in fit.probe.records
+                          if t.rung == "fp32" and t.grad_accum_steps == 1]}]
+    log(f"{case.name} {budget}: accelerate")
+    rows.append(_peer_row(run_accelerate(mf, case.batch, case.context, budget), truth, table, limit))
+    for mode in ("power", "binsearch"):
+        log(f"{case.name} {budget}: lightning {mode}")
+        rows.append(_peer_row(run_lightning(mf, case.context, budget, mode), truth, table, limit))
+    rows.append({"contender": "exhaustive", "trials": case.batch, "steps": 2 * case.batch,
+                 "seconds": round(table.search_seconds("fp32"), 2), "found": truth, "ratio": 1.0})
+    out["batch_search"] = rows
+
+    # cpu (oomtune's trials) against fake (the table): every fitting trial's peak, to the byte
+    same = total = 0
+    for probe_run in (fit, thr):
+        for t in probe_run.probe.records:
+            key = (t.rung, t.micro_batch_size, t.grad_accum_steps)
+            if t.result == "fits" and key in table.peaks:
+                total += 1
+                same += table.peaks[key] == t.peak_bytes
+    out["cpu_fake_agree"] = [same, total]
+
+    best_fit = table.best_fit_plan(limit)
+    out["ladder_fit"] = {"oomtune": _plan_json(fit.probe.config.plan if fit.probe.config else None),
+                         "trials": len(fit.probe.records), "steps": fit.steps, "seconds": round(fit.seconds, 2),
+                         "exhaustive": _plan_json(best_fit)}
+    out["ladder_throughput"] = {"oomtune": _plan_json(thr.probe.config.plan if thr.probe.config else None),
+                                "trials": len(thr.probe.records), "steps": thr.steps,
+                                "seconds": round(thr.seconds, 2),
+                                "candidates": [_plan_json(p) for _, p in table.fitting_plans(limit)]}
+    return out
+
+
+def _plan_json(plan) -> dict | None:
+    if plan is None:
+        return None
+    return {"label": plan_label(plan), "micro_batch_size": plan.micro_batch_size,
+            "grad_accum_steps": plan.grad_accum_steps, "precision": plan.precision,
+            "activation_checkpointing": plan.activation_checkpointing, "context_length": plan.context_length}
+
+
+def _plan_from_json(d: dict):
+    from oomtune.plan import Plan
+
+    return Plan(d["micro_batch_size"], d["context_length"], d["precision"], d["activation_checkpointing"],
+                d["grad_accum_steps"])
+
+
+def bench_case(case: Case) -> dict:
+    mf = load_model_file(ROOT / case.path)
+    log(f"{case.name}: exhaustive peak table on the fake device (B={case.batch}, T={case.context})")
+    table = peak_table(mf, case.batch, case.context)
+    log(f"{case.name}: {table.trials} trials in {table.seconds:.0f}s on {table.device_kind}")
+    budgets = [bench_budget(case, mf, table, b) for b in case.budgets]
+
+    # throughput: every plan that fits some budget (and oomtune's picks), timed once with real compute
+    plans = {}
+    for b in budgets:
+        for p in b["ladder_throughput"]["candidates"] + [b["ladder_throughput"]["oomtune"]]:
+            if p is not None:
+                plans[p["label"]] = _plan_from_json(p)
+    log(f"{case.name}: timing {len(plans)} plans on the cpu device")
+    start = time.perf_counter()
+    speed = time_plans(mf, plans.values())
+    timing_seconds = time.perf_counter() - start
+    tps = {plan_label(p): round(v, 1) for p, v in speed.items()}
+    for b in budgets:
+        lt = b["ladder_throughput"]
+        cands = [p["label"] for p in lt["candidates"]]
+        lt["tokens_per_s"] = {label: tps[label] for label in cands}
+        lt["exhaustive"] = max(cands, key=lambda label: tps[label]) if cands else None
+        pick = lt["oomtune"]["label"] if lt["oomtune"] else None
+        lt["oomtune_tokens_per_s"] = tps.get(pick)
+        lt["oomtune_pick_fits_per_truth"] = pick in cands
+        lt["ratio"] = _ratio_f(tps.get(pick), tps.get(lt["exhaustive"]))
+    return {"model": case.name, "path": case.path, "batch": case.batch, "context": case.context,
+            "truth_device": table.device_kind, "amp_precision": table.rungs[1].precision, "truth_trials": table.trials,
+            "truth_seconds": round(table.seconds, 1), "timing_seconds": round(timing_seconds, 1),
+            "timed_plans": len(plans), "budgets": budgets}
+
+
+def _ratio_f(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a and b else None
+
+
+# -- the machine and the other engineers' sections ------------------------------------------------------------
+
+def machine() -> dict:
+    cpu = platform.processor() or platform.machine()
+    ram = None
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        m = re.search(r"^model name\s*:\s*(.+)$", text, re.M)
+        cpu = m.group(1).strip() if m else cpu
+        m = re.search(r"^MemTotal:\s*(\d+) kB", Path("/proc/meminfo").read_text(), re.M)
+        ram = int(m.group(1)) * 1024 if m else None
+    except OSError:
+        pass
+    versions = {"python": platform.python_version(), "torch": torch.__version__}
+    for name in ("lightning", "accelerate"):
+        try:
+            versions[name] = __import__(name).__version__
+        except ImportError:
+            versions[name] = None
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    return {"cores": os.cpu_count(), "ram_bytes": ram, "cpu": cpu, "os": platform.platform(),
+            "torch_threads": torch.get_num_threads(), "versions": versions,
+            "git_commit": commit.stdout.strip() or None, "load_average_start": list(os.getloadavg())}
+
+
+def has_make_target(target: str) -> bool:
+    makefile = ROOT / "Makefile"
+    return makefile.exists() and re.search(rf"^{re.escape(target)}\s*:", makefile.read_text(), re.M) is not None
+
+
+def run_other_sections(out: Path) -> dict[str, str]:
+    """Run `make bench-train` / `make bench-estimate` where they exist; return each one's section as it wrote
+    it into `out` (between its markers), or a TODO/failure line. Never a number of ours."""
+    sections = {}
+    for name, target in OTHER_SECTIONS:
+        if not has_make_target(target):
+            sections[name] = (f"TODO: this section is missing: the Makefile has no `{target}` target yet, so this "
+                              "run did not measure it.")
+            continue
+        log(f"running make {target}")
+        start = time.perf_counter()
+        proc = subprocess.run(["make", "--no-print-directory", target], cwd=ROOT, capture_output=True, text=True)
+        took = time.perf_counter() - start
+        body = report.read_section(out.read_text(), name) if out.exists() else None
+        if proc.returncode != 0:
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["(no output)"]
+            sections[name] = (f"TODO: `make {target}` failed in this run (exit {proc.returncode} after {took:.0f} s: "
+                              f"{tail[0][:200]}); no figures from it are shown.")
+        elif not body or report.PLACEHOLDER in body:
+            sections[name] = f"TODO: `make {target}` ran ({took:.0f} s) but wrote nothing between its markers."
+        else:
+            sections[name] = body
+    return sections
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "RESULTS.md")
+    ap.add_argument("--json", type=Path, default=ROOT / "bench" / "results.json")
+    ap.add_argument("--no-others", action="store_true", help="skip the bench-train / bench-estimate targets")
+    ap.add_argument("--command", default="make bench", help="the command recorded in RESULTS.md")
+    args = ap.parse_args(argv)
+
+    torch.set_num_threads(THREADS)
+    started = time.perf_counter()
+    date = dt.datetime.now(dt.timezone.utc).replace(microsecond=0).isoformat()
+    info = machine()
+    recognised = oom_recognised()
+    if not all(recognised.get(k) for k in ("lightning", "accelerate")):
+        raise SystemExit(f"a peer is missing or does not recognise the simulated OOM: {recognised} "
+                         "(install the bench extra: pip install -e '.[bench]')")
+
+    # their sections first, into a fresh skeleton (so no stale figure survives), then ours
+    args.out.write_text(report.skeleton())
+    others = {name: "TODO: skipped (--no-others)." for name, _ in OTHER_SECTIONS} if args.no_others \
+        else run_other_sections(args.out)
+
+    cases = [bench_case(c) for c in CASES]
+    info["load_average_end"] = list(os.getloadavg())
+    data = {"command": args.command, "argv": [sys.executable, "-m", "bench.run", *(argv or sys.argv[1:])],
+            "date": date, "machine": info, "oom_recognised": recognised, "headroom": HEADROOM,
+            "cases": cases, "wall_seconds": round(time.perf_counter() - started, 1)}
+    args.json.write_text(json.dumps(data, indent=1) + "\n")
+    args.out.write_text(report.render(data, others))
+    log(f"wrote {args.out} and {args.json} in {data['wall_seconds']:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,104 @@
+"""The bench machinery on one tiny model and one budget (device: cpu for the contenders, fake for the truth).
+
+Needs the bench extra (lightning, accelerate); CI installs only `.[dev]`, so there these tests are skipped."""
+
+import pytest
+import torch
+
+pytest.importorskip("lightning", reason="the bench extra is not installed (pip install -e '.[bench]')")
+pytest.importorskip("accelerate", reason="the bench extra is not installed (pip install -e '.[bench]')")
+
+from bench.ours import run_oomtune  # noqa: E402
+from bench.peers import oom_recognised, run_accelerate, run_lightning  # noqa: E402
+from bench.truth import peak_table, truth_device  # noqa: E402
+from oomtune.devices import CpuDevice  # noqa: E402
+from oomtune.model_file import load_model_file  # noqa: E402
+from oomtune.plan import Plan  # noqa: E402
+from oomtune.trial import run_trial  # noqa: E402
+
+from .conftest import TINY_MODEL  # noqa: E402
+
+pytestmark = pytest.mark.slow  # ~15 s of CPU: a probe, three peer searches and an exhaustive table
+
+B, T = 8, 16
+TRUE_MAX = 4  # the budget below is set halfway between the fp32 peaks of micro-batch 4 and 5
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """As `make bench` runs: on two shared cores, multi-threaded ops mostly wait for each other."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bench") / "tiny.py"
+    path.write_text(TINY_MODEL)
+    return load_model_file(path)
+
+
+@pytest.fixture(scope="module")
+def table(model):
+    return peak_table(model, B, T, only=["fp32"])
+
+
+@pytest.fixture(scope="module")
+def budget(table):
+    low, high = table.peaks[("fp32", TRUE_MAX, 1)], table.peaks[("fp32", TRUE_MAX + 1, 1)]
+    assert low < high
+    return str((low + high) // 2)  # bytes
+
+
+def test_truth_table_is_exhaustive_and_matches_the_cpu_device(model, table, budget):
+    assert table.device_kind == truth_device().kind
+    assert [r.name for r in table.rungs] == ["fp32"]
+    assert {(name, b) for name, b, accum in table.peaks if accum == 1} == {("fp32", b) for b in range(1, B + 1)}
+    assert table.trials == len(table.peaks)
+    limit = int(budget)
+    assert table.true_max("fp32", limit) == TRUE_MAX
+    cpu = CpuDevice(budget)
+    assert run_trial(model, Plan(TRUE_MAX, T), cpu).peak_bytes == table.peaks[("fp32", TRUE_MAX, 1)]
+    assert run_trial(model, Plan(TRUE_MAX + 1, T), cpu).oom
+
+
+def test_the_peers_recognise_the_simulated_oom():
+    assert oom_recognised() == {"lightning": True, "accelerate": True}
+
+
+def test_accelerate_real_function_tries_its_schedule_and_finds_a_batch_that_fits(model, budget):
+    r = run_accelerate(model, B, T, budget)
+    # find_executable_batch_size retries at int(0.9 x size): 8 -> 7 -> 6 -> 5 -> 4
+    assert r.attempts == [(8, False), (7, False), (6, False), (5, False), (4, True)]
+    assert r.found == TRUE_MAX and r.trials == 5
+    assert 4 + 2 <= r.steps <= 4 * 2 + 2  # an OOM attempt stops in its first or second step; the last ran both
+    cpu = CpuDevice(budget)  # what it returned trains in the budget with oomtune's step; one more does not
+    assert not run_trial(model, Plan(r.found, T), cpu).oom
+    assert run_trial(model, Plan(r.found + 1, T), cpu).oom
+
+
+def test_lightning_binsearch_doubles_then_bisects_to_the_true_max(model, budget):
+    r = run_lightning(model, T, budget, "binsearch")
+    assert r.attempts == [(2, True), (4, True), (8, False), (6, False), (5, False)]
+    assert r.found == TRUE_MAX
+    assert 2 * 2 + 3 <= r.steps <= 2 * 2 + 3 * 2
+
+
+def test_lightning_power_returns_the_last_power_of_two_that_ran(model, budget):
+    r = run_lightning(model, T, budget, "power")
+    assert r.attempts == [(2, True), (4, True), (8, False)]
+    assert r.found == 4 and r.trials == 3
+
+
+def test_oomtune_fp32_rung_finds_the_true_max_and_its_steps_are_counted(model, table, budget):
+    ours = run_oomtune(model, B, T, budget, "fit")
+    fp32 = ours.rung("fp32")
+    assert fp32.micro_batch_size == table.true_max("fp32", int(budget))
+    runs = [t for t in ours.probe.records if t.rung == "fp32" and t.grad_accum_steps == 1]
+    assert fp32.trials == len(runs)
+    fits = sum(1 for t in runs if t.result == "fits")
+    assert 2 * fits + (len(runs) - fits) <= ours.steps_per_rung["fp32"] <= 2 * len(runs)
+    accum_trials = sum(1 for t in ours.probe.records if t.grad_accum_steps > 1)
+    assert 0 <= ours.steps - sum(ours.steps_per_rung.values()) <= 2 * accum_trials  # the only other steps
