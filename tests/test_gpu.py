@@ -20,9 +20,8 @@ import torch
 from oomtune.devices import CudaDevice, make_device
 from oomtune.errors import OomtuneError
 from oomtune.model_file import load_model_file
-from oomtune.plan import Plan, TrainConfig
+from oomtune.plan import Plan
 from oomtune.probe import Targets, probe
-from oomtune.step import build_training, train_step
 from oomtune.trial import run_trial
 
 from .conftest import EXAMPLES, run_cli
@@ -247,12 +246,21 @@ def test_oomtune_gpus_lists_this_gpu():
 
 # -- the probe's boundary is a real OOM, and its plan trains -------------------------------------
 
-def test_the_probes_boundary_under_an_8gib_cap_is_real_and_its_plan_trains_50_steps():
+CAP = "8GiB"
+B, T = 8192, 512  # more than any rung of tiny_gpt holds under 8 GiB: every rung is searched, accumulation added
+
+
+@pytest.fixture(scope="module")
+def capped_probe():
+    """tiny_gpt probed under an 8 GiB cap with headroom 0, so "does not fit" can only mean a real OOM."""
     mf = load_model_file(EXAMPLES / "tiny_gpt.py")
-    device = make_device("cuda", "8GiB")
-    B, T = 8192, 512  # more than any rung holds under 8 GiB: every rung is searched, accumulation added
-    result = probe(mf, device, Targets(B, T, T), headroom=0.0)  # headroom 0: "does not fit" = a real OOM
+    result = probe(mf, make_device("cuda", CAP), Targets(B, T, T), headroom=0.0)
     assert result.config is not None, result.why_nothing_fits
+    return mf, result
+
+
+def test_the_probes_boundary_under_an_8gib_cap_is_a_real_oom(capped_probe):
+    mf, result = capped_probe
     choice = result.ladder.choice
     rung = next(r for r in result.ladder.rungs if r.rung == choice.rung)
     b_s = rung.micro_batch_size
@@ -264,25 +272,26 @@ def test_the_probes_boundary_under_an_8gib_cap_is_real_and_its_plan_trains_50_st
     assert seen[(choice.rung.name, b_s + 1, T)] == "oom"  # the search's own verify step
 
     # the boundary holds on a fresh pair of trials under the same cap
+    device = make_device("cuda", CAP)
     prec, ckpt = choice.rung.precision, choice.rung.activation_checkpointing
     at = run_trial(mf, Plan(b_s, T, prec, ckpt), device)
     over = run_trial(mf, Plan(b_s + 1, T, prec, ckpt), device)
     assert not at.oom, at.oom_message
-    assert at.peak_bytes <= device.budget_bytes
     assert over.oom and over.oom_message.startswith("CUDA out of memory")
 
-    # the chosen plan (micro-batch x accumulation = B) trains 50 steps under the same cap
+
+def test_the_probes_plan_trains_50_steps_under_the_same_cap_without_an_oom(capped_probe, tmp_path):
+    pytest.importorskip("yaml")  # the config file
+    from oomtune.plan import save_config
+    from oomtune.train import train
+
+    _, result = capped_probe
     plan = result.config.plan
     assert plan.global_batch_size == B
-    defaults = TrainConfig()
-    t = build_training(mf, plan, device, lr=defaults.lr, clip_grad_norm=defaults.clip_grad_norm)
-    torch.cuda.reset_peak_memory_stats(device.torch_device)
-    losses = []
-    for _ in range(50):
-        batches = [mf.batch(plan.micro_batch_size, plan.context_length, device.torch_device)
-                   for _ in range(plan.grad_accum_steps)]
-        losses.append(train_step(t, batches))
-        del batches
-    values = torch.stack(losses).tolist()
-    assert len(values) == 50 and all(math.isfinite(v) for v in values)
-    assert torch.cuda.max_memory_reserved(device.torch_device) <= device.budget_bytes
+    path = tmp_path / "best.yaml"
+    save_config(result.config, path)
+    run = train(path, device="cuda", budget=CAP, overrides={
+        "steps": 50, "warmup_steps": 5, "log_every_n_steps": 1, "run_dir": str(tmp_path / "run")})
+    assert run.step == 50 and not run.interrupted
+    assert run.fallbacks == () and run.plan == plan  # no OOM: the trainer never had to cut the plan
+    assert math.isfinite(run.last_loss) and run.last_loss < run.first_loss  # tiny_gpt trains on real text
