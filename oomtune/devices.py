@@ -321,6 +321,6 @@ _OOM_TEXT = (
 
 def is_oom(exc: BaseException) -> bool:
     """Is this error the device running out of memory (real or simulated), rather than a bug?"""
-    if isinstance(exc, torch.OutOfMemoryError):
+    if isinstance(exc, torch.cuda.OutOfMemoryError):  # torch.OutOfMemoryError is this class, but only from 2.5
         return True
     return isinstance(exc, RuntimeError) and any(s in str(exc) for s in _OOM_TEXT)
