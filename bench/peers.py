@@ -43,6 +43,8 @@ class PeerResult:
     attempts: list[tuple[int, bool]] = field(default_factory=list)  # (batch size, ran without OOM) in order
     steps: int = 0
     seconds: float = 0.0
+    oom_where: dict[int, str] = field(default_factory=dict)  # attempt index -> where its OOM struck (Lightning)
+    phase: str | None = None  # where the running attempt is (Lightning's hooks say)
 
     @property
     def trials(self) -> int:
@@ -141,6 +143,7 @@ def _lightning_module(model_file: ModelFile, context: int, result: PeerResult):
             return DataLoader(range(DATASET_LEN), batch_size=self.batch_size, collate_fn=make)
 
         def on_train_start(self):  # once per loop.run(): once per trial
+            _close_attempt(result)
             result.attempts.append((self.batch_size, False))
 
         def on_train_end(self):  # reached only when the loop finished without an OOM
@@ -148,12 +151,27 @@ def _lightning_module(model_file: ModelFile, context: int, result: PeerResult):
 
         def training_step(self, micro, batch_idx):
             result.steps += 1
+            alive = any(p.grad is not None for p in self.model.parameters())
+            result.phase = "forward, previous gradients alive" if alive else "forward"
             return model_file.loss(self.model, micro)
+
+        def on_before_backward(self, loss):
+            result.phase = "backward"
+
+        def on_before_optimizer_step(self, optimizer):
+            result.phase = "optimizer step"
 
         def configure_optimizers(self):
             return model_file.optimizer([p for p in self.model.parameters() if p.requires_grad], lr)
 
     return ModelFileModule()
+
+
+def _close_attempt(result: PeerResult) -> None:
+    """The previous attempt ran out of memory if it never finished: note where (the last hook it passed)."""
+    if result.attempts and not result.attempts[-1][1]:
+        result.oom_where[len(result.attempts) - 1] = result.phase or "set-up"
+    result.phase = None
 
 
 def _run_loop_on(device: CpuDevice, trainer) -> None:
@@ -199,6 +217,7 @@ def run_lightning(model_file: ModelFile, context: int, budget: str, mode: str,
         _run_loop_on(device, trainer)
         result.found = Tuner(trainer).scale_batch_size(module, mode=mode, steps_per_trial=steps, **kwargs)
         result.seconds = time.perf_counter() - start
+        _close_attempt(result)
         del trainer, module
     device.release()
     return result

@@ -53,6 +53,10 @@ def _attempts(attempts) -> str:
     return " ".join(f"{b}{'✓' if ok else '✗'}" for b, ok in attempts) if attempts else ""
 
 
+def _int(x) -> str | None:
+    return None if x is None else f"{x:.0f}"
+
+
 def _ratio(r) -> str:
     return "-" if r is None else f"{r:.2f}"
 
@@ -84,13 +88,19 @@ def headline(data: dict) -> str:
         rs = [r for _, r in pairs]
         exact = sum(1 for truth, r in pairs if r["found"] == truth)
         ratios = [r["ratio"] for r in rs if r["ratio"] is not None]
-        rows.append([NAMES[c], f"{exact}/{n}", _ratio(mean(ratios)) if ratios else "-",
-                     f"{mean(r['trials'] for r in rs):.1f}", sum(r["trials"] for r in rs),
-                     sum(r["steps"] for r in rs), f"{sum(r['seconds'] for r in rs):.1f}"])
+        paid = rs
+        if c == "exhaustive":  # one table per model serves all its budgets: count its cost once per model
+            paid = [_row(case["budgets"][0], c) for case in data["cases"]]
+        rows.append([NAMES[c] + (" ¹" if c == "exhaustive" else ""), f"{exact}/{n}",
+                     _ratio(mean(ratios)) if ratios else "-", f"{mean(r['trials'] for r in rs):.1f}",
+                     sum(r["trials"] for r in paid), sum(r["steps"] for r in paid),
+                     f"{sum(r['seconds'] for r in paid):.1f}"])
     checks = [_third_check(b) for _, b in _cases(data)]
     met = sum(1 for c in checks if c["met"])
     text = _table(["contender", "found = true max", "mean found / true", "trials per case", "trials (total)",
                    "steps (total)", "seconds (total)"], rows)
+    text += ("\n¹ its totals count each model's table once (it serves all of that model's budgets); its trials are "
+             "fake-device runs of the fp32 rung at every micro-batch 1..B.\n")
     text += (f"\nTarget \"oomtune finds the true maximum with at most 1/3 of Lightning binsearch's trials\": "
              f"**met in {met} of {n} cases**; oomtune found the true maximum in "
              f"{sum(1 for c in checks if c['exact'])} of {n} (per case and why below).\n")
@@ -109,6 +119,47 @@ def per_case(data: dict) -> str:
                          f"{r['found']}{verdict}", _ratio(r["ratio"]), _attempts(r.get("attempts"))])
     return _table(["model", "budget", "true max", "contender", "trials", "steps", "seconds", "found", "found / true",
                    "sizes tried in order (✓ ran, ✗ OOM)"], rows)
+
+
+def below_truth(data: dict) -> str:
+    """Why each answer under the true maximum is under it, read off the sizes the contender tried."""
+    lines = []
+    for case, b in _cases(data):
+        truth = b["true_max"]["fp32"]
+        for c in CONTENDERS:
+            r = _row(b, c)
+            if r["found"] is None or r["found"] >= truth:
+                continue
+            where = f"{case['model']} {b['budget']}, {NAMES[c]}: {r['found']} (true max {truth})"
+            loop = [d for d in r.get("differing", []) if not d["ran"]]
+            if loop:
+                places = sorted({d["oom_where"] or "unknown" for d in loop})
+                lines.append(f"- {where}: its own loop ran out of memory at {', '.join(str(d['batch']) for d in loop)}"
+                             f", where oomtune's training step fits (OOM struck in: {'; '.join(places)}).")
+            elif c == "lightning-power":
+                nxt = [a for a, ok in r["attempts"] if not ok]
+                lines.append(f"- {where}: power mode returns the last power of two that ran; "
+                             f"{nxt[-1] if nxt else '-'} ran out of memory and it stops there, without bisecting.")
+            elif c == "accelerate":
+                sizes = [a for a, _ in r["attempts"]]
+                i = sizes.index(r["found"])
+                skipped = list(range(r["found"] + 1, sizes[i - 1])) if i else []
+                lines.append(f"- {where}: its schedule int(0.9 x size) went from {sizes[i - 1] if i else '-'} (OOM) "
+                             f"straight to {r['found']}, never trying {', '.join(map(str, skipped)) or '-'}.")
+            else:
+                lines.append(f"- {where}: sizes tried {_attempts(r.get('attempts'))}.")
+    if not lines:
+        return "Every contender returned the true maximum in every case.\n"
+    text = "Where a contender returned less than the true maximum, and why (from the sizes it tried):\n\n"
+    text += "\n".join(lines) + "\n"
+    if any("previous gradients alive" in line for line in lines):
+        text += ("\nLightning's automatic optimization zeroes gradients inside its closure, after `training_step` and "
+                 "before `backward`, so the previous step's gradients stay alive through the next forward; oomtune's "
+                 "step (and the Accelerate loop here) zeroes them with `set_to_none=True` right after the optimizer "
+                 "step. Lightning's answer is then the largest batch its own loop can run (binsearch tried the size "
+                 "above and it ran out), which is below what the same model trains at in a loop that frees "
+                 "gradients first: a property of its loop, not of its search.\n")
+    return text
 
 
 def third_table(data: dict) -> str:
@@ -179,8 +230,9 @@ def ladder_throughput(data: dict) -> str:
             ratios.append(lt["ratio"])
         if pick and lt["exhaustive"] and pick != lt["exhaustive"] and pick.split()[0] == lt["exhaustive"].split()[0]:
             lost_in_rung += 1
-        rows.append([case["model"], b["budget"], pick or "nothing fits", lt["oomtune_tokens_per_s"],
-                     lt["exhaustive"] or "-", lt["tokens_per_s"].get(lt["exhaustive"]) if lt["exhaustive"] else None,
+        fastest = lt["tokens_per_s"].get(lt["exhaustive"]) if lt["exhaustive"] else None
+        rows.append([case["model"], b["budget"], pick or "nothing fits", _int(lt["oomtune_tokens_per_s"]),
+                     lt["exhaustive"] or "-", _int(fastest),
                      _ratio(lt["ratio"]), lt["trials"], lt["steps"], f"{lt['seconds']:.1f}"])
     text = _table(["model", "budget", "oomtune pick", "tokens/s", "fastest fitting plan", "tokens/s",
                    "pick / fastest", "trials", "steps", "seconds"], rows)
@@ -188,10 +240,25 @@ def ladder_throughput(data: dict) -> str:
     text += (f"\noomtune picked the fastest fitting plan in **{exact} of {len(rows)}** cases"
              + (f" (pick / fastest: mean {mean(ratios):.2f}, worst {min(ratios):.2f})" if ratios else "") + ".")
     if lost_in_rung:
-        text += (f" In {lost_in_rung} case(s) the faster plan was on the same rung with a smaller micro-batch and "
-                 "more accumulation: oomtune's throughput objective compares rungs (each at its largest micro-batch "
-                 "that divides B) and assumes a larger micro-batch is not slower, which holds on a GPU far more often "
-                 "than on this CPU, where smaller micro-batches stay in cache.")
+        text += (f" In {lost_in_rung} case(s) a plan on the same rung with a smaller micro-batch and more "
+                 "accumulation timed faster: oomtune's throughput objective compares rungs, each at its largest "
+                 "micro-batch that divides B, and never times smaller micro-batches within a rung. Here tokens/s is "
+                 "not monotone in the micro-batch (see the per-plan list below); some of these gaps may be noise on "
+                 "a shared machine, which one short timing per plan cannot rule out.")
+    slow_amp = []
+    for case in data["cases"]:
+        speeds = {}
+        for b in case["budgets"]:
+            speeds.update(b["ladder_throughput"]["tokens_per_s"])
+        fp32 = [v for k, v in speeds.items() if k.startswith("fp32 ")]
+        amp = [v for k, v in speeds.items() if not k.startswith("fp32 ")]
+        if fp32 and amp and max(amp) < min(fp32):
+            slow_amp.append(case["model"])
+    if slow_amp:
+        text += (f" For {', '.join(slow_amp)}, every autocast plan timed here ran slower than every fp32 plan (this "
+                 "CPU's bf16 path is slow), so the throughput objective lands on fp32 with accumulation while fit "
+                 "lands on the rung with the largest micro-batch; on a GPU with native bf16 the order is usually the "
+                 "other way round.")
     return text + "\n"
 
 
@@ -305,7 +372,7 @@ def render(data: dict, others: dict[str, str]) -> str:
         "Each contender searches for the largest batch that trains in the budget at fp32, on every model x budget "
         "case; \"true max\" is the exhaustive answer.\n",
         HEADLINE_BEGIN, headline(data).rstrip(), HEADLINE_END + "\n",
-        "## Batch-size search, per case\n", per_case(data),
+        "## Batch-size search, per case\n", per_case(data), below_truth(data),
         "## oomtune against a third of Lightning binsearch's trials\n", third_table(data), third_explanation(data),
         "## The full ladder (the peers search batch size only)\n",
         "### Objective fit\n", ladder_fit(data),

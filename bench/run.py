@@ -51,7 +51,7 @@ class Case:
 CASES = (
     Case("tiny_gpt", "examples/tiny_gpt.py", 16, 128, ("9MiB", "16MiB", "30MiB")),
     Case("mlp_dict", "examples/mlp_dict.py", 20, 64, ("10MiB", "16MiB", "24MiB")),
-    Case("parallel_gpt", "bench/models/parallel_gpt.py", 24, 64, ("12MiB", "24MiB", "40MiB")),
+    Case("parallel_gpt", "bench/models/parallel_gpt.py", 16, 64, ("10MiB", "20MiB", "28MiB")),
 )
 
 
@@ -63,10 +63,12 @@ def log(msg: str) -> None:
 
 def _peer_row(r, truth: int, table: PeakTable, limit: int) -> dict:
     """A peer's result, and how many of its attempts ended differently from oomtune's step at that size."""
-    differs = sum(1 for b, ok in r.attempts if b <= table.batch and ok != table.fits("fp32", b, 1, limit))
+    differ = [i for i, (b, ok) in enumerate(r.attempts) if b <= table.batch and ok != table.fits("fp32", b, 1, limit)]
     return {"contender": r.contender, "trials": r.trials, "steps": r.steps, "seconds": round(r.seconds, 2),
             "found": r.found, "ratio": _ratio(r.found, truth), "attempts": [[b, ok] for b, ok in r.attempts],
-            "attempts_differing_from_truth": differs}
+            "attempts_differing_from_truth": len(differ),
+            "differing": [{"batch": r.attempts[i][0], "ran": r.attempts[i][1], "oom_where": r.oom_where.get(i)}
+                          for i in differ]}
 
 
 def _ratio(found: int | None, truth: int | None) -> float | None:

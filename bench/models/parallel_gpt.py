@@ -17,7 +17,7 @@ VOCAB = 512
 N_LAYER, N_HEAD, N_EMBD = 4, 4, 96
 MAX_CONTEXT = 256
 
-DEFAULTS = {"batch": 24, "context": 64}
+DEFAULTS = {"batch": 16, "context": 64}
 
 
 class ParallelBlock(nn.Module):
