@@ -26,7 +26,7 @@ demo: $(STAMP)
 	@echo; echo "--- oomtune train: that plan, in the same 12 MiB, on the standard library's own sources ---"
 	@rm -rf $(DEMO_DIR)/run
 	OMP_NUM_THREADS=1 $(VENV)/bin/oomtune train --config $(DEMO_DIR)/best.yaml --run-dir $(DEMO_DIR)/run \
-		--steps 20 --lr 0.01 --warmup-steps 2 --log-every-n-steps 2 --eval-interval 20 --eval-steps 4
+		--steps 12 --lr 0.01 --warmup-steps 2 --log-every-n-steps 2 --eval-interval 12 --eval-steps 4
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check oomtune tests examples bench scripts

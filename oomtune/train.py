@@ -479,8 +479,8 @@ class Trainer:
 
                 eval_now = evaluates and (self.step % cfg.eval_interval == 0 or self.step == cfg.steps)
                 metrics = None
-                if (self.step % cfg.log_every_n_steps == 0 or self.step == cfg.steps or eval_now
-                        or stop.signal_name is not None):
+                if (self.step % cfg.log_every_n_steps == 0 or self.step in (1, cfg.steps) or eval_now
+                        or stop.signal_name is not None):  # step 1: the starting loss, ln(vocab) for a fresh LM
                     last_loss = float(loss)  # a sync point, once per logged step
                     first_loss = last_loss if first_loss is None else first_loss
                     metrics = {"step": self.step, "loss": last_loss, "lr": lr,
