@@ -121,7 +121,10 @@ def section(report: dict, wall: float, rows: list[dict]) -> str:
             f"{u.tensor_peak_bytes / GiB:.3f} | {u.tensor_peak_bytes / GiB - ref:+.3f} | {t.phase} | "
             f"{gib(t.parameters_bytes)} | {gib(t.gradients_bytes)} | {gib(t.optimizer_state_bytes)} | "
             f"{gib(t.autocast_copies_bytes)} | {gib(t.activations_bytes)} | {gib(t.temporaries_bytes)} |")
-    lines += ["", "(the part columns are the tied model's; each row's parts sum to its tensor peak exactly)"]
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    lines += ["", "(the part columns are the tied model's; each row's parts sum to its tensor peak exactly)", "",
+              f"The 2 cores were shared with other jobs (load average {load} at the end): the wall time is one "
+              "run on a busy machine, the byte counts do not depend on it."]
     return "\n".join(lines)
 
 

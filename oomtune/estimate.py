@@ -263,6 +263,14 @@ def smallest_plan(device: Device, targets, amp: str, checkpointing_supported: bo
     return plan_of(Point(last, 1, targets.min_context))
 
 
+def check_estimate_options(objective: str, headroom: float) -> None:
+    if objective == "throughput":
+        raise OomtuneError("--objective throughput ranks rungs by measured speed, and the fake device computes "
+                           "nothing; run `oomtune probe --objective throughput` where the model can run", BAD_INPUT)
+    if not 0 <= headroom < 1:
+        raise OomtuneError(f"--headroom must be in [0, 1), got {headroom}")
+
+
 def estimate(model_file: ModelFile, device: FakeDevice, targets, *, headroom: float = 0.1, steps: int = 2,
              objective: str = "fit", amp: str = "auto", on_start: Callable | None = None,
              on_trial: Callable[[TrialRecord], None] | None = None) -> EstimateResult:
@@ -270,11 +278,7 @@ def estimate(model_file: ModelFile, device: FakeDevice, targets, *, headroom: fl
     from .probe import ProbeResult, probe
     from .search import LadderResult
 
-    if objective == "throughput":
-        raise OomtuneError("--objective throughput ranks rungs by measured speed, and the fake device computes "
-                           "nothing; run `oomtune probe --objective throughput` where the model can run", BAD_INPUT)
-    if not 0 <= headroom < 1:
-        raise OomtuneError(f"--headroom must be in [0, 1), got {headroom}")
+    check_estimate_options(objective, headroom)
     limit = int(device.budget_bytes * (1 - headroom))
     static = static_memory(model_file)
     if device.margin.total(static.total_bytes) > limit:

@@ -24,6 +24,9 @@ from .units import format_bytes
 
 BLOCK = 512  # the CUDA caching allocator's smallest rounding unit, bytes
 
+# the autograd node running now (None outside the backward pass); without it, recomputation is not told apart
+_current_autograd_node = getattr(torch._C, "_current_autograd_node", lambda: None)
+
 
 def rounded(nbytes: int) -> int:
     return (nbytes + BLOCK - 1) // BLOCK * BLOCK
@@ -93,7 +96,7 @@ class Recorder:
     def span_kind(self) -> str:
         """forward: the whole forward phase; recompute: grad-enabled work inside the autograd engine during
         backward (activation checkpointing re-running a block); otherwise the phase itself."""
-        if self.phase == "backward" and torch.is_grad_enabled() and torch._C._current_autograd_node() is not None:
+        if self.phase == "backward" and torch.is_grad_enabled() and _current_autograd_node() is not None:
             return "recompute"
         return self.phase
 

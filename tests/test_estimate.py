@@ -228,6 +228,9 @@ def test_check_on_the_cpu_device_agrees(write_model, tmp_path):
 
 def test_bad_input_exits_2(write_model, tmp_path):
     model = write_model(WIDE_MODEL.format(width=32))
+    flat = write_model(WIDE_MODEL.format(width=32).replace(  # no ModuleList: nothing for checkpointing to wrap
+        "nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(2))", "nn.Sequential(nn.Linear(WIDTH, WIDTH))"),
+        "flat.py")
     bad_yaml = tmp_path / "bad.yaml"
     bad_yaml.write_text("model: model.py\nplan: {micro_batch_size: 1, context_length: 8}\nbogus: 1\n")
     no_model = tmp_path / "nomodel.yaml"
@@ -246,8 +249,11 @@ def test_bad_input_exits_2(write_model, tmp_path):
         "throughput needs compute": ("estimate", model, "--budget", "1GiB", "--objective", "throughput"),
         "plan flag without --micro-batch": ("estimate", model, "--precision", "bf16"),
         "budget under the margin": ("estimate", model, "--budget", "100MiB", "--margin", "1GiB"),
+        "checkpointing without blocks": ("estimate", flat, "--micro-batch", "1", "--checkpointing"),
     }
     for name, args in cases.items():
         r = run_cli(*args)
         assert r.exit_code == 2, (name, r.output)
         assert "error:" in r.stderr and "Traceback" not in r.output, name
+    assert "define blocks(model)" in run_cli("estimate", flat, "--micro-batch", "1", "--checkpointing").stderr
+    assert run_cli("estimate", flat, "--micro-batch", "1", "--margin", "0").exit_code == 0  # the file itself is fine

@@ -105,8 +105,8 @@ def estimate(
     --checkpointing[/]
     """
     with user_errors(debug):
+        from ..estimate import check_estimate_options, make_fake_device, static_memory, what_if
         from ..estimate import estimate as run_estimate
-        from ..estimate import make_fake_device, what_if
         from ..gpus_table import parse_margin
         from ..model_file import load_model_file
         from ..plan import Plan, save_config, to_dict
@@ -118,7 +118,7 @@ def estimate(
             targets = resolve_targets(model_file, None, context, None)
             plan = Plan(micro_batch, targets.context, precision or "fp32", bool(checkpointing), grad_accum or 1)
             device = make_fake_device(budget, gpu, margin) if (budget or gpu) else None
-            if plan.activation_checkpointing and not model_file.supports_checkpointing(model_file.build()):
+            if plan.activation_checkpointing and not static_memory(model_file).checkpointing_supported:
                 from ..errors import OomtuneError
 
                 raise OomtuneError(f"{model_file.label}: --checkpointing, but no blocks to wrap (define blocks(model))")
@@ -140,6 +140,7 @@ def estimate(
                 raise typer.Exit(1)
             return
 
+        check_estimate_options(objective, headroom)
         targets = resolve_targets(model_file, batch, context, min_context)
         device = make_fake_device(budget, gpu, margin)
         if not as_json:
