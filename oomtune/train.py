@@ -171,16 +171,19 @@ def resolve_device(config: Config, kind: str | None, budget: str | None) -> Devi
     """Train where the probe ran unless told otherwise; on the simulated cpu device also in the budget it
     probed (the memory the plan was found for). On cuda the default budget is the card's free memory."""
     found = config.found_by
-    if kind is None:
-        kind = found.device if found is not None and found.device in ("cuda", "cpu") else "auto"
+    if kind is None and found is not None and found.device in ("cuda", "cpu"):
+        kind = found.device
+        if kind == "cuda" and not torch.cuda.is_available():
+            raise OomtuneError(f"the config was probed on cuda ({found.gpu_name}) but PyTorch sees no GPU here; "
+                               "pass --device cpu to train on the CPU")
+    kind = kind or "auto"
     if kind == "auto":
         kind = "cuda" if torch.cuda.is_available() else "cpu"
+    if kind not in ("cuda", "cpu"):
+        raise OomtuneError(f"--device {kind}: training needs a device that computes (cuda or cpu)")
     if budget is None and kind == "cpu" and found is not None and found.device == "cpu":
         budget = str(found.budget_bytes)
-    device = make_device(kind, budget)
-    if not device.computes:
-        raise OomtuneError(f"--device {kind}: training needs a device that computes (cuda or cpu)")
-    return device
+    return make_device(kind, budget)
 
 
 # -- Ctrl-C ----------------------------------------------------------------------------------------------
@@ -348,7 +351,7 @@ class Trainer:
         self._emit(Note(f"updated {self.config_path}: plan is now {self.plan.describe()}"))
 
     # -- one unit of device work, with the OOM fallback ----------------------------------------------
-    def _attempt(self, work: Callable[[], Any], phase: str, batches: list[Batch],
+    def _attempt(self, work: Callable[[list[Batch]], Any], phase: str, batches: list[Batch],
                  draw: Callable[[], list[Batch]]) -> tuple[Any, int]:
         """Draw `batches` once (a retry runs the very same ones), then run `work(batches)` under the device's
         memory accounting; on OOM fall back and retry. -> (result, peak bytes)."""
@@ -370,6 +373,7 @@ class Trainer:
                     raise
                 oom = _one_line(e)
             if oom is None:
+                self.good_plan = self.plan
                 if self.plan_dirty:
                     self._save_plan()
                 return result, reading.peak_bytes
@@ -390,6 +394,7 @@ class Trainer:
                 f"optimizer state alone do not fit, so a smaller micro-batch cannot help{last}", NO_FIT)
         new = smaller_plan(self.plan)
         if new is None:
+            self.plan = self.good_plan  # a resume with more memory starts from the last plan that ran
             path = self._checkpoint("oom")  # the state of the last finished step: nothing of this one applied
             self._log_event("oom_stop", step=step, phase=phase, message=message)
             raise OomtuneError(
@@ -405,17 +410,18 @@ class Trainer:
         self._emit(fallback)
 
     # -- evaluation ----------------------------------------------------------------------------------
-    def _evaluate(self) -> float:
+    def _evaluate(self) -> tuple[float, int]:
         def draw() -> list[Batch]:
             stream = DataStream(self.model_file, "eval_batches", self.data_batch, self.plan.context_length,
                                 self.device, self.cfg.seed + EVAL_SEED_OFFSET)  # the same batches every time
             return [stream.next() for _ in range(self.cfg.eval_steps)]
 
-        loss, _ = self._attempt(lambda batches: eval_loss(self.t, self._micro_batches(batches)), "eval", [], draw)
+        loss, peak = self._attempt(lambda batches: eval_loss(self.t, self._micro_batches(batches)), "eval", [],
+                                   draw)
         value = float(loss)
         if self.cuda:
             torch.cuda.empty_cache()  # give back the eval batches' blocks before training resumes
-        return value
+        return value, peak
 
     # -- the loop ------------------------------------------------------------------------------------
     def run(self) -> TrainResult:
@@ -423,40 +429,47 @@ class Trainer:
         cfg, mf = self.cfg, self.model_file
         self.fallbacks: list[OomFallback] = []
         self.plan_dirty = False
+        self.good_plan = self.plan
         self.last_checkpoint: Path | None = self.resumed_from
         self.step = int(self.resume_state["step"]) if self.resume_state else 0
         self.checkpoint_step = self.step if self.resume_state else None
         self.data_hook = "train_batches" if mf.has("train_batches") else "make_batch"
         evaluates = mf.has("eval_batches")
+        self.notes: list[Note] = []  # said once training has started
+
+        # build and load first: a checkpoint that does not fit the model is bad input, and bad input writes nothing
+        seed_everything(cfg.seed, self.cuda)
+        self.t = self._build()
+        base_lrs = [g["lr"] / cfg.lr for g in self.t.optimizer.param_groups]  # the optimizer hook's per-group ratio
+        if self.resume_state:
+            self._restore(self.resume_state)
+            self.resume_state = None  # free the loaded copy
 
         self.run_dir.mkdir(parents=True, exist_ok=True)
         for tmp in stale_temp_files(self.run_dir):  # a write that was killed: never a checkpoint
             tmp.unlink(missing_ok=True)
         self._truncate_metrics()
-        self._log_event("resume" if self.resume_state else "start", step=self.step, plan=to_dict(self.plan),
+        self._log_event("resume" if self.resumed_from else "start", step=self.step, plan=to_dict(self.plan),
                         train=to_dict(cfg), device=self.device.name, config=str(self.config_path),
                         checkpoint=self.resumed_from.name if self.resumed_from else None)
         self._emit(Started(self.plan, cfg, self.step, self.device.name, self.run_dir, self.data_hook, evaluates,
                            self.resumed_from))
+        for note in self.notes:
+            self._emit(note)
         if self.data_hook == "make_batch":
             self._emit(Note(f"{mf.label} has no train_batches(): training on make_batch(), random synthetic data "
                             "(the loss shows the loop runs, not that the model learns)", warning=True))
         if not evaluates:
             self._emit(Note(f"{mf.label} has no eval_batches(): no evaluation", warning=True))
 
-        seed_everything(cfg.seed, self.cuda)
-        self.t = self._build()
-        base_lrs = [g["lr"] / cfg.lr for g in self.t.optimizer.param_groups]  # the optimizer hook's per-group ratio
         stream = DataStream(mf, self.data_hook, self.data_batch, self.plan.context_length, self.device,
                             cfg.seed + DATA_SEED_OFFSET)
-        if self.resume_state:
-            self._restore(self.resume_state)
-            self.resume_state = None  # free the loaded copy
+        if self.resumed_from is not None:
             if self.step >= cfg.steps:
                 self._emit(Note(f"the checkpoint is at step {self.step} and train.steps is {cfg.steps}: nothing "
                                 "to do (raise --steps to train longer)"))
             else:
-                stream.skip(self.step * self.batches_per_step)
+                stream.skip(self.step * self.batches_per_step)  # replay the data stream to where it stood
 
         first_loss = last_loss = last_eval = None
         tokens = 0
@@ -489,7 +502,9 @@ class Trainer:
                     if self.cuda:
                         metrics["nvml_used_bytes"] = self._nvml()
                     if eval_now:
-                        last_eval = metrics["eval_loss"] = self._evaluate()
+                        last_eval, eval_peak = self._evaluate()
+                        metrics["eval_loss"] = last_eval
+                        metrics["peak_bytes"] = max(peak, eval_peak)
                     metrics["micro_batch_size"] = self.plan.micro_batch_size  # changes after an OOM fallback
                     metrics["grad_accum_steps"] = self.plan.grad_accum_steps
                     self._write_metrics(metrics)
@@ -549,11 +564,11 @@ class Trainer:
         self._account(t.optimizer)  # the loaded state was made outside measure()
         restore_rng(st["rng"], self.cuda)
         if st["data"].get("hook") not in (None, self.data_hook):
-            self._emit(Note(f"the checkpoint was trained on {st['data']['hook']}() data, this run uses "
-                            f"{self.data_hook}()", warning=True))
+            self.notes.append(Note(f"the checkpoint was trained on {st['data']['hook']}() data, this run uses "
+                                   f"{self.data_hook}()", warning=True))
         if self.plan != self.file_config.plan:
-            self._emit(Note(f"resuming with the checkpoint's plan: {self.plan.describe()} (the config says "
-                            f"{self.file_config.plan.describe()})"))
+            self.notes.append(Note(f"resuming with the checkpoint's plan: {self.plan.describe()} (the config "
+                                   f"says {self.file_config.plan.describe()})"))
 
     def _nvml(self) -> int | None:
         now = time.monotonic()

@@ -447,7 +447,8 @@ def test_an_oom_at_micro_batch_1_stops_with_one_line_and_a_checkpoint(growing, t
     assert result.exit_code == 1
     (line,) = [x for x in error_lines(result) if x.startswith("error:")]
     assert "out of memory at micro-batch 1 (step 5" in line and "ckpt-00000004.pt" in line
-    assert load_checkpoint(tmp_path / "run" / "ckpt-00000004.pt")["step"] == 4
+    state = load_checkpoint(tmp_path / "run" / "ckpt-00000004.pt")
+    assert state["step"] == 4 and Plan(**state["plan"]) == GROW_PLAN  # the last plan that ran, to resume from
     assert [e["new_plan"]["micro_batch_size"] for e in events(tmp_path / "run", "oom_fallback")] == [2, 1]
     assert cfg.read_bytes() == before  # no plan worked, so none was written
 
@@ -480,10 +481,17 @@ def test_a_train_key_with_a_wrong_type(tmp_path, write_model, monkeypatch):
     assert cfg.read_bytes() == before and not (tmp_path / "run").exists()
 
 
-def test_a_corrupt_checkpoint_on_resume_and_a_fresh_run_into_a_used_run_dir(tmp_path, monkeypatch):
+def test_a_corrupt_or_foreign_checkpoint_on_resume_and_a_fresh_run_into_a_used_run_dir(tmp_path, write_model,
+                                                                                      monkeypatch):
     monkeypatch.chdir(tmp_path)
     cfg = resume_config(tmp_path, checkpoint_interval=3)
     assert run_cli("train", "--config", cfg, "--device", "cpu", "--steps", "3", "--run-dir", "run").exit_code == 0
+    run_files = {p.name: p.read_bytes() for p in (tmp_path / "run").iterdir()}
+    other = write_config(tmp_path / "other.yaml", write_model(), RESUME_PLAN, {"run_dir": "run"})  # another model
+    assert_one_line_exit_2(run_cli("train", "--config", other, "--device", "cpu", "--resume"),
+                           "ckpt-00000003.pt", "does not match")
+    assert {p.name: p.read_bytes() for p in (tmp_path / "run").iterdir()} == run_files
+
     ckpt = tmp_path / "run" / "ckpt-00000003.pt"
     data = ckpt.read_bytes()
     ckpt.write_bytes(data[: len(data) // 3])  # a torn copy
@@ -502,3 +510,21 @@ def test_resume_needs_a_checkpoint(tmp_path, write_model, monkeypatch):
                        {"run_dir": "run"})
     assert_one_line_exit_2(run_cli("train", "--config", cfg, "--resume"), "no checkpoint")
 
+
+
+def test_train_runs_where_the_plan_was_probed_unless_told_otherwise(tmp_path, write_model, monkeypatch):
+    from oomtune.plan import FoundBy
+    from oomtune.train import Trainer
+
+    monkeypatch.chdir(tmp_path)
+    found = FoundBy(command="probe", estimated=False, device="cpu", gpu_name="cpu", budget_bytes=12 * 2**20,
+                    headroom=0.1, objective="fit", target_batch=2, target_context=4, min_context=4, peak_bytes=1,
+                    tokens_per_s=None, torch_version="x", cuda_version=None, oomtune_version="x", date="x")
+    cfg = tmp_path / "best.yaml"
+    cfg.write_text(dump_config(Config(model=str(write_model()), plan=Plan(2, 4), train=TrainConfig(run_dir="run"),
+                                      found_by=found)))
+    assert Trainer(cfg).device.budget_bytes == 12 * 2**20  # the simulated card the plan was found for
+    assert Trainer(cfg, budget="1GiB").device.budget_bytes == 2**30
+    assert_one_line_exit_2(run_cli("train", "--config", cfg, "--device", "fake", "--budget", "1GiB"),
+                           "needs a device that computes")
+    assert not (tmp_path / "run").exists()
