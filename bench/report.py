@@ -132,10 +132,13 @@ def below_truth(data: dict) -> str:
                 continue
             where = f"{case['model']} {b['budget']}, {NAMES[c]}: {r['found']} (true max {truth})"
             loop = [d for d in r.get("differing", []) if not d["ran"]]
+            ran = {a for a, ok in r.get("attempts", []) if ok}
+            never = f" It returned {r['found']} without running it." if r["found"] not in ran else ""
             if loop:
                 places = sorted({d["oom_where"] or "unknown" for d in loop})
-                lines.append(f"- {where}: its own loop ran out of memory at {', '.join(str(d['batch']) for d in loop)}"
-                             f", where oomtune's training step fits (OOM struck in: {'; '.join(places)}).")
+                sizes = list(dict.fromkeys(d["batch"] for d in loop))
+                lines.append(f"- {where}: its own loop ran out of memory at {', '.join(map(str, sizes))}, where "
+                             f"oomtune's training step fits (OOM struck in: {'; '.join(places)}).{never}")
             elif c == "lightning-power":
                 nxt = [a for a, ok in r["attempts"] if not ok]
                 lines.append(f"- {where}: power mode returns the last power of two that ran; "
@@ -363,10 +366,10 @@ def render(data: dict, others: dict[str, str]) -> str:
         "## Machine\n",
         f"- CPU: {m['cpu']}, {m['cores']} cores; RAM {ram}; {m['os']}",
         f"- torch {v['torch']} ({m['torch_threads']} intra-op thread), lightning {v['lightning']}, "
-        f"accelerate {v['accelerate']}, Python {v['python']}; oomtune at commit {m['git_commit']} "
-        "(plus the working tree's changes)",
-        f"- No GPU: memory is oomtune's simulated `cpu` device; exhaustive truth on the `fake` device "
-        f"({', '.join(sorted({c['truth_device'] for c in data['cases']}))} was used)\n",
+        f"accelerate {v['accelerate']}, Python {v['python']}; oomtune at commit {m['git_commit']}"
+        + (" plus uncommitted changes in the working tree" if m.get("git_dirty") else ""),
+        "- No GPU: every contender ran on oomtune's simulated `cpu` device; the exhaustive truth on the "
+        f"`{'`/`'.join(sorted({c['truth_device'] for c in data['cases']}))}` device\n",
         f"Cases: {cases}.\n",
         "## Headline: batch-size search at fp32\n",
         "Each contender searches for the largest batch that trains in the budget at fp32, on every model x budget "

@@ -97,7 +97,7 @@ def bench_budget(case: Case, mf, table: PeakTable, budget: str) -> dict:
     for mode in ("power", "binsearch"):
         log(f"{case.name} {budget}: lightning {mode}")
         rows.append(_peer_row(run_lightning(mf, case.context, budget, mode), truth, table, limit))
-    rows.append({"contender": "exhaustive", "trials": case.batch, "steps": 2 * case.batch,
+    rows.append({"contender": "exhaustive", "trials": case.batch, "steps": table.search_steps["fp32"],
                  "seconds": round(table.search_seconds("fp32"), 2), "found": truth, "ratio": 1.0})
     out["batch_search"] = rows
 
@@ -194,9 +194,12 @@ def machine() -> dict:
         except ImportError:
             versions[name] = None
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
+                           text=True)
     return {"cores": os.cpu_count(), "ram_bytes": ram, "cpu": cpu, "os": platform.platform(),
             "torch_threads": torch.get_num_threads(), "versions": versions,
-            "git_commit": commit.stdout.strip() or None, "load_average_start": list(os.getloadavg())}
+            "git_commit": commit.stdout.strip() or None, "git_dirty": bool(dirty.stdout.strip()),
+            "load_average_start": list(os.getloadavg())}
 
 
 def has_make_target(target: str) -> bool:

@@ -24,6 +24,8 @@ from oomtune.search import Rung
 from oomtune.step import build_training, train_step
 from oomtune.trial import run_trial
 
+from .ours import counting_steps
+
 UNBOUNDED = "1TiB"  # no plan here comes near it: every trial runs to its end and reports its peak
 STEPS_PER_TRIAL = 2  # as the probe's trials
 
@@ -64,8 +66,10 @@ class PeakTable:
     device_kind: str
     peaks: dict[tuple[str, int, int], int] = field(default_factory=dict)
     trials: int = 0
+    steps: int = 0  # training steps the trials ran (counted, not assumed)
     seconds: float = 0.0
     trial_seconds: dict[tuple[str, int, int], float] = field(default_factory=dict)
+    search_steps: dict[str, int] = field(default_factory=dict)  # rung -> steps of its micro-batch 1..B trials
 
     def search_seconds(self, rung: str) -> float:
         """What exhaustive search over micro-batches 1..B of one rung cost (the accumulation plans excluded)."""
@@ -111,16 +115,19 @@ def peak_table(model_file: ModelFile, batch: int, context: int, device: TrackedD
         rungs = [r for r in rungs if r.name in set(only)]
     table = PeakTable(batch, context, rungs, device.kind)
     start = time.perf_counter()
-    for rung in rungs:
-        points = [(b, 1) for b in range(1, batch + 1)] + [(d, batch // d) for d in divisors(batch) if d < batch]
-        for b, accum in points:
-            r = run_trial(model_file, plan_for(rung, b, context, accum), device, steps=STEPS_PER_TRIAL)
-            if r.oom:
-                raise RuntimeError(f"{model_file.label}: {rung.name} {b}x{accum} ran out of {UNBOUNDED}")
-            table.peaks[(rung.name, b, accum)] = r.peak_bytes
-            table.trial_seconds[(rung.name, b, accum)] = r.seconds
-            table.trials += 1
+    with counting_steps() as counted:
+        for rung in rungs:
+            points = [(b, 1) for b in range(1, batch + 1)] + [(d, batch // d) for d in divisors(batch) if d < batch]
+            for b, accum in points:
+                r = run_trial(model_file, plan_for(rung, b, context, accum), device, steps=STEPS_PER_TRIAL)
+                if r.oom:
+                    raise RuntimeError(f"{model_file.label}: {rung.name} {b}x{accum} ran out of {UNBOUNDED}")
+                table.peaks[(rung.name, b, accum)] = r.peak_bytes
+                table.trial_seconds[(rung.name, b, accum)] = r.seconds
+                table.trials += 1
     table.seconds = time.perf_counter() - start
+    table.steps = sum(counted.values())
+    table.search_steps = {r.name: counted.get((r.precision, r.activation_checkpointing, False), 0) for r in rungs}
     return table
 
 
