@@ -1,10 +1,9 @@
 """`oomtune train`: the training loop around `step.train_step`, the same step the probe measured.
 
 One optimizer step draws `global_batch / data_batch` batches from the data stream, cuts each into
-micro-batches of the current plan and hands them to `train_step`. An out-of-memory error in a step (a
-longer real batch, fragmentation) is caught; outside the `except` block the gradients are dropped and
-memory given back, the micro-batch is halved and the accumulation doubled (the global batch stays exact),
-and the same batches are retried. The config file is rewritten with the plan that worked.
+micro-batches of the current plan and hands them to `train_step`. An out-of-memory error in a step is
+caught and the plan halved (`fallback.py`); the run dir's metrics and events are written by `rundir.py`; the
+device, signals and NVML by `runtime.py`; the events the CLI renders are in `train_events.py`.
 
 Exact resume: a checkpoint holds the model, optimizer, scaler, step and the global RNG states. The data
 come from a private RNG stream (seed + 1) that is swapped in around every draw, so the model's randomness
@@ -17,24 +16,15 @@ Library code: it reports through `on_event` callbacks and returns a TrainResult;
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import datetime as dt
 import functools
-import json
 import math
-import os
-import re
-import signal
-import threading
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 
 from .checkpoint import (
     capture_rng,
@@ -46,79 +36,21 @@ from .checkpoint import (
     stale_temp_files,
 )
 from .data import DataStream, split_batch
-from .devices import Device, is_oom, make_device
+from .devices import is_oom
 from .errors import BAD_INPUT, NO_FIT, ConfigError, ModelFileError, OomtuneError
+from .fallback import FallbackMixin, one_line, rewrite_plan, smaller_plan
 from .model_file import Batch, load_model_file
-from .plan import Config, Plan, TrainConfig, atomic_write, dump_config, from_dict, load_config, to_dict
+from .plan import Plan, TrainConfig, load_config, to_dict
+from .rundir import METRICS, RunLog
+from .runtime import graceful_stop, nvml_used_bytes, resolve_device
 from .step import Training, build_training, eval_loss, train_step
+from .train_events import Checkpointed, Event, Note, OomFallback, Started, StepDone, TrainResult
 
-METRICS = "metrics.jsonl"  # one JSON object per logged step: step, loss, lr, tokens_per_s, peak_bytes[, eval_loss]
-EVENTS = "events.jsonl"  # start / resume / oom_fallback / config_updated / checkpoint / interrupted / finished
+__all__ = ["Checkpointed", "Event", "Note", "OomFallback", "Started", "StepDone", "TrainResult", "Trainer",
+           "lr_at", "rewrite_plan", "smaller_plan", "train"]
+
 DATA_SEED_OFFSET, EVAL_SEED_OFFSET = 1, 2  # the data and eval streams' seeds, relative to train.seed
 
-
-# -- events: what the CLI renders ---------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Started:
-    plan: Plan
-    train: TrainConfig
-    start_step: int  # 0, or the checkpoint's step when resuming
-    device: str
-    run_dir: Path
-    data: str  # "train_batches" (real data) or "make_batch" (synthetic)
-    evaluates: bool
-    resumed_from: Path | None = None
-
-
-@dataclass(frozen=True)
-class Note:
-    message: str
-    warning: bool = False
-
-
-@dataclass(frozen=True)
-class StepDone:
-    step: int
-    steps: int
-    metrics: dict | None  # the metrics.jsonl line when this step was logged, else None
-
-
-@dataclass(frozen=True)
-class OomFallback:
-    step: int  # the step that ran out of memory (it is retried)
-    phase: str  # data | forward | backward | eval
-    old_plan: Plan
-    new_plan: Plan
-    message: str  # the allocator's (or the simulated device's) first line
-
-
-@dataclass(frozen=True)
-class Checkpointed:
-    step: int
-    path: Path
-    reason: str  # interval | final | interrupted | oom
-
-
-Event = Started | Note | StepDone | OomFallback | Checkpointed
-
-
-@dataclass(frozen=True)
-class TrainResult:
-    step: int  # optimizer steps done in total (the last checkpoint's step when interrupted)
-    steps: int  # train.steps
-    plan: Plan  # the plan training ended with (smaller than the config's after an OOM fallback)
-    interrupted: bool
-    run_dir: Path
-    checkpoint: Path | None
-    first_loss: float | None  # of this invocation's first logged step
-    last_loss: float | None
-    eval_loss: float | None  # the last evaluation's
-    fallbacks: tuple[OomFallback, ...] = ()
-    seconds: float = 0.0
-
-
-# -- pure pieces ----------------------------------------------------------------------------------------
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
     """Learning rate for optimizer step `step` (0-based): linear warmup to cfg.lr over warmup_steps, then
@@ -130,119 +62,7 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - cfg.min_lr)
 
 
-def smaller_plan(plan: Plan) -> Plan | None:
-    """After an OOM: the largest micro-batch that divides the current one and is at most half of it, with
-    the accumulation raised so the global batch is unchanged (8 x 2 -> 4 x 4; 6 -> 3 x 2; 5 -> 1 x 5).
-    None at micro-batch 1."""
-    m = plan.micro_batch_size
-    smaller = next((d for d in range(m // 2, 0, -1) if m % d == 0), None)
-    if smaller is None:
-        return None
-    return dataclasses.replace(plan, micro_batch_size=smaller,
-                               grad_accum_steps=plan.global_batch_size // smaller)
-
-
-_PLAN_KEY = re.compile(r"^(\s+)(micro_batch_size|grad_accum_steps|global_batch_size)(\s*:\s*)(\d+)(.*)$")
-
-
-def rewrite_plan(path: Path, config: Config, plan: Plan, note: str) -> None:
-    """Replace the config file's plan with `plan`, atomically. The numbers are edited in place where the file
-    has the block layout `oomtune probe` writes, so a person's comments and edits survive; the result is read
-    back and must equal the intended config, else the whole file is written out fresh."""
-    want = dataclasses.replace(config, plan=plan)
-    text = path.read_text()
-    lines, in_plan = text.splitlines(keepends=True), False
-    for i, line in enumerate(lines):
-        if re.match(r"^plan\s*:\s*(#.*)?$", line):
-            in_plan = True
-        elif in_plan and re.match(r"^[^\s#]", line):
-            in_plan = False  # the next top-level key
-        elif in_plan and (m := _PLAN_KEY.match(line.rstrip("\r\n"))):
-            lines[i] = f"{m[1]}{m[2]}{m[3]}{getattr(plan, m[2])}{m[5]}\n"
-    edited = f"# {note}\n" + "".join(lines)
-    try:
-        same = from_dict(Config, yaml.safe_load(edited)) == want
-    except (ConfigError, yaml.YAMLError):
-        same = False
-    atomic_write(path, edited if same else dump_config(want, header=note))
-
-
-def resolve_device(config: Config, kind: str | None, budget: str | None) -> Device:
-    """Train where the probe ran unless told otherwise; on the simulated cpu device also in the budget it
-    probed (the memory the plan was found for). On cuda the default budget is the card's free memory."""
-    found = config.found_by
-    if kind is None and found is not None and found.device in ("cuda", "cpu"):
-        kind = found.device
-        if kind == "cuda" and not torch.cuda.is_available():
-            raise OomtuneError(f"the config was probed on cuda ({found.gpu_name}) but PyTorch sees no GPU here; "
-                               "pass --device cpu to train on the CPU")
-    kind = kind or "auto"
-    if kind == "auto":
-        kind = "cuda" if torch.cuda.is_available() else "cpu"
-    if kind not in ("cuda", "cpu"):
-        raise OomtuneError(f"--device {kind}: training needs a device that computes (cuda or cpu)")
-    if budget is None and kind == "cpu" and found is not None and found.device == "cpu":
-        budget = str(found.budget_bytes)
-    return make_device(kind, budget)
-
-
-# -- Ctrl-C ----------------------------------------------------------------------------------------------
-
-class StopRequest:
-    signal_name: str | None = None
-
-
-@contextlib.contextmanager
-def graceful_stop() -> Iterator[StopRequest]:
-    """SIGINT / SIGTERM ask the loop to stop after the step in flight and save a checkpoint; a second one
-    stops at once (KeyboardInterrupt; the last checkpoint on disk stays whole). Main thread only."""
-    request = StopRequest()
-    if threading.current_thread() is not threading.main_thread():
-        yield request
-        return
-
-    def handler(signum, frame):
-        if request.signal_name is not None:
-            raise KeyboardInterrupt
-        request.signal_name = signal.Signals(signum).name
-
-    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield request
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
-
-
-# -- the run ---------------------------------------------------------------------------------------------
-
-def _one_line(e: BaseException) -> str:
-    lines = str(e).strip().splitlines()
-    return lines[0] if lines else type(e).__name__
-
-
-def _now() -> str:
-    return dt.datetime.now(dt.timezone.utc).replace(microsecond=0).isoformat()
-
-
-def _nvml_used_bytes(device: Device) -> int | None:
-    """This process's memory on the GPU as nvidia-smi shows it (NVML), else the whole GPU's used memory
-    (inside a container NVML's pids may not match ours); None without NVML."""
-    from . import nvml
-
-    props = torch.cuda.get_device_properties(device.torch_device)
-    pci = None
-    if all(hasattr(props, a) for a in ("pci_domain_id", "pci_bus_id", "pci_device_id")):
-        pci = (props.pci_domain_id, props.pci_bus_id, props.pci_device_id)
-    uuid = str(props.uuid) if getattr(props, "uuid", None) is not None else None
-    gpu = nvml.find_gpu(nvml.query(processes=True), pci=pci, uuid=uuid)
-    if gpu is None:
-        return None
-    mine = next((p.used_bytes for p in gpu.processes if p.pid == os.getpid() and p.used_bytes is not None), None)
-    return mine if mine is not None else gpu.used_bytes
-
-
-class Trainer:
+class Trainer(FallbackMixin):
     """One invocation of `oomtune train`. Build it (every check that can fail on bad input runs here, before
     any file is written), then `run()`."""
 
@@ -263,6 +83,7 @@ class Trainer:
             raise ModelFileError(f"{self.config_path}: {e.message}") from None
         self.on_event = on_event or (lambda event: None)
         self.run_dir = Path(self.cfg.run_dir)
+        self.log = RunLog(self.run_dir)
         self.resume_state: dict | None = None
         self.resumed_from: Path | None = None
         if resume:
@@ -292,7 +113,7 @@ class Trainer:
             batch = int(st["data"]["batch_size"])
             step = int(st["step"])
         except (TypeError, KeyError, ValueError, ConfigError) as e:
-            raise OomtuneError(f"checkpoint {path} has an unreadable plan or data position ({_one_line(e)})",
+            raise OomtuneError(f"checkpoint {path} has an unreadable plan or data position ({one_line(e)})",
                                BAD_INPUT) from None
         if batch % plan.micro_batch_size or plan.global_batch_size % batch or step < 0:
             raise OomtuneError(f"checkpoint {path}: data batch {batch} does not fit plan {plan.describe()}",
@@ -302,10 +123,6 @@ class Trainer:
     # -- small helpers -------------------------------------------------------------------------------
     def _emit(self, event: Event) -> None:
         self.on_event(event)
-
-    def _log_event(self, kind: str, **fields) -> None:
-        with open(self.run_dir / EVENTS, "a") as f:
-            f.write(json.dumps({"time": _now(), "event": kind, **fields}) + "\n")
 
     def _set_phase(self, phase: str) -> None:
         self.phase = phase
@@ -331,83 +148,9 @@ class Trainer:
         }
         path = save_checkpoint(self.run_dir, state)
         self.last_checkpoint, self.checkpoint_step = path, self.step
-        self._log_event("checkpoint", step=self.step, path=path.name, reason=reason)
+        self.log.event("checkpoint", step=self.step, path=path.name, reason=reason)
         self._emit(Checkpointed(self.step, path, reason))
         return path
-
-    def _save_plan(self) -> None:
-        """Write the plan that now works back into the config file (atomically), so the next run starts there."""
-        self.plan_dirty = False
-        step = self.fallbacks[-1].step
-        note = (f"plan updated by `oomtune train` at step {step}: out of memory at micro-batch "
-                f"{self.file_config.plan.micro_batch_size}, now {self.plan.describe()}")
-        try:
-            rewrite_plan(self.config_path, self.file_config, self.plan, note)
-        except OSError as e:
-            self._emit(Note(f"could not update {self.config_path} with the new plan: {e}", warning=True))
-            return
-        self.file_config = dataclasses.replace(self.file_config, plan=self.plan)
-        self._log_event("config_updated", step=step, path=str(self.config_path), plan=to_dict(self.plan))
-        self._emit(Note(f"updated {self.config_path}: plan is now {self.plan.describe()}"))
-
-    # -- one unit of device work, with the OOM fallback ----------------------------------------------
-    def _attempt(self, work: Callable[[list[Batch]], Any], phase: str, batches: list[Batch],
-                 draw: Callable[[], list[Batch]]) -> tuple[Any, int]:
-        """Draw `batches` once (a retry runs the very same ones), then run `work(batches)` under the device's
-        memory accounting; on OOM fall back and retry. -> (result, peak bytes)."""
-        while True:
-            self.phase = phase
-            oom = None
-            try:
-                if not batches:
-                    self.phase = "data"
-                    # outside the accounting: host-side work (a corpus in RAM, tokenizing) is not device
-                    # memory; what the batches themselves hold is counted on a simulated device
-                    batches.extend(draw())
-                    self._account(batches)
-                with self.device.measure() as reading:
-                    self.phase = phase
-                    result = work(batches)
-            except Exception as e:
-                if not is_oom(e):
-                    raise
-                oom = _one_line(e)
-            if oom is None:
-                self.good_plan = self.plan
-                if self.plan_dirty:
-                    self._save_plan()
-                return result, reading.peak_bytes
-            self._recover(oom)  # outside the except block: its frames no longer hold the failed step's tensors
-
-    def _recover(self, message: str) -> None:
-        phase = self.phase
-        step = self.step if phase == "eval" else self.step + 1  # eval runs after its step is counted
-        self.t.model.zero_grad(set_to_none=True)  # half-accumulated gradients of the failed step
-        self.device.release()
-        if phase != "eval":  # rewind what the failed attempt drew (dropout): the retry runs as if it never had
-            restore_rng(self.step_rng, self.cuda)
-        if phase == "optimizer":
-            last = f"; the last checkpoint is {self.last_checkpoint}" if self.last_checkpoint else ""
-            self._log_event("oom_stop", step=step, phase=phase, message=message)
-            raise OomtuneError(
-                f"out of memory in the optimizer step at step {step} ({message}): the weights, gradients and "
-                f"optimizer state alone do not fit, so a smaller micro-batch cannot help{last}", NO_FIT)
-        new = smaller_plan(self.plan)
-        if new is None:
-            self.plan = self.good_plan  # a resume with more memory starts from the last plan that ran
-            path = self._checkpoint("oom")  # the state of the last finished step: nothing of this one applied
-            self._log_event("oom_stop", step=step, phase=phase, message=message)
-            raise OomtuneError(
-                f"out of memory at micro-batch 1 (step {step}, {phase}, context {self.plan.context_length}): "
-                f"nothing smaller to fall back to. Saved {path} (step {self.step}); free memory or use a larger "
-                "--budget, activation checkpointing or a shorter context, then rerun with --resume", NO_FIT)
-        fallback = OomFallback(step, phase, self.plan, new, message)
-        self.fallbacks.append(fallback)
-        self._log_event("oom_fallback", step=step, phase=phase, message=message, old_plan=to_dict(self.plan),
-                        new_plan=to_dict(new))
-        self.plan = new
-        self.plan_dirty = True
-        self._emit(fallback)
 
     # -- evaluation ----------------------------------------------------------------------------------
     def _evaluate(self) -> tuple[float, int]:
@@ -448,8 +191,8 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         for tmp in stale_temp_files(self.run_dir):  # a write that was killed: never a checkpoint
             tmp.unlink(missing_ok=True)
-        self._truncate_metrics()
-        self._log_event("resume" if self.resumed_from else "start", step=self.step, plan=to_dict(self.plan),
+        self.log.truncate_metrics(self.step)
+        self.log.event("resume" if self.resumed_from else "start", step=self.step, plan=to_dict(self.plan),
                         train=to_dict(cfg), device=self.device.name, config=str(self.config_path),
                         checkpoint=self.resumed_from.name if self.resumed_from else None)
         self._emit(Started(self.plan, cfg, self.step, self.device.name, self.run_dir, self.data_hook, evaluates,
@@ -507,7 +250,7 @@ class Trainer:
                         metrics["peak_bytes"] = max(peak, eval_peak)
                     metrics["micro_batch_size"] = self.plan.micro_batch_size  # changes after an OOM fallback
                     metrics["grad_accum_steps"] = self.plan.grad_accum_steps
-                    self._write_metrics(metrics)
+                    self.log.metrics(metrics)
                     tokens, seconds, peak = 0, 0.0, 0
                 self._emit(StepDone(self.step, cfg.steps, metrics))
                 if self.step % cfg.checkpoint_interval == 0 or self.step == cfg.steps:
@@ -517,9 +260,9 @@ class Trainer:
                 self._emit(Note(f"{stop.signal_name}: stopped after step {self.step}"))
                 if self.checkpoint_step != self.step:
                     self._checkpoint("interrupted")
-                self._log_event("interrupted", step=self.step, signal=stop.signal_name)
+                self.log.event("interrupted", step=self.step, signal=stop.signal_name)
         if not interrupted:
-            self._log_event("finished", step=self.step)
+            self.log.event("finished", step=self.step)
         return TrainResult(self.step, cfg.steps, self.plan, interrupted, self.run_dir, self.last_checkpoint,
                            first_loss, last_loss, last_eval, tuple(self.fallbacks), time.perf_counter() - started)
 
@@ -542,7 +285,7 @@ class Trainer:
         except Exception as e:
             if not is_oom(e):
                 raise
-            oom = _one_line(e)
+            oom = one_line(e)
         if oom is not None:
             self.device.release()
             raise OomtuneError(f"out of memory building the model on {self.device.name}: {oom}", NO_FIT)
@@ -560,7 +303,7 @@ class Trainer:
             if is_oom(e):
                 raise
             raise OomtuneError(f"checkpoint {path} does not match {self.model_file.label}'s model or optimizer "
-                               f"({_one_line(e)[:200]})", BAD_INPUT) from None
+                               f"({one_line(e)[:200]})", BAD_INPUT) from None
         self._account(t.optimizer)  # the loaded state was made outside measure()
         restore_rng(st["rng"], self.cuda)
         if st["data"].get("hook") not in (None, self.data_hook):
@@ -575,30 +318,10 @@ class Trainer:
         if now - getattr(self, "_nvml_at", -1e9) >= 2.0:  # NVML init + query costs milliseconds: not every step
             self._nvml_at = now
             try:
-                self._nvml_last = _nvml_used_bytes(self.device)
+                self._nvml_last = nvml_used_bytes(self.device)
             except Exception:
                 self._nvml_last = None
         return getattr(self, "_nvml_last", None)
-
-    def _write_metrics(self, metrics: dict) -> None:
-        with open(self.run_dir / METRICS, "a") as f:
-            f.write(json.dumps(metrics) + "\n")
-
-    def _truncate_metrics(self) -> None:
-        """On resume, drop lines past the checkpoint's step (written after it by the run that was killed), so
-        metrics.jsonl reads as one run."""
-        path = self.run_dir / METRICS
-        if not path.exists():
-            return
-        kept = []
-        for line in path.read_text().splitlines():
-            try:
-                if json.loads(line).get("step", 0) <= self.step:
-                    kept.append(line)
-            except (json.JSONDecodeError, AttributeError):
-                continue  # a line cut short by a kill
-        atomic_write(path, "".join(k + "\n" for k in kept))
-
 
 def train(config_path: str | Path, *, overrides: dict[str, Any] | None = None, device: str | None = None,
           budget: str | None = None, resume: bool = False,

@@ -1,0 +1,144 @@
+"""The runtime out-of-memory fallback of `oomtune train`.
+
+An OOM in a step (a longer real batch, fragmentation) is caught; outside the `except` block the gradients are
+dropped and memory given back, the micro-batch is halved and the accumulation doubled (the global batch stays
+exact), and the same batches are retried. Once the smaller plan has run, the config file is rewritten with it
+(only the plan's numbers are edited, so a person's comments survive)."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .checkpoint import restore_rng
+from .devices import is_oom
+from .errors import NO_FIT, ConfigError, OomtuneError
+from .model_file import Batch
+from .plan import Config, Plan, atomic_write, dump_config, from_dict, to_dict
+from .train_events import Note, OomFallback
+
+
+def one_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[0] if lines else type(e).__name__
+
+
+def smaller_plan(plan: Plan) -> Plan | None:
+    """After an OOM: the largest micro-batch that divides the current one and is at most half of it, with
+    the accumulation raised so the global batch is unchanged (8 x 2 -> 4 x 4; 6 -> 3 x 2; 5 -> 1 x 5).
+    None at micro-batch 1."""
+    m = plan.micro_batch_size
+    smaller = next((d for d in range(m // 2, 0, -1) if m % d == 0), None)
+    if smaller is None:
+        return None
+    return dataclasses.replace(plan, micro_batch_size=smaller,
+                               grad_accum_steps=plan.global_batch_size // smaller)
+
+
+_PLAN_KEY = re.compile(r"^(\s+)(micro_batch_size|grad_accum_steps|global_batch_size)(\s*:\s*)(\d+)(.*)$")
+
+
+def rewrite_plan(path: Path, config: Config, plan: Plan, note: str) -> None:
+    """Replace the config file's plan with `plan`, atomically. The numbers are edited in place where the file
+    has the block layout `oomtune probe` writes, so a person's comments and edits survive; the result is read
+    back and must equal the intended config, else the whole file is written out fresh."""
+    want = dataclasses.replace(config, plan=plan)
+    text = path.read_text()
+    lines, in_plan = text.splitlines(keepends=True), False
+    for i, line in enumerate(lines):
+        if re.match(r"^plan\s*:\s*(#.*)?$", line):
+            in_plan = True
+        elif in_plan and re.match(r"^[^\s#]", line):
+            in_plan = False  # the next top-level key
+        elif in_plan and (m := _PLAN_KEY.match(line.rstrip("\r\n"))):
+            lines[i] = f"{m[1]}{m[2]}{m[3]}{getattr(plan, m[2])}{m[5]}\n"
+    edited = f"# {note}\n" + "".join(lines)
+    try:
+        same = from_dict(Config, yaml.safe_load(edited)) == want
+    except (ConfigError, yaml.YAMLError):
+        same = False
+    atomic_write(path, edited if same else dump_config(want, header=note))
+
+
+class FallbackMixin:
+    """The trainer's OOM handling. Expects the Trainer's state: plan, good_plan, plan_dirty, fallbacks, phase,
+    step, step_rng, t, device, cuda, config_path, file_config, last_checkpoint, log, and its `_account`,
+    `_checkpoint` and `_emit` methods."""
+
+    def _attempt(self, work: Callable[[list[Batch]], Any], phase: str, batches: list[Batch],
+                 draw: Callable[[], list[Batch]]) -> tuple[Any, int]:
+        """Draw `batches` once (a retry runs the very same ones), then run `work(batches)` under the device's
+        memory accounting; on OOM fall back and retry. -> (result, peak bytes)."""
+        while True:
+            self.phase = phase
+            oom = None
+            try:
+                if not batches:
+                    self.phase = "data"
+                    # outside the accounting: host-side work (a corpus in RAM, tokenizing) is not device
+                    # memory; what the batches themselves hold is counted on a simulated device
+                    batches.extend(draw())
+                    self._account(batches)
+                with self.device.measure() as reading:
+                    self.phase = phase
+                    result = work(batches)
+            except Exception as e:
+                if not is_oom(e):
+                    raise
+                oom = one_line(e)
+            if oom is None:
+                self.good_plan = self.plan
+                if self.plan_dirty:
+                    self._save_plan()
+                return result, reading.peak_bytes
+            self._recover(oom)  # outside the except block: its frames no longer hold the failed step's tensors
+
+    def _recover(self, message: str) -> None:
+        phase = self.phase
+        step = self.step if phase == "eval" else self.step + 1  # eval runs after its step is counted
+        self.t.model.zero_grad(set_to_none=True)  # half-accumulated gradients of the failed step
+        self.device.release()
+        if phase != "eval":  # rewind what the failed attempt drew (dropout): the retry runs as if it never had
+            restore_rng(self.step_rng, self.cuda)
+        if phase == "optimizer":
+            last = f"; the last checkpoint is {self.last_checkpoint}" if self.last_checkpoint else ""
+            self.log.event("oom_stop", step=step, phase=phase, message=message)
+            raise OomtuneError(
+                f"out of memory in the optimizer step at step {step} ({message}): the weights, gradients and "
+                f"optimizer state alone do not fit, so a smaller micro-batch cannot help{last}", NO_FIT)
+        new = smaller_plan(self.plan)
+        if new is None:
+            self.plan = self.good_plan  # a resume with more memory starts from the last plan that ran
+            path = self._checkpoint("oom")  # the state of the last finished step: nothing of this one applied
+            self.log.event("oom_stop", step=step, phase=phase, message=message)
+            raise OomtuneError(
+                f"out of memory at micro-batch 1 (step {step}, {phase}, context {self.plan.context_length}): "
+                f"nothing smaller to fall back to. Saved {path} (step {self.step}); free memory or use a larger "
+                "--budget, activation checkpointing or a shorter context, then rerun with --resume", NO_FIT)
+        fallback = OomFallback(step, phase, self.plan, new, message)
+        self.fallbacks.append(fallback)
+        self.log.event("oom_fallback", step=step, phase=phase, message=message, old_plan=to_dict(self.plan),
+                       new_plan=to_dict(new))
+        self.plan = new
+        self.plan_dirty = True
+        self._emit(fallback)
+
+    def _save_plan(self) -> None:
+        """Write the plan that now works back into the config file (atomically), so the next run starts there."""
+        self.plan_dirty = False
+        step = self.fallbacks[-1].step
+        note = (f"plan updated by `oomtune train` at step {step}: out of memory at micro-batch "
+                f"{self.file_config.plan.micro_batch_size}, now {self.plan.describe()}")
+        try:
+            rewrite_plan(self.config_path, self.file_config, self.plan, note)
+        except OSError as e:
+            self._emit(Note(f"could not update {self.config_path} with the new plan: {e}", warning=True))
+            return
+        self.file_config = dataclasses.replace(self.file_config, plan=self.plan)
+        self.log.event("config_updated", step=step, path=str(self.config_path), plan=to_dict(self.plan))
+        self._emit(Note(f"updated {self.config_path}: plan is now {self.plan.describe()}"))

@@ -1,0 +1,47 @@
+"""The run directory's log files: metrics.jsonl (one JSON object per logged step) and events.jsonl (start,
+resume, checkpoints, OOM fallbacks, config updates, interruption, finish)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from pathlib import Path
+
+from .plan import atomic_write
+
+METRICS = "metrics.jsonl"  # one JSON object per logged step: step, loss, lr, tokens_per_s, peak_bytes[, eval_loss]
+EVENTS = "events.jsonl"  # start / resume / oom_fallback / config_updated / checkpoint / interrupted / finished
+
+
+def now() -> str:
+    return dt.datetime.now(dt.timezone.utc).replace(microsecond=0).isoformat()
+
+
+class RunLog:
+    """Appends to the run dir's metrics.jsonl and events.jsonl."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir = Path(run_dir)
+
+    def event(self, kind: str, **fields) -> None:
+        with open(self.run_dir / EVENTS, "a") as f:
+            f.write(json.dumps({"time": now(), "event": kind, **fields}) + "\n")
+
+    def metrics(self, metrics: dict) -> None:
+        with open(self.run_dir / METRICS, "a") as f:
+            f.write(json.dumps(metrics) + "\n")
+
+    def truncate_metrics(self, step: int) -> None:
+        """On resume, drop lines past the checkpoint's `step` (written after it by the run that was killed), so
+        metrics.jsonl reads as one run."""
+        path = self.run_dir / METRICS
+        if not path.exists():
+            return
+        kept = []
+        for line in path.read_text().splitlines():
+            try:
+                if json.loads(line).get("step", 0) <= step:
+                    kept.append(line)
+            except (json.JSONDecodeError, AttributeError):
+                continue  # a line cut short by a kill
+        atomic_write(path, "".join(k + "\n" for k in kept))
