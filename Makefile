@@ -54,9 +54,10 @@ bench-estimate: $(STAMP)
 bench-train: $(STAMP)
 	$(PY) bench/bench_train.py
 
-# oomtune against Lightning's and Accelerate's batch-size finders and exhaustive truth (3 model files x 3 budgets,
-# simulated cpu device), plus the full ladder under both objectives; runs bench-train / bench-estimate where the
-# Makefile has them and regenerates bench/RESULTS.md and bench/results.json (about 11 min on 2 CPU cores)
+# oomtune against Lightning's and Accelerate's batch-size finders and exhaustive truth (3 model files x 3 budgets at
+# small batches, plus 2 model files x 3 budgets at target batch 256; simulated cpu device), plus the full ladder under
+# both objectives (small batches); runs bench-train / bench-estimate where the Makefile has them and regenerates
+# bench/RESULTS.md and bench/results.json (about 23 min on 2 CPU cores)
 BENCH_STAMP := $(VENV)/.oomtune-bench-installed
 $(BENCH_STAMP): $(STAMP) pyproject.toml
 	$(PY) -m pip install -q -e ".[dev,bench]"

@@ -5,9 +5,10 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 
+import oomtune.probe
 import oomtune.trial
 from oomtune.devices import CpuDevice
 from oomtune.model_file import ModelFile
@@ -34,6 +35,33 @@ def counting_steps() -> Iterator[Counter]:
         oomtune.trial.train_step = step
 
 
+@contextlib.contextmanager
+def only_rungs(names: Collection[str] | None) -> Iterator[None]:
+    """Restrict the ladder `probe()` climbs to the named rungs (None: all of them), by filtering what
+    `oomtune.probe.ladder_rungs` returns. Restored on exit.
+
+    For the fp32 batch search alone: the search runs rung after rung, and a rung's trials depend only on that
+    rung's own measurements (each rung starts afresh at its target), so dropping the later rungs changes none
+    of the fp32 rung's trials; it only skips rungs the large-batch table does not report (amp on this CPU is
+    ~10x slower per step). tests/test_bench.py checks the fp32 trials are the same as the full ladder's."""
+    if names is None:
+        yield
+        return
+    full = oomtune.probe.ladder_rungs
+
+    def restricted(*args, **kwargs):
+        rungs = [r for r in full(*args, **kwargs) if r.name in names]
+        if not rungs:
+            raise ValueError(f"no rung named {sorted(names)} on this ladder")
+        return rungs
+
+    oomtune.probe.ladder_rungs = restricted
+    try:
+        yield
+    finally:
+        oomtune.probe.ladder_rungs = full
+
+
 @dataclass
 class OursResult:
     objective: str
@@ -51,11 +79,12 @@ class OursResult:
 
 
 def run_oomtune(model_file: ModelFile, batch: int, context: int, budget: str, objective: str = "fit",
-                headroom: float = 0.0) -> OursResult:
-    """`oomtune probe MODEL --device cpu --budget BUDGET --batch B --context T --headroom H --objective O`."""
+                headroom: float = 0.0, rungs: Collection[str] | None = None) -> OursResult:
+    """`oomtune probe MODEL --device cpu --budget BUDGET --batch B --context T --headroom H --objective O`,
+    on the rungs named in `rungs` only (None: the whole ladder; see `only_rungs`)."""
     device = CpuDevice(budget)
     targets = resolve_targets(model_file, batch, context, None)
-    with counting_steps() as counts:
+    with counting_steps() as counts, only_rungs(rungs):
         start = time.perf_counter()
         result = probe(model_file, device, targets, headroom=headroom, steps=STEPS_PER_TRIAL, objective=objective)
         seconds = time.perf_counter() - start

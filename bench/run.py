@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from oomtune.model_file import load_model_file
+from oomtune.search import extrapolate
 from oomtune.units import parse_budget
 
 from . import report
@@ -45,6 +46,7 @@ class Case:
     batch: int  # target global batch B
     context: int  # T (= T_min: context is never cut here)
     budgets: tuple[str, ...]
+    ladder: bool = True  # False: the fp32 batch search only (no amp / checkpointing rungs, no full-ladder tables)
 
 
 # budgets chosen so that B does not fit at fp32 under any of them (the run checks and says so if it does)
@@ -53,6 +55,14 @@ CASES = (
     Case("mlp_dict", "examples/mlp_dict.py", 20, 64, ("10MiB", "16MiB", "24MiB")),
     Case("parallel_gpt", "bench/models/parallel_gpt.py", 16, 64, ("10MiB", "20MiB", "28MiB")),
 )
+# Realistic batch sizes: target 256, budgets picked (from the fake device's fp32 peaks) so the true max lands near
+# 30, 100 and 200. A short context keeps a real CPU step at batch 256 well under a second; the exhaustive truth
+# costs about the same per fake trial at any batch size, so 256 sizes per model is a few minutes.
+LARGE_CASES = (
+    Case("mlp_dict", "examples/mlp_dict.py", 256, 16, ("14MiB", "33MiB", "60MiB"), ladder=False),
+    Case("tiny_gpt", "examples/tiny_gpt.py", 256, 16, ("12MiB", "34MiB", "64MiB"), ladder=False),
+)
+GROUPS = {"cases": CASES, "large_cases": LARGE_CASES}  # results.json key -> its cases
 
 
 def log(msg: str) -> None:
@@ -75,27 +85,42 @@ def _ratio(found: int | None, truth: int | None) -> float | None:
     return round(found / truth, 3) if found is not None and truth else None
 
 
+def line_1_2(table: PeakTable, limit: int, truth: int | None) -> dict | None:
+    """What oomtune's first line sees: the fp32 forward/backward peak at micro-batch 1 and 2 (the two points it
+    measures first), their growth per sample, the size that line predicts, and the growth per sample where it
+    matters (from the true max to the size above it). From the exhaustive table, not from oomtune's trials."""
+    bp = {b: table.batch_peaks.get(("fp32", b, 1)) for b in (1, 2)}
+    if None in bp.values() or truth is None or truth >= table.batch or table.batch < 2:
+        return None
+    at_max = table.batch_peaks.get(("fp32", truth + 1, 1)), table.batch_peaks.get(("fp32", truth, 1))
+    return {"batch_peak_1": bp[1], "batch_peak_2": bp[2], "per_sample_1_2": bp[2] - bp[1],
+            "predicts": extrapolate(1, bp[1], 2, bp[2], limit),
+            "per_sample_at_true_max": at_max[0] - at_max[1] if None not in at_max else None}
+
+
 def bench_budget(case: Case, mf, table: PeakTable, budget: str) -> dict:
     limit = int(parse_budget(budget) * (1 - HEADROOM))
     truth = table.true_max("fp32", limit)
     out = {"model": case.name, "budget": budget, "budget_bytes": limit, "batch": case.batch,
            "context": case.context, "true_max": {r.name: table.true_max(r.name, limit) for r in table.rungs}}
     out["target_fits_fp32"] = truth == case.batch
+    out["line_1_2"] = line_1_2(table, limit, truth)
     out["truth_boundary_verified"] = verify_boundary(mf, table, "fp32", budget)
 
-    log(f"{case.name} {budget}: oomtune (fit, throughput)")
-    fit = run_oomtune(mf, case.batch, case.context, budget, "fit", HEADROOM)
-    thr = run_oomtune(mf, case.batch, case.context, budget, "throughput", HEADROOM)
+    log(f"{case.name} B={case.batch} {budget}: oomtune " + ("(fit, throughput)" if case.ladder else "(fp32 rung)"))
+    fit = run_oomtune(mf, case.batch, case.context, budget, "fit", HEADROOM, rungs=None if case.ladder else ["fp32"])
+    thr = run_oomtune(mf, case.batch, case.context, budget, "throughput", HEADROOM) if case.ladder else None
     fp32 = fit.rung("fp32")
     rows = [{"contender": "oomtune", "trials": fp32.trials, "steps": fit.steps_per_rung["fp32"],
              "seconds": round(fit.rung_seconds("fp32"), 2), "found": fp32.micro_batch_size,
              "ratio": _ratio(fp32.micro_batch_size, truth),
              "attempts": [[t.micro_batch_size, t.result == "fits"] for t in fit.probe.records
-                          if t.rung == "fp32" and t.grad_accum_steps == 1]}]
-    log(f"{case.name} {budget}: accelerate")
+                          if t.rung == "fp32" and t.grad_accum_steps == 1],
+             "stages": [t.stage for t in fit.probe.records if t.rung == "fp32" and t.grad_accum_steps == 1]}]
+    log(f"{case.name} B={case.batch} {budget}: accelerate")
     rows.append(_peer_row(run_accelerate(mf, case.batch, case.context, budget), truth, table, limit))
     for mode in ("power", "binsearch"):
-        log(f"{case.name} {budget}: lightning {mode}")
+        log(f"{case.name} B={case.batch} {budget}: lightning {mode}")
         rows.append(_peer_row(run_lightning(mf, case.context, budget, mode), truth, table, limit))
     rows.append({"contender": "exhaustive", "trials": case.batch, "steps": table.search_steps["fp32"],
                  "seconds": round(table.search_seconds("fp32"), 2), "found": truth, "ratio": 1.0})
@@ -103,13 +128,15 @@ def bench_budget(case: Case, mf, table: PeakTable, budget: str) -> dict:
 
     # cpu (oomtune's trials) against fake (the table): every fitting trial's peak, to the byte
     same = total = 0
-    for probe_run in (fit, thr):
+    for probe_run in (fit, thr) if thr else (fit,):
         for t in probe_run.probe.records:
             key = (t.rung, t.micro_batch_size, t.grad_accum_steps)
             if t.result == "fits" and key in table.peaks:
                 total += 1
                 same += table.peaks[key] == t.peak_bytes
     out["cpu_fake_agree"] = [same, total]
+    if not case.ladder:
+        return out
 
     best_fit = table.best_fit_plan(limit)
     out["ladder_fit"] = {"oomtune": _plan_json(fit.probe.config.plan if fit.probe.config else None),
@@ -139,10 +166,17 @@ def _plan_from_json(d: dict):
 
 def bench_case(case: Case) -> dict:
     mf = load_model_file(ROOT / case.path)
-    log(f"{case.name}: exhaustive peak table on the fake device (B={case.batch}, T={case.context})")
-    table = peak_table(mf, case.batch, case.context)
+    log(f"{case.name}: exhaustive peak table on the fake device (B={case.batch}, T={case.context}"
+        + ("" if case.ladder else ", fp32 only") + ")")
+    table = peak_table(mf, case.batch, case.context, only=None if case.ladder else ["fp32"],
+                       accumulation=case.ladder)
     log(f"{case.name}: {table.trials} trials in {table.seconds:.0f}s on {table.device_kind}")
     budgets = [bench_budget(case, mf, table, b) for b in case.budgets]
+    out = {"model": case.name, "path": case.path, "batch": case.batch, "context": case.context,
+           "ladder": case.ladder, "truth_device": table.device_kind, "truth_rungs": [r.name for r in table.rungs],
+           "truth_trials": table.trials, "truth_seconds": round(table.seconds, 1), "budgets": budgets}
+    if not case.ladder:
+        return out
 
     # throughput: every plan that fits some budget (and oomtune's picks), timed once with real compute
     plans = {}
@@ -164,10 +198,8 @@ def bench_case(case: Case) -> dict:
         lt["oomtune_tokens_per_s"] = tps.get(pick)
         lt["oomtune_pick_fits_per_truth"] = pick in cands
         lt["ratio"] = _ratio_f(tps.get(pick), tps.get(lt["exhaustive"]))
-    return {"model": case.name, "path": case.path, "batch": case.batch, "context": case.context,
-            "truth_device": table.device_kind, "amp_precision": table.rungs[1].precision, "truth_trials": table.trials,
-            "truth_seconds": round(table.seconds, 1), "timing_seconds": round(timing_seconds, 1),
-            "timed_plans": len(plans), "budgets": budgets}
+    return {**out, "amp_precision": table.rungs[1].precision, "timing_seconds": round(timing_seconds, 1),
+            "timed_plans": len(plans)}
 
 
 def _ratio_f(a: float | None, b: float | None) -> float | None:
@@ -238,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=ROOT / "bench" / "results.json")
     ap.add_argument("--no-others", action="store_true", help="skip the bench-train / bench-estimate targets")
     ap.add_argument("--command", default="make bench", help="the command recorded in RESULTS.md")
+    ap.add_argument("--only", choices=sorted(GROUPS), help="run one group of cases (for development: the file "
+                    "written then lacks the other group's tables)")
     args = ap.parse_args(argv)
 
     torch.set_num_threads(THREADS)
@@ -254,11 +288,12 @@ def main(argv: list[str] | None = None) -> int:
     others = {name: "TODO: skipped (--no-others)." for name, _ in OTHER_SECTIONS} if args.no_others \
         else run_other_sections(args.out)
 
-    cases = [bench_case(c) for c in CASES]
+    groups = {key: [bench_case(c) for c in cases] if args.only in (None, key) else []
+              for key, cases in GROUPS.items()}
     info["load_average_end"] = list(os.getloadavg())
     data = {"command": args.command, "argv": [sys.executable, "-m", "bench.run", *(argv or sys.argv[1:])],
             "date": date, "machine": info, "oom_recognised": recognised, "headroom": HEADROOM,
-            "cases": cases, "wall_seconds": round(time.perf_counter() - started, 1)}
+            **groups, "wall_seconds": round(time.perf_counter() - started, 1)}
     args.json.write_text(json.dumps(data, indent=1) + "\n")
     args.out.write_text(report.render(data, others))
     log(f"wrote {args.out} and {args.json} in {data['wall_seconds']:.0f} s")

@@ -65,6 +65,7 @@ class PeakTable:
     rungs: list[Rung]
     device_kind: str
     peaks: dict[tuple[str, int, int], int] = field(default_factory=dict)
+    batch_peaks: dict[tuple[str, int, int], int | None] = field(default_factory=dict)  # forward/backward peak
     trials: int = 0
     steps: int = 0  # training steps the trials ran (counted, not assumed)
     seconds: float = 0.0
@@ -106,9 +107,9 @@ class PeakTable:
 
 
 def peak_table(model_file: ModelFile, batch: int, context: int, device: TrackedDevice | None = None,
-               only: Iterable[str] | None = None) -> PeakTable:
+               only: Iterable[str] | None = None, accumulation: bool = True) -> PeakTable:
     """Run every micro-batch 1..B on every rung (or the rungs named in `only`), and every accumulation plan
-    d x B/d (d < B), once each."""
+    d x B/d (d < B) unless `accumulation` is False (the batch search alone needs none), once each."""
     device = device or truth_device()
     rungs = ladder_rungs(device, "auto", static_memory(model_file).checkpointing_supported)
     if only is not None:
@@ -117,12 +118,15 @@ def peak_table(model_file: ModelFile, batch: int, context: int, device: TrackedD
     start = time.perf_counter()
     with counting_steps() as counted:
         for rung in rungs:
-            points = [(b, 1) for b in range(1, batch + 1)] + [(d, batch // d) for d in divisors(batch) if d < batch]
+            points = [(b, 1) for b in range(1, batch + 1)]
+            if accumulation:
+                points += [(d, batch // d) for d in divisors(batch) if d < batch]
             for b, accum in points:
                 r = run_trial(model_file, plan_for(rung, b, context, accum), device, steps=STEPS_PER_TRIAL)
                 if r.oom:
                     raise RuntimeError(f"{model_file.label}: {rung.name} {b}x{accum} ran out of {UNBOUNDED}")
                 table.peaks[(rung.name, b, accum)] = r.peak_bytes
+                table.batch_peaks[(rung.name, b, accum)] = r.batch_peak_bytes
                 table.trial_seconds[(rung.name, b, accum)] = r.seconds
                 table.trials += 1
     table.seconds = time.perf_counter() - start

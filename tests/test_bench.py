@@ -92,8 +92,13 @@ def test_lightning_power_returns_the_last_power_of_two_that_ran(model, budget):
     assert r.found == 4 and r.trials == 3
 
 
-def test_oomtune_fp32_rung_finds_the_true_max_and_its_steps_are_counted(model, table, budget):
-    ours = run_oomtune(model, B, T, budget, "fit")
+@pytest.fixture(scope="module")
+def ours_fit(model, budget):
+    return run_oomtune(model, B, T, budget, "fit")
+
+
+def test_oomtune_fp32_rung_finds_the_true_max_and_its_steps_are_counted(model, table, budget, ours_fit):
+    ours = ours_fit
     fp32 = ours.rung("fp32")
     assert fp32.micro_batch_size == table.true_max("fp32", int(budget))
     runs = [t for t in ours.probe.records if t.rung == "fp32" and t.grad_accum_steps == 1]
@@ -102,3 +107,36 @@ def test_oomtune_fp32_rung_finds_the_true_max_and_its_steps_are_counted(model, t
     assert 2 * fits + (len(runs) - fits) <= ours.steps_per_rung["fp32"] <= 2 * len(runs)
     accum_trials = sum(1 for t in ours.probe.records if t.grad_accum_steps > 1)
     assert 0 <= ours.steps - sum(ours.steps_per_rung.values()) <= 2 * accum_trials  # the only other steps
+
+
+def test_oomtune_on_the_fp32_rung_only_runs_the_whole_ladders_fp32_trials(model, budget, ours_fit):
+    """The realistic-batch cases cut the ladder to fp32: that must skip the later rungs, not change fp32's trials."""
+    import oomtune.probe
+
+    full_rungs = oomtune.probe.ladder_rungs
+    only = run_oomtune(model, B, T, budget, "fit", rungs=["fp32"])
+    assert oomtune.probe.ladder_rungs is full_rungs  # restored
+    assert [r.rung.name for r in only.probe.ladder.rungs] == ["fp32"]
+    assert len(ours_fit.probe.ladder.rungs) > 1  # the whole ladder did climb on
+
+    def fp32(o):
+        return [(t.micro_batch_size, t.stage, t.result, t.peak_bytes) for t in o.probe.records
+                if t.rung == "fp32" and t.grad_accum_steps == 1]
+
+    assert fp32(only) == fp32(ours_fit)
+    assert only.rung("fp32") == ours_fit.rung("fp32")
+    assert only.steps_per_rung == {"fp32": ours_fit.steps_per_rung["fp32"]}
+
+
+def test_report_renders_the_committed_results_with_both_tables():
+    import json
+    from pathlib import Path
+
+    from bench import report
+
+    data = json.loads((Path(__file__).resolve().parent.parent / "bench" / "results.json").read_text())
+    text = report.render(data, {})
+    for group, title in ((report.SMALL, "### Small batches"), (report.LARGE, "## Realistic batch sizes")):
+        assert data[group] and title in text
+    rows = sum(len(c["budgets"]) for c in data[report.LARGE])
+    assert text.count("**met**") + text.count("**not met**") == rows  # a verdict on every realistic row
