@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 from .units import format_bytes
 
@@ -26,6 +26,22 @@ BLOCK = 512  # the CUDA caching allocator's smallest rounding unit, bytes
 
 # the autograd node running now (None outside the backward pass); without it, recomputation is not told apart
 _current_autograd_node = getattr(torch._C, "_current_autograd_node", lambda: None)
+
+
+_ACTIVE: list[MemoryTracker] = []  # trackers inside their `with` block, told about storage resizes
+_RESIZE = torch.UntypedStorage.resize_
+
+
+def _tracked_resize(storage: torch.UntypedStorage, size: int):
+    """UntypedStorage.resize_ while a tracker is active. FSDP frees and re-allocates an unsharded parameter by
+    resizing its storage in place (to 0 and back), which never reaches the dispatcher: the trackers are told
+    here, and one over its budget refuses to grow the storage, as the CUDA allocator would."""
+    for tracker in _ACTIVE:
+        tracker._check_resize(storage, size)
+    out = _RESIZE(storage, size)
+    for tracker in _ACTIVE:
+        tracker._account_storage(storage)
+    return out
 
 
 def rounded(nbytes: int) -> int:
@@ -135,6 +151,9 @@ class Recorder:
                     rec.tags.add(tag)
 
     def record_of(self, t: torch.Tensor) -> StorageRecord | None:
+        if is_traceable_wrapper_subclass(t):  # a DTensor: its local shard
+            local = getattr(t, "_local_tensor", None)
+            return self.record_of(local) if isinstance(local, torch.Tensor) else None
         try:
             return self._live.get(id(t.untyped_storage()))
         except (RuntimeError, NotImplementedError):
@@ -165,12 +184,20 @@ class MemoryTracker(TorchDispatchMode):
     # -- accounting -------------------------------------------------------------------------------
     def _count(self, t: torch.Tensor) -> int:
         """Count t's storage once; return the bytes newly counted (0 if it was already known)."""
+        if is_traceable_wrapper_subclass(t):  # a DTensor (FSDP's sharded parameter): count its local tensor(s)
+            names, _ = t.__tensor_flatten__()
+            inner = (getattr(t, name) for name in names)
+            return sum(self._count(x) for x in inner if isinstance(x, torch.Tensor))
         if t.layout != torch.strided:  # sparse / nested: no plain storage to key on
             return 0
         try:
             st = t.untyped_storage()
         except (RuntimeError, NotImplementedError):  # wrapper subclasses without storage
             return 0
+        return self._account_storage(st)
+
+    def _account_storage(self, st: torch.UntypedStorage) -> int:
+        """Count `st` at its current size (new, or resized in place); return the bytes newly counted."""
         key = id(st)
         size = rounded(st.nbytes())
         old = self._sizes.get(key)
@@ -193,6 +220,26 @@ class MemoryTracker(TorchDispatchMode):
         if self.live_bytes > self.peak_bytes:
             self.peak_bytes = self.live_bytes
         return max(delta, 0)
+
+    def _check_resize(self, st: torch.UntypedStorage, size: int) -> None:
+        if self.budget_bytes is None:
+            return
+        grow = rounded(size) - self._sizes.get(id(st), 0)
+        if grow > 0 and self.live_bytes + grow > self.budget_bytes:
+            raise torch.cuda.OutOfMemoryError(simulated_oom_message(grow, self.budget_bytes, self.live_bytes,
+                                                                    self.kind))
+
+    def __enter__(self):
+        if not _ACTIVE:
+            torch.UntypedStorage.resize_ = _tracked_resize
+        _ACTIVE.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        _ACTIVE.remove(self)
+        if not _ACTIVE:
+            torch.UntypedStorage.resize_ = _RESIZE
+        return super().__exit__(*exc)
 
     def _release(self, key: int) -> None:
         self.live_bytes -= self._sizes.pop(key, 0)
