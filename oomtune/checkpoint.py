@@ -1,11 +1,12 @@
 """Checkpoints of a training run: written atomically, read back safely, always resumable exactly.
 
-A checkpoint is one file `ckpt-<step>.pt` in the run directory holding the model, optimizer and
+A single-process checkpoint is one file `ckpt-<step>.pt` in the run directory holding the model, optimizer and
 GradScaler state, the step, the plan, every RNG the run draws from, and the data position (how many
 batches the data stream has handed out, at what batch size). It is written to a temp file in the same
 folder, fsynced, then renamed over the final name, so a reader (or a resume after SIGKILL) sees the old
 set of checkpoints or the new one, never half a file. It is read with `torch.load(weights_only=True)`:
-tensors, numbers, strings and containers only, no arbitrary pickled objects.
+tensors, numbers, strings and containers only, no arbitrary pickled objects. A run on several ranks writes a
+folder `ckpt-<step>/` instead (torch.distributed.checkpoint, see dist_checkpoint.py); both kinds are listed here.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import os
 import random
 import re
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -24,7 +26,8 @@ from .errors import BAD_INPUT, OomtuneError
 FORMAT = "oomtune-checkpoint"
 VERSION = 1
 KEEP = 2  # checkpoints kept on disk: the newest, and one before it in case the newest is lost
-_NAME = re.compile(r"^ckpt-(\d+)\.pt$")
+_NAME = re.compile(r"^ckpt-(\d+)(\.pt)?$")  # a file ckpt-N.pt, or a folder ckpt-N/ (several ranks)
+META = "oomtune.pt"  # in a checkpoint folder: step, plan, data position; written last, so its presence = complete
 REQUIRED = ("step", "plan", "data", "model", "optimizer", "scaler", "rng")
 
 
@@ -40,11 +43,16 @@ def checkpoint_path(run_dir: str | Path, step: int) -> Path:
 
 
 def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
-    """(step, path) of every finished checkpoint in run_dir, oldest first. Temp files are not checkpoints."""
+    """(step, path) of every finished checkpoint in run_dir, oldest first: ckpt-N.pt files and complete ckpt-N/
+    folders. Temp files and folders are not checkpoints."""
     d = Path(run_dir)
     if not d.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in d.iterdir() if p.is_file() and (m := _NAME.match(p.name))]
+    found = []
+    for p in d.iterdir():
+        m = _NAME.match(p.name)
+        if m and (p.is_file() if m.group(2) else (p / META).is_file()):
+            found.append((int(m.group(1)), p))
     return sorted(found)
 
 
@@ -54,9 +62,17 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
 
 
 def stale_temp_files(run_dir: str | Path) -> list[Path]:
-    """Temp files a killed checkpoint write left behind (`.ckpt-*.pt.*.tmp`)."""
+    """Temp files (`.ckpt-*.pt.*.tmp`) and folders (`.ckpt-*.tmp`) a killed checkpoint write left behind."""
     d = Path(run_dir)
-    return sorted(d.glob(".ckpt-*.pt.*.tmp")) if d.is_dir() else []
+    return sorted([*d.glob(".ckpt-*.pt.*.tmp"), *d.glob(".ckpt-*[0-9].tmp")]) if d.is_dir() else []
+
+
+def remove(path: Path) -> None:
+    """Delete a checkpoint (or temp) file or folder."""
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def save_checkpoint(run_dir: str | Path, state: dict[str, Any], keep: int = KEEP) -> Path:
@@ -75,13 +91,17 @@ def save_checkpoint(run_dir: str | Path, state: dict[str, Any], keep: int = KEEP
     except BaseException:  # KeyboardInterrupt included: never leave a half-written temp file behind
         Path(tmp).unlink(missing_ok=True)
         raise
-    _fsync_dir(d)  # the rename itself survives a power cut
-    for _, old in list_checkpoints(d)[:-keep]:
-        old.unlink(missing_ok=True)
+    fsync_dir(d)  # the rename itself survives a power cut
+    prune(d, keep)
     return final
 
 
-def _fsync_dir(d: Path) -> None:
+def prune(run_dir: Path, keep: int = KEEP) -> None:
+    for _, old in list_checkpoints(run_dir)[:-keep]:
+        remove(old)
+
+
+def fsync_dir(d: Path) -> None:
     try:
         fd = os.open(d, os.O_RDONLY)
     except OSError:  # some filesystems / platforms cannot open a folder
@@ -96,8 +116,15 @@ def _fsync_dir(d: Path) -> None:
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
     """Read a checkpoint safely (weights_only: no code runs) onto the CPU; any problem is one CheckpointError
-    line naming the file."""
+    line naming the file. For a folder (several ranks) this reads its metadata; the weights and optimizer state
+    are loaded into the built model by dist_checkpoint.load_state."""
     p = Path(path)
+    if p.is_dir():
+        return _validate(p, _read(p / META), required=("step", "plan", "data", "scaler", "layout"))
+    return _validate(p, _read(p), required=REQUIRED)
+
+
+def _read(p: Path) -> Any:
     try:
         state = torch.load(p, map_location="cpu", weights_only=True)
     except FileNotFoundError:
@@ -105,12 +132,16 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     except Exception as e:  # truncated zip, bit rot, a file that is not a checkpoint, a pickled object
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"checkpoint {p} is corrupt or not a checkpoint ({reason[:160]})") from None
+    return state
+
+
+def _validate(p: Path, state: Any, required: tuple[str, ...]) -> dict[str, Any]:
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise CheckpointError(f"checkpoint {p} is not an oomtune checkpoint")
     if state.get("version") != VERSION:
         raise CheckpointError(f"checkpoint {p} has format version {state.get('version')!r}; this oomtune reads "
                               f"version {VERSION}")
-    missing = [k for k in REQUIRED if k not in state]
+    missing = [k for k in required if k not in state]
     if missing:
         raise CheckpointError(f"checkpoint {p} is incomplete: no {', '.join(missing)}")
     return state

@@ -134,6 +134,10 @@ class Device:
     def describe(self) -> dict:
         return {"device": self.kind, "gpu_name": self.name, "capacity_bytes": self.capacity_bytes}
 
+    def lower_budget(self, budget_bytes: int) -> None:
+        """Fit in less (the smallest budget of several ranks, so that they all probe alike)."""
+        self.budget_bytes = min(self.budget_bytes, budget_bytes)
+
 
 class TrackedDevice(Device):
     """Simulated memory: a MemoryTracker enforces the budget the way the CUDA allocator would."""
@@ -156,6 +160,12 @@ class TrackedDevice(Device):
 
     def live_bytes(self) -> int:
         return self.tracker.live_bytes
+
+    def lower_budget(self, budget_bytes: int) -> None:
+        super().lower_budget(budget_bytes)
+        self.tracker.budget_bytes = self.budget_bytes
+        if getattr(self, "margin", None) is not None:  # the fake device keeps its margin outside the tensors
+            self.tracker.budget_bytes = self.margin.tensor_budget(self.budget_bytes)
 
 
 class CpuDevice(TrackedDevice):
@@ -259,8 +269,15 @@ class CudaDevice(Device):
         # the cap applies to what the caching allocator reserves (past it, allocation raises an OOM) and is a
         # fraction of a total: cudaMemGetInfo's in older torch, totalGlobalMem in newer. The two agree in practice;
         # dividing by the larger keeps the cap at or under the budget either way
-        total = max(device_total, props.total_memory)
-        torch.cuda.set_per_process_memory_fraction(min(1.0, self.budget_bytes / total), index)
+        self._total = max(device_total, props.total_memory)
+        self._cap()
+
+    def _cap(self) -> None:
+        torch.cuda.set_per_process_memory_fraction(min(1.0, self.budget_bytes / self._total), self.torch_device)
+
+    def lower_budget(self, budget_bytes: int) -> None:
+        super().lower_budget(budget_bytes)
+        self._cap()
 
     def supports_bf16(self) -> bool:
         # not torch.cuda.is_bf16_supported(): by default it also says yes where bf16 is only emulated (slow)

@@ -15,6 +15,7 @@ config's plan and compare.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Callable
@@ -141,20 +142,40 @@ def margin_of(device: Device) -> Margin:
     return getattr(device, "margin", None) or Margin()
 
 
-def breakdown(model_file: ModelFile, plan: Plan, device: TrackedDevice, steps: int = 2) -> MemoryBreakdown:
+def ranks_for(plan: Plan, device: Device, dist=None) -> contextlib.AbstractContextManager:
+    """The ranks a plan needs: none for one process; for ddp / fsdp on the fake device a fake world of
+    plan.world_size ranks (rank 0's memory is measured; a rank's is what each needs, FSDP shards evenly)."""
+    from . import parallel
+
+    if plan.sharding == "none" or dist is not None:
+        return contextlib.nullcontext(dist)
+    if device.kind != "fake":
+        raise OomtuneError(f"a plan for {plan.world_size} ranks ({plan.sharding}) is measured here on the fake device "
+                           "only; on real ranks use `oomtune probe --nproc-per-node`")
+    return parallel.fake_world(plan.world_size)
+
+
+def breakdown(model_file: ModelFile, plan: Plan, device: TrackedDevice, steps: int = 2, dist=None) -> MemoryBreakdown:
     """Run `plan` once on `device` (fake or cpu) with its budget lifted, recording every storage, and sort
-    what was live at the peak. The step is the trial's own (run_trial), so the peak is the trial's peak."""
+    what was live at the peak. The step is the trial's own (run_trial), so the peak is the trial's peak. A plan
+    on several ranks is measured on one of them (`dist`, or a fake world made for it)."""
     from .trial import run_trial  # trial imports step, which imports devices: keep this module light
 
     if not isinstance(device, TrackedDevice):
         raise OomtuneError(f"a memory breakdown needs the fake or cpu device, not {device.kind}")
+    with ranks_for(plan, device, dist) as d:
+        return _breakdown(model_file, plan, device, steps, d, run_trial)
+
+
+def _breakdown(model_file, plan, device, steps, dist, run_trial) -> MemoryBreakdown:
     tracker = device.tracker
     budget, tracker.budget_bytes = tracker.budget_bytes, None  # the breakdown of a plan that does not fit, too
     rec = Recorder(tracker)
     rec.on_op = _tag_autocast_copies
     tracker.recorder = rec
     try:
-        result = run_trial(model_file, plan, device, steps, observe=lambda t, phase: _observe(rec, t, phase))
+        result = run_trial(model_file, plan, device, steps, observe=lambda t, phase: _observe(rec, t, phase),
+                           dist=dist)
     finally:
         tracker.recorder = None
         tracker.budget_bytes = budget
@@ -254,13 +275,14 @@ def make_fake_device(budget: str | None, gpu: str | None, margin: str | None) ->
     return FakeDevice(budget, gpu=spec, margin=parse_margin(margin))
 
 
-def smallest_plan(device: Device, targets, amp: str, checkpointing_supported: bool) -> Plan:
+def smallest_plan(device: Device, targets, amp: str, checkpointing_supported: bool, world_size: int = 1,
+                  sharding: str | None = None) -> Plan:
     """The ladder's most frugal plan: micro-batch 1 at the shortest context allowed, on the last rung."""
     from .probe import ladder_rungs, plan_of
     from .search import Point
 
-    last = ladder_rungs(device, amp, checkpointing_supported)[-1]
-    return plan_of(Point(last, 1, targets.min_context))
+    last = ladder_rungs(device, amp, checkpointing_supported, world_size, sharding)[-1]
+    return plan_of(Point(last, 1, targets.min_context), world_size)
 
 
 def check_estimate_options(objective: str, headroom: float) -> None:
@@ -271,30 +293,59 @@ def check_estimate_options(objective: str, headroom: float) -> None:
         raise OomtuneError(f"--headroom must be in [0, 1), got {headroom}")
 
 
+def check_world(world_size: int, sharding: str | None) -> None:
+    if world_size < 1:
+        raise OomtuneError(f"--world-size must be at least 1, got {world_size}")
+    if sharding is not None and sharding not in ("none", "ddp", "fsdp"):
+        raise OomtuneError(f"--sharding {sharding!r}: expected none, ddp or fsdp")
+    if sharding == "none" and world_size > 1:
+        raise OomtuneError(f"--sharding none is one process: with --world-size {world_size} use ddp or fsdp")
+
+
 def estimate(model_file: ModelFile, device: FakeDevice, targets, *, headroom: float = 0.1, steps: int = 2,
              objective: str = "fit", amp: str = "auto", on_start: Callable | None = None,
-             on_trial: Callable[[TrialRecord], None] | None = None) -> EstimateResult:
-    """The probe's ladder on the fake device, then the breakdown of its choice (see module doc)."""
+             on_trial: Callable[[TrialRecord], None] | None = None, world_size: int = 1,
+             sharding: str | None = None) -> EstimateResult:
+    """The probe's ladder on the fake device, then the breakdown of its choice (see module doc).
+
+    On `world_size` ranks the ladder runs in a fake process group (torch's `fake` backend: collectives do
+    nothing) on rank 0, with DDP's or FSDP2's own code: sharded weights, gradients and optimizer state, the
+    units' gathered weights, full activations. `sharding` puts every rung on ddp or fsdp; by default the
+    ladder replicates (ddp) and adds an fsdp rung."""
+    from . import parallel
+
+    check_estimate_options(objective, headroom)
+    check_world(world_size, sharding)
+    ranks = (parallel.fake_world(world_size) if world_size > 1 or sharding in ("ddp", "fsdp")
+             else contextlib.nullcontext(None))
+    with ranks as d:
+        return _estimate(model_file, device, targets, headroom, steps, objective, amp, on_start, on_trial, d,
+                         sharding)
+
+
+def _estimate(model_file, device, targets, headroom, steps, objective, amp, on_start, on_trial, dist,
+              sharding) -> EstimateResult:
     from .probe import ProbeResult, probe
     from .search import LadderResult
 
-    check_estimate_options(objective, headroom)
+    world = dist.world_size if dist is not None else 1
     limit = int(device.budget_bytes * (1 - headroom))
     static = static_memory(model_file)
-    if device.margin.total(static.total_bytes) > limit:
+    sharded_by = world if sharding in (None, "fsdp") else 1
+    if device.margin.total(static.total_bytes // sharded_by) > limit:
         # nothing can fit: skip the ladder (every trial would run out) and explain with the smallest plan
-        search = ProbeResult(LadderResult((), None, ()), [], static, targets, limit, None)
+        search = ProbeResult(LadderResult((), None, ()), [], static, targets, limit, None, world_size=world)
     else:
         search = probe(model_file, device, targets, headroom=headroom, steps=steps, objective=objective, amp=amp,
-                       command="estimate", on_start=on_start, on_trial=on_trial)
+                       command="estimate", on_start=on_start, on_trial=on_trial, dist=dist, sharding=sharding)
     if search.config is not None:
         plan = search.config.plan
-        bd = breakdown(model_file, plan, device, steps)
+        bd = breakdown(model_file, plan, device, steps, dist)
         found_by = dataclasses.replace(search.config.found_by, breakdown=bd)
         search.config = dataclasses.replace(search.config, found_by=found_by)
         return EstimateResult(search, device.margin, bd, plan)
-    plan = smallest_plan(device, targets, amp, static.checkpointing_supported)
-    bd = breakdown(model_file, plan, device, steps)
+    plan = smallest_plan(device, targets, amp, static.checkpointing_supported, world, sharding)
+    bd = breakdown(model_file, plan, device, steps, dist)
     search.why_nothing_fits = why_nothing_fits(bd, plan, static, limit, device.budget_bytes, headroom, device.margin)
     return EstimateResult(search, device.margin, bd, plan,
                           levers(bd, static, limit, device.margin, headroom, plan.activation_checkpointing))

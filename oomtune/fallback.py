@@ -19,6 +19,7 @@ from .checkpoint import restore_rng
 from .devices import is_oom
 from .errors import NO_FIT, ConfigError, OomtuneError
 from .model_file import Batch
+from .parallel import OOM_RELAUNCH, LoneOutOfMemory
 from .plan import Config, Plan, atomic_write, dump_config, from_dict, to_dict
 from .train_events import Note, OomFallback
 
@@ -37,7 +38,7 @@ def smaller_plan(plan: Plan) -> Plan | None:
     if smaller is None:
         return None
     return dataclasses.replace(plan, micro_batch_size=smaller,
-                               grad_accum_steps=plan.global_batch_size // smaller)
+                               grad_accum_steps=plan.global_batch_size // (smaller * plan.world_size))
 
 
 _PLAN_KEY = re.compile(r"^(\s+)(micro_batch_size|grad_accum_steps|global_batch_size)(\s*:\s*)(\d+)(.*)$")
@@ -76,7 +77,7 @@ class FallbackMixin:
         memory accounting; on OOM fall back and retry. -> (result, peak bytes)."""
         while True:
             self.phase = phase
-            oom = None
+            oom = lone = None
             try:
                 if not batches:
                     self.phase = "data"
@@ -87,10 +88,17 @@ class FallbackMixin:
                 with self.device.measure() as reading:
                     self.phase = phase
                     result = work(batches)
+            except LoneOutOfMemory as e:
+                lone = e
             except Exception as e:
                 if not is_oom(e):
                     raise
                 oom = one_line(e)
+            if lone is not None:  # only this rank ran out, inside FSDP's collectives
+                self._stop_for_relaunch(lone.message, writes=True)
+            if oom is not None and self.plan.sharding == "fsdp" and self.dist is not None:
+                # FSDP cannot resume a step it left half way (its units' state): start afresh from a checkpoint
+                self._stop_for_relaunch(oom, writes=self.dist.is_main)
             if oom is None:
                 self.good_plan = self.plan
                 if self.plan_dirty:
@@ -127,6 +135,26 @@ class FallbackMixin:
         self.plan = new
         self.plan_dirty = True
         self._emit(fallback)
+
+    def _stop_for_relaunch(self, message: str, writes: bool) -> None:
+        """FSDP ran out of memory (on every rank, or on this one alone): stop every rank, with the halved plan
+        written into the config (by one rank: `writes`) so that `--resume` - or the launcher, which relaunches
+        the ranks itself - continues from the last checkpoint with it."""
+        step = self.step if self.phase == "eval" else self.step + 1
+        new = smaller_plan(self.plan)
+        last = f"; the last checkpoint is {self.last_checkpoint}" if self.last_checkpoint else ""
+        if new is None:
+            raise OomtuneError(f"out of memory at micro-batch 1 (step {step}, {self.phase}): nothing smaller to "
+                               f"fall back to ({message}){last}", NO_FIT)
+        if writes:
+            note = (f"plan updated by `oomtune train` at step {step}: out of memory at micro-batch "
+                    f"{self.plan.micro_batch_size} under fsdp, now {new.describe()}")
+            rewrite_plan(self.config_path, self.file_config, new, note)
+            self.log.event("oom_relaunch", always=True, step=step, phase=self.phase, message=message,
+                           old_plan=to_dict(self.plan), new_plan=to_dict(new))
+        raise OomtuneError(f"out of memory at step {step} ({message}); FSDP restarts from a checkpoint: "
+                           f"{self.config_path} now says micro-batch {new.micro_batch_size} x{new.grad_accum_steps}, "
+                           f"continue with --resume{last}", OOM_RELAUNCH)
 
     def _save_plan(self) -> None:
         """Write the plan that now works back into the config file (atomically), so the next run starts there."""

@@ -18,33 +18,58 @@ from .errors import ConfigError
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 Precision = Literal["fp32", "bf16", "fp16"]
+SHARDINGS = ("none", "ddp", "fsdp")
+Sharding = Literal["none", "ddp", "fsdp"]  # none: one process; ddp: replicated (DDP); fsdp: sharded (FSDP2)
 
 
 @dataclass(frozen=True)
 class Plan:
-    """What one optimizer step looks like. global_batch_size = micro_batch_size x grad_accum_steps."""
+    """What one optimizer step looks like, on each of world_size ranks (processes, one per GPU).
+    global_batch_size = micro_batch_size x grad_accum_steps x world_size."""
 
-    micro_batch_size: int
+    micro_batch_size: int  # per rank
     context_length: int
     precision: Precision = "fp32"
     activation_checkpointing: bool = False
     grad_accum_steps: int = 1
+    world_size: int = 1  # ranks the plan was made for (1 in configs older than multi-GPU)
+    sharding: Sharding = "none"
     global_batch_size: int = 0  # 0 = derive it
 
     def __post_init__(self):
-        for name in ("micro_batch_size", "context_length", "grad_accum_steps"):
+        for name in ("micro_batch_size", "context_length", "grad_accum_steps", "world_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"plan.{name} must be at least 1, got {getattr(self, name)}")
         if self.precision not in PRECISIONS:
             raise ConfigError(f"plan.precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
-        expected = self.micro_batch_size * self.grad_accum_steps
+        if self.sharding not in SHARDINGS:
+            raise ConfigError(f"plan.sharding must be one of {', '.join(SHARDINGS)}, got {self.sharding!r}")
+        if self.world_size > 1 and self.sharding == "none":
+            raise ConfigError(f"plan.sharding is none but plan.world_size is {self.world_size}: ranks need ddp "
+                              "(replicated) or fsdp (sharded)")
+        expected = self.micro_batch_size * self.grad_accum_steps * self.world_size
         if self.global_batch_size == 0:
             object.__setattr__(self, "global_batch_size", expected)
         elif self.global_batch_size != expected:
+            ranks = f" x {self.world_size}" if self.world_size > 1 else ""
             raise ConfigError(
-                f"plan.global_batch_size is {self.global_batch_size} but micro_batch_size x grad_accum_steps "
-                f"= {self.micro_batch_size} x {self.grad_accum_steps} = {expected}"
+                f"plan.global_batch_size is {self.global_batch_size} but micro_batch_size x grad_accum_steps"
+                f"{' x world_size' if ranks else ''} = {self.micro_batch_size} x {self.grad_accum_steps}{ranks} "
+                f"= {expected}"
             )
+
+    def for_world_size(self, world_size: int) -> Plan | None:
+        """The same global batch on `world_size` ranks: the accumulation rescaled, the micro-batch kept or cut to
+        its largest divisor that shares out evenly (None when the global batch is not a multiple of the ranks).
+        One rank keeps the sharding it had; more than one rank replicate (ddp) a plan that had none."""
+        fits = [d for d in range(self.micro_batch_size, 0, -1)
+                if self.micro_batch_size % d == 0 and self.global_batch_size % (d * world_size) == 0]
+        if not fits:
+            return None
+        sharding = "ddp" if self.sharding == "none" and world_size > 1 else self.sharding
+        return dataclasses.replace(self, micro_batch_size=fits[0],
+                                   grad_accum_steps=self.global_batch_size // (fits[0] * world_size),
+                                   world_size=world_size, sharding=sharding, global_batch_size=0)
 
     @property
     def tokens_per_step(self) -> int:
@@ -56,6 +81,8 @@ class Plan:
             parts.append("checkpointing")
         if self.grad_accum_steps > 1:
             parts.append(f"x{self.grad_accum_steps} accumulation")
+        if self.sharding != "none":
+            parts.append(f"{self.sharding} x{self.world_size} rank{'s' if self.world_size > 1 else ''}")
         return ", ".join(parts) + f" (global batch {self.global_batch_size})"
 
 
@@ -98,9 +125,11 @@ class TrialRecord:
     precision: Precision
     activation_checkpointing: bool
     result: Literal["fits", "oom", "over-headroom"]
-    peak_bytes: int | None = None
+    peak_bytes: int | None = None  # the largest over the ranks
     tokens_per_s: float | None = None
     seconds: float = 0.0
+    world_size: int = 1
+    sharding: Sharding = "none"
 
 
 @dataclass(frozen=True)
@@ -273,7 +302,9 @@ COMMENTS = {
     "plan.precision": "fp32 | bf16 | fp16 (autocast keeps fp32 weights; fp16 adds a GradScaler)",
     "plan.activation_checkpointing": "less memory, ~30% more compute (blocks recomputed in backward)",
     "plan.grad_accum_steps": "micro-batches per optimizer step; more = less memory, same result",
-    "plan.global_batch_size": "micro_batch_size x grad_accum_steps: what the optimizer sees",
+    "plan.world_size": "ranks (processes, one per GPU) the plan is for: oomtune train --nproc-per-node",
+    "plan.sharding": "none | ddp (replicated on every rank) | fsdp (weights, grads, optimizer state sharded)",
+    "plan.global_batch_size": "micro_batch_size x grad_accum_steps x world_size: what the optimizer sees",
     "train.steps": "optimizer steps",
     "train.lr": "peak learning rate, after warmup",
     "train.min_lr": "cosine decay ends here",

@@ -13,6 +13,7 @@ from .devices import Device
 from .errors import BAD_INPUT, OomtuneError
 from .estimate import StaticMemory, static_memory
 from .model_file import ModelFile
+from .parallel import Dist
 from .plan import Config, FoundBy, Plan, TrialRecord
 from .search import LadderResult, LadderSearch, Measurement, Objective, Point, Rung, Trial
 from .trial import run_trial
@@ -44,14 +45,20 @@ def resolve_targets(model_file: ModelFile, batch: int | None, context: int | Non
     return Targets(b, t, t_min)
 
 
-def ladder_rungs(device: Device, amp: str, checkpointing_supported: bool) -> list[Rung]:
-    """fp32 -> +amp -> +checkpointing (which keeps amp)."""
+def ladder_rungs(device: Device, amp: str, checkpointing_supported: bool, world_size: int = 1,
+                 sharding: str | None = None) -> list[Rung]:
+    """fp32 -> +amp -> +checkpointing (which keeps amp); on several ranks these replicate the model (ddp) and
+    the ladder adds +fsdp (sharded weights, gradients and optimizer state; keeps amp and checkpointing) before
+    accumulation is the only lever left. `sharding` puts every rung on that one instead."""
     if amp not in AMP_CHOICES:
         raise OomtuneError(f"--amp {amp!r}: expected one of {', '.join(AMP_CHOICES)}")
     dtype = device.amp_dtype() if amp == "auto" else amp
-    rungs = [Rung("fp32", "fp32", False), Rung("amp", dtype, False)]
+    base = sharding or ("ddp" if world_size > 1 else "none")
+    rungs = [Rung("fp32", "fp32", False, base), Rung("amp", dtype, False, base)]
     if checkpointing_supported:
-        rungs.append(Rung("checkpointing", dtype, True))
+        rungs.append(Rung("checkpointing", dtype, True, base))
+    if world_size > 1 and sharding is None:
+        rungs.append(Rung("fsdp", dtype, checkpointing_supported, "fsdp"))
     return rungs
 
 
@@ -64,30 +71,32 @@ class ProbeResult:
     limit_bytes: int
     config: Config | None  # None when nothing fits
     why_nothing_fits: str | None = None
+    world_size: int = 1  # ranks; the ladder's micro-batches are per rank (targets.batch / world_size)
 
     @property
     def trials_per_rung(self) -> dict[str, int]:
         return {r.rung.name: r.trials for r in self.ladder.rungs}
 
 
-def plan_of(point: Point) -> Plan:
+def plan_of(point: Point, world_size: int = 1) -> Plan:
     return Plan(micro_batch_size=point.micro_batch_size, context_length=point.context_length,
                 precision=point.rung.precision, activation_checkpointing=point.rung.activation_checkpointing,
-                grad_accum_steps=point.grad_accum_steps)
+                grad_accum_steps=point.grad_accum_steps, world_size=world_size, sharding=point.rung.sharding)
 
 
-def _record(trial: Trial, seconds: float) -> TrialRecord:
+def _record(trial: Trial, seconds: float, world_size: int = 1) -> TrialRecord:
     p, m = trial.point, trial.measurement
     return TrialRecord(rung=p.rung.name, stage=trial.stage, micro_batch_size=p.micro_batch_size,
                        context_length=p.context_length, grad_accum_steps=p.grad_accum_steps,
                        precision=p.rung.precision, activation_checkpointing=p.rung.activation_checkpointing,
                        result=trial.result, peak_bytes=m.peak_bytes,
                        tokens_per_s=round(m.tokens_per_s, 1) if m.tokens_per_s else None,
-                       seconds=round(seconds, 3))
+                       seconds=round(seconds, 3), world_size=world_size, sharding=p.rung.sharding)
 
 
-def check_static_fits(static: StaticMemory, device: Device, limit_bytes: int, headroom: float) -> None:
-    if static.total_bytes > limit_bytes:
+def check_static_fits(static: StaticMemory, device: Device, limit_bytes: int, headroom: float,
+                      world_size: int = 1) -> None:
+    if static.total_bytes // world_size > limit_bytes:  # FSDP shards it across the ranks
         raise OomtuneError(
             f"budget {format_bytes(device.budget_bytes)} ({format_bytes(limit_bytes)} after {headroom:.0%} "
             f"headroom) is too small for the weights alone: {static.describe()}",
@@ -98,25 +107,36 @@ def check_static_fits(static: StaticMemory, device: Device, limit_bytes: int, he
 def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: float = 0.1, steps: int = 2,
           objective: Objective = "fit", amp: str = "auto", command: str = "probe",
           on_start: Callable[[Point], None] | None = None,
-          on_trial: Callable[[TrialRecord], None] | None = None) -> ProbeResult:
-    """Climb the ladder with real trials on `device`; every trial runs the training step itself."""
+          on_trial: Callable[[TrialRecord], None] | None = None, dist: Dist | None = None,
+          sharding: str | None = None) -> ProbeResult:
+    """Climb the ladder with real trials on `device`; every trial runs the training step itself.
+
+    On several ranks (`dist`) every rank calls this: each trial runs on all of them, and they agree on its result
+    (see run_trial), so every rank climbs the same ladder; the target batch is global (B / ranks per rank). The
+    budget is the smallest of the ranks' (each GPU's own free memory), so they probe alike."""
     if not 0 <= headroom < 1:
         raise OomtuneError(f"--headroom must be in [0, 1), got {headroom}")
     if steps < 1:
         raise OomtuneError(f"--steps must be at least 1, got {steps}")
     if objective not in OBJECTIVES:
         raise OomtuneError(f"--objective {objective!r}: expected one of {', '.join(OBJECTIVES)}")
+    world = dist.world_size if dist is not None else 1
+    if targets.batch % world:
+        raise OomtuneError(f"--batch {targets.batch} is not a multiple of the {world} ranks: the global batch is "
+                           "shared out evenly")
+    if dist is not None:
+        device.lower_budget(int(dist.min(device.budget_bytes)[0]))
     limit = int(device.budget_bytes * (1 - headroom))
     static = static_memory(model_file)
-    check_static_fits(static, device, limit, headroom)
-    rungs = ladder_rungs(device, amp, static.checkpointing_supported)
+    check_static_fits(static, device, limit, headroom, world if sharding in (None, "fsdp") else 1)
+    rungs = ladder_rungs(device, amp, static.checkpointing_supported, world, sharding)
 
     seconds: dict[Point, float] = {}
 
     def measure(point: Point) -> Measurement:
         if on_start:
             on_start(point)
-        r = run_trial(model_file, plan_of(point), device, steps=steps)
+        r = run_trial(model_file, plan_of(point, world), device, steps=steps, dist=dist)
         seconds[point] = r.seconds
         return Measurement(oom=r.oom, peak_bytes=r.peak_bytes, tokens_per_s=r.tokens_per_s,
                            batch_peak_bytes=r.batch_peak_bytes)
@@ -124,19 +144,19 @@ def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: 
     records: list[TrialRecord] = []
 
     def collect(trial: Trial) -> None:
-        records.append(_record(trial, seconds.get(trial.point, 0.0)))
+        records.append(_record(trial, seconds.get(trial.point, 0.0), world))
         if on_trial:
             on_trial(records[-1])
 
     search = LadderSearch(measure, limit, on_trial=collect)
-    ladder = search.run(rungs, targets.batch, targets.context, targets.min_context, objective)
+    ladder = search.run(rungs, targets.batch // world, targets.context, targets.min_context, objective)
     if ladder.choice is None:
         why = (f"nothing fits in {format_bytes(limit)}: micro-batch 1 at context {targets.min_context} runs out "
                f"of memory on every rung ({', '.join(r.name for r in rungs)}); {static.describe()} before "
                "activations. Allow a shorter --min-context, a larger --budget, or a smaller model.")
-        return ProbeResult(ladder, records, static, targets, limit, None, why)
+        return ProbeResult(ladder, records, static, targets, limit, None, why, world)
     c = ladder.choice
-    plan = plan_of(Point(c.rung, c.micro_batch_size, c.context_length, c.grad_accum_steps))
+    plan = plan_of(Point(c.rung, c.micro_batch_size, c.context_length, c.grad_accum_steps), world)
     found = FoundBy(
         command=command, estimated=not device.computes, device=device.kind, gpu_name=device.name,
         budget_bytes=device.budget_bytes, headroom=headroom, objective=objective,
@@ -146,4 +166,4 @@ def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: 
         date=dt.datetime.now(dt.timezone.utc).replace(microsecond=0).isoformat(), trials=tuple(records),
     )
     config = Config(model=str(model_file.path), plan=plan, found_by=found)
-    return ProbeResult(ladder, records, static, targets, limit, config)
+    return ProbeResult(ladder, records, static, targets, limit, config, world_size=world)

@@ -18,16 +18,22 @@ def now() -> str:
 
 
 class RunLog:
-    """Appends to the run dir's metrics.jsonl and events.jsonl."""
+    """Appends to the run dir's metrics.jsonl and events.jsonl (on several ranks, rank 0 alone: `enabled`)."""
 
-    def __init__(self, run_dir: Path):
+    def __init__(self, run_dir: Path, enabled: bool = True):
         self.run_dir = Path(run_dir)
+        self.enabled = enabled
 
-    def event(self, kind: str, **fields) -> None:
+    def event(self, kind: str, always: bool = False, **fields) -> None:
+        """`always`: written by this rank even when it is not rank 0 (it alone knows, and the others are stopped)."""
+        if not (self.enabled or always):
+            return
         with open(self.run_dir / EVENTS, "a") as f:
             f.write(json.dumps({"time": now(), "event": kind, **fields}) + "\n")
 
     def metrics(self, metrics: dict) -> None:
+        if not self.enabled:
+            return
         with open(self.run_dir / METRICS, "a") as f:
             f.write(json.dumps(metrics) + "\n")
 
@@ -35,7 +41,7 @@ class RunLog:
         """On resume, drop lines past the checkpoint's `step` (written after it by the run that was killed), so
         metrics.jsonl reads as one run."""
         path = self.run_dir / METRICS
-        if not path.exists():
+        if not self.enabled or not path.exists():
             return
         kept = []
         for line in path.read_text().splitlines():

@@ -7,6 +7,7 @@ import contextlib
 import os
 import signal
 import threading
+import time
 from collections.abc import Iterator
 
 import torch
@@ -16,9 +17,8 @@ from .errors import OomtuneError
 from .plan import Config
 
 
-def resolve_device(config: Config, kind: str | None, budget: str | None) -> Device:
-    """Train where the probe ran unless told otherwise; on the simulated cpu device also in the budget it
-    probed (the memory the plan was found for). On cuda the default budget is the card's free memory."""
+def device_kind(config: Config, kind: str | None) -> str:
+    """Train where the probe ran unless told otherwise: cuda or cpu."""
     found = config.found_by
     if kind is None and found is not None and found.device in ("cuda", "cpu"):
         kind = found.device
@@ -30,6 +30,15 @@ def resolve_device(config: Config, kind: str | None, budget: str | None) -> Devi
         kind = "cuda" if torch.cuda.is_available() else "cpu"
     if kind not in ("cuda", "cpu"):
         raise OomtuneError(f"--device {kind}: training needs a device that computes (cuda or cpu)")
+    return kind
+
+
+def resolve_device(config: Config, kind: str | None, budget: str | None) -> Device:
+    """Train where the probe ran unless told otherwise; on the simulated cpu device also in the budget it
+    probed (the memory the plan was found for). On cuda the default budget is the card's free memory (of the
+    GPU torch.cuda.set_device chose: one per rank)."""
+    kind = device_kind(config, kind)
+    found = config.found_by
     if budget is None and kind == "cpu" and found is not None and found.device == "cpu":
         budget = str(found.budget_bytes)
     return make_device(kind, budget)
@@ -47,11 +56,17 @@ def graceful_stop() -> Iterator[StopRequest]:
     if threading.current_thread() is not threading.main_thread():
         yield request
         return
+    # under torchrun one Ctrl-C arrives twice (from the terminal and from the agent): one request, not two
+    same_request_s = 1.0 if "TORCHELASTIC_RUN_ID" in os.environ else 0.0
+    first = [0.0]
 
     def handler(signum, frame):
         if request.signal_name is not None:
+            if time.monotonic() - first[0] < same_request_s:
+                return
             raise KeyboardInterrupt
         request.signal_name = signal.Signals(signum).name
+        first[0] = time.monotonic()
 
     previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
     try:

@@ -1,6 +1,6 @@
 """The ladder and the per-rung search. No torch here: memory is seen only through `measure`.
 
-Ladder: for each rung in order (fp32, +amp, +checkpointing) find the largest context T_S in
+Ladder: for each rung in order (fp32, +amp, +checkpointing, and on several ranks +fsdp) find the largest context T_S in
 [T_min, T] at which micro-batch 1 fits (context first: batch can be recovered by accumulation,
 context cannot), then the largest micro-batch b_S <= B at T_S. Stop at the first rung that fits
 (T, B) outright; otherwise take the best rung and add accumulation: micro-batch b (the largest
@@ -26,9 +26,10 @@ Objective = Literal["fit", "throughput"]
 
 @dataclass(frozen=True)
 class Rung:
-    name: str  # fp32 | amp | checkpointing
+    name: str  # fp32 | amp | checkpointing | fsdp
     precision: str  # fp32 | bf16 | fp16
     activation_checkpointing: bool
+    sharding: str = "none"  # none (one process) | ddp (replicated on every rank) | fsdp (sharded across them)
 
 
 @dataclass(frozen=True)

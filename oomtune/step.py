@@ -4,6 +4,10 @@ re-implement it, so what the probe measured is what training uses.
 One step = grad_accum_steps micro-steps (forward under autocast, loss / grad_accum_steps, scaled
 backward through checkpointed blocks) + one optimizer step (unscale, clip, GradScaler step, zero_grad
 with set_to_none=True so gradient memory is freed between steps).
+
+On several ranks (plan.sharding ddp / fsdp) the model is wrapped by `parallel.wrap`, each micro-step runs in
+`parallel.micro_step` (no gradient sync except where the plan's sharding needs it), and the ranks agree on an
+out-of-memory error before the optimizer step (`parallel.agreed`), so they all take the same decision.
 """
 
 from __future__ import annotations
@@ -15,8 +19,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from . import parallel
 from .devices import Device
+from .errors import OomtuneError
 from .model_file import Batch, ModelFile
+from .parallel import Dist
 from .plan import Plan
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -34,6 +41,12 @@ class Training:
     device: Device
     clip_grad_norm: float | None = None
     on_phase: Callable[[str], None] | None = None  # told "forward" / "backward" / "optimizer" as each starts
+    dist: Dist | None = None  # the ranks, when the plan's sharding is ddp or fsdp
+
+    @property
+    def module(self) -> nn.Module:
+        """The model itself, not its DDP wrapper (state dicts, parameter lists)."""
+        return parallel.unwrapped(self.model)
 
     def phase(self, name: str) -> None:
         if self.on_phase is not None:
@@ -41,16 +54,29 @@ class Training:
 
 
 def build_training(model_file: ModelFile, plan: Plan, device: Device, lr: float,
-                   clip_grad_norm: float | None = None, weight_decay: float | None = None) -> Training:
-    """Build the model on the device, wrap its blocks for checkpointing, make the optimizer and scaler."""
-    with device.placement():
-        model = model_file.build()
-    if any(t.device != device.torch_device for t in (*model.parameters(), *model.buffers())):
-        model.to(device.torch_device)  # anything build_model placed explicitly elsewhere (never on fake tensors:
-        #                                Module.to swaps them, and a FakeTensor with weak references refuses)
+                   clip_grad_norm: float | None = None, weight_decay: float | None = None,
+                   dist: Dist | None = None) -> Training:
+    """Build the model on the device, wrap its blocks for checkpointing, wrap it for the plan's sharding (DDP or
+    FSDP2 over `dist`'s ranks), make the optimizer and scaler."""
+    if plan.sharding != "none" and (dist is None or dist.world_size != plan.world_size):
+        have = "no process group" if dist is None else f"{dist.world_size} ranks"
+        raise OomtuneError(f"plan is {plan.sharding} on {plan.world_size} ranks but this process has {have}")
+
+    def build() -> nn.Module:
+        with device.placement():
+            model = model_file.build()
+        if any(t.device != device.torch_device for t in (*model.parameters(), *model.buffers())):
+            model.to(device.torch_device)  # anything build_model placed explicitly elsewhere (never on fake
+            #                                tensors: Module.to swaps them, and a FakeTensor with weak references
+            #                                refuses)
+        return model
+
+    model = parallel.agreed(dist, build) if plan.sharding != "none" else build()  # before any collective
     model.train()
     if plan.activation_checkpointing:
         model_file.enable_checkpointing(model)
+    if plan.sharding != "none":
+        model = parallel.wrap(model, plan.sharding, model_file.blocks(model), dist)
     optimizer = model_file.optimizer([p for p in model.parameters() if p.requires_grad], lr)
     if weight_decay is not None:
         for group in optimizer.param_groups:
@@ -58,7 +84,11 @@ def build_training(model_file: ModelFile, plan: Plan, device: Device, lr: float,
                 group["weight_decay"] = weight_decay
     # a GradScaler only does anything for fp16: bf16 has fp32's range
     scaler = torch.amp.GradScaler(device.autocast_device_type, enabled=plan.precision == "fp16")
-    return Training(model, optimizer, scaler, plan, model_file, device, clip_grad_norm)
+    if plan.sharding == "fsdp" and plan.precision == "fp16":  # each rank sees only its shard's overflow
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        scaler = ShardedGradScaler(device.autocast_device_type)
+    return Training(model, optimizer, scaler, plan, model_file, device, clip_grad_norm, dist=dist)
 
 
 def autocast(t: Training) -> contextlib.AbstractContextManager:
@@ -67,20 +97,31 @@ def autocast(t: Training) -> contextlib.AbstractContextManager:
     return torch.autocast(t.device.autocast_device_type, dtype=DTYPES[t.plan.precision])
 
 
-def train_step(t: Training, micro_batches: Sequence[Batch]) -> torch.Tensor:
-    """One optimizer step over `micro_batches` (normally grad_accum_steps of them).
-    Returns the mean loss as a detached 0-dim tensor (reading it is a sync point; the caller decides when)."""
+def _accumulate(t: Training, micro_batches: Sequence[Batch]) -> torch.Tensor:
     n = len(micro_batches)
     total = torch.zeros((), device=t.device.torch_device)
-    for batch in micro_batches:
-        t.phase("forward")
-        with autocast(t):
-            loss = t.model_file.loss(t.model, batch)
-        t.phase("backward")
-        t.scaler.scale(loss / n).backward()  # grads accumulate across micro-steps
+    for i, batch in enumerate(micro_batches):
+        with parallel.micro_step(t.model, t.plan.sharding, last=i == n - 1):
+            t.phase("forward")
+            with autocast(t):
+                loss = t.model_file.loss(t.model, batch)
+            t.phase("backward")
+            t.scaler.scale(loss / n).backward()  # grads accumulate across micro-steps
         total += loss.detach().float()
         del loss
+    return total
+
+
+def train_step(t: Training, micro_batches: Sequence[Batch]) -> torch.Tensor:
+    """One optimizer step over `micro_batches` (normally grad_accum_steps of them; on several ranks, this rank's
+    share of the global batch). Returns this rank's mean loss as a detached 0-dim tensor (reading it is a sync
+    point; the caller decides when)."""
+    n = len(micro_batches)
+    fsdp = t.plan.sharding == "fsdp"  # its forward and backward hold collectives
+    total = parallel.agreed(t.dist, lambda: _accumulate(t, micro_batches), fsdp)  # every rank: OOM or not
     t.phase("optimizer")
+    if t.dist is not None:
+        parallel.sync_gradients(t.model, t.plan.sharding, t.dist)
     if t.clip_grad_norm is not None:
         t.scaler.unscale_(t.optimizer)  # clip the true gradients, not the scaled ones
         nn.utils.clip_grad_norm_(t.model.parameters(), t.clip_grad_norm)
@@ -94,11 +135,30 @@ def train_step(t: Training, micro_batches: Sequence[Batch]) -> torch.Tensor:
 def eval_loss(t: Training, batches: Sequence[Batch]) -> torch.Tensor:
     """Mean loss over `batches` without building a graph (same autocast as training)."""
     t.model.eval()
-    try:
+
+    def run() -> torch.Tensor:
         total = torch.zeros((), device=t.device.torch_device)
         for batch in batches:
             with autocast(t):
                 total += t.model_file.loss(t.model, batch).float()
-        return total / max(len(batches), 1)
+        return total
+
+    try:
+        return parallel.agreed(t.dist, run, t.plan.sharding == "fsdp") / max(len(batches), 1)
     finally:
         t.model.train()
+
+
+def state_bytes(t: Training) -> int:
+    """What this rank holds of the model's state through a step: its parameters and buffers, one gradient per
+    trainable parameter (what backward makes) and the optimizer state - under FSDP, its local shards. Bytes,
+    512-rounded per storage as the CUDA allocator rounds."""
+    from .memtrack import MemoryTracker, rounded
+
+    counter = MemoryTracker()
+    held = counter.track(t.module, t.optimizer)  # parameters, buffers, gradients alive now, optimizer state
+    for p in t.module.parameters():
+        if p.requires_grad and p.grad is None:  # zero_grad(set_to_none) freed it: it comes back every backward
+            local = getattr(p, "_local_tensor", p)
+            held += rounded(local.numel() * local.element_size())
+    return held

@@ -5,6 +5,10 @@ micro-batches of the current plan and hands them to `train_step`. An out-of-memo
 caught and the plan halved (`fallback.py`); the run dir's metrics and events are written by `rundir.py`; the
 device, signals and NVML by `runtime.py`; the events the CLI renders are in `train_events.py`.
 
+On several ranks (torchrun, plan.sharding ddp / fsdp) every rank runs this loop on its share of each global
+batch (`train_ranks.py`); rank 0 alone writes the run dir's logs and the config, every rank its part of a
+checkpoint.
+
 Exact resume: a checkpoint holds the model, optimizer, scaler, step and the global RNG states. The data
 come from a private RNG stream (seed + 1) that is swapped in around every draw, so the model's randomness
 (dropout) and the data's never interleave; resuming replays the data stream to its position
@@ -17,34 +21,29 @@ Library code: it reports through `on_event` callbacks and returns a TrainResult;
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
+import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .checkpoint import (
-    capture_rng,
-    latest_checkpoint,
-    load_checkpoint,
-    restore_rng,
-    save_checkpoint,
-    seed_everything,
-    stale_temp_files,
-)
-from .data import DataStream, split_batch
+from . import parallel
+from .checkpoint import capture_rng, latest_checkpoint, load_checkpoint, remove, seed_everything, stale_temp_files
+from .data import DataStream
 from .devices import is_oom
 from .errors import BAD_INPUT, NO_FIT, ConfigError, ModelFileError, OomtuneError
 from .fallback import FallbackMixin, one_line, rewrite_plan, smaller_plan
-from .model_file import Batch, load_model_file
-from .plan import Plan, TrainConfig, load_config, to_dict
+from .model_file import Batch, ModelFile, load_model_file
+from .plan import Config, Plan, TrainConfig, load_config, to_dict
 from .rundir import METRICS, RunLog
-from .runtime import graceful_stop, nvml_used_bytes, resolve_device
-from .step import Training, build_training, eval_loss, train_step
+from .runtime import device_kind, graceful_stop, nvml_used_bytes, resolve_device
+from .step import Training, build_training, eval_loss, state_bytes, train_step
 from .train_events import Checkpointed, Event, Note, OomFallback, Started, StepDone, TrainResult
+from .train_ranks import RanksMixin, plan_for_ranks, share_size
 
 __all__ = ["Checkpointed", "Event", "Note", "OomFallback", "Started", "StepDone", "TrainResult", "Trainer",
            "lr_at", "rewrite_plan", "smaller_plan", "train"]
@@ -62,63 +61,106 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - cfg.min_lr)
 
 
-class Trainer(FallbackMixin):
-    """One invocation of `oomtune train`. Build it (every check that can fail on bad input runs here, before
-    any file is written), then `run()`."""
+@dataclass
+class Inputs:
+    """What `oomtune train` was asked to do, checked: everything that can be bad input fails here, before a file
+    is written (the launcher checks it once before starting the ranks)."""
+
+    config_path: Path
+    file_config: Config
+    cfg: TrainConfig
+    model_file: ModelFile
+    run_dir: Path
+    plan: Plan  # on this run's number of ranks
+    data_batch: int  # the size batches are drawn at; each rank keeps its share, cut into micro-batches
+    piece: int  # examples per piece of a rank's share (train_ranks.share_size)
+    resume_state: dict | None = None
+    resumed_from: Path | None = None
+
+
+def check_inputs(config_path: str | Path, overrides: dict[str, Any] | None, *, resume: bool,
+                 world_size: int = 1) -> Inputs:
+    config_path = Path(config_path)
+    file_config = load_config(config_path)  # as on disk: what an OOM fallback rewrites
+    given = {k: v for k, v in (overrides or {}).items() if v is not None}
+    try:
+        cfg = dataclasses.replace(file_config.train, **given)
+    except ConfigError as e:  # the dataclass validates: defaults and rules live there only
+        raise ConfigError(e.message.replace("train.", "--").replace("_", "-")) from None
+    try:
+        model_file = load_model_file(file_config.model_path(config_path))
+    except ModelFileError as e:
+        raise ModelFileError(f"{config_path}: {e.message}") from None
+    run_dir = Path(cfg.run_dir)
+    state, latest = None, None
+    if resume:
+        latest = latest_checkpoint(run_dir)
+        if latest is None:
+            raise OomtuneError(f"--resume: no checkpoint (ckpt-*) in run dir {run_dir}", BAD_INPUT)
+        state = load_checkpoint(latest)
+        plan = _checkpoint_plan(latest, state)
+        smaller = file_config.plan
+        if (smaller.micro_batch_size < plan.micro_batch_size and plan.micro_batch_size % smaller.micro_batch_size == 0
+                and (smaller.context_length, smaller.precision, smaller.activation_checkpointing, smaller.sharding,
+                     smaller.global_batch_size) == (plan.context_length, plan.precision,
+                                                    plan.activation_checkpointing, plan.sharding,
+                                                    plan.global_batch_size)):
+            # an out-of-memory fallback wrote a smaller micro-batch into the config after this checkpoint
+            plan = dataclasses.replace(plan, micro_batch_size=smaller.micro_batch_size, global_batch_size=0,
+                                       grad_accum_steps=plan.global_batch_size // (smaller.micro_batch_size
+                                                                                   * plan.world_size))
+    else:
+        taken = [p for p in (run_dir / METRICS, latest_checkpoint(run_dir)) if p and p.exists()]
+        if taken:
+            raise OomtuneError(f"run dir {run_dir} already holds a run ({taken[0].name}): pass --resume "
+                               "to continue it, or --run-dir for a new one", BAD_INPUT)
+        plan = file_config.plan
+    where = str(latest or config_path)
+    plan = plan_for_ranks(plan, world_size, where)
+    data_batch = state["data"]["batch_size"] if state else plan.micro_batch_size
+    return Inputs(config_path, file_config, cfg, model_file, run_dir, plan, data_batch,
+                  share_size(plan, data_batch, where), state, latest)
+
+
+def _checkpoint_plan(path: Path, st: dict) -> Plan:
+    try:
+        plan = Plan(**st["plan"])
+        batch = int(st["data"]["batch_size"])
+        step = int(st["step"])
+    except (TypeError, KeyError, ValueError, ConfigError) as e:
+        raise OomtuneError(f"checkpoint {path} has an unreadable plan or data position ({one_line(e)})",
+                           BAD_INPUT) from None
+    if batch % plan.micro_batch_size or plan.global_batch_size % batch or step < 0:
+        raise OomtuneError(f"checkpoint {path}: data batch {batch} does not fit plan {plan.describe()}",
+                           BAD_INPUT)
+    return plan
+
+
+class Trainer(FallbackMixin, RanksMixin):
+    """One invocation of `oomtune train` (on one rank). Build it (every check that can fail on bad input runs
+    here, before any file is written), then `run()`.
+
+    `rank_budgets` ({rank: budget}) gives some ranks another simulated budget than `budget` (the cpu device: to
+    rehearse one rank running out of memory); `dist_timeout` is how long a collective waits for the others."""
 
     def __init__(self, config_path: str | Path, *, overrides: dict[str, Any] | None = None,
                  device: str | None = None, budget: str | None = None, resume: bool = False,
-                 on_event: Callable[[Event], None] | None = None):
-        self.config_path = Path(config_path)
-        self.file_config = load_config(self.config_path)  # as on disk: what an OOM fallback rewrites
-        given = {k: v for k, v in (overrides or {}).items() if v is not None}
-        try:
-            self.cfg = dataclasses.replace(self.file_config.train, **given)
-        except ConfigError as e:  # the dataclass validates: defaults and rules live there only
-            raise ConfigError(e.message.replace("train.", "--").replace("_", "-")) from None
-        model_path = self.file_config.model_path(self.config_path)
-        try:
-            self.model_file = load_model_file(model_path)
-        except ModelFileError as e:
-            raise ModelFileError(f"{self.config_path}: {e.message}") from None
+                 on_event: Callable[[Event], None] | None = None, rank_budgets: dict[int, str] | None = None,
+                 dist_timeout: float = parallel.DEFAULT_TIMEOUT_S):
+        launched = parallel.launched_by_torchrun()
+        self.rank = parallel.env_rank()
+        inputs = check_inputs(config_path, overrides, resume=resume,
+                              world_size=int(os.environ["WORLD_SIZE"]) if launched else 1)
+        for f in dataclasses.fields(inputs):
+            setattr(self, f.name, getattr(inputs, f.name))
         self.on_event = on_event or (lambda event: None)
-        self.run_dir = Path(self.cfg.run_dir)
-        self.log = RunLog(self.run_dir)
-        self.resume_state: dict | None = None
-        self.resumed_from: Path | None = None
-        if resume:
-            latest = latest_checkpoint(self.run_dir)
-            if latest is None:
-                raise OomtuneError(f"--resume: no checkpoint (ckpt-*.pt) in run dir {self.run_dir}", BAD_INPUT)
-            self.resume_state = load_checkpoint(latest)
-            self.resumed_from = latest
-            plan = self._checkpoint_plan(latest)
-        else:
-            taken = [p for p in (self.run_dir / METRICS, latest_checkpoint(self.run_dir)) if p and p.exists()]
-            if taken:
-                raise OomtuneError(f"run dir {self.run_dir} already holds a run ({taken[0].name}): pass --resume "
-                                   "to continue it, or --run-dir for a new one", BAD_INPUT)
-            plan = self.file_config.plan
-        self.plan = plan
-        self.data_batch = (self.resume_state["data"]["batch_size"] if self.resume_state
-                           else plan.micro_batch_size)  # the size batches are drawn at; cut to the plan's
-        self.device = resolve_device(self.file_config, device, budget)
+        self.log = RunLog(self.run_dir, enabled=self.rank == 0)  # rank 0 writes the run dir's logs
+        kind = device_kind(self.file_config, device)
+        self.dist = parallel.init(kind, self.plan.sharding, dist_timeout)  # cuda: also picks this rank's GPU
+        if rank_budgets and self.rank in rank_budgets:
+            budget = rank_budgets[self.rank]
+        self.device = resolve_device(self.file_config, kind, budget)
         self.cuda = self.device.torch_device.type == "cuda"
-
-    def _checkpoint_plan(self, path: Path) -> Plan:
-        st = self.resume_state
-        assert st is not None
-        try:
-            plan = Plan(**st["plan"])
-            batch = int(st["data"]["batch_size"])
-            step = int(st["step"])
-        except (TypeError, KeyError, ValueError, ConfigError) as e:
-            raise OomtuneError(f"checkpoint {path} has an unreadable plan or data position ({one_line(e)})",
-                               BAD_INPUT) from None
-        if batch % plan.micro_batch_size or plan.global_batch_size % batch or step < 0:
-            raise OomtuneError(f"checkpoint {path}: data batch {batch} does not fit plan {plan.describe()}",
-                               BAD_INPUT)
-        return plan
 
     # -- small helpers -------------------------------------------------------------------------------
     def _emit(self, event: Event) -> None:
@@ -127,31 +169,6 @@ class Trainer(FallbackMixin):
     def _set_phase(self, phase: str) -> None:
         self.phase = phase
 
-    @property
-    def batches_per_step(self) -> int:
-        return self.plan.global_batch_size // self.data_batch
-
-    def _micro_batches(self, batches: list[Batch]) -> list[Batch]:
-        parts = self.data_batch // self.plan.micro_batch_size
-        label = f"{self.model_file.label}: {self.data_hook}()"
-        return [piece for b in batches for piece in split_batch(b, self.data_batch, parts, label)]
-
-    def _checkpoint(self, reason: str) -> Path:
-        t = self.t
-        state = {
-            "step": self.step, "plan": to_dict(self.plan),
-            "data": {"batch_size": self.data_batch, "batches": self.step * self.batches_per_step,
-                     "hook": self.data_hook},
-            "model": t.model.state_dict(), "optimizer": t.optimizer.state_dict(), "scaler": t.scaler.state_dict(),
-            "rng": capture_rng(self.cuda), "train": to_dict(self.cfg), "model_file": str(self.model_file.path),
-            "torch_version": str(torch.__version__),
-        }
-        path = save_checkpoint(self.run_dir, state)
-        self.last_checkpoint, self.checkpoint_step = path, self.step
-        self.log.event("checkpoint", step=self.step, path=path.name, reason=reason)
-        self._emit(Checkpointed(self.step, path, reason))
-        return path
-
     # -- evaluation ----------------------------------------------------------------------------------
     def _evaluate(self) -> tuple[float, int]:
         def draw() -> list[Batch]:
@@ -159,9 +176,14 @@ class Trainer(FallbackMixin):
                                 self.device, self.cfg.seed + EVAL_SEED_OFFSET)  # the same batches every time
             return [stream.next() for _ in range(self.cfg.eval_steps)]
 
-        loss, peak = self._attempt(lambda batches: eval_loss(self.t, self._micro_batches(batches)), "eval", [],
-                                   draw)
-        value = float(loss)
+        def work(batches: list[Batch]) -> tuple[float, int]:
+            mine = self._eval_share(batches)
+            return float(eval_loss(self.t, mine)) * len(mine), len(mine)
+
+        (total, count), peak = self._attempt(work, "eval", [], draw)
+        if self.dist is not None:
+            total, count = self.dist.sum(total, count)
+        value = total / max(count, 1)
         if self.cuda:
             torch.cuda.empty_cache()  # give back the eval batches' blocks before training resumes
         return value, peak
@@ -181,16 +203,19 @@ class Trainer(FallbackMixin):
         self.notes: list[Note] = []  # said once training has started
 
         # build and load first: a checkpoint that does not fit the model is bad input, and bad input writes nothing
-        seed_everything(cfg.seed, self.cuda)
+        seed_everything(cfg.seed, self.cuda)  # every rank alike: the same initial weights
         self.t = self._build()
+        if self.rank > 0:  # dropout differs between ranks (rank 0 draws what a single process would)
+            seed_everything(cfg.seed + self.rank, self.cuda)
         base_lrs = [g["lr"] / cfg.lr for g in self.t.optimizer.param_groups]  # the optimizer hook's per-group ratio
         if self.resume_state:
             self._restore(self.resume_state)
             self.resume_state = None  # free the loaded copy
 
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        for tmp in stale_temp_files(self.run_dir):  # a write that was killed: never a checkpoint
-            tmp.unlink(missing_ok=True)
+        if self.rank == 0:
+            for tmp in stale_temp_files(self.run_dir):  # a write that was killed: never a checkpoint
+                remove(tmp)
         self.log.truncate_metrics(self.step)
         self.log.event("resume" if self.resumed_from else "start", step=self.step, plan=to_dict(self.plan),
                         train=to_dict(cfg), device=self.device.name, config=str(self.config_path),
@@ -218,8 +243,9 @@ class Trainer(FallbackMixin):
         tokens = 0
         seconds = 0.0
         peak = 0
+        stopping = None  # the signal every rank agreed to stop on
         with graceful_stop() as stop:
-            while self.step < cfg.steps and stop.signal_name is None:
+            while self.step < cfg.steps and stopping is None:
                 self.step_rng = capture_rng(self.cuda)
                 lr = lr_at(self.step, cfg)
                 for group, ratio in zip(self.t.optimizer.param_groups, base_lrs, strict=True):
@@ -227,27 +253,29 @@ class Trainer(FallbackMixin):
                 tic = time.perf_counter()
                 loss, step_peak = self._attempt(
                     lambda batches: train_step(self.t, self._micro_batches(batches)), "forward", [],
-                    functools.partial(stream.take, self.batches_per_step))
+                    lambda: self._share(stream.take(self.batches_per_step)))
                 seconds += time.perf_counter() - tic  # synchronized: measure() waits for the device
                 self.step += 1
                 tokens += self.plan.tokens_per_step
                 peak = max(peak, step_peak)
+                stopping = self._stop_over_ranks(stop.signal_name)
 
                 eval_now = evaluates and (self.step % cfg.eval_interval == 0 or self.step == cfg.steps)
                 metrics = None
                 if (self.step % cfg.log_every_n_steps == 0 or self.step in (1, cfg.steps) or eval_now
-                        or stop.signal_name is not None):  # step 1: the starting loss, ln(vocab) for a fresh LM
-                    last_loss = float(loss)  # a sync point, once per logged step
+                        or stopping is not None):  # step 1: the starting loss, ln(vocab) for a fresh LM
+                    last_loss = self._mean_over_ranks(float(loss))  # a sync point, once per logged step
                     first_loss = last_loss if first_loss is None else first_loss
                     metrics = {"step": self.step, "loss": last_loss, "lr": lr,
                                "tokens_per_s": round(tokens / seconds, 1) if seconds > 0 else None,
-                               "peak_bytes": peak}
+                               "peak_bytes": self._max_over_ranks(peak)}  # the rank that needs the most
                     if self.cuda:
                         metrics["nvml_used_bytes"] = self._nvml()
                     if eval_now:
                         last_eval, eval_peak = self._evaluate()
                         metrics["eval_loss"] = last_eval
-                        metrics["peak_bytes"] = max(peak, eval_peak)
+                        metrics["peak_bytes"] = self._max_over_ranks(max(peak, eval_peak))
+                    metrics["state_bytes"] = self._max_over_ranks(state_bytes(self.t))  # weights+grads+optimizer
                     metrics["micro_batch_size"] = self.plan.micro_batch_size  # changes after an OOM fallback
                     metrics["grad_accum_steps"] = self.plan.grad_accum_steps
                     self.log.metrics(metrics)
@@ -255,12 +283,12 @@ class Trainer(FallbackMixin):
                 self._emit(StepDone(self.step, cfg.steps, metrics))
                 if self.step % cfg.checkpoint_interval == 0 or self.step == cfg.steps:
                     self._checkpoint("final" if self.step == cfg.steps else "interval")
-            interrupted = stop.signal_name is not None and self.step < cfg.steps
+            interrupted = stopping is not None and self.step < cfg.steps
             if interrupted:
-                self._emit(Note(f"{stop.signal_name}: stopped after step {self.step}"))
+                self._emit(Note(f"{stopping}: stopped after step {self.step}"))
                 if self.checkpoint_step != self.step:
                     self._checkpoint("interrupted")
-                self.log.event("interrupted", step=self.step, signal=stop.signal_name)
+                self.log.event("interrupted", step=self.step, signal=stopping)
         if not interrupted:
             self.log.event("finished", step=self.step)
         return TrainResult(self.step, cfg.steps, self.plan, interrupted, self.run_dir, self.last_checkpoint,
@@ -276,7 +304,8 @@ class Trainer(FallbackMixin):
     def _build(self) -> Training:
         def work():
             return build_training(self.model_file, self.plan, self.device, lr=self.cfg.lr,
-                                  clip_grad_norm=self.cfg.clip_grad_norm, weight_decay=self.cfg.weight_decay)
+                                  clip_grad_norm=self.cfg.clip_grad_norm, weight_decay=self.cfg.weight_decay,
+                                  dist=self.dist)
 
         oom = None
         try:
@@ -292,27 +321,6 @@ class Trainer(FallbackMixin):
         t.on_phase = self._set_phase
         return t
 
-    def _restore(self, st: dict) -> None:
-        t, path = self.t, self.resumed_from
-        try:
-            with self.device.measure():
-                t.model.load_state_dict(st["model"])
-                t.optimizer.load_state_dict(st["optimizer"])
-                t.scaler.load_state_dict(st["scaler"])
-        except (RuntimeError, KeyError, ValueError, TypeError) as e:
-            if is_oom(e):
-                raise
-            raise OomtuneError(f"checkpoint {path} does not match {self.model_file.label}'s model or optimizer "
-                               f"({one_line(e)[:200]})", BAD_INPUT) from None
-        self._account(t.optimizer)  # the loaded state was made outside measure()
-        restore_rng(st["rng"], self.cuda)
-        if st["data"].get("hook") not in (None, self.data_hook):
-            self.notes.append(Note(f"the checkpoint was trained on {st['data']['hook']}() data, this run uses "
-                                   f"{self.data_hook}()", warning=True))
-        if self.plan != self.file_config.plan:
-            self.notes.append(Note(f"resuming with the checkpoint's plan: {self.plan.describe()} (the config "
-                                   f"says {self.file_config.plan.describe()})"))
-
     def _nvml(self) -> int | None:
         now = time.monotonic()
         if now - getattr(self, "_nvml_at", -1e9) >= 2.0:  # NVML init + query costs milliseconds: not every step
@@ -322,6 +330,7 @@ class Trainer(FallbackMixin):
             except Exception:
                 self._nvml_last = None
         return getattr(self, "_nvml_last", None)
+
 
 def train(config_path: str | Path, *, overrides: dict[str, Any] | None = None, device: str | None = None,
           budget: str | None = None, resume: bool = False,

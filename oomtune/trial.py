@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from .devices import Device, is_oom
 from .errors import ModelFileError
 from .model_file import ModelFile
+from .parallel import Dist, RanksOutOfMemory
 from .plan import Plan, TrainConfig
 from .step import Training, build_training, train_step
 
@@ -32,12 +33,12 @@ class TrialResult:
 
 
 def _steps(model_file: ModelFile, plan: Plan, device: Device, steps: int, reading_box: list,
-           observe: Callable[[Training, str], None] | None = None) -> tuple:
+           observe: Callable[[Training, str], None] | None = None, dist: Dist | None = None) -> tuple:
     train_defaults = TrainConfig()  # the trial runs the step the trainer will run, clipping included
     with device.measure() as reading:
         reading_box.append(reading)
         t = build_training(model_file, plan, device, lr=train_defaults.lr,
-                           clip_grad_norm=train_defaults.clip_grad_norm)
+                           clip_grad_norm=train_defaults.clip_grad_norm, dist=dist)
         t.on_phase = lambda phase: device.mark(reading, phase)
         if observe is not None:
             def on_phase(phase: str) -> None:
@@ -74,27 +75,45 @@ def _steps(model_file: ModelFile, plan: Plan, device: Device, steps: int, readin
 
 
 def run_trial(model_file: ModelFile, plan: Plan, device: Device, steps: int = 2,
-              observe: Callable[[Training, str], None] | None = None) -> TrialResult:
+              observe: Callable[[Training, str], None] | None = None, dist: Dist | None = None) -> TrialResult:
     """Run `steps` optimizer steps of `plan`. An OOM is a result, not an error; any other error is the
     user's and propagates. Memory is given back outside the `except` block (its frames hold the
     failed step's tensors). `observe(training, phase)` is told each phase as it starts, after the
-    device marked it, and "end" after the last step (the memory breakdown tags tensors there)."""
+    device marked it, and "end" after the last step (the memory breakdown tags tensors there).
+
+    On several ranks (`dist`) every rank runs the trial and all of them return the same result: an OOM on any
+    rank is an OOM (the ranks agree, see oomtune.parallel), the peaks are the largest over the ranks and the
+    speed is the sum of theirs."""
     start = time.perf_counter()
     box: list = []
     oom_message = None
+    agreed = False
     try:
-        step_s, tps, loss = _steps(model_file, plan, device, steps, box, observe)
+        step_s, tps, loss = _steps(model_file, plan, device, steps, box, observe, dist)
     except Exception as e:
         if not is_oom(e):
             raise
         oom_message = str(e).strip().splitlines()[0]
+        agreed = isinstance(e, RanksOutOfMemory)  # every rank knows already: no other agreement for this trial
     device.release()
+    if dist is not None and not agreed:
+        try:
+            dist.agree(oom_message)
+        except RanksOutOfMemory as e:
+            oom_message = oom_message or str(e).strip().splitlines()[0]
     seconds = time.perf_counter() - start
     if oom_message is not None:
         return TrialResult(plan, oom=True, oom_message=oom_message, seconds=seconds)
     reading = box[0]
-    return TrialResult(plan, oom=False, peak_bytes=reading.peak_bytes,
-                       peak_allocated_bytes=reading.peak_allocated_bytes,
-                       batch_peak_bytes=reading.batch_peak_bytes, phase_peaks=dict(reading.phase_peaks),
-                       step_seconds=step_s,
+    peak, allocated, batch_peak = reading.peak_bytes, reading.peak_allocated_bytes, reading.batch_peak_bytes
+    phases = dict(reading.phase_peaks)
+    if dist is not None:  # what every rank must fit: the largest; the speed of the whole job: the sum
+        names = sorted(phases)
+        peak, allocated, batch, step_s, *per_phase = dist.max(peak, allocated, batch_peak or -1, step_s,
+                                                             *(phases[n] for n in names))
+        peak, allocated, batch_peak = int(peak), int(allocated), (int(batch) if batch >= 0 else None)
+        phases = {n: int(v) for n, v in zip(names, per_phase, strict=True)}
+        tps = dist.sum(tps)[0] if tps is not None else None
+    return TrialResult(plan, oom=False, peak_bytes=peak, peak_allocated_bytes=allocated,
+                       batch_peak_bytes=batch_peak, phase_peaks=phases, step_seconds=step_s,
                        tokens_per_s=tps, loss=loss, seconds=seconds)

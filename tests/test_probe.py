@@ -75,7 +75,7 @@ def test_cli_writes_a_config_that_round_trips_and_json_for_ci(tmp_path):
     assert data["plan"] == {
         "micro_batch_size": cfg.plan.micro_batch_size, "context_length": 64, "precision": cfg.plan.precision,
         "activation_checkpointing": cfg.plan.activation_checkpointing,
-        "grad_accum_steps": cfg.plan.grad_accum_steps, "global_batch_size": 8,
+        "grad_accum_steps": cfg.plan.grad_accum_steps, "world_size": 1, "sharding": "none", "global_batch_size": 8,
     }
     assert data["peak_bytes"] == cfg.found_by.peak_bytes <= data["limit_bytes"] == int(8 * MiB * 0.9)
     assert len(data["trials"]) == len(cfg.found_by.trials) == sum(r["trials"] for r in data["rungs"]) + sum(

@@ -3,11 +3,14 @@ and errors (stderr). Commands are thin: parse, call the library, render, map err
 
 from __future__ import annotations
 
+import os
+import sys
 from contextlib import contextmanager
 from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from ..errors import OomtuneError
 from ..units import format_bytes
@@ -32,15 +35,37 @@ def _root() -> None:
 DebugOpt = Annotated[bool, typer.Option("--debug", help="Show full tracebacks instead of one-line errors.")]
 
 
+def worker_rank() -> int | None:
+    """This process's rank when torchrun started it (its environment variables), else None."""
+    if all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
+        return int(os.environ["RANK"])
+    return None
+
+
+def _peer_failure(e: BaseException) -> bool:
+    """A collective that broke or timed out: another rank failed, died or hangs (not this rank's own error)."""
+    torch = sys.modules.get("torch")
+    dist_error = getattr(getattr(torch, "distributed", None), "DistError", None) if torch else None
+    if dist_error is not None and isinstance(e, dist_error):
+        return True
+    text = str(e)
+    return worker_rank() is not None and any(s in text for s in (
+        "Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out", "timed out",
+        "NCCL communicator was aborted", "[gloo/"))
+
+
 @contextmanager
 def user_errors(debug: bool):
-    """One project error -> one line on stderr and its exit code; anything else -> a short line + exit 1."""
+    """One project error -> one line on stderr and its exit code; anything else -> a short line + exit 1. A
+    worker on several ranks prefixes its rank, and exits 3 when it only stopped because a peer did."""
+    rank = worker_rank()
+    who = escape(f"[rank {rank}] ") if rank is not None else ""
     try:
         yield
     except OomtuneError as e:
         if debug:
             raise
-        err.print(f"[bold red]error:[/] {e.message}")
+        err.print(f"[bold red]error:[/] {who}{escape(e.message)}")
         raise typer.Exit(e.exit_code) from None
     except KeyboardInterrupt:
         err.print("[yellow]interrupted[/]")
@@ -50,8 +75,15 @@ def user_errors(debug: bool):
     except Exception as e:
         if debug:
             raise
-        err.print(f"[bold red]error:[/] {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e) else ''} "
-                  "(rerun with --debug for the traceback)")
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        if rank is not None and _peer_failure(e):
+            from ..launch import PEER_FAILED
+
+            err.print(f"[bold red]error:[/] {who}a collective with the other ranks failed ({escape(first[:200])}): "
+                      "another rank failed, died or stopped answering (--dist-timeout)")
+            raise typer.Exit(PEER_FAILED) from None
+        err.print(f"[bold red]error:[/] {who}{type(e).__name__}: {escape(first)} (rerun with --debug for the "
+                  "traceback)")
         raise typer.Exit(1) from None
 
 

@@ -93,6 +93,10 @@ def estimate(
                                                        "--micro-batch: activation checkpointing.")] = None,
     grad_accum: Annotated[int | None, typer.Option("--grad-accum", help="With --micro-batch: accumulation "
                                                    "steps (default 1).")] = None,
+    world_size: Annotated[int, typer.Option("--world-size", help="Ranks (GPUs) to plan for: the per-rank peak is "
+                                            "measured on rank 0 of a fake process group.")] = 1,
+    sharding: Annotated[str | None, typer.Option("--sharding", help="none | ddp | fsdp: every rung on this (default: "
+                                                 "ddp rungs, then an fsdp rung, on several ranks).")] = None,
     out_path: Annotated[Path, typer.Option("--out", "-o", help="Where to write the config.")] = Path("best.yaml"),
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON (for CI).")] = False,
     debug: DebugOpt = False,
@@ -105,7 +109,7 @@ def estimate(
     --checkpointing[/]
     """
     with user_errors(debug):
-        from ..estimate import check_estimate_options, make_fake_device, static_memory, what_if
+        from ..estimate import check_estimate_options, check_world, make_fake_device, static_memory, what_if
         from ..estimate import estimate as run_estimate
         from ..gpus_table import parse_margin
         from ..model_file import load_model_file
@@ -113,10 +117,12 @@ def estimate(
         from ..probe import resolve_targets
 
         plan_mode = _plan_mode_options(micro_batch, precision, checkpointing, grad_accum, batch, min_context)
+        check_world(world_size, sharding)
         model_file = load_model_file(model)
         if plan_mode:
             targets = resolve_targets(model_file, None, context, None)
-            plan = Plan(micro_batch, targets.context, precision or "fp32", bool(checkpointing), grad_accum or 1)
+            plan = Plan(micro_batch, targets.context, precision or "fp32", bool(checkpointing), grad_accum or 1,
+                        world_size=world_size, sharding=sharding or ("ddp" if world_size > 1 else "none"))
             device = make_fake_device(budget, gpu, margin) if (budget or gpu) else None
             if plan.activation_checkpointing and not static_memory(model_file).checkpointing_supported:
                 from ..errors import OomtuneError
@@ -144,13 +150,15 @@ def estimate(
         targets = resolve_targets(model_file, batch, context, min_context)
         device = make_fake_device(budget, gpu, margin)
         if not as_json:
-            err.print(f"estimating [bold]{model_file.label}[/] for {device.name}, budget "
+            ranks = f" x {world_size} ranks" if world_size > 1 else ""
+            err.print(f"estimating [bold]{model_file.label}[/] for {device.name}{ranks}, budget "
                       f"{fmt_bytes(device.budget_bytes)} (fake tensors: nothing runs on a GPU; margin "
                       f"{device.margin.describe()}): batch {targets.batch}, context {targets.context}"
                       + (f" (min {targets.min_context})" if targets.min_context < targets.context else ""))
         with trial_progress(not as_json) as (on_start, on_trial):
             result = run_estimate(model_file, device, targets, headroom=headroom, steps=steps, objective=objective,
-                                  amp=amp, on_start=on_start, on_trial=on_trial)
+                                  amp=amp, on_start=on_start, on_trial=on_trial, world_size=world_size,
+                                  sharding=sharding)
         if result.config is not None:
             save_config(result.config, out_path,
                         header=f"written by `oomtune estimate {model}`: predicted on fake tensors, never measured "

@@ -12,11 +12,22 @@ from rich import box
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from . import RESULT_SHORT, RESULT_STYLE, DebugOpt, app, err, fmt_bytes, out, user_errors
+from . import RESULT_SHORT, RESULT_STYLE, DebugOpt, app, err, fmt_bytes, out, user_errors, worker_rank
+from .train_cmd import (
+    DistTimeoutOpt,
+    MasterAddrOpt,
+    MasterPortOpt,
+    NnodesOpt,
+    NodeRankOpt,
+    NprocOpt,
+    flags,
+    launch_ranks,
+)
 
 
 def rung_label(rung: str, precision: str) -> str:
-    return {"fp32": "fp32", "amp": precision, "checkpointing": f"{precision}+ckpt"}.get(rung, rung)
+    return {"fp32": "fp32", "amp": precision, "checkpointing": f"{precision}+ckpt",
+            "fsdp": f"{precision}+fsdp"}.get(rung, rung)
 
 
 def trials_table(records) -> Table:
@@ -34,14 +45,14 @@ def trials_table(records) -> Table:
     return table
 
 
-def rungs_table(ladder, targets) -> Table:
+def rungs_table(ladder, targets, world_size: int = 1) -> Table:
     table = Table(title="ladder", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
-    for col in ("rung", "best context", "best micro-batch", "trials"):
+    for col in ("rung", "best context", "best micro-batch" + (" per rank" if world_size > 1 else ""), "trials"):
         table.add_column(col, no_wrap=True)
     for r in ladder.rungs:
         table.add_row(rung_label(r.rung.name, r.rung.precision),
                       f"{r.context_length}/{targets.context}" if r.found else "[red]none[/]",
-                      f"{r.micro_batch_size}/{targets.batch}" if r.found else "-", str(r.trials))
+                      f"{r.micro_batch_size}/{targets.batch // world_size}" if r.found else "-", str(r.trials))
     return table
 
 
@@ -57,6 +68,7 @@ def trial_progress(enabled: bool):
 
     def on_start(point):
         ck = " + checkpointing" if point.rung.activation_checkpointing else ""
+        ck += f" + {point.rung.sharding}" if point.rung.sharding != "none" else ""
         accum = f" x{point.grad_accum_steps} accum" if point.grad_accum_steps > 1 else ""
         progress.update(task, description=f"{point.rung.precision}{ck}: micro-batch {point.micro_batch_size}, "
                                           f"context {point.context_length}{accum}")
@@ -104,7 +116,7 @@ def render_search(result, out_path: Path | None, as_json: bool, verb: str, extra
     else:
         if result.records:  # none when the estimate knew without a trial that nothing fits
             out.print(trials_table(result.records))
-            out.print(rungs_table(result.ladder, result.targets))
+            out.print(rungs_table(result.ladder, result.targets, getattr(result, "world_size", 1)))
         if result.config is not None:
             fb = result.config.found_by
             tps = f", {fb.tokens_per_s:,.0f} tokens/s" if fb.tokens_per_s else ""
@@ -141,11 +153,20 @@ def probe(
                                      "else fp16) | bf16 | fp16.")] = "auto",
     out_path: Annotated[Path, typer.Option("--out", "-o", help="Where to write the config.")] = Path("best.yaml"),
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON (for CI).")] = False,
+    nproc_per_node: NprocOpt = None,
+    nnodes: NnodesOpt = 1,
+    node_rank: NodeRankOpt = 0,
+    master_addr: MasterAddrOpt = "127.0.0.1",
+    master_port: MasterPortOpt = None,
+    dist_timeout: DistTimeoutOpt = 300.0,
     debug: DebugOpt = False,
 ):
     """Probe MODEL on a device: climb batch/context -> amp -> checkpointing -> accumulation until it fits.
 
     Example: [cyan]oomtune probe examples/tiny_gpt.py --device cpu --budget 12MiB[/]
+
+    On several GPUs: [cyan]oomtune probe model.py --nproc-per-node 4[/] (every rank runs every trial; the ladder
+    adds an fsdp rung when replicating the model does not fit).
     """
     with user_errors(debug):
         from ..devices import make_device
@@ -156,14 +177,45 @@ def probe(
 
         model_file = load_model_file(model)
         targets = resolve_targets(model_file, batch, context, min_context)
+        rank = worker_rank()
+        if nproc_per_node is not None and rank is None:  # the launcher: check, then the same probe on every rank
+            from ..errors import OomtuneError
+            from ..launch import Launch
+
+            launch = Launch(nproc_per_node, nnodes, node_rank, master_addr, master_port)
+            launch.check()
+            if targets.batch % launch.world_size:
+                raise OomtuneError(f"--batch {targets.batch} is not a multiple of the {launch.world_size} ranks: "
+                                   "the global batch is shared out evenly")
+            launch_ranks(["probe", str(model), *flags(batch=batch, context=context, min_context=min_context,
+                                                      device=device, budget=budget, headroom=headroom, steps=steps,
+                                                      objective=objective, amp=amp, out=out_path, json=as_json,
+                                                      dist_timeout=dist_timeout, debug=debug)],
+                         nproc_per_node, nnodes, node_rank, master_addr, master_port)
+            return
+        dist = None
+        if rank is not None:
+            import torch
+
+            from .. import parallel
+
+            kind = device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+            dist = parallel.init(kind, "ddp", dist_timeout)  # cuda: picks this rank's GPU
         dev = make_device(device, budget)
+        if rank not in (None, 0):  # every rank probes; rank 0 reports and writes the config
+            result = run_probe(model_file, dev, targets, headroom=headroom, steps=steps, objective=objective,
+                               amp=amp, dist=dist)
+            if result.config is None:
+                raise typer.Exit(1)
+            return
         if not as_json:
-            err.print(f"probing [bold]{model_file.label}[/] on {dev.name}: batch {targets.batch}, "
+            ranks = f" x {dist.world_size} ranks" if dist is not None else ""
+            err.print(f"probing [bold]{model_file.label}[/] on {dev.name}{ranks}: batch {targets.batch}, "
                       f"context {targets.context}" + (f" (min {targets.min_context})"
                                                       if targets.min_context < targets.context else ""))
         with trial_progress(not as_json) as (on_start, on_trial):
             result = run_probe(model_file, dev, targets, headroom=headroom, steps=steps, objective=objective,
-                               amp=amp, on_start=on_start, on_trial=on_trial)
+                               amp=amp, on_start=on_start, on_trial=on_trial, dist=dist)
         if result.config is not None:
             save_config(result.config, out_path, header=f"written by `oomtune probe {model}` — edit `train:` freely")
         render_search(result, out_path if result.config else None, as_json, "probe")

@@ -8,7 +8,63 @@ from typing import Annotated
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from . import DebugOpt, app, err, fmt_bytes, out, user_errors
+from ..errors import OomtuneError
+from . import DebugOpt, app, err, fmt_bytes, out, user_errors, worker_rank
+
+# launcher options, shared with probe: they start torchrun and never reach the workers
+NprocOpt = Annotated[int | None, typer.Option("--nproc-per-node", help="Ranks (processes, one per GPU) on this "
+                                              "node: runs the command under torchrun.", rich_help_panel="ranks")]
+NnodesOpt = Annotated[int, typer.Option("--nnodes", help="Nodes (machines) taking part (torchrun's).",
+                                        rich_help_panel="ranks")]
+NodeRankOpt = Annotated[int, typer.Option("--node-rank", help="This node's index, 0 on the one with "
+                                          "--master-addr (torchrun's).", rich_help_panel="ranks")]
+MasterAddrOpt = Annotated[str, typer.Option("--master-addr", help="Address of node 0 (torchrun's).",
+                                            rich_help_panel="ranks")]
+MasterPortOpt = Annotated[int | None, typer.Option("--master-port", help="Port of the rendezvous on node 0 "
+                                                   "(default: a free one on one node, 29500 on several).",
+                                                   rich_help_panel="ranks")]
+DistTimeoutOpt = Annotated[float, typer.Option("--dist-timeout", help="Seconds a collective waits for the other "
+                                               "ranks before the run stops with an error (a rank that died or "
+                                               "hangs).", rich_help_panel="ranks")]
+RankBudgetOpt = Annotated[list[str] | None, typer.Option("--rank-budget", help="RANK=BUDGET: another simulated "
+                                                         "budget on one rank (cpu device; repeatable), to rehearse "
+                                                         "one rank running out of memory.",
+                                                         rich_help_panel="ranks")]
+
+
+def parse_rank_budgets(values: list[str] | None) -> dict[int, str]:
+    budgets = {}
+    for v in values or []:
+        rank, sep, budget = v.partition("=")
+        if not sep or not rank.strip().isdigit() or not budget.strip():
+            raise OomtuneError(f"--rank-budget {v!r}: expected RANK=BUDGET, e.g. 1=8MiB")
+        budgets[int(rank)] = budget.strip()
+    return budgets
+
+
+def launch_ranks(command: list[str], nproc: int, nnodes: int, node_rank: int, master_addr: str,
+                 master_port: int | None) -> None:
+    """Run `oomtune <command>` on every rank under torchrun; a failure is an OomtuneError naming the rank."""
+    from ..launch import Launch, run
+
+    run(Launch(nproc, nnodes, node_rank, master_addr, master_port), command)
+
+
+def flags(**values) -> list[str]:
+    """Options given (not None) back as command-line flags, for the workers' command line."""
+    args: list[str] = []
+    for name, v in values.items():
+        flag = "--" + name.replace("_", "-")
+        if v is None or v is False:
+            continue
+        if v is True:
+            args.append(flag)
+        elif isinstance(v, list):
+            for item in v:
+                args += [flag, str(item)]
+        else:
+            args += [flag, str(v)]
+    return args
 
 
 def _metrics_line(m: dict) -> str:
@@ -58,6 +114,41 @@ def _render(progress: Progress, task):
     return on_event
 
 
+MAX_RELAUNCHES = 4  # each halves the micro-batch
+
+
+def _launch_train(config, overrides, resume, device, budget, dist_timeout, rank_budget, debug, nproc_per_node,
+                  nnodes, node_rank, master_addr, master_port) -> None:
+    """torchrun the trainer on every rank. A rank that ran out of memory alone inside FSDP's collectives stops the
+    run after writing the halved plan to the config: relaunch from the last checkpoint (or from the start, when
+    the run had none yet) with that plan."""
+    from ..checkpoint import latest_checkpoint, remove
+    from ..launch import OOM_RELAUNCH, Launch
+    from ..rundir import METRICS
+    from ..train import check_inputs
+
+    Launch(nproc_per_node, nnodes, node_rank, master_addr, master_port).check()
+    inputs = check_inputs(config, overrides, resume=resume, world_size=nproc_per_node * nnodes)
+    for attempt in range(MAX_RELAUNCHES + 1):
+        try:
+            launch_ranks(["train", "--config", str(config),
+                          *flags(**overrides, resume=resume, device=device, budget=budget, dist_timeout=dist_timeout,
+                                 rank_budget=rank_budget, debug=debug)],
+                         nproc_per_node, nnodes, node_rank, master_addr, master_port)
+            return
+        except OomtuneError as e:
+            if e.exit_code != OOM_RELAUNCH or attempt == MAX_RELAUNCHES or nnodes > 1:
+                raise
+            latest = latest_checkpoint(inputs.run_dir)
+            if latest is None:
+                if resume:
+                    raise
+                remove(inputs.run_dir / METRICS)  # this launch's own: the run starts over (events.jsonl goes on)
+            resume = latest is not None
+            err.print(f"[yellow]relaunching every rank[/] with the halved plan, "
+                      f"{f'from {latest}' if latest else 'from the start (no checkpoint yet)'}")
+
+
 @app.command()
 def train(
     config: Annotated[Path, typer.Option("--config", "-c", help="The config `oomtune probe` wrote.")],
@@ -84,28 +175,50 @@ def train(
     budget: Annotated[str | None, typer.Option("--budget", help="Memory to fit in: 24GiB, 80% (default: cuda: "
                                                "the free memory; cpu: the budget the config was probed with).")]
     = None,
+    nproc_per_node: NprocOpt = None,
+    nnodes: NnodesOpt = 1,
+    node_rank: NodeRankOpt = 0,
+    master_addr: MasterAddrOpt = "127.0.0.1",
+    master_port: MasterPortOpt = None,
+    dist_timeout: DistTimeoutOpt = 300.0,
+    rank_budget: RankBudgetOpt = None,
     debug: DebugOpt = False,
 ):
     """Train with the plan in CONFIG; an out-of-memory error mid-run halves the micro-batch (same global batch)
     and writes the plan that works back to CONFIG.
 
     Example: [cyan]oomtune train --config best.yaml --steps 200[/]
+
+    On several GPUs: [cyan]oomtune train --config best.yaml --nproc-per-node 4[/] (torchrun; DDP or FSDP2 as the
+    plan's sharding says; the global batch stays exact).
     """
     with user_errors(debug):
-        from ..train import Trainer
-
         overrides = {"steps": steps, "lr": lr, "min_lr": min_lr, "warmup_steps": warmup_steps,
                      "weight_decay": weight_decay, "clip_grad_norm": clip_grad_norm, "eval_interval": eval_interval,
                      "eval_steps": eval_steps, "checkpoint_interval": checkpoint_interval,
                      "log_every_n_steps": log_every_n_steps, "run_dir": str(run_dir) if run_dir else None,
                      "seed": seed}
+        rank_budgets = parse_rank_budgets(rank_budget)
+        rank = worker_rank()
+        if nproc_per_node is not None and rank is None:  # the launcher: check what can be checked, then torchrun
+            _launch_train(config, overrides, resume, device, budget, dist_timeout, rank_budget, debug,
+                          nproc_per_node, nnodes, node_rank, master_addr, master_port)
+            return
+        from ..train import Trainer
+
+        if rank not in (None, 0):  # one rank reports; the others only say what goes wrong
+            result = Trainer(config, overrides=overrides, device=device, budget=budget, resume=resume,
+                             rank_budgets=rank_budgets, dist_timeout=dist_timeout).run()
+            if result.interrupted:
+                raise typer.Exit(130)
+            return
         progress = Progress(TextColumn("[bold]train[/]"), BarColumn(), MofNCompleteColumn(),
                             TextColumn("{task.fields[loss]}"), TextColumn("{task.fields[speed]}"),
                             TextColumn("{task.fields[memory]}"), TimeElapsedColumn(), TimeRemainingColumn(),
                             console=err, transient=True)
         task = progress.add_task("train", total=None, loss="", speed="", memory="")
         trainer = Trainer(config, overrides=overrides, device=device, budget=budget, resume=resume,
-                          on_event=_render(progress, task))
+                          on_event=_render(progress, task), rank_budgets=rank_budgets, dist_timeout=dist_timeout)
         with progress:
             result = trainer.run()
         if result.fallbacks:
