@@ -142,19 +142,6 @@ def margin_of(device: Device) -> Margin:
     return getattr(device, "margin", None) or Margin()
 
 
-def ranks_for(plan: Plan, device: Device, dist=None) -> contextlib.AbstractContextManager:
-    """The ranks a plan needs: none for one process; for ddp / fsdp on the fake device a fake world of
-    plan.world_size ranks (rank 0's memory is measured; a rank's is what each needs, FSDP shards evenly)."""
-    from . import parallel
-
-    if plan.sharding == "none" or dist is not None:
-        return contextlib.nullcontext(dist)
-    if device.kind != "fake":
-        raise OomtuneError(f"a plan for {plan.world_size} ranks ({plan.sharding}) is measured here on the fake device "
-                           "only; on real ranks use `oomtune probe --nproc-per-node`")
-    return parallel.fake_world(plan.world_size)
-
-
 def breakdown(model_file: ModelFile, plan: Plan, device: TrackedDevice, steps: int = 2, dist=None) -> MemoryBreakdown:
     """Run `plan` once on `device` (fake or cpu) with its budget lifted, recording every storage, and sort
     what was live at the peak. The step is the trial's own (run_trial), so the peak is the trial's peak. A plan
@@ -163,6 +150,8 @@ def breakdown(model_file: ModelFile, plan: Plan, device: TrackedDevice, steps: i
 
     if not isinstance(device, TrackedDevice):
         raise OomtuneError(f"a memory breakdown needs the fake or cpu device, not {device.kind}")
+    from .parallel import ranks_for
+
     with ranks_for(plan, device, dist) as d:
         return _breakdown(model_file, plan, device, steps, d, run_trial)
 
@@ -293,15 +282,6 @@ def check_estimate_options(objective: str, headroom: float) -> None:
         raise OomtuneError(f"--headroom must be in [0, 1), got {headroom}")
 
 
-def check_world(world_size: int, sharding: str | None) -> None:
-    if world_size < 1:
-        raise OomtuneError(f"--world-size must be at least 1, got {world_size}")
-    if sharding is not None and sharding not in ("none", "ddp", "fsdp"):
-        raise OomtuneError(f"--sharding {sharding!r}: expected none, ddp or fsdp")
-    if sharding == "none" and world_size > 1:
-        raise OomtuneError(f"--sharding none is one process: with --world-size {world_size} use ddp or fsdp")
-
-
 def estimate(model_file: ModelFile, device: FakeDevice, targets, *, headroom: float = 0.1, steps: int = 2,
              objective: str = "fit", amp: str = "auto", on_start: Callable | None = None,
              on_trial: Callable[[TrialRecord], None] | None = None, world_size: int = 1,
@@ -309,13 +289,13 @@ def estimate(model_file: ModelFile, device: FakeDevice, targets, *, headroom: fl
     """The probe's ladder on the fake device, then the breakdown of its choice (see module doc).
 
     On `world_size` ranks the ladder runs in a fake process group (torch's `fake` backend: collectives do
-    nothing) on rank 0, with DDP's or FSDP2's own code: sharded weights, gradients and optimizer state, the
-    units' gathered weights, full activations. `sharding` puts every rung on ddp or fsdp; by default the
-    ladder replicates (ddp) and adds an fsdp rung."""
+    nothing) on rank 0, with FSDP2's own code: sharded weights, gradients and optimizer state, the units'
+    gathered weights, full activations (DDP cannot wrap fake tensors: its reducer's buckets are added instead).
+    `sharding` puts every rung on ddp or fsdp; by default the ladder replicates (ddp) and adds an fsdp rung."""
     from . import parallel
 
     check_estimate_options(objective, headroom)
-    check_world(world_size, sharding)
+    parallel.check_world(world_size, sharding)
     ranks = (parallel.fake_world(world_size) if world_size > 1 or sharding in ("ddp", "fsdp")
              else contextlib.nullcontext(None))
     with ranks as d:

@@ -210,6 +210,26 @@ def fake_world(world_size: int) -> Iterator[Dist]:
         dist.destroy_process_group()
 
 
+def check_world(world_size: int, sharding: str | None) -> None:
+    if world_size < 1:
+        raise OomtuneError(f"--world-size must be at least 1, got {world_size}")
+    if sharding is not None and sharding not in ("none", "ddp", "fsdp"):
+        raise OomtuneError(f"--sharding {sharding!r}: expected none, ddp or fsdp")
+    if sharding == "none" and world_size > 1:
+        raise OomtuneError(f"--sharding none is one process: with --world-size {world_size} use ddp or fsdp")
+
+
+def ranks_for(plan, device, dist: Dist | None = None) -> contextlib.AbstractContextManager:
+    """The ranks a plan needs: none for one process; for ddp / fsdp on the fake device a fake world of
+    plan.world_size ranks (rank 0's memory is measured; a rank's is what each needs, FSDP shards evenly)."""
+    if plan.sharding == "none" or dist is not None:
+        return contextlib.nullcontext(dist)
+    if device.kind != "fake":
+        raise OomtuneError(f"a plan for {plan.world_size} ranks ({plan.sharding}) is measured here on the fake device "
+                           "only; on real ranks use `oomtune probe --nproc-per-node`")
+    return fake_world(plan.world_size)
+
+
 def close() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -109,10 +109,11 @@ def estimate(
     --checkpointing[/]
     """
     with user_errors(debug):
-        from ..estimate import check_estimate_options, check_world, make_fake_device, static_memory, what_if
+        from ..estimate import check_estimate_options, make_fake_device, static_memory, what_if
         from ..estimate import estimate as run_estimate
         from ..gpus_table import parse_margin
         from ..model_file import load_model_file
+        from ..parallel import check_world
         from ..plan import Plan, save_config, to_dict
         from ..probe import resolve_targets
 
