@@ -4,6 +4,8 @@ from __future__ import annotations
 
 BAD_INPUT = 2  # a broken model file, a wrong YAML key, a budget smaller than the weights
 NO_FIT = 1  # valid input, but nothing fits / the config no longer fits
+PEER_FAILED = 3  # a rank stopped because another rank failed or stopped answering (its collective broke)
+OOM_RELAUNCH = 4  # FSDP ran out of memory: the halved plan is in the config, --resume continues (the launcher does)
 
 
 class OomtuneError(Exception):

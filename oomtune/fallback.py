@@ -17,9 +17,9 @@ import yaml
 
 from .checkpoint import restore_rng
 from .devices import is_oom
-from .errors import NO_FIT, ConfigError, OomtuneError
+from .errors import NO_FIT, OOM_RELAUNCH, ConfigError, OomtuneError
 from .model_file import Batch
-from .parallel import OOM_RELAUNCH, LoneOutOfMemory
+from .parallel import LoneOutOfMemory
 from .plan import Config, Plan, atomic_write, dump_config, from_dict, to_dict
 from .train_events import Note, OomFallback
 

@@ -16,10 +16,8 @@ import socket
 import sys
 from dataclasses import dataclass
 
-from .errors import BAD_INPUT, NO_FIT, OomtuneError
+from .errors import BAD_INPUT, NO_FIT, OOM_RELAUNCH, PEER_FAILED, OomtuneError
 
-PEER_FAILED = 3  # a worker's exit code when it stopped because another rank failed or stopped answering
-OOM_RELAUNCH = 4  # FSDP ran out of memory; the halved plan is in the config: relaunch with --resume (parallel's)
 INTERRUPTED = 130
 
 

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .devices import is_oom
-from .errors import OomtuneError
+from .errors import OOM_RELAUNCH, OomtuneError
 
 DEFAULT_TIMEOUT_S = 300.0  # a collective waits this long for the other ranks before the run stops with an error
 T = TypeVar("T")
@@ -51,9 +51,6 @@ def launched_by_torchrun() -> bool:
 
 def env_rank() -> int:
     return int(os.environ.get("RANK", "0")) if launched_by_torchrun() else 0
-
-
-OOM_RELAUNCH = 4  # exit code: FSDP ran out of memory; the halved plan is in the config, resume to continue
 
 
 class LoneOutOfMemory(OomtuneError):

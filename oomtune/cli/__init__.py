@@ -77,7 +77,7 @@ def user_errors(debug: bool):
             raise
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         if rank is not None and _peer_failure(e):
-            from ..launch import PEER_FAILED
+            from ..errors import PEER_FAILED
 
             err.print(f"[bold red]error:[/] {who}a collective with the other ranks failed ({escape(first[:200])}): "
                       "another rank failed, died or stopped answering (--dist-timeout)")

@@ -123,7 +123,8 @@ def _launch_train(config, overrides, resume, device, budget, dist_timeout, rank_
     run after writing the halved plan to the config: relaunch from the last checkpoint (or from the start, when
     the run had none yet) with that plan."""
     from ..checkpoint import latest_checkpoint, remove
-    from ..launch import OOM_RELAUNCH, Launch
+    from ..errors import OOM_RELAUNCH
+    from ..launch import Launch
     from ..rundir import METRICS
     from ..train import check_inputs
 
