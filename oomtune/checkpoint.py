@@ -27,6 +27,7 @@ FORMAT = "oomtune-checkpoint"
 VERSION = 1
 KEEP = 2  # checkpoints kept on disk: the newest, and one before it in case the newest is lost
 _NAME = re.compile(r"^ckpt-(\d+)(\.pt)?$")  # a file ckpt-N.pt, or a folder ckpt-N/ (several ranks)
+_TEMP_FOLDER = re.compile(r"^\.ckpt-\d+\.tmp$")  # dist_checkpoint's folder being written
 META = "oomtune.pt"  # in a checkpoint folder: step, plan, data position; written last, so its presence = complete
 REQUIRED = ("step", "plan", "data", "model", "optimizer", "scaler", "rng")
 
@@ -64,7 +65,9 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
 def stale_temp_files(run_dir: str | Path) -> list[Path]:
     """Temp files (`.ckpt-*.pt.*.tmp`) and folders (`.ckpt-*.tmp`) a killed checkpoint write left behind."""
     d = Path(run_dir)
-    return sorted([*d.glob(".ckpt-*.pt.*.tmp"), *d.glob(".ckpt-*[0-9].tmp")]) if d.is_dir() else []
+    if not d.is_dir():
+        return []
+    return sorted({*d.glob(".ckpt-*.pt.*.tmp"), *(p for p in d.glob(".ckpt-*.tmp") if _TEMP_FOLDER.match(p.name))})
 
 
 def remove(path: Path) -> None:

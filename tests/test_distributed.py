@@ -353,7 +353,11 @@ def test_a_budget_too_small_to_replicate_the_model_makes_the_probe_pick_fsdp(tmp
     predicted = json.loads(est.stdout)
     print(f"estimate for 2 ranks: {predicted['plan']}, peak {predicted['peak_bytes']} vs probed {result['peak_bytes']}")
     assert predicted["plan"] == result["plan"]
-    assert predicted["peak_bytes"] == pytest.approx(result["peak_bytes"], rel=0.01)
+    # on real ranks the peak wobbles by up to one gathered FSDP unit (when gloo's async all-gather lets go of its
+    # buffers); the fake world has no threads: it is the peak without the wobble
+    mf = load_model_file(model)
+    unit = max(sum(p.numel() * p.element_size() for p in b.parameters()) for b in mf.blocks(mf.build()))
+    assert abs(result["peak_bytes"] - predicted["peak_bytes"]) <= unit
     one = run_cli("estimate", model, *args, "--margin", "0", "--sharding", "none", "--out", tmp_path / "one.yaml")
     assert one.exit_code == 1  # one process cannot fit it: the weights alone are over
 
