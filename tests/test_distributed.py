@@ -230,8 +230,9 @@ def test_fsdp_running_out_of_memory_on_rank_1_restarts_every_rank_from_the_last_
     # 2 needs ~2.5 MiB less than 4: a budget 1 MiB under the usual peak at 4 separates them
     budget = int(statistics.median(r["peak_bytes"] for r in metrics(fsdp)[1:])) - (1 << 20)
     cfg = write_config(tmp_path / "c.yaml", {**PLAN, "world_size": 2, "sharding": "fsdp"}, {"checkpoint_interval": 1})
+    # rank 1 asks the store for 8/2 s whether rank 0 ran out too, well before rank 0's all-gather times out (8 s)
     proc = oomtune("train", "--config", cfg, "--device", "cpu", "--nproc-per-node", "2", "--rank-budget",
-                   f"1={budget}", "--dist-timeout", "4", cwd=tmp_path)
+                   f"1={budget}", "--dist-timeout", "8", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     run = tmp_path / "run"
     (relaunch,) = events(run, "oom_relaunch")
