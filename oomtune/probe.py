@@ -94,6 +94,21 @@ def _record(trial: Trial, seconds: float, world_size: int = 1) -> TrialRecord:
                        seconds=round(seconds, 3), world_size=world_size, sharding=p.rung.sharding)
 
 
+def why_nothing_fits(ladder: LadderResult, targets: Targets, static: StaticMemory, limit: int, world: int) -> str:
+    found = [r for r in ladder.rungs if r.found]
+    if not found:
+        return (f"nothing fits in {format_bytes(limit)}: micro-batch 1 at context {targets.min_context} runs out of "
+                f"memory on every rung ({', '.join(r.rung.name for r in ladder.rungs)}); {static.describe()} before "
+                "activations. Allow a shorter --min-context, a larger --budget, or a smaller model.")
+    best = max(found, key=lambda r: (r.context_length, r.micro_batch_size))
+    per_rank = targets.batch // world
+    return (f"nothing fits in {format_bytes(limit)} with the global batch kept at {targets.batch}: micro-batch "
+            f"{best.micro_batch_size} fits ({best.rung.name}, context {best.context_length}), but reaching "
+            f"{per_rank} per rank needs gradient accumulation, which keeps every gradient "
+            f"({format_bytes(static.gradients_bytes)}) alive through the next micro-step, and no accumulated plan "
+            f"fits. Lower --batch to {best.micro_batch_size * world} (no accumulation) or raise --budget.")
+
+
 def check_static_fits(static: StaticMemory, device: Device, limit_bytes: int, headroom: float,
                       world_size: int = 1) -> None:
     if static.total_bytes // world_size > limit_bytes:  # FSDP shards it across the ranks
@@ -151,10 +166,8 @@ def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: 
     search = LadderSearch(measure, limit, on_trial=collect)
     ladder = search.run(rungs, targets.batch // world, targets.context, targets.min_context, objective)
     if ladder.choice is None:
-        why = (f"nothing fits in {format_bytes(limit)}: micro-batch 1 at context {targets.min_context} runs out "
-               f"of memory on every rung ({', '.join(r.name for r in rungs)}); {static.describe()} before "
-               "activations. Allow a shorter --min-context, a larger --budget, or a smaller model.")
-        return ProbeResult(ladder, records, static, targets, limit, None, why, world)
+        return ProbeResult(ladder, records, static, targets, limit, None,
+                           why_nothing_fits(ladder, targets, static, limit, world), world)
     c = ladder.choice
     plan = plan_of(Point(c.rung, c.micro_batch_size, c.context_length, c.grad_accum_steps), world)
     found = FoundBy(

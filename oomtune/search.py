@@ -11,12 +11,13 @@ lines in b), so two measured peaks predict the largest batch under the limit; th
 verified (b fits and b+1 does not). A miss that still measured a peak (over the limit but under the
 budget) brackets the answer and the chord between the bracket's ends predicts again; a miss that ran
 out of memory outright gives no peak, so the search bisects when the line points at a size already
-known not to fit. A rung costs about 4-6 trials where
-doubling-then-bisecting costs about 2*log2(B).
+known not to fit. A rung costs 5-7 trials whatever the answer (bench/RESULTS.md), where
+doubling-then-bisecting costs about 2*log2(b_max): fewer below a max of ~16, more above ~64.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -190,7 +191,9 @@ class LadderSearch:
         The next size tried is, in order of preference:
         1. b+1 right after a predicted b fit (the verify that makes a prediction exact);
         2. the chord between the largest fitting point and the smallest over-the-limit point with a peak;
-        3. the line through the two largest fitting points (b=2 is measured first to have two);
+        3. the line through the two largest fitting points; the second point is the geometric middle of
+           what is still unknown (16 for a target of 256), not 2: at tiny batches the weights, gradients
+           and optimizer state set the peak, and a line through 1 and 2 would be nearly flat;
         4. the midpoint (bisection): whenever the line predicts a size already known not to fit, i.e. its
            last prediction ran out of memory outright and left no new peak to refit with."""
         lo, hi = self._bounds(rung, context, batch)
@@ -209,7 +212,8 @@ class LadderSearch:
                 else:
                     guess = line
             else:
-                guess = lo + 1  # the second point for the line
+                # the second point for the line, far enough from 1 that the batch, not the weights, sets it
+                guess = math.isqrt(lo * hi)
             predicted = guess is not None and stage == "batch" and len(fit) >= 2
             if guess is None:
                 guess = (lo + hi) // 2
@@ -254,18 +258,21 @@ class LadderSearch:
 
     def choose(self, results: Sequence[RungResult], batch: int, context: int,
                objective: Objective) -> Choice | None:
+        """The plan: rungs in order of preference, the first whose plan (with accumulation, verified) fits."""
         found = [r for r in results if r.found]
-        if not found:
-            return None
         if objective == "fit":
             full = [r for r in found if r.context_length == context and r.micro_batch_size == batch]
             # else the best rung: the longest context, then the largest micro-batch; ties go to the earlier rung
-            picks = full[:1] or [max(found, key=lambda r: (r.context_length, r.micro_batch_size))]
+            picks = full[:1] or sorted(found, key=lambda r: (-r.context_length, -r.micro_batch_size))
         else:
-            best_t = max(r.context_length for r in found)  # context is never traded for speed
+            best_t = max((r.context_length for r in found), default=0)  # context is never traded for speed
             picks = sorted((r for r in found if r.context_length == best_t),
                            key=lambda r: -(self._speed(r, batch) or 0.0))
-        return self._with_accumulation(picks[0], batch)
+        for r in picks:  # accumulation keeps gradients alive across micro-steps: it can fail where b_S fit
+            choice = self._with_accumulation(r, batch)
+            if choice is not None:
+                return choice
+        return None
 
     def _speed(self, r: RungResult, batch: int) -> float | None:
         b = largest_divisor_at_most(batch, r.micro_batch_size)

@@ -55,6 +55,21 @@ def test_each_rung_picks_the_largest_micro_batch_that_fits(tiny_gpt, peaks, budg
     assert result.config.found_by.peak_bytes <= limit
 
 
+def test_when_only_accumulation_could_keep_the_batch_and_it_does_not_fit_the_reason_says_so(tiny_gpt, peaks):
+    """device: cpu. Under 5.25 MiB a few examples fit with checkpointing, but 8 = 4 x 2 (or 2 x 4, 1 x 8) keeps the
+    gradients alive through the next micro-step and none of those fits: no plan keeps the global batch at 8."""
+    result = probe(tiny_gpt, CpuDevice("5.25MiB"), resolve_targets(tiny_gpt, B, T, None))
+    limit = int(5.25 * MiB * 0.9)
+    best = max(b for b in range(1, B + 1) if peaks[("bf16", True, b)] <= limit)
+    assert 1 < best < B and result.config is None
+    assert max(r.micro_batch_size or 0 for r in result.ladder.rungs) == best
+    accumulated = [(t.micro_batch_size, t.grad_accum_steps) for t in result.records if t.grad_accum_steps > 1]
+    assert (1, 8) in accumulated and all(t.result != "fits" for t in result.records if t.grad_accum_steps > 1)
+    assert result.why_nothing_fits.startswith(
+        f"nothing fits in 4.72 MiB with the global batch kept at 8: micro-batch {best} fits (checkpointing")
+    assert f"Lower --batch to {best}" in result.why_nothing_fits
+
+
 def test_the_demo_budget_forces_at_least_the_amp_rung(tiny_gpt):
     """device: cpu. `make demo` probes tiny_gpt's DEFAULTS under 12 MiB: fp32 cannot hold the target."""
     result = probe(tiny_gpt, CpuDevice("12MiB"), resolve_targets(tiny_gpt, None, None, None))

@@ -45,39 +45,43 @@ def test_search_module_does_not_import_torch():
 
 
 def test_affine_memory_is_found_with_one_prediction_and_one_verify():
-    # peak = 1000 + 100 b: the largest b under 1800 is 8
-    s = LadderSearch(fake_device(lambda p: 1000 + 100 * p.micro_batch_size), LIMIT)
+    # peak = 1000 + 60 b: the largest b under 1800 is 13
+    s = LadderSearch(fake_device(lambda p: 1000 + 60 * p.micro_batch_size), LIMIT)
     r = s.search_rung(FP32, batch=64, context=128, min_context=128)
-    assert (r.context_length, r.micro_batch_size, r.trials) == (128, 8, 5)
-    assert sizes(s) == [(64, 128, 1, "target"), (1, 128, 1, "context"), (2, 128, 1, "batch"),
-                        (8, 128, 1, "batch"), (9, 128, 1, "verify")]
+    assert (r.context_length, r.micro_batch_size, r.trials) == (128, 13, 5)
+    assert sizes(s) == [(64, 128, 1, "target"), (1, 128, 1, "context"),
+                        (8, 128, 1, "batch"),  # the second point: the geometric middle of 1..64
+                        (13, 128, 1, "batch"),  # the line through 1 and 8: 8 + (1800 - 1480) // 60
+                        (14, 128, 1, "verify")]
     assert [t.result for t in s.trials] == ["oom", "fits", "fits", "fits", "over-headroom"]
 
 
 def test_a_prediction_that_misses_falls_back_to_bisection_then_the_chord():
-    # small batches peak in a flat phase (the optimizer step): 1 and 2 cost about the same, so the line through
-    # them predicts far too much. Truth: max(1600 + 10b, 1000 + 150b) <= 1800 -> b = 5.
-    peak = lambda p: max(1600 + 10 * p.micro_batch_size, 1000 + 150 * p.micro_batch_size)  # noqa: E731
+    # small batches peak in a flat phase (the optimizer step): 1 and 8 cost about the same, so the line through
+    # them predicts far too much. Truth: max(1500 + 5b, 1200 + 25b) <= 1800 -> b = 24.
+    peak = lambda p: max(1500 + 5 * p.micro_batch_size, 1200 + 25 * p.micro_batch_size)  # noqa: E731
     s = LadderSearch(fake_device(peak), LIMIT)
     r = s.search_rung(FP32, batch=64, context=128, min_context=128)
-    assert r.micro_batch_size == 5
+    assert r.micro_batch_size == 24
     assert [b for b, *_ in sizes(s)] == [
         64,  # target: OOM
-        1, 2,  # two points: 1610, 1620 -> the line predicts 2 + 180 // 10 = 20
-        20,  # the prediction misses: OOM outright, no peak to refit with
-        11,  # so bisect (2 + 20) // 2: OOM; the line still points past it -> bisect again
-        6,  # (2 + 11) // 2: 1900 > limit but under budget: a peak over the limit brackets the answer
-        4,  # the chord 2 + (1800 - 1620) * 4 // 280 = 4: fits (a chord never overshoots a convex peak)
-        5,  # verify: fits, and 6 is known over -> 5
+        1, 8,  # two points: 1505, 1540 -> the line predicts 8 + 260 // 5 = 60
+        60,  # the prediction misses: OOM outright, no peak to refit with
+        34,  # the line still points past what failed, so bisect (8 + 60) // 2: OOM
+        21,  # bisect again (8 + 34) // 2: fits (1725)
+        26,  # the line through 8 and 21 predicts 26: 1850, over the limit but under budget -> a bracket
+        24,  # the chord 21 + (1800 - 1725) * 5 // 125 = 24: fits (a chord never overshoots a convex peak)
+        25,  # verify: over the limit -> 24
     ]
+    assert [t.stage for t in s.trials][-1] == "verify"
 
 
 def test_memory_that_does_not_grow_with_batch_bisects_instead_of_walking():
     s = LadderSearch(fake_device(lambda p: 1000 if p.micro_batch_size < 40 else 5000), LIMIT)
     r = s.search_rung(FP32, batch=64, context=128, min_context=128)
-    # 64 OOM; 1 and 2 cost the same, so the line says "anything fits" -- past 64, known not to: bisect
+    # 64 OOM; 1 and 8 cost the same, so the line says "anything fits" -- past 64, known not to: bisect
     assert r.micro_batch_size == 39
-    assert [b for b, *_ in sizes(s)] == [64, 1, 2, 33, 48, 40, 36, 38, 39]
+    assert [b for b, *_ in sizes(s)] == [64, 1, 8, 36, 50, 43, 39, 41, 40]
 
 
 def test_memory_that_does_not_grow_tries_the_target_when_nothing_is_known_to_fail():
@@ -98,6 +102,7 @@ def test_context_is_searched_before_batch_and_cut_only_to_candidates():
     assert [(b, t, stage) for b, t, _, stage in sizes(s)] == [
         (8, 256, "target"), (1, 256, "context"), (1, 64, "context"),  # T does not fit, T_min does
         (1, 160, "context"), (1, 208, "context"), (1, 176, "context"), (1, 192, "context"),  # bisect candidates
+        (3, 192, "batch"),  # the geometric middle of 1..9 (8 never ran at 192): 2176, OOM
         (2, 192, "batch"),  # 1984: over the limit -> micro-batch 1 at 192
     ]
 
