@@ -52,8 +52,8 @@ def run_ladder() -> tuple[dict, float]:
 def reference_breakdowns() -> list[dict]:
     """The four reference plans, margin 0 (the design's figures are tensor peaks), tied and untied head."""
     sys.path.insert(0, str(ROOT))
+    from oomtune.breakdown import breakdown
     from oomtune.devices import FakeDevice
-    from oomtune.estimate import breakdown
     from oomtune.gpus_table import Margin
     from oomtune.model_file import load_model_file
     from oomtune.plan import Plan

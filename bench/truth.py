@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from oomtune.breakdown import static_memory
 from oomtune.devices import CpuDevice, TrackedDevice
-from oomtune.estimate import static_memory
 from oomtune.model_file import ModelFile
 from oomtune.plan import Plan, TrainConfig
 from oomtune.probe import ladder_rungs

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 import torch
 
 from . import __version__
+from .breakdown import StaticMemory, static_memory
 from .devices import Device
 from .errors import BAD_INPUT, OomtuneError
-from .estimate import StaticMemory, static_memory
 from .model_file import ModelFile
 from .parallel import Dist
 from .plan import Config, FoundBy, Plan, TrialRecord

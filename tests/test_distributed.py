@@ -326,7 +326,7 @@ def make_batch(batch_size, context_length, device):
 def test_a_budget_too_small_to_replicate_the_model_makes_the_probe_pick_fsdp(tmp_path):
     """Weights + gradients + AdamW state are 4.05 MiB: 4 MiB cannot hold them on one rank, whatever the batch;
     sharded over 2 ranks they fit. The fake-device estimate for 2 ranks predicts the probe's plan and peak."""
-    from oomtune.estimate import static_memory
+    from oomtune.breakdown import static_memory
     from oomtune.model_file import load_model_file
 
     model = tmp_path / "wide.py"

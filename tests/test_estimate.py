@@ -4,9 +4,10 @@ import json
 
 import pytest
 
+from oomtune.breakdown import breakdown, static_memory
 from oomtune.devices import CpuDevice, FakeDevice
 from oomtune.errors import ConfigError
-from oomtune.estimate import breakdown, estimate, static_memory
+from oomtune.estimate import estimate
 from oomtune.gpus_table import Margin
 from oomtune.model_file import load_model_file
 from oomtune.plan import MemoryBreakdown, Plan, load_config

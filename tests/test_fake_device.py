@@ -3,9 +3,9 @@
 import pytest
 import torch
 
+from oomtune.breakdown import breakdown
 from oomtune.devices import CpuDevice, FakeDevice, make_device
 from oomtune.errors import OomtuneError
-from oomtune.estimate import breakdown
 from oomtune.gpus_table import GPUS, Margin, find_gpu, parse_margin
 from oomtune.model_file import load_model_file
 from oomtune.plan import Plan

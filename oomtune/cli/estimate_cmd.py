@@ -20,7 +20,7 @@ MARGIN_HELP = ("Added to the tensor peak for what a real GPU needs beyond tensor
 
 
 def breakdown_table(bd, plan, limit_bytes: int | None = None, title: str = "breakdown") -> Table:
-    from ..estimate import PART_HELP, PART_LABELS
+    from ..breakdown import PART_HELP, PART_LABELS
 
     table = Table(title=f"{title}: peak in {bd.phase} - {plan.describe()}", title_justify="left",
                   box=box.SIMPLE_HEAD, pad_edge=False)
@@ -109,7 +109,8 @@ def estimate(
     --checkpointing[/]
     """
     with user_errors(debug):
-        from ..estimate import check_estimate_options, make_fake_device, static_memory, what_if
+        from ..breakdown import static_memory
+        from ..estimate import check_estimate_options, make_fake_device, what_if
         from ..estimate import estimate as run_estimate
         from ..gpus_table import parse_margin
         from ..model_file import load_model_file
@@ -227,7 +228,7 @@ def _delta(n: int | None) -> str:
 
 
 def render_check(result, config_path: Path) -> None:
-    from ..estimate import PART_LABELS
+    from ..breakdown import PART_LABELS
 
     where = {"fake": "fake device (estimated)", "cpu": "cpu device", "cuda": "the GPU"}[result.device]
     out.print(f"checked [bold]{config_path}[/] on the {where}: {result.plan.describe()}")
