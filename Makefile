@@ -46,13 +46,13 @@ gpu-check:
 # oomtune estimate on GPT-2 small (124M, context 1024): the whole ladder on fake tensors, wall time, trial count
 # and the breakdown against the design's reference figures -> the estimate section of bench/RESULTS.md
 bench-estimate: $(STAMP)
-	$(PY) bench/bench_estimate.py
+	$(PY) -m bench.bench_estimate
 
 # tokens/s of `oomtune train` vs a minimal hand-written loop at the same plan on CPU -> the train section of
 # bench/RESULTS.md (with the command that produced it)
 .PHONY: bench-train
 bench-train: $(STAMP)
-	$(PY) bench/bench_train.py
+	$(PY) -m bench.bench_train
 
 # oomtune against Lightning's and Accelerate's batch-size finders and exhaustive truth (3 model files x 3 budgets at
 # small batches, plus 2 model files x 3 budgets at target batch 256; simulated cpu device), plus the full ladder under

@@ -4,7 +4,7 @@ plans (batch 8, context 1024, AdamW) against the design's figures, go into bench
 `<!-- estimate:begin -->` and `<!-- estimate:end -->` (only that block is replaced; the file is created if
 missing).
 
-    .venv/bin/python bench/bench_estimate.py [--out bench/RESULTS.md]
+    .venv/bin/python -m bench.bench_estimate [--out bench/RESULTS.md]
 
 Every number written comes from this run.
 """
@@ -21,13 +21,14 @@ import sys
 import time
 from pathlib import Path
 
+from bench.sections import write_section
+
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "bench/models/gpt2_small.py"
 # T4: 15 GiB and no bf16 (the amp rungs are fp16 + GradScaler); a global batch of 32 at full context does not
 # fit on fp32 or fp16, so the search climbs every rung and ends with accumulation
 COMMAND = ["oomtune", "estimate", MODEL, "--gpu", "t4", "--batch", "32", "--context", "1024",
            "--out", "out/bench/gpt2_small_t4.yaml", "--json"]
-BEGIN, END = "<!-- estimate:begin -->", "<!-- estimate:end -->"
 GiB = 1024**3
 
 # ../shared/design.md, "Notes on the memory tracker": one step of a 124M GPT-2, batch 8, context 1024, AdamW,
@@ -128,20 +129,6 @@ def section(report: dict, wall: float, rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def write_section(out: Path, body: str) -> None:
-    block = f"{BEGIN}\n{body}\n{END}"
-    text = out.read_text() if out.exists() else ""
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        _, tail = rest.split(END, 1)
-        text = head + block + tail
-    else:
-        text = (text.rstrip() + "\n\n" if text.strip() else "") + block + "\n"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(out.suffix + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, out)
-
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -155,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {'tied' if r['tied'] else 'untied'} {r['precision']}{'+ckpt' if r['checkpointing'] else ''}: "
               f"{gib(r['breakdown'].tensor_peak_bytes)} GiB (design {r['reference_gib']}) in {r['seconds']:.1f} s",
               file=sys.stderr)
-    write_section(args.out, section(report, wall, rows))
+    write_section(args.out, "estimate", section(report, wall, rows), heading="## Estimate")
     print(f"wrote the estimate section of {args.out}", file=sys.stderr)
     return 0
 

@@ -1,4 +1,4 @@
-"""`make bench-train` (= `.venv/bin/python bench/bench_train.py`): tokens/s of `oomtune train` against a minimal
+"""`make bench-train` (= `.venv/bin/python -m bench.bench_train`): tokens/s of `oomtune train` against a minimal
 hand-written PyTorch loop at the same plan on CPU (examples/tiny_gpt.py on its real data, fp32, micro-batch 8 x 2
 accumulation, context 64, AdamW, warmup + cosine LR, clipping), as a ratio from one run of each. A third
 contender, the hand loop inside oomtune's memory tracker, splits the gap into what the simulated `cpu` device
@@ -6,7 +6,7 @@ costs (the tracker sees every op) and what the trainer itself costs. The result 
 between `<!-- train:begin -->` and `<!-- train:end -->` (only that block is replaced; the file is created if
 missing), with the command that produced it.
 
-    .venv/bin/python bench/bench_train.py [--steps 60] [--out bench/RESULTS.md]
+    .venv/bin/python -m bench.bench_train [--steps 60] [--out bench/RESULTS.md]
 
 Each contender runs in its own fresh process with torch at 1 thread (see bench/run.py: on 2 shared cores two
 spinning intra-op threads made steps many times slower). Throughput is counted the same way for all three: the
@@ -28,13 +28,14 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.sections import write_section
+
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = ROOT / "examples" / "tiny_gpt.py"
 PLAN = {"micro_batch_size": 8, "context_length": 64, "precision": "fp32", "activation_checkpointing": False,
         "grad_accum_steps": 2}
 LOG_EVERY = 10
 LR, MIN_LR, WARMUP, WEIGHT_DECAY, CLIP, SEED = 3e-3, 3e-4, 10, 0.1, 1.0, 1337
-BEGIN, END = "<!-- train:begin -->", "<!-- train:end -->"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
@@ -167,21 +168,6 @@ def section(results: dict, command: list[str], steps: int, wall: float, invocati
     return "\n".join(lines)
 
 
-def write_section(out: Path, body: str) -> None:
-    block = f"{BEGIN}\n{body}\n{END}"
-    text = out.read_text() if out.exists() else ""
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        _, tail = rest.split(END, 1)
-        text = head + block + tail
-    else:
-        text = (text.rstrip() + "\n\n" if text.strip() else "# oomtune benchmarks\n\n") + \
-            "## Trainer overhead\n\n" + block + "\n"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(out.suffix + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, out)
-
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -202,9 +188,9 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 results[name] = run_contender(name, args.steps)
             print(f"  {throughput(results[name]):,.0f} tokens/s", file=sys.stderr)
-    invocation = shlex.join([".venv/bin/python", "bench/bench_train.py", *(sys.argv[1:] if argv is None else argv)])
+    invocation = shlex.join([".venv/bin/python", "-m", "bench.bench_train", *(sys.argv[1:] if argv is None else argv)])
     body = section(results, command, args.steps, time.perf_counter() - start, invocation)
-    write_section(args.out, body)
+    write_section(args.out, "train", body, heading="## Trainer overhead")
     print(body, file=sys.stderr)
     print(f"wrote the train section of {args.out}", file=sys.stderr)
     return 0

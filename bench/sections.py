@@ -1,0 +1,29 @@
+"""bench/RESULTS.md is written by several scripts, each owning the block between its markers
+`<!-- name:begin -->` and `<!-- name:end -->`; this writes one block and leaves the rest of the file alone."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def marker(name: str, which: str) -> str:
+    return f"<!-- {name}:{which} -->"
+
+
+def write_section(out: Path, name: str, body: str, heading: str = "") -> None:
+    """Replace block `name` in `out` (atomically); append it, under `heading`, when the file has none."""
+    begin, end = marker(name, "begin"), marker(name, "end")
+    block = f"{begin}\n{body}\n{end}"
+    text = out.read_text() if out.exists() else ""
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        _, tail = rest.split(end, 1)
+        text = head + block + tail
+    else:
+        text = (text.rstrip() + "\n\n" if text.strip() else "# oomtune benchmarks\n\n") + \
+            (f"{heading}\n\n" if heading else "") + block + "\n"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(out.suffix + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, out)
