@@ -83,6 +83,28 @@ def _third_check(b: dict) -> dict:
     return {"ours": ours["trials"], "bins": bins["trials"], "exact": exact, "met": met}
 
 
+def _second_points(data: dict, group: str) -> str:
+    """The size oomtune tried first after micro-batch 1 on its fp32 rung, per target, read off its recorded
+    stages (the first "batch" trial): the geometric middle of the range still unknown, e.g. '4 for targets 16, 20'."""
+    seen: dict[int, set[int]] = {}
+    ran_out = False
+    for case, b in _cases(data, group):
+        r = _row(b, "oomtune")
+        if not r.get("stages"):
+            continue
+        first = next(((a, ok) for (a, ok), st in zip(r["attempts"], r["stages"], strict=True) if st == "batch"), None)
+        if first is not None:
+            seen.setdefault(case["batch"], set()).add(first[0])
+            ran_out |= not first[1]
+    by_size: dict[tuple[int, ...], list[int]] = {}
+    for target, firsts in sorted(seen.items()):
+        by_size.setdefault(tuple(sorted(firsts)), []).append(target)
+    parts = [f"{'/'.join(map(str, firsts))} for target{'s' if len(ts) > 1 else ''} {', '.join(map(str, ts))}"
+             for firsts, ts in by_size.items()]
+    return ("the geometric middle of the range still unknown: " + "; ".join(parts)
+            + ("; where that ran out of memory, the geometric middle of 1 and it" if ran_out else ""))
+
+
 # -- sections -------------------------------------------------------------------------------------------------
 
 def headline(data: dict, group: str = SMALL) -> str:
@@ -193,20 +215,26 @@ def third_explanation(data: dict) -> str:
     need = 3 * min(ours)
     text = (
         f"Why not: oomtune's fp32 rung used {min(ours)}-{max(ours)} trials: the target itself (it might fit), "
-        "micro-batch 1 and 2 (two points for the line), the line's prediction, and the size above it (the verify "
-        "that proves the answer is the largest), plus a bisection step where a prediction ran out of memory. "
-        "That cost hardly depends on the answer. Lightning's binsearch doubles from 2 until an OOM and bisects "
-        "the last doubling, about 2·log2(true max) trials; with the true maxima here between "
-        f"{min(truths)} and {max(truths)} it used {min(bins)}-{max(bins)}, so a third of it is "
+        f"micro-batch 1, a second point for its line ({_second_points(data, SMALL)}), the line's prediction, and "
+        "the size above it (the verify that proves the answer is the largest), plus a bisection step where a "
+        "size ran out of memory. That cost hardly depends on the answer. Lightning's binsearch doubles from 2 "
+        "until an OOM and bisects the last doubling, about 2·log2(true max) trials; with the true maxima here "
+        f"between {min(truths)} and {max(truths)} it used {min(bins)}-{max(bins)}, so a third of it is "
         f"{min(bins) / 3:.1f}-{max(bins) / 3:.1f} trials")
     if max(bins) < 9:
         text += ", fewer than the three any verified answer needs (the target OOMs, b fits, b+1 OOMs)"
+    big = 2 ** (need / 2)
+    reaches = any(b["true_max"]["fp32"] >= big for _, b in _cases(data, LARGE))
     text += (
         f". For oomtune's {min(ours)} trials to be a third, binsearch would need {need}, which by the "
-        f"2·log2 estimate means a true maximum near {2 ** (need / 2):.0f}; these small-batch cases do not go "
+        f"2·log2 estimate means a true maximum near {big:.0f}; these small-batch cases do not go "
         "there (the exhaustive truth of their whole ladder costs one fake trial per batch size per rung"
-        + ("; the realistic batch sizes below do" if data.get(LARGE) else "") + "). Where binsearch used no more "
-        "trials than oomtune, the true maximum was small enough that doubling from 2 reached it in a few trials.\n")
+        + ("; the realistic batch sizes below do" if reaches else "") + ").")
+    cheap = [c for _, _, c in checks if c["bins"] <= c["ours"]]
+    if cheap:
+        text += (f" In the {len(cheap)} cases where binsearch used no more trials than oomtune, the true maximum "
+                 "was small enough that doubling from 2 reached it in a few trials.")
+    text += "\n"
     if inexact:
         where = ", ".join(f"{case['model']} {b['budget']}" for case, b in inexact)
         text += f"\noomtune missed the true maximum in: {where}. See the sizes it tried in the table above.\n"
@@ -264,8 +292,10 @@ def _doublings(attempts) -> int:
     return len(attempts)
 
 
-FLOOR = 5  # the fewest trials oomtune's fp32 search takes when the target does not fit and the true max is >= 3:
-# the target, micro-batch 1 and 2 (its line), the line's prediction, the size above it (the verify); see search.py
+FLOOR = 5  # the fewest trials oomtune's fp32 search takes when the target does not fit and the answer b is neither 1
+# nor target - 1: the target, micro-batch 1, the second point for its line (the geometric middle of 1..target), the
+# line's prediction, the size above it (the verify). 4 only if the second point is b itself and the line then points
+# at b + 1: target, 1, b, b + 1 are the least any answer needs. See LadderSearch.largest_batch.
 
 
 def _bytes_span(values) -> str:
@@ -296,47 +326,71 @@ def large_explanation(data: dict) -> str:
              "of memory, then bisects the last doubling (doubling + bisection trials: "
              f"{'; '.join(parts)}), {min(bins)}-{max(bins)} trials here, about 2·log2(true max). A third of that is "
              f"{min(bins) / 3:.1f}-{max(bins) / 3:.1f} trials. oomtune's search has a fixed part that does not "
-             f"shrink with the answer: at least {FLOOR} trials (the target, micro-batch 1 and 2 for its line, the "
-             "line's prediction, and the size above it that proves the answer is the largest). ")
+             f"shrink with the answer: {FLOOR} trials (the target, micro-batch 1, a second point for its line, the "
+             "line's prediction, and the size above it that proves the answer is the largest); 4 only when the "
+             "second point happens to be the answer itself. ")
     out_of_reach = [name(case, b) for case, b, c in checks if c["bins"] < 3 * FLOOR]
     if out_of_reach:
-        text += (f"So wherever binsearch needs fewer than {3 * FLOOR} trials the target is out of reach by "
-                 f"construction: {', '.join(out_of_reach)}. ")
+        text += (f"So wherever binsearch needs fewer than {3 * FLOOR} trials the target is out of reach short of "
+                 f"that coincidence: {', '.join(out_of_reach)}. ")
         if min(bins) < 12:
             text += ("Where a third of binsearch is under 4 trials, no verified search could meet it without a "
                      "perfect first guess: proving b is the largest that fits takes the target (it might fit), b "
                      "and b+1, three trials with nothing measured to guess from. ")
     reachable = [(case, b, c) for case, b, c in checks if c["bins"] >= 3 * FLOOR]
     if reachable:
+        at_floor = sum(1 for _, _, c in reachable if c["ours"] <= FLOOR)
         text += (f"Where binsearch needed {3 * FLOOR} or more ("
                  + ", ".join(f"{name(case, b)}: {c['bins']}" for case, b, c in reachable)
-                 + f") oomtune would have had to take exactly its {FLOOR}; it took "
-                 + ", ".join(str(c["ours"]) for _, _, c in reachable) + ". ")
+                 + f") oomtune had to stay within its floor of {FLOOR}; it took "
+                 + ", ".join(str(c["ours"]) for _, _, c in reachable)
+                 + (f" ({at_floor} of {len(reachable)} at the floor)" if at_floor else "") + ". ")
     ours = [c["ours"] for _, _, c in checks]
     text += f"oomtune took {min(ours)}-{max(ours)} trials in all ({', '.join(map(str, ours))}).\n\n"
+    return text + first_line_explanation(data, LARGE)
 
-    # why more than the floor: the line through micro-batch 1 and 2
-    lines = [(case, b, b.get("line_1_2")) for case, b, _ in checks]
-    lines = [(case, b, ln) for case, b, ln in lines if ln and ln["per_sample_at_true_max"]]
-    if lines:
-        past = [(case, b, ln) for case, b, ln in lines if ln["predicts"] is None or ln["predicts"] >= case["batch"]]
-        preds = ", ".join("none (flat)" if ln["predicts"] is None else str(ln["predicts"]) for _, _, ln in lines)
-        low = _bytes_span([ln["per_sample_1_2"] for *_, ln in lines])
-        high = _bytes_span([ln["per_sample_at_true_max"] for *_, ln in lines])
-        text += ("What costs oomtune more than its floor is its first line. Between micro-batch 1 and 2 the fp32 "
-                 f"forward/backward peak grew by {low} per sample; at the true max it grows by {high} per sample. "
-                 "At one or two samples that peak is set by what does not grow with the batch (weights, "
-                 "optimizer state, and the weights' gradients appearing during backward), and the activations "
-                 "that dominate at realistic sizes are a rounding error, so the line through 1 and 2 predicted "
-                 f"{preds} for the {len(lines)} cases")
-        if past:
-            text += (f" — at or past the target, which had run out of memory, in {len(past)} of them. The search "
-                     "then bisects; a bisection step that runs out of memory leaves no peak to refit with, so it "
-                     "keeps halving until fitting sizes lie where the activations dominate, and lines through those "
-                     "converge in a prediction or two")
-        text += ". This is the regime realistic batch sizes live in: the smaller one sample's memory is next to "
-        text += "the fixed memory, the larger the true max, and the worse a line through 1 and 2 predicts it.\n"
-    return text
+
+def first_line_explanation(data: dict, group: str) -> str:
+    """Where oomtune's trials above its floor went: its first line, through micro-batch 1 and its second point, as
+    the run recorded it (bench/run.py `first_line`), one row per case."""
+    rows, lines = [], []
+    for case, b in _cases(data, group):
+        ln, c = b.get("first_line"), _third_check(b)
+        if not ln or not ln["per_sample_at_true_max"]:
+            continue
+        truth = b["true_max"]["fp32"]
+        lines.append((truth, ln, c))
+        before = " ".join(f"{a}✗" for a in ln["tried_before"])
+        nxt = "-" if ln["next_tried"] is None else f"{ln['next_tried']}{'✓' if ln['next_ran'] else '✗'}"
+        rows.append([case["model"], b["budget"], truth, (before + " " if before else "") + f"{ln['second_point']}✓",
+                     format_bytes(ln["per_sample"]), format_bytes(ln["per_sample_at_true_max"]),
+                     "none (flat)" if ln["predicts"] is None else ln["predicts"], nxt, c["ours"], c["ours"] - FLOOR])
+    if not lines:
+        return ""
+    text = _table(["model", "budget", "true max", "second point (✗ ran out of memory first)",
+                   "peak growth per sample, 1 to second point", "at the true max", "line predicts",
+                   "oomtune tried next", "oomtune trials", "above the floor"], rows)
+    hit = sum(1 for t, ln, _ in lines if ln["predicts"] == t)
+    over = sum(1 for t, ln, _ in lines if ln["predicts"] is None or ln["predicts"] > t)
+    under = len(lines) - hit - over
+    flatter = sum(1 for _, ln, _ in lines if ln["per_sample"] < ln["per_sample_at_true_max"])
+    text += ("\nWhat decides whether oomtune stays at its floor is its first line: micro-batch 1 and the second "
+             "point (the geometric middle of 1 and the target, or of 1 and the last size that ran out of memory; "
+             "search.py), solved for the budget. Its prediction was the true max in "
+             f"**{hit} of {len(lines)}** cases, past it in {over}" + (f", short of it in {under}" if under else "")
+             + ". ")
+    if flatter:
+        text += (f"In {flatter} of {len(lines)} the peak grew more slowly per sample between 1 and the second point "
+                 "than it does at the true max: the peak is the largest of several lines in the batch size, one per "
+                 "moment of the step, and at micro-batch 1 it is set by what barely grows with the batch (weights, "
+                 "optimizer state, the weights' gradients appearing during backward), so a line from 1 is flatter "
+                 "than the curve near the answer and over-estimates it. ")
+    if over:
+        text += ("A prediction past the true max runs out of memory, which with headroom 0 leaves no peak to refit "
+                 "with; the search then bisects between the largest size that fit and the failed one, and refits "
+                 "its line through the two largest sizes that fit. Those trials, and any geometric middle that ran "
+                 "out of memory before the second point, are the ones above the floor.")
+    return text + "\n"
 
 
 def ladder_fit(data: dict) -> str:

@@ -85,16 +85,30 @@ def _ratio(found: int | None, truth: int | None) -> float | None:
     return round(found / truth, 3) if found is not None and truth else None
 
 
-def line_1_2(table: PeakTable, limit: int, truth: int | None) -> dict | None:
-    """What oomtune's first line sees: the fp32 forward/backward peak at micro-batch 1 and 2 (the two points it
-    measures first), their growth per sample, the size that line predicts, and the growth per sample where it
-    matters (from the true max to the size above it). From the exhaustive table, not from oomtune's trials."""
-    bp = {b: table.batch_peaks.get(("fp32", b, 1)) for b in (1, 2)}
-    if None in bp.values() or truth is None or truth >= table.batch or table.batch < 2:
+def first_line(probe, table: PeakTable, truth: int | None) -> dict | None:
+    """The first line oomtune drew on its fp32 rung, read off its own trials (not re-derived): through micro-batch 1
+    and its second point, the first size after 1 that fit (see `LadderSearch.largest_batch`: the geometric middle
+    of what is still unknown, again if that runs out of memory). The forward/backward peaks oomtune measured at both
+    (what its line is fitted to), their growth per sample, the size the line predicts (`extrapolate`, the search's
+    own function, under the probe's limit), the size oomtune tried next and whether it ran, and the growth per
+    sample where it matters (true max to the size above it, from the exhaustive table). None when oomtune never
+    had two fitting sizes (an answer of 1, or a target that fit)."""
+    runs = [t for t in probe.ladder.trials if t.point.rung.name == "fp32" and t.point.grad_accum_steps == 1
+            and t.point.context_length == table.context]
+    fit = [i for i, t in enumerate(runs) if t.fits and t.measurement.predictor_bytes is not None]
+    if len(fit) < 2 or runs[fit[0]].point.micro_batch_size != 1 or truth is None:
         return None
+    one, second = runs[fit[0]], runs[fit[1]]
+    s = second.point.micro_batch_size
+    p1, p2 = one.measurement.predictor_bytes, second.measurement.predictor_bytes
+    after = runs[fit[1] + 1] if fit[1] + 1 < len(runs) else None
     at_max = table.batch_peaks.get(("fp32", truth + 1, 1)), table.batch_peaks.get(("fp32", truth, 1))
-    return {"batch_peak_1": bp[1], "batch_peak_2": bp[2], "per_sample_1_2": bp[2] - bp[1],
-            "predicts": extrapolate(1, bp[1], 2, bp[2], limit),
+    return {"second_point": s,
+            "tried_before": [t.point.micro_batch_size for t in runs[fit[0] + 1:fit[1]]],  # middles that ran out
+            "batch_peak_1": p1, "batch_peak_second": p2, "per_sample": round((p2 - p1) / (s - 1)),
+            "predicts": extrapolate(1, p1, s, p2, probe.limit_bytes),
+            "next_tried": after.point.micro_batch_size if after else None,
+            "next_ran": after.fits if after else None,
             "per_sample_at_true_max": at_max[0] - at_max[1] if None not in at_max else None}
 
 
@@ -104,13 +118,13 @@ def bench_budget(case: Case, mf, table: PeakTable, budget: str) -> dict:
     out = {"model": case.name, "budget": budget, "budget_bytes": limit, "batch": case.batch,
            "context": case.context, "true_max": {r.name: table.true_max(r.name, limit) for r in table.rungs}}
     out["target_fits_fp32"] = truth == case.batch
-    out["line_1_2"] = line_1_2(table, limit, truth)
     out["truth_boundary_verified"] = verify_boundary(mf, table, "fp32", budget)
 
     log(f"{case.name} B={case.batch} {budget}: oomtune " + ("(fit, throughput)" if case.ladder else "(fp32 rung)"))
     fit = run_oomtune(mf, case.batch, case.context, budget, "fit", HEADROOM, rungs=None if case.ladder else ["fp32"])
     thr = run_oomtune(mf, case.batch, case.context, budget, "throughput", HEADROOM) if case.ladder else None
     fp32 = fit.rung("fp32")
+    out["first_line"] = first_line(fit.probe, table, truth)
     rows = [{"contender": "oomtune", "trials": fp32.trials, "steps": fit.steps_per_rung["fp32"],
              "seconds": round(fit.rung_seconds("fp32"), 2), "found": fp32.micro_batch_size,
              "ratio": _ratio(fp32.micro_batch_size, truth),
