@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import textwrap
 from pathlib import Path
 
@@ -54,3 +55,14 @@ def run_cli(*args: str):
     from oomtune.cli import app
 
     return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    """The rows of a run's metrics.jsonl."""
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def events(run_dir: Path, kind: str) -> list[dict]:
+    """The events of one kind in a run's events.jsonl."""
+    lines = (run_dir / "events.jsonl").read_text().splitlines()
+    return [e for line in lines if (e := json.loads(line))["event"] == kind]

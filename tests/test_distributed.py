@@ -33,7 +33,7 @@ from oomtune.fallback import smaller_plan
 from oomtune.memtrack import MemoryTracker
 from oomtune.plan import Config, Plan, dump_config, load_config
 
-from .conftest import EXAMPLES, run_cli
+from .conftest import EXAMPLES, events, metrics, run_cli
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "5"}
 STEPS = 20
@@ -63,15 +63,6 @@ def write_config(path: Path, plan: dict, train: dict | None = None, model: Path 
     path.write_text(yaml.safe_dump({"model": str(model), "plan": plan, "train": {**TRAIN, **(train or {})}},
                                    sort_keys=False))
     return path
-
-
-def metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def events(run_dir: Path, kind: str) -> list[dict]:
-    lines = (run_dir / "events.jsonl").read_text().splitlines()
-    return [e for line in lines if (e := json.loads(line))["event"] == kind]
 
 
 def losses(rows: list[dict]) -> list[float]:

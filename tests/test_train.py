@@ -29,7 +29,7 @@ from oomtune.plan import Config, Plan, TrainConfig, dump_config, load_config
 from oomtune.train import lr_at, smaller_plan, train
 from oomtune.trial import run_trial
 
-from .conftest import EXAMPLES, run_cli
+from .conftest import EXAMPLES, events, metrics, run_cli
 
 OOMTUNE = [str(Path(sys.executable).parent / "oomtune")]  # the installed command, as a user runs it
 CHILD_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -138,15 +138,6 @@ def train_batches(batch_size, context_length, device):
 def write_config(path: Path, model: Path, plan: dict, train_cfg: dict) -> Path:
     path.write_text(yaml.safe_dump({"model": str(model), "plan": plan, "train": train_cfg}, sort_keys=False))
     return path
-
-
-def metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def events(run_dir: Path, kind: str) -> list[dict]:
-    lines = (run_dir / "events.jsonl").read_text().splitlines()
-    return [e for line in lines if (e := json.loads(line))["event"] == kind]
 
 
 def error_lines(result) -> list[str]:
