@@ -124,8 +124,8 @@ def throughput(result: dict) -> float:
 
 
 def run_contender(name: str, steps: int) -> dict:
-    proc = subprocess.run([sys.executable, __file__, "--contender", name, "--steps", str(steps)], cwd=ROOT, env=ENV,
-                          capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "bench.bench_train", "--contender", name, "--steps", str(steps)],
+                          cwd=ROOT, env=ENV, capture_output=True, text=True)  # a module now: `bench.` imports need it
     if proc.returncode != 0:
         raise SystemExit(f"contender {name} failed: {proc.stderr.strip()[-800:]}")
     return json.loads(proc.stdout)
