@@ -385,11 +385,23 @@ def first_line_explanation(data: dict, group: str) -> str:
                  "moment of the step, and at micro-batch 1 it is set by what barely grows with the batch (weights, "
                  "optimizer state, the weights' gradients appearing during backward), so a line from 1 is flatter "
                  "than the curve near the answer and over-estimates it. ")
+    tried = [(t, ln) for t, ln, _ in lines if ln["predicts"] is not None and ln["next_tried"] == ln["predicts"]]
+    missed = sum(1 for t, ln in tried if ln["predicts"] > t and not ln["next_ran"])
+    skipped = sum(1 for t, ln, _ in lines if ln["predicts"] is None or ln["next_tried"] != ln["predicts"])
+    if missed:
+        text += (f"In {missed} of {len(lines)} oomtune tried the prediction and it ran out of memory, which with "
+                 "headroom 0 leaves no peak to refit with. ")
+    if skipped:
+        flat = any(ln["predicts"] is None for _, ln, _ in lines)
+        text += (f"In {skipped} the line pointed at or past a size already known not to fit"
+                 + (" (or was flat)" if flat else "") + ", so the search bisected without trying it. ")
     if over:
-        text += ("A prediction past the true max runs out of memory, which with headroom 0 leaves no peak to refit "
-                 "with; the search then bisects between the largest size that fit and the failed one, and refits "
-                 "its line through the two largest sizes that fit. Those trials, and any geometric middle that ran "
-                 "out of memory before the second point, are the ones above the floor.")
+        extra = [c["ours"] - FLOOR for _, _, c in lines]
+        text += ("After a miss the search bisects between the largest size that fit and the smallest that did not, "
+                 "then refits its line through the two largest sizes that fit. The trials above the floor "
+                 f"({', '.join(map(str, extra))}) are those: the failed prediction where it was tried and the "
+                 "bisection step(s)" + (", and the geometric middles that ran out of memory before the second point"
+                                        if any(ln["tried_before"] for _, ln, _ in lines) else "") + ".")
     return text + "\n"
 
 
