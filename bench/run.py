@@ -240,8 +240,10 @@ def machine() -> dict:
         except ImportError:
             versions[name] = None
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
-                           text=True)
+    # the files this run writes do not make the code it measured any different
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                            ":(exclude)bench/RESULTS.md", ":(exclude)bench/results.json"],
+                           cwd=ROOT, capture_output=True, text=True)
     return {"cores": os.cpu_count(), "ram_bytes": ram, "cpu": cpu, "os": platform.platform(),
             "torch_threads": torch.get_num_threads(), "versions": versions,
             "git_commit": commit.stdout.strip() or None, "git_dirty": bool(dirty.stdout.strip()),

@@ -11,7 +11,7 @@ lines in b), so two measured peaks predict the largest batch under the limit; th
 verified (b fits and b+1 does not). A miss that still measured a peak (over the limit but under the
 budget) brackets the answer and the chord between the bracket's ends predicts again; a miss that ran
 out of memory outright gives no peak, so the search bisects when the line points at a size already
-known not to fit. A rung costs 5-7 trials whatever the answer (bench/RESULTS.md), where
+known not to fit. A rung costs 4-7 trials whatever the answer (bench/RESULTS.md), where
 doubling-then-bisecting costs about 2*log2(b_max): fewer below a max of ~16, more above ~64.
 """
 
