@@ -25,6 +25,7 @@ the work between two agreements must not contain collectives a failed rank would
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime as dt
 import inspect
@@ -184,6 +185,9 @@ def init(device_kind: str, sharding: str, timeout_s: float = DEFAULT_TIMEOUT_S) 
         except (RuntimeError, ValueError) as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise OomtuneError(f"could not join the other ranks ({backend}): {first}") from None
+        # a process that exits with its group alive can abort (SIGABRT) in interpreter teardown, when gloo's
+        # threads drop their last tensors: destroy it while the interpreter is whole, however the command ends
+        atexit.register(close)
     device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
     d = Dist(dist.get_rank(), dist.get_world_size(), local_rank, dist.get_backend(), device, timeout_s=timeout_s)
     d.mesh()  # now, outside any measured work (FSDP needs it; building it is a collective)
