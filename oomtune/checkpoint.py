@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from .errors import BAD_INPUT, OomtuneError
+from .plan import file_mode
 
 FORMAT = "oomtune-checkpoint"
 VERSION = 1
@@ -86,6 +87,7 @@ def save_checkpoint(run_dir: str | Path, state: dict[str, Any], keep: int = KEEP
     final = checkpoint_path(d, int(state["step"]))
     fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=d)
     try:
+        os.fchmod(fd, file_mode(final))
         with os.fdopen(fd, "wb") as f:
             torch.save({"format": FORMAT, "version": VERSION, **state}, f)
             f.flush()

@@ -47,7 +47,10 @@ def save_state(run_dir: Path, meta: dict[str, Any], rng: dict[str, Any], t: Trai
     _barrier(d)
     model_state, optim_state = get_state_dict(t.model, t.optimizer)
     dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(tmp))
-    torch.save(rng, tmp / f"rng-{d.rank}.pt")
+    with open(tmp / f"rng-{d.rank}.pt", "wb") as f:  # on disk before the folder is published (DCP's own
+        torch.save(rng, f)                               # writer fsyncs its files: sync_files defaults to True)
+        f.flush()
+        os.fsync(f.fileno())
     _barrier(d)
     if d.is_main:
         with open(tmp / META, "wb") as f:

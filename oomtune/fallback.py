@@ -94,6 +94,8 @@ class FallbackMixin:
                 if not is_oom(e):
                     raise
                 oom = one_line(e)
+            if oom is not None and self.phase == "data":
+                self._stop_in_data(oom, after_step=phase == "eval")
             if lone is not None:  # only this rank ran out, inside FSDP's collectives
                 self._stop_for_relaunch(lone.message, writes=True)
             if oom is not None and self.plan.sharding == "fsdp" and self.dist is not None:
@@ -135,6 +137,23 @@ class FallbackMixin:
         self.plan = new
         self.plan_dirty = True
         self._emit(fallback)
+
+    def _stop_in_data(self, message: str, after_step: bool) -> None:
+        """Out of memory while the batches were drawn: a smaller micro-batch draws the same batches, and a retry
+        would draw other ones (the stream moved on; a generator that raised is done), so stop, with the state of
+        the last finished step saved (one process: with ranks, a checkpoint is a collective its peers are not in);
+        `--resume` replays the stream to it."""
+        step = self.step if after_step else self.step + 1
+        self.device.release()
+        self.log.event("oom_stop", step=step, phase="data", message=message)
+        if self.dist is None:
+            saved = f"Saved {self._checkpoint('oom')} (step {self.step})"
+        else:
+            saved = f"The last checkpoint is {self.last_checkpoint}" if self.last_checkpoint else "No checkpoint yet"
+        raise OomtuneError(
+            f"out of memory while drawing the {'eval ' if after_step else ''}batches of step {step} ({message}): "
+            f"the batches alone do not fit, and a smaller micro-batch draws the same ones. {saved}; free memory or "
+            "use a larger --budget, then rerun with --resume", NO_FIT)
 
     def _stop_for_relaunch(self, message: str, writes: bool) -> None:
         """FSDP ran out of memory (on every rank, or on this one alone): stop every rank, with the halved plan

@@ -172,10 +172,13 @@ class Recorder:
 class MemoryTracker(TorchDispatchMode):
     """Live and peak bytes of tensor storages, with an optional budget that raises a CUDA-shaped OOM."""
 
-    def __init__(self, budget_bytes: int | None = None, kind: str = "cpu"):
+    def __init__(self, budget_bytes: int | None = None, kind: str = "cpu", *, follow: bool = True):
+        """`follow=False`: a one-off count (`track` once, read `live_bytes`): storages are not watched for their
+        death, so nothing of this tracker outlives the tensors' count."""
         super().__init__()
         self.budget_bytes = budget_bytes
         self.kind = kind
+        self.follow = follow
         self.live_bytes = 0
         self.peak_bytes = 0
         self._sizes: dict[int, int] = {}  # id(storage) -> counted bytes; an entry leaves when the storage dies
@@ -203,7 +206,8 @@ class MemoryTracker(TorchDispatchMode):
         old = self._sizes.get(key)
         if old is None:
             self._sizes[key] = size
-            weakref.finalize(st, self._release, key)
+            if self.follow:
+                weakref.finalize(st, self._release, key)
         elif old != size:  # resize_ / set_ grew or shrank it in place
             self._sizes[key] = size
         else:

@@ -42,6 +42,7 @@ class Training:
     clip_grad_norm: float | None = None
     on_phase: Callable[[str], None] | None = None  # told "forward" / "backward" / "optimizer" as each starts
     dist: Dist | None = None  # the ranks, when the plan's sharding is ddp or fsdp
+    decaying: tuple[bool, ...] = ()  # per param group: built with weight decay (set_weight_decay sets those)
 
     @property
     def module(self) -> nn.Module:
@@ -78,17 +79,30 @@ def build_training(model_file: ModelFile, plan: Plan, device: Device, lr: float,
     if plan.sharding != "none":
         model = parallel.wrap(model, plan.sharding, model_file.blocks(model), dist)
     optimizer = model_file.optimizer([p for p in model.parameters() if p.requires_grad], lr)
+    t = Training(model, optimizer, _scaler(plan, device), plan, model_file, device, clip_grad_norm,
+                 dist=dist, decaying=tuple(bool(g.get("weight_decay")) for g in optimizer.param_groups))
     if weight_decay is not None:
-        for group in optimizer.param_groups:
-            if "weight_decay" in group:
-                group["weight_decay"] = weight_decay
+        set_weight_decay(t, weight_decay)
+    return t
+
+
+def set_weight_decay(t: Training, weight_decay: float) -> None:
+    """Set the decay of every param group the optimizer built with one (a group the model file made without
+    decay - norms, biases - keeps none). Again after a checkpoint's optimizer state is loaded: it brings its
+    groups' old values."""
+    for group, decays in zip(t.optimizer.param_groups, t.decaying, strict=True):
+        if decays:
+            group["weight_decay"] = weight_decay
+
+
+def _scaler(plan: Plan, device: Device) -> torch.amp.GradScaler:
     # a GradScaler only does anything for fp16: bf16 has fp32's range
     scaler = torch.amp.GradScaler(device.autocast_device_type, enabled=plan.precision == "fp16")
     if plan.sharding == "fsdp" and plan.precision == "fp16":  # each rank sees only its shard's overflow
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
         scaler = ShardedGradScaler(device.autocast_device_type)
-    return Training(model, optimizer, scaler, plan, model_file, device, clip_grad_norm, dist=dist)
+    return scaler
 
 
 def autocast(t: Training) -> contextlib.AbstractContextManager:
@@ -155,7 +169,7 @@ def state_bytes(t: Training) -> int:
     512-rounded per storage as the CUDA allocator rounds."""
     from .memtrack import MemoryTracker, rounded
 
-    counter = MemoryTracker()
+    counter = MemoryTracker(follow=False)  # called every logged step: it must leave nothing behind
     held = counter.track(t.module, t.optimizer)  # parameters, buffers, gradients alive now, optimizer state
     for p in t.module.parameters():
         if p.requires_grad and p.grad is None:  # zero_grad(set_to_none) freed it: it comes back every backward

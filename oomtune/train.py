@@ -38,7 +38,7 @@ from .devices import is_oom
 from .errors import BAD_INPUT, NO_FIT, ConfigError, ModelFileError, OomtuneError
 from .fallback import FallbackMixin, one_line, rewrite_plan, smaller_plan
 from .model_file import Batch, ModelFile, load_model_file
-from .plan import Config, Plan, TrainConfig, load_config, to_dict
+from .plan import Config, Plan, TrainConfig, from_dict, load_config, to_dict
 from .rundir import METRICS, RunLog
 from .runtime import device_kind, graceful_stop, nvml_used_bytes, resolve_device
 from .step import Training, build_training, eval_loss, state_bytes, train_step
@@ -49,6 +49,7 @@ __all__ = ["Checkpointed", "Event", "Note", "OomFallback", "Started", "StepDone"
            "lr_at", "rewrite_plan", "smaller_plan", "train"]
 
 DATA_SEED_OFFSET, EVAL_SEED_OFFSET = 1, 2  # the data and eval streams' seeds, relative to train.seed
+RANK_SEED_STRIDE = 1_000_003  # rank r > 0 seeds its own RNG (dropout) at seed + r x this: no stream's seed
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -76,6 +77,7 @@ class Inputs:
     piece: int  # examples per piece of a rank's share (train_ranks.share_size)
     resume_state: dict | None = None
     resumed_from: Path | None = None
+    resume_notes: tuple[str, ...] = ()  # said once training has started
 
 
 def check_inputs(config_path: str | Path, overrides: dict[str, Any] | None, *, resume: bool,
@@ -99,6 +101,7 @@ def check_inputs(config_path: str | Path, overrides: dict[str, Any] | None, *, r
             raise OomtuneError(f"--resume: no checkpoint (ckpt-*) in run dir {run_dir}", BAD_INPUT)
         state = load_checkpoint(latest)
         plan = _checkpoint_plan(latest, state)
+        cfg, notes = _resumed_settings(cfg, file_config.train, state, given)
         smaller = file_config.plan
         if (smaller.micro_batch_size < plan.micro_batch_size and plan.micro_batch_size % smaller.micro_batch_size == 0
                 and (smaller.context_length, smaller.precision, smaller.activation_checkpointing, smaller.sharding,
@@ -110,6 +113,7 @@ def check_inputs(config_path: str | Path, overrides: dict[str, Any] | None, *, r
                                        grad_accum_steps=plan.global_batch_size // (smaller.micro_batch_size
                                                                                    * plan.world_size))
     else:
+        notes = ()
         taken = [p for p in (run_dir / METRICS, latest_checkpoint(run_dir)) if p and p.exists()]
         if taken:
             raise OomtuneError(f"run dir {run_dir} already holds a run ({taken[0].name}): pass --resume "
@@ -119,7 +123,26 @@ def check_inputs(config_path: str | Path, overrides: dict[str, Any] | None, *, r
     plan = plan_for_ranks(plan, world_size, where)
     data_batch = state["data"]["batch_size"] if state else plan.micro_batch_size
     return Inputs(config_path, file_config, cfg, model_file, run_dir, plan, data_batch,
-                  share_size(plan, data_batch, where), state, latest)
+                  share_size(plan, data_batch, where), state, latest, notes)
+
+
+def _resumed_settings(cfg: TrainConfig, in_file: TrainConfig, state: dict,
+                      given: dict[str, Any]) -> tuple[TrainConfig, tuple[str, ...]]:
+    """A resumed run goes on with the `train` settings it was started with (they are in the checkpoint; the same
+    seed, schedule and length make it the run it would have been), except those given as flags now. Says which
+    of the config file's settings that leaves unused."""
+    try:
+        saved = from_dict(TrainConfig, state["train"], "train")
+    except (KeyError, TypeError, ConfigError):
+        return cfg, ()  # a checkpoint without them (or from another version): the config file's
+    resumed = dataclasses.replace(saved, run_dir=cfg.run_dir, **{k: v for k, v in given.items() if k != "run_dir"})
+    unused = [f"{f.name} {getattr(resumed, f.name)} (the config says {getattr(in_file, f.name)})"
+              for f in dataclasses.fields(TrainConfig)
+              if f.name not in given and f.name != "run_dir" and getattr(resumed, f.name) != getattr(in_file, f.name)]
+    if not unused:
+        return resumed, ()
+    return resumed, (f"resuming with the checkpoint's train settings: {', '.join(unused)}; pass a flag "
+                     "(for example --steps) to change one",)
 
 
 def _checkpoint_plan(path: Path, st: dict) -> Plan:
@@ -200,13 +223,13 @@ class Trainer(FallbackMixin, RanksMixin):
         self.checkpoint_step = self.step if self.resume_state else None
         self.data_hook = "train_batches" if mf.has("train_batches") else "make_batch"
         evaluates = mf.has("eval_batches")
-        self.notes: list[Note] = []  # said once training has started
+        self.notes = [Note(n) for n in self.resume_notes]  # said once training has started
 
         # build and load first: a checkpoint that does not fit the model is bad input, and bad input writes nothing
         seed_everything(cfg.seed, self.cuda)  # every rank alike: the same initial weights
         self.t = self._build()
         if self.rank > 0:  # dropout differs between ranks (rank 0 draws what a single process would)
-            seed_everything(cfg.seed + self.rank, self.cuda)
+            seed_everything(cfg.seed + self.rank * RANK_SEED_STRIDE, self.cuda)
         base_lrs = [g["lr"] / cfg.lr for g in self.t.optimizer.param_groups]  # the optimizer hook's per-group ratio
         if self.resume_state:
             self._restore(self.resume_state)
@@ -292,7 +315,8 @@ class Trainer(FallbackMixin, RanksMixin):
         if not interrupted:
             self.log.event("finished", step=self.step)
         return TrainResult(self.step, cfg.steps, self.plan, interrupted, self.run_dir, self.last_checkpoint,
-                           first_loss, last_loss, last_eval, tuple(self.fallbacks), time.perf_counter() - started)
+                           first_loss, last_loss, last_eval, tuple(self.fallbacks), time.perf_counter() - started,
+                           config_updated=bool(self.fallbacks) and self.file_config.plan == self.plan)
 
     def _account(self, *objs) -> None:
         """Count tensors made outside `measure()` on a simulated device (a no-op on cuda: the allocator sees

@@ -65,3 +65,4 @@ class TrainResult:
     eval_loss: float | None  # the last evaluation's
     fallbacks: tuple[OomFallback, ...] = ()
     seconds: float = 0.0
+    config_updated: bool = False  # the config file now holds `plan` (a fallback's plan was written back)

@@ -20,6 +20,7 @@ from .errors import BAD_INPUT, OomtuneError
 from .fallback import one_line
 from .model_file import Batch
 from .plan import Plan, to_dict
+from .step import set_weight_decay
 from .train_events import Checkpointed, Note
 
 
@@ -135,6 +136,7 @@ class RanksMixin:
             raise OomtuneError(f"checkpoint {path} does not match {self.model_file.label}'s model or optimizer "
                                f"({one_line(e)[:200]})", BAD_INPUT) from None
         self._account(t.optimizer)  # the loaded state was made outside measure()
+        set_weight_decay(t, self.cfg.weight_decay)  # the loaded groups bring the old run's (a flag may change it)
         rng = dist_checkpoint.load_rng(path, self.rank) if folder else (st["rng"] if self.rank == 0 else None)
         if rng is not None:
             restore_rng(rng, self.cuda)

@@ -390,6 +390,7 @@ def test_an_oom_mid_run_halves_the_micro_batch_keeps_the_global_batch_and_update
     assert short < half < full  # the calibration this test relies on
     budget = (half + full) // 2  # the short batches fit at micro-batch 4, the full-length ones only at 2
     before, text_before = load_config(cfg), cfg.read_text()
+    cfg.chmod(0o640)
 
     result = run_cli("train", "--config", cfg, "--device", "cpu", "--budget", str(budget))
     assert result.exit_code == 0, result.stderr
@@ -408,6 +409,7 @@ def test_an_oom_mid_run_halves_the_micro_batch_keeps_the_global_batch_and_update
                                                                      before.model)
     changed = set(cfg.read_text().splitlines()) ^ set(text_before.splitlines())
     assert "  # a note of mine: keep lr high" in cfg.read_text()  # edited in place: the person's comment stays
+    assert cfg.stat().st_mode & 0o777 == 0o640  # and its permissions
     assert sorted(line.split(":")[0].strip() for line in changed) == [  # old and new of each, and a header
         "# plan updated by `oomtune train` at step 5", "grad_accum_steps", "grad_accum_steps", "micro_batch_size",
         "micro_batch_size"]

@@ -223,7 +223,8 @@ def train(
         with progress:
             result = trainer.run()
         if result.fallbacks:
-            out.print(f"[yellow]plan changed after out-of-memory:[/] {result.plan.describe()} (written to {config})")
+            where = f"written to {config}" if result.config_updated else f"not written: {config} is unchanged"
+            out.print(f"[yellow]plan changed after out-of-memory:[/] {result.plan.describe()} ({where})")
         if result.interrupted:
             out.print(f"stopped at step {result.step}/{result.steps}; checkpoint {result.checkpoint}. "
                       f"Continue with [cyan]oomtune train --config {config} --resume[/]"

@@ -1,0 +1,163 @@
+"""oomtune train, the finer points of going on: a resume keeps the run's own train settings, an out-of-memory
+error while the batches are drawn stops cleanly and resumes exactly, weight decay respects the model file's
+no-decay groups (also across a resume), and the per-step state count leaves nothing behind.
+
+Every run here is on the `cpu` device (simulated memory, real compute), tiny models, a few steps."""
+
+from __future__ import annotations
+
+import gc
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from oomtune.checkpoint import load_checkpoint
+from oomtune.devices import make_device
+from oomtune.memtrack import MemoryTracker
+from oomtune.model_file import load_model_file
+from oomtune.plan import Plan
+from oomtune.step import build_training, state_bytes, train_step
+
+from .conftest import metrics, run_cli
+
+# Dropout (the model's RNG) and a seeded data stream: the same seed and schedule give the same losses.
+MODEL = '''
+from pathlib import Path
+import torch
+from torch import nn
+
+DRAWS = [0]
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(2))
+        self.norm = nn.LayerNorm(16)
+        self.out = nn.Linear(16, 4)
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x, y):
+        for b in self.blocks:
+            x = self.drop(torch.relu(b(x)))
+        return nn.functional.cross_entropy(self.out(self.norm(x)).mean(1), y)
+
+def build_model():
+    return Net()
+
+def make_batch(batch_size, context_length, device):
+    return (torch.randn(batch_size, context_length, 16, device=device),
+            torch.randint(0, 4, (batch_size,), device=device))
+
+def train_batches(batch_size, context_length, device):
+    while True:
+        DRAWS[0] += 1
+        if DRAWS[0] == 9 and Path(__file__).with_name("oom-on-draw-9").exists():
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB (pinned batch)")
+        x = torch.randn(batch_size, context_length, 16, device=device)
+        yield x, (x.sum((1, 2)) > 0).long()
+
+def optimizer(params, lr):
+    params = list(params)
+    decay = [p for p in params if p.dim() >= 2]
+    rest = [p for p in params if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
+                             lr=lr)
+'''
+
+PLAN = {"micro_batch_size": 2, "context_length": 8, "grad_accum_steps": 2}
+
+
+@pytest.fixture
+def model_dir(tmp_path, monkeypatch, write_model):
+    monkeypatch.chdir(tmp_path)
+    model = write_model(MODEL)
+    (tmp_path / "best.yaml").write_text(yaml.safe_dump(
+        {"model": str(model), "plan": PLAN, "train": {"steps": 40, "seed": 1, "warmup_steps": 10, "lr": 0.003,
+                                                      "log_every_n_steps": 1, "run_dir": "run"}}, sort_keys=False))
+    return tmp_path
+
+
+def train(*args) -> object:
+    return run_cli("train", "--config", "best.yaml", "--device", "cpu", "--budget", "1GiB", *args)
+
+
+def losses(run_dir: Path) -> list[float]:
+    """step, loss, lr of every logged step, one flat list (pytest.approx compares flat sequences)."""
+    return [x for r in metrics(run_dir) for x in (r["step"], r["loss"], r["lr"])]
+
+
+def test_a_resume_goes_on_with_the_settings_the_run_started_with_unless_a_flag_says_otherwise(model_dir):
+    flags = ["--steps", "6", "--seed", "5", "--warmup-steps", "2", "--checkpoint-interval", "3"]
+    assert train("--run-dir", "whole", *flags).exit_code == 0
+    whole = losses(model_dir / "whole")
+    assert whole[::3] == [1, 2, 3, 4, 5, 6]
+
+    # a run stopped after step 3 (its checkpoint and metrics), resumed with the bare command oomtune prints
+    (model_dir / "cut").mkdir()
+    shutil.copy(model_dir / "whole" / "ckpt-00000003.pt", model_dir / "cut")
+    shutil.copy(model_dir / "whole" / "metrics.jsonl", model_dir / "cut")
+    result = train("--run-dir", "cut", "--resume")
+    assert result.exit_code == 0, result.stderr
+    assert losses(model_dir / "cut") == pytest.approx(whole, rel=1e-6)  # same seed, schedule, length
+    said = " ".join(result.stderr.split())
+    assert "resuming with the checkpoint's train settings" in said
+    for unused in ("steps 6 (the config says 40)", "seed 5 (the config says 1)",
+                   "warmup_steps 2 (the config says 10)"):
+        assert unused in said
+
+    # a flag given with --resume wins: train longer
+    assert train("--run-dir", "cut", "--resume", "--steps", "8").exit_code == 0
+    longer = losses(model_dir / "cut")
+    assert longer[::3] == list(range(1, 9))
+    assert longer[:9] == pytest.approx(whole[:9], rel=1e-6)
+
+
+def test_an_oom_while_the_batches_are_drawn_stops_with_a_checkpoint_and_resumes_exactly(model_dir):
+    assert train("--run-dir", "ref", "--steps", "6").exit_code == 0
+    marker = model_dir / "oom-on-draw-9"  # 2 draws a step: the 9th is step 5's first
+    marker.touch()
+    before = (model_dir / "best.yaml").read_bytes()
+    result = train("--run-dir", "run", "--steps", "6")
+    assert result.exit_code == 1
+    (line,) = [" ".join(x.split()) for x in result.stderr.split("\n\n") if x.startswith("error:")]
+    assert line.startswith("error: out of memory while drawing the batches of step 5"), line
+    assert "ckpt-00000004.pt (step 4)" in line
+    assert load_checkpoint(model_dir / "run" / "ckpt-00000004.pt")["step"] == 4
+    assert (model_dir / "best.yaml").read_bytes() == before  # no plan was changed: a smaller one cannot help
+
+    marker.unlink()
+    assert train("--run-dir", "run", "--resume").exit_code == 0
+    assert losses(model_dir / "run") == pytest.approx(losses(model_dir / "ref"), rel=1e-6)
+
+
+def test_weight_decay_is_set_on_the_decaying_groups_only_and_a_flag_changes_it_on_resume(model_dir):
+    def decays(step: int) -> list[float]:
+        state = load_checkpoint(model_dir / "run" / f"ckpt-{step:08d}.pt")
+        return [g["weight_decay"] for g in state["optimizer"]["param_groups"]]
+
+    assert train("--run-dir", "run", "--steps", "2", "--weight-decay", "0.05").exit_code == 0
+    assert decays(2) == [0.05, 0.0]  # norms and biases: the model file built them without decay
+    assert train("--run-dir", "run", "--resume", "--steps", "3", "--weight-decay", "0.2").exit_code == 0
+    assert decays(3) == [0.2, 0.0]  # the loaded optimizer state brought 0.05: the flag is applied after it
+
+
+def test_counting_the_state_each_step_leaves_no_tracker_alive(write_model):
+    model_file = load_model_file(write_model(MODEL))
+    t = build_training(model_file, Plan(2, 8), make_device("cpu", "1GiB"), lr=1e-3)
+    device = t.device
+    batch = model_file.batch(2, 8, device.torch_device)
+    with device.measure():
+        train_step(t, [batch])
+
+    def trackers() -> int:
+        gc.collect()
+        return sum(isinstance(o, MemoryTracker) for o in gc.get_objects())
+
+    counts = [state_bytes(t) for _ in range(3)]
+    alive = trackers()
+    counts += [state_bytes(t) for _ in range(3)]
+    assert trackers() == alive  # each count's tracker is gone with it
+    params = sum(p.numel() * p.element_size() for p in t.model.parameters())
+    assert len(set(counts)) == 1 and counts[0] >= 4 * params  # weights, gradients, AdamW's two moments
