@@ -180,8 +180,9 @@ def restore_rng(state: dict[str, Any], cuda: bool) -> None:
     torch.set_rng_state(state["torch"])
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
-    if cuda and state.get("cuda") is not None:
-        torch.cuda.set_rng_state_all(state["cuda"])
+    if cuda and state.get("cuda") is not None:  # as many GPUs as both runs see (a resume may see fewer)
+        for index, rng in enumerate(state["cuda"][:torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(rng, index)
     np = _numpy()
     if np is not None and state.get("numpy") is not None:
         name, keys, pos, has_gauss, cached = state["numpy"]

@@ -253,7 +253,10 @@ def wrap(model: nn.Module, sharding: str, blocks: list[nn.Module], d: Dist) -> n
                            else {"broadcast_buffers": False})
         return DistributedDataParallel(model, device_ids=ids, **no_forward_sync)
     if sharding == "fsdp":
-        from torch.distributed.fsdp import fully_shard
+        try:
+            from torch.distributed.fsdp import fully_shard
+        except ImportError:  # torch < 2.6: FSDP2 under its first name
+            from torch.distributed._composable.fsdp import fully_shard
 
         mesh = d.mesh()
         for block in blocks:

@@ -14,7 +14,13 @@ from .parallel import Dist, RanksOutOfMemory
 from .plan import Plan, TrainConfig
 from .step import Training, build_training, train_step
 
-ACCUM_IN_TRIAL = 2  # memory of k >= 2 accumulated micro-steps equals that of 2: run at most 2 per step
+# k >= 2 accumulated micro-steps need the memory of 2 (the gradients accumulate in place): a trial computes at
+# most 2 per step. It holds all k micro-batches, as the trainer does (it draws a whole step's, to retry them).
+ACCUM_IN_TRIAL = 2
+# fp16: the GradScaler skips the optimizer step while the gradients overflow at its scale (65536 at first,
+# halved at each skip); a trial whose steps were all skipped never made the optimizer state. Run up to this
+# many more steps until one is taken.
+MAX_SKIPPED_STEPS = 24
 
 
 @dataclass(frozen=True)
@@ -49,14 +55,18 @@ def _steps(model_file: ModelFile, plan: Plan, device: Device, steps: int, readin
         micro = min(plan.grad_accum_steps, ACCUM_IN_TRIAL)
         timings: list[float] = []
         first_loss = None
-        for i in range(steps):
+        scaled = device.computes and t.scaler.is_enabled()  # (the fake device takes every step: see _ZeroScalars)
+        taken = i = 0
+        while i < steps or (scaled and not taken and i < steps + MAX_SKIPPED_STEPS):
             batches = [model_file.batch(plan.micro_batch_size, plan.context_length, device.torch_device)
-                       for _ in range(micro)]
+                       for _ in range(plan.grad_accum_steps)]
+            scale = t.scaler.get_scale() if scaled else None
             start = time.perf_counter()
-            loss = train_step(t, batches)
+            loss = train_step(t, batches[:micro])
             device.synchronize()
             timings.append(time.perf_counter() - start)
             del batches
+            taken += scale is None or t.scaler.get_scale() >= scale  # the scale drops exactly when it skipped
             if i == 0 and device.computes:
                 first_loss = float(loss)  # a sync point, once per trial
                 if not math.isfinite(first_loss):
@@ -64,6 +74,7 @@ def _steps(model_file: ModelFile, plan: Plan, device: Device, steps: int, readin
                         f"{model_file.label}: the loss is {first_loss} at micro-batch {plan.micro_batch_size}, "
                         f"context {plan.context_length}, {plan.precision} (check the model's init and inputs)"
                     )
+            i += 1
         if observe is not None:
             observe(t, "end")
         del t, loss

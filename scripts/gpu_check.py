@@ -103,6 +103,11 @@ def run_gpu_tests(rep: Report, timeout_s: float, out_dir: str | None) -> None:
         rep.data["tests"] = {"status": "not run", "reason": "pytest is not installed"}
         rep.problem("gpu tests not run (pytest missing)")
         return
+    missing = [m for m in ("yaml", "typer", "rich", "pynvml") if importlib.util.find_spec(m) is None]
+    if missing:  # oomtune's own dependencies, which a machine with only PyTorch lacks
+        rep.say(f"missing for this python: {', '.join(missing)}; the gpu tests that need them skip (named below), "
+                "so the tests count as incomplete")
+        rep.data["missing_modules"] = missing
     cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rs", "-p", "no:cacheprovider", "tests/test_gpu.py"]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     start = time.perf_counter()
@@ -164,10 +169,13 @@ def memory_table(rep: Report, cuda, deadline: float, context: int | None) -> Non
     models = {name: load_model_file(ROOT / "examples" / f"{name}.py") for name in EXAMPLES}
     # warm-up: every (model, rung) once at micro-batch 1, so workspaces cuBLAS & co. keep for the process's
     # lifetime exist before measuring; they stay in every real number below (as in any training process)
-    for mf in models.values():
+    for name, mf in models.items():
         for _, prec, ckpt in rungs:
             check_time(deadline)
-            run_trial(mf, Plan(1, mf.defaults.get("context", 512), prec, ckpt), cuda, steps=1)
+            try:
+                run_trial(mf, Plan(1, mf.defaults.get("context", 512), prec, ckpt), cuda, steps=1)
+            except Exception as e:  # noqa: BLE001 - (not the TimeBox) its row below reports it; the table is written
+                rep.problem(f"{name} {prec}{'+ckpt' if ckpt else ''} warm-up: {type(e).__name__}: {str(e)[:80]}")
     baseline = torch.cuda.memory_allocated(cuda.torch_device)
     rep.say(f"live before each trial (kept across trials: cuBLAS workspaces etc.): {fb(baseline)}; "
             f"fake margin: {fake.margin.describe() if fake is not None and hasattr(fake, 'margin') else 'n/a'}")

@@ -1,0 +1,74 @@
+"""A trial measures the step the trainer runs (device: `cpu`, simulated memory, real compute)."""
+
+from __future__ import annotations
+
+import pytest
+
+from oomtune import trial
+from oomtune.devices import make_device
+from oomtune.model_file import load_model_file
+from oomtune.plan import Plan
+
+# The loss is large, so fp16 gradients overflow at the GradScaler's first scales (65536, 32768, ...): the scaler
+# skips those optimizer steps, and AdamW's state only exists once one is taken.
+LOUD_MODEL = '''
+import torch
+from torch import nn
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(32, 32) for _ in range(2))
+        self.out = nn.Linear(32, 4)
+
+    def forward(self, x, y):
+        for b in self.blocks:
+            x = torch.relu(b(x))
+        return nn.functional.cross_entropy(self.out(x).mean(1), y) * 1000.0
+
+def build_model():
+    return Net()
+
+def make_batch(batch_size, context_length, device):
+    return (torch.randn(batch_size, context_length, 32, device=device),
+            torch.randint(0, 4, (batch_size,), device=device))
+'''
+
+
+def optimizer_state_after_trial(model_file, plan: Plan) -> tuple[int, float]:
+    seen = {}
+
+    def observe(t, phase):
+        if phase == "end":
+            seen["state"], seen["scale"] = len(t.optimizer.state), t.scaler.get_scale()
+
+    result = trial.run_trial(model_file, plan, make_device("cpu", "1GiB"), steps=2, observe=observe)
+    assert not result.oom
+    return seen["state"], seen["scale"]
+
+
+def test_an_fp16_trial_goes_on_until_the_grad_scaler_takes_an_optimizer_step(write_model, monkeypatch):
+    model_file = load_model_file(write_model(LOUD_MODEL))
+    plan = Plan(4, 16, precision="fp16")
+    params = len(list(model_file.build().parameters()))
+
+    monkeypatch.setattr(trial, "MAX_SKIPPED_STEPS", 0)  # the trial as it was: its 2 steps, whatever happened
+    state, scale = optimizer_state_after_trial(model_file, plan)
+    assert (state, scale) == (0, 65536.0 / 4)  # both skipped: no AdamW state, so the peak would miss it
+
+    monkeypatch.undo()
+    state, scale = optimizer_state_after_trial(model_file, plan)
+    assert state == params and scale < 65536.0 / 4  # kept going until a step was taken
+
+
+@pytest.mark.parametrize("accum", [3, 8])
+def test_a_trial_holds_a_whole_steps_micro_batches_as_the_trainer_does(write_model, accum):
+    """The trainer draws all grad_accum_steps micro-batches of a step before running it (to retry them after an
+    OOM): the trial's peak holds them too, though it computes at most 2 - so past 2, each more micro-batch
+    costs exactly its inputs' bytes."""
+    model_file = load_model_file(write_model(LOUD_MODEL))
+    device = make_device("cpu", "1GiB")
+    two = trial.run_trial(model_file, Plan(4, 16, grad_accum_steps=2), device).peak_bytes
+    more = trial.run_trial(model_file, Plan(4, 16, grad_accum_steps=accum), device).peak_bytes
+    batch_bytes = 4 * 16 * 32 * 4 + 512  # x (fp32, a multiple of 512) and y (4 int64s, one 512-byte block)
+    assert more - two == (accum - 2) * batch_bytes
