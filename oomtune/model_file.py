@@ -13,6 +13,7 @@ import functools
 import importlib.util
 import sys
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -45,14 +46,22 @@ class ModelFile:
 
     def _call(self, hook: str, *args, **kwargs):
         fn = getattr(self.module, hook)
-        try:
+        with self._user_code(f"{hook}()"):
             return fn(*args, **kwargs)
+
+    @contextmanager
+    def _user_code(self, what: str):
+        """Run user code: its error (or sys.exit) -> one ModelFileError line naming `what`; OOM passes through."""
+        try:
+            yield
         except OomtuneError:
             raise
+        except SystemExit as e:  # would exit with the file's code (3 reads as PEER_FAILED) or print its message
+            raise ModelFileError(f"{self.label}: {what} called {_exit_call(e)}") from e
         except Exception as e:
             if is_oom(e):
                 raise
-            raise ModelFileError(f"{self.label}: {hook}() raised {type(e).__name__}: {_one_line(e)}") from e
+            raise ModelFileError(f"{self.label}: {what} raised {type(e).__name__}: {_one_line(e)}") from e
 
     def fail(self, hook: str, what: str) -> ModelFileError:
         return ModelFileError(f"{self.label}: {hook}() {what}")
@@ -111,21 +120,13 @@ class ModelFile:
 
     def _default_loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
         """model(*batch) / model(**batch) / model(batch) -> a scalar, (logits, loss), or an object with .loss."""
-        try:
+        with self._user_code("the model's forward"):
             if isinstance(batch, dict):
                 out = model(**batch)
             elif isinstance(batch, (tuple, list)):
                 out = model(*batch)
             else:
                 out = model(batch)
-        except OomtuneError:
-            raise
-        except Exception as e:
-            if is_oom(e):
-                raise
-            raise ModelFileError(
-                f"{self.label}: the model's forward raised {type(e).__name__}: {_one_line(e)}"
-            ) from e
         if isinstance(out, torch.Tensor):
             return out
         if isinstance(out, (tuple, list)) and len(out) == 2 and isinstance(out[1], torch.Tensor):
@@ -152,10 +153,7 @@ class ModelFile:
         """The modules activation checkpointing wraps: the `blocks` hook, else the longest nn.ModuleList
         whose members all have the same type."""
         if self.has("blocks"):
-            found = list(self._call("blocks", model))
-            if not all(isinstance(b, nn.Module) for b in found):
-                raise self.fail("blocks", "must return nn.Module objects")
-            return found
+            return self._hooked_blocks(model)
         best: list[nn.Module] = []
         for mod in model.modules():
             if isinstance(mod, nn.ModuleList) and len(mod) > len(best):
@@ -164,8 +162,29 @@ class ModelFile:
                     best = list(mod)
         return best
 
+    def _hooked_blocks(self, model: nn.Module) -> list[nn.Module]:
+        """The `blocks` hook's modules: an iterable of nn.Module, at least one (a defined hook that finds
+        nothing is a mistake, not "no checkpointing")."""
+        returned = self._call("blocks", model)
+        if not isinstance(returned, Iterable):
+            raise self.fail("blocks", f"returned {_describe(returned)}; expected an iterable of nn.Module (the "
+                                      "blocks activation checkpointing wraps, e.g. model.layers)")
+        with self._user_code("blocks()"):  # a generator runs user code as it is consumed
+            found = list(returned)
+        if not found:
+            raise self.fail("blocks", f"returned an empty {type(returned).__name__}; expected at least one "
+                                      "nn.Module to checkpoint (or remove blocks() for the default)")
+        bad = next((b for b in found if not isinstance(b, nn.Module)), None)
+        if bad is not None:
+            raise self.fail("blocks", f"returned {_describe(bad)} among its items; expected only nn.Module "
+                                      "objects")
+        return found
+
     def supports_checkpointing(self, model: nn.Module) -> bool:
-        return self.has("blocks") or hasattr(model, "gradient_checkpointing_enable") or bool(self.blocks(model))
+        """Also validates a `blocks` hook, so static_memory (before any trial) rejects a bad one."""
+        if self.has("blocks"):
+            return bool(self._hooked_blocks(model))
+        return hasattr(model, "gradient_checkpointing_enable") or bool(self.blocks(model))
 
     def enable_checkpointing(self, model: nn.Module) -> None:
         """Recompute each block's activations in backward instead of keeping them."""
@@ -203,6 +222,10 @@ def _checkpointed(forward: Callable) -> Callable:
     return run
 
 
+def _exit_call(e: SystemExit) -> str:
+    return "sys.exit()" if e.code is None else f"sys.exit({e.code!r})"
+
+
 def _one_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return text[0] if text else "(no message)"
@@ -238,6 +261,9 @@ def load_model_file(path: str | Path) -> ModelFile:
     except SyntaxError as e:
         sys.modules.pop(name, None)
         raise ModelFileError(f"{p.name}: syntax error at line {e.lineno}: {e.msg}") from e
+    except SystemExit as e:  # would exit with the file's code (3 reads as PEER_FAILED) or print its message
+        sys.modules.pop(name, None)
+        raise ModelFileError(f"{p.name}: importing it called {_exit_call(e)}") from e
     except Exception as e:
         sys.modules.pop(name, None)
         raise ModelFileError(f"{p.name}: importing it raised {type(e).__name__}: {_one_line(e)}") from e

@@ -1,9 +1,15 @@
 """The model-file contract: required hooks, default hooks, and one clear line + exit 2 for every bad input."""
 
+import os
+import re
+import subprocess
+import sys
+
 import pytest
 import torch
 from torch import nn
 
+from oomtune.breakdown import static_memory
 from oomtune.errors import ModelFileError
 from oomtune.model_file import load_model_file
 
@@ -58,6 +64,45 @@ def test_user_bug_aborts_the_probe_with_the_users_error(write_model):
     path = write_model(TINY_MODEL.replace("nn.Linear(16, 4)", "nn.Linear(8, 4)"))
     msg = probe_error(path)
     assert msg.startswith("error: model.py: the model's forward raised RuntimeError: mat1 and mat2 shapes")
+
+
+def test_a_model_error_on_fake_tensors_prints_no_torch_traceback(tmp_path):
+    """torch's fake_tensor logger logs its own traceback before raising; only our one line may reach stderr.
+    A subprocess: the logger's handler holds the real stderr, and importing torch resets its level."""
+    path = tmp_path / "shape.py"
+    path.write_text(TINY_MODEL.replace("nn.Linear(16, 4)", "nn.Linear(8, 4)"))
+    cmd = [sys.executable, "-m", "oomtune", "estimate", str(path), "--budget", "1GiB", "--batch", "4",
+           "--context", "16"]
+    r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr and "fake_tensor" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("error: shape.py: the model's forward raised RuntimeError")
+
+
+@pytest.mark.parametrize(("hook", "message"), [
+    ("return None", "blocks() returned None; expected an iterable of nn.Module"),
+    ("return []", "blocks() returned an empty list; expected at least one nn.Module"),
+    ("return [model.out, 'out']", "blocks() returned a str among its items; expected only nn.Module objects"),
+    ("return model.out", "blocks() returned a Linear; expected an iterable of nn.Module"),
+    ("raise KeyError('h')", "blocks() raised KeyError: 'h'"),
+])
+def test_a_bad_blocks_hook_fails_before_any_trial(write_model, hook, message):
+    path = write_model(TINY_MODEL + f"\ndef blocks(model):\n    {hook}\n")
+    with pytest.raises(ModelFileError, match=re.escape(f"model.py: {message}")):
+        static_memory(load_model_file(path))  # the floor, measured before the first rung
+    msg = probe_error(path)
+    assert msg.startswith(f"error: model.py: {message}"), msg
+
+
+@pytest.mark.parametrize(("where", "source", "message"), [
+    ("module level", "import sys\nsys.exit(3)\n" + TINY_MODEL, "importing it called sys.exit(3)"),
+    ("build_model", TINY_MODEL.replace("    return Net()", "    import sys; sys.exit('bye')"),
+     "build_model() called sys.exit('bye')"),
+    ("forward", TINY_MODEL.replace("x = torch.relu(b(x))", "raise SystemExit"),
+     "the model's forward called sys.exit()"),
+])
+def test_sys_exit_in_the_model_file_is_a_model_file_error(write_model, where, source, message):
+    assert probe_error(write_model(source)) == f"error: model.py: {message}", where
 
 
 def test_budget_too_small_for_the_weights_says_what_they_need(write_model):

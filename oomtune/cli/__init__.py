@@ -3,6 +3,7 @@ and errors (stderr). Commands are thin: parse, call the library, render, map err
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from contextlib import contextmanager
@@ -25,6 +26,20 @@ app = typer.Typer(
 out = Console(highlight=False)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 
+
+def _drop_record(record: logging.LogRecord) -> bool:
+    return False
+
+
+def _quiet_fake_tensor_log(debug: bool) -> None:
+    """A model error on fake tensors makes torch log its own traceback (logger.exception) before raising; the
+    one-line error says it all, so drop those records unless --debug. A filter, not a level: importing torch
+    resets its loggers' levels, and the commands import torch after this runs."""
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    if debug:
+        log.removeFilter(_drop_record)
+    elif _drop_record not in log.filters:
+        log.addFilter(_drop_record)
 
 
 @app.callback()
@@ -60,6 +75,7 @@ def user_errors(debug: bool):
     worker on several ranks prefixes its rank, and exits 3 when it only stopped because a peer did."""
     rank = worker_rank()
     who = escape(f"[rank {rank}] ") if rank is not None else ""
+    _quiet_fake_tensor_log(debug)
     try:
         yield
     except OomtuneError as e:
