@@ -99,6 +99,8 @@ class DataStream:
             return next(self._it)
         except (StopIteration, OomtuneError):
             raise
+        except SystemExit as e:  # not the file's exit code: one line, exit 2
+            raise ModelFileError(f"{self.model_file.label}: {self.hook}() called sys.exit({e.code!r})") from e
         except Exception as e:
             if is_oom(e):
                 raise
