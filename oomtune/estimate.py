@@ -56,12 +56,35 @@ def smallest_plan(device: Device, targets, amp: str, checkpointing_supported: bo
     return plan_of(Point(last, 1, targets.min_context), world_size)
 
 
-def check_estimate_options(objective: str, headroom: float) -> None:
+def check_headroom(headroom: float, where: str = "--headroom") -> None:
+    """`where` names where the value came from: the flag, or the config's key."""
+    if not 0 <= headroom < 1:  # NaN fails this too
+        raise OomtuneError(f"{where} must be in [0, 1), got {headroom}")
+
+
+def check_steps(steps: int) -> None:
+    if steps < 1:  # no step, no peak: a trial needs at least one
+        raise OomtuneError(f"--steps must be at least 1, got {steps}")
+
+
+def check_search_options(headroom: float, steps: int, objective: str, amp: str) -> None:
+    """The options probe and estimate share, checked before anything is loaded (one line, exit 2)."""
+    from .probe import AMP_CHOICES, OBJECTIVES
+
+    check_headroom(headroom)
+    check_steps(steps)
+    if objective not in OBJECTIVES:
+        raise OomtuneError(f"--objective {objective!r}: expected one of {', '.join(OBJECTIVES)}")
+    if amp not in AMP_CHOICES:
+        raise OomtuneError(f"--amp {amp!r}: expected one of {', '.join(AMP_CHOICES)}")
+
+
+def check_estimate_options(objective: str, headroom: float, steps: int = 2, amp: str = "auto") -> None:
+    """check_search_options, and throughput refused: the fake device measures no speed."""
     if objective == "throughput":
         raise OomtuneError("--objective throughput ranks rungs by measured speed, and the fake device computes "
                            "nothing; run `oomtune probe --objective throughput` where the model can run", BAD_INPUT)
-    if not 0 <= headroom < 1:
-        raise OomtuneError(f"--headroom must be in [0, 1), got {headroom}")
+    check_search_options(headroom, steps, objective, amp)
 
 
 def estimate(model_file: ModelFile, device: FakeDevice, targets, *, headroom: float = 0.1, steps: int = 2,
@@ -76,7 +99,7 @@ def estimate(model_file: ModelFile, device: FakeDevice, targets, *, headroom: fl
     `sharding` puts every rung on ddp or fsdp; by default the ladder replicates (ddp) and adds an fsdp rung."""
     from . import parallel
 
-    check_estimate_options(objective, headroom)
+    check_estimate_options(objective, headroom, steps, amp)
     parallel.check_world(world_size, sharding)
     ranks = (parallel.fake_world(world_size) if world_size > 1 or sharding in ("ddp", "fsdp")
              else contextlib.nullcontext(None))
@@ -132,6 +155,8 @@ class WhatIf:
 def what_if(model_file: ModelFile, plan: Plan, device: FakeDevice | None, margin: Margin, *, headroom: float = 0.1,
             steps: int = 2) -> WhatIf:
     """The breakdown of one plan; with a device (a budget), the verdict and levers too."""
+    check_headroom(headroom)
+    check_steps(steps)
     if device is None:  # no budget: the breakdown alone (it lifts any budget anyway)
         bd = breakdown(model_file, plan, FakeDevice(str(1 << 50), margin=margin), steps)
         return WhatIf(plan, bd, None, None, headroom)
@@ -162,6 +187,7 @@ class CheckResult:
     old: MemoryBreakdown | None  # the config's breakdown, if it has one
     new: MemoryBreakdown | None  # on fake / cpu
     oom_message: str | None = None
+    budget_clamped_from: int | None = None  # cuda without --budget: the config's budget, more than is free now
 
     @property
     def difference(self) -> dict[str, int] | None:
@@ -188,10 +214,15 @@ def check(config: Config, model_file: ModelFile, *, device_kind: str = "fake", b
 
     if device_kind not in CHECK_DEVICES:
         raise OomtuneError(f"--device {device_kind!r}: expected one of {', '.join(CHECK_DEVICES)}")
+    check_steps(steps)
     fb = config.found_by
-    headroom = headroom if headroom is not None else (fb.headroom if fb is not None else 0.1)
-    if not 0 <= headroom < 1:
-        raise OomtuneError(f"--headroom must be in [0, 1), got {headroom}")
+    if headroom is not None:
+        check_headroom(headroom)
+    elif fb is not None:
+        headroom = fb.headroom
+        check_headroom(headroom, "the config's found_by.headroom")
+    else:
+        headroom = 0.1
     spec = None
     if fb is not None and fb.gpu_name:
         try:
@@ -204,12 +235,14 @@ def check(config: Config, model_file: ModelFile, *, device_kind: str = "fake", b
         budget_bytes = fb.budget_bytes
     else:
         budget_bytes = parse_budget(budget, spec.memory_bytes if spec else None)
+    clamped_from = None
     if device_kind == "fake":
         device: Device = FakeDevice(str(budget_bytes), gpu=spec, margin=check_margin(config, margin))
     elif device_kind == "cpu":
         device = CpuDevice(str(budget_bytes))
     else:
-        device = make_device("cuda", str(budget_bytes))
+        device, clamped_from = _cuda_device(budget_bytes, clamp=budget is None)
+        budget_bytes = device.budget_bytes
     limit = int(budget_bytes * (1 - headroom))
     old_bd = fb.breakdown if fb is not None else None
     old_peak = fb.peak_bytes if fb is not None else None
@@ -220,4 +253,15 @@ def check(config: Config, model_file: ModelFile, *, device_kind: str = "fake", b
     r = run_trial(model_file, config.plan, device, steps)
     fits = not r.oom and r.peak_bytes is not None and r.peak_bytes <= limit
     return CheckResult(fits, config.plan, device.kind, budget_bytes, headroom, limit, old_peak,
-                       None if r.oom else r.peak_bytes, old_bd, None, r.oom_message)
+                       None if r.oom else r.peak_bytes, old_bd, None, r.oom_message, clamped_from)
+
+
+def _cuda_device(budget_bytes: int, clamp: bool) -> tuple[Device, int | None]:
+    """The GPU under `budget_bytes`. With `clamp` (no --budget: the config's, which was the free memory when it
+    was probed) at most what is free now, and the config's budget when that was more (None when it was not)."""
+    if not clamp:
+        return make_device("cuda", str(budget_bytes)), None
+    device = make_device("cuda")  # no budget: all that is free now
+    free = device.budget_bytes
+    device.lower_budget(budget_bytes)
+    return device, (budget_bytes if free < budget_bytes else None)

@@ -6,6 +6,7 @@ Defaults live here and only here. Loading rejects unknown keys (naming them) and
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import tempfile
 import types
@@ -109,6 +110,9 @@ class TrainConfig:
                 raise ConfigError(f"train.{name} must be at least 1, got {getattr(self, name)}")
         if self.warmup_steps < 0:
             raise ConfigError(f"train.warmup_steps must be 0 or more, got {self.warmup_steps}")
+        for name in ("lr", "min_lr", "weight_decay", "clip_grad_norm"):
+            if getattr(self, name) is not None and not math.isfinite(getattr(self, name)):  # .nan / .inf in YAML
+                raise ConfigError(f"train.{name} must be a finite number, got {getattr(self, name)}")
         if self.lr <= 0 or self.min_lr < 0:
             raise ConfigError("train.lr must be > 0 and train.min_lr >= 0")
 
@@ -396,8 +400,12 @@ def atomic_write(path: str | Path, text: str) -> None:
 
 
 def save_config(config: Config, path: str | Path, header: str = "") -> None:
-    """Write atomically; an absolute model path under the config's folder is stored relative to it."""
+    """Write atomically; an absolute model path under the config's folder is stored relative to it. Only a
+    regular file is replaced, never a device node or a folder (the CLI checks --out before the search too)."""
+    p = Path(path)
+    if p.exists() and not p.is_file():
+        raise ConfigError(f"cannot write the config to {p}: it exists and is not a regular file")
     model = Path(config.model)
-    if model.is_absolute() and model.is_relative_to(Path(path).resolve().parent):
-        config = dataclasses.replace(config, model=str(model.relative_to(Path(path).resolve().parent)))
-    atomic_write(path, dump_config(config, header))
+    if model.is_absolute() and model.is_relative_to(p.resolve().parent):
+        config = dataclasses.replace(config, model=str(model.relative_to(p.resolve().parent)))
+    atomic_write(p, dump_config(config, header))

@@ -32,16 +32,25 @@ class Targets:
 
 def resolve_targets(model_file: ModelFile, batch: int | None, context: int | None,
                     min_context: int | None) -> Targets:
-    """CLI values first, then the model file's DEFAULTS, then 32 x 512."""
+    """CLI values first, then the model file's DEFAULTS, then 32 x 512. A bad value is blamed on where it came
+    from: the flag, or the model file's DEFAULTS (never a flag the user did not type)."""
     d = model_file.defaults
+    given = {"batch": batch, "context": context, "min_context": min_context}
     b = batch if batch is not None else d.get("batch", 32)
     t = context if context is not None else d.get("context", 512)
     t_min = min_context if min_context is not None else d.get("min_context", t)
-    for name, v in (("--batch", b), ("--context", t), ("--min-context", t_min)):
+
+    def source(key: str) -> str:
+        if given[key] is not None:
+            return "--" + key.replace("_", "-")
+        return f"{model_file.label} DEFAULTS[{key!r}]" if key in d else f"the default {key}"
+
+    for key, v in (("batch", b), ("context", t), ("min_context", t_min)):
         if v < 1:
-            raise OomtuneError(f"{name} must be at least 1, got {v}")
+            raise OomtuneError(f"{source(key)} must be at least 1, got {v}")
     if t_min > t:
-        raise OomtuneError(f"--min-context {t_min} is longer than --context {t}")
+        raise OomtuneError(f"{source('min_context')} {t_min} is longer than {source('context')} {t}"
+                           + (f" (give --min-context {t} or less)" if min_context is None else ""))
     return Targets(b, t, t_min)
 
 

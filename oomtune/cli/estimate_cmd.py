@@ -12,7 +12,7 @@ from rich import box
 from rich.table import Table
 
 from . import DebugOpt, app, err, fmt_bytes, out, user_errors
-from .probe_cmd import render_search, trial_progress
+from .probe_cmd import check_out, render_search, trial_progress, write_config
 
 MARGIN_HELP = ("Added to the tensor peak for what a real GPU needs beyond tensors: a fixed part (CUDA context, "
                "cuBLAS/cuDNN workspaces) + a percentage of the peak (allocator rounding, fragmentation). "
@@ -50,6 +50,7 @@ def print_levers(levers, plan) -> None:
 
 def _plan_mode_options(micro_batch, precision, checkpointing, grad_accum, batch, min_context) -> bool:
     from ..errors import OomtuneError
+    from ..plan import PRECISIONS
 
     plan_opts = {"--precision": precision, "--checkpointing": checkpointing, "--grad-accum": grad_accum}
     if micro_batch is None:
@@ -62,6 +63,11 @@ def _plan_mode_options(micro_batch, precision, checkpointing, grad_accum, batch,
         if v is not None:
             raise OomtuneError(f"{name} is a ladder target; with --micro-batch the plan is --micro-batch x "
                                "--grad-accum at --context")
+    if precision is not None and precision not in PRECISIONS:
+        raise OomtuneError(f"--precision {precision!r}: expected one of {', '.join(PRECISIONS)}")
+    for name, v in (("--micro-batch", micro_batch), ("--grad-accum", grad_accum)):
+        if v is not None and v < 1:
+            raise OomtuneError(f"{name} must be at least 1, got {v}")
     return True
 
 
@@ -115,15 +121,19 @@ def estimate(
         from ..gpus_table import parse_margin
         from ..model_file import load_model_file
         from ..parallel import check_world
-        from ..plan import Plan, save_config, to_dict
+        from ..plan import Plan, to_dict
         from ..probe import resolve_targets
 
         plan_mode = _plan_mode_options(micro_batch, precision, checkpointing, grad_accum, batch, min_context)
+        check_estimate_options(objective, headroom, steps, amp)  # both modes, before anything is loaded
         check_world(world_size, sharding)
+        if not plan_mode:  # the ladder writes --out: check it before the search, not after
+            check_out(out_path, model)
         model_file = load_model_file(model)
         if plan_mode:
             targets = resolve_targets(model_file, None, context, None)
-            plan = Plan(micro_batch, targets.context, precision or "fp32", bool(checkpointing), grad_accum or 1,
+            plan = Plan(micro_batch, targets.context, precision or "fp32", bool(checkpointing),
+                        grad_accum if grad_accum is not None else 1,
                         world_size=world_size, sharding=sharding or ("ddp" if world_size > 1 else "none"))
             device = make_fake_device(budget, gpu, margin) if (budget or gpu) else None
             if plan.activation_checkpointing and not static_memory(model_file).checkpointing_supported:
@@ -148,7 +158,6 @@ def estimate(
                 raise typer.Exit(1)
             return
 
-        check_estimate_options(objective, headroom)
         targets = resolve_targets(model_file, batch, context, min_context)
         device = make_fake_device(budget, gpu, margin)
         if not as_json:
@@ -161,10 +170,10 @@ def estimate(
             result = run_estimate(model_file, device, targets, headroom=headroom, steps=steps, objective=objective,
                                   amp=amp, on_start=on_start, on_trial=on_trial, world_size=world_size,
                                   sharding=sharding)
-        if result.config is not None:
-            save_config(result.config, out_path,
-                        header=f"written by `oomtune estimate {model}`: predicted on fake tensors, never measured "
-                               "on a GPU (check it with `oomtune probe` there) - edit `train:` freely")
+        kept = result.config is not None and write_config(
+            result.config, out_path, model,
+            header=f"written by `oomtune estimate {model}`: predicted on fake tensors, never measured on a GPU "
+                   "(check it with `oomtune probe` there) - edit `train:` freely")
         extra = {"estimated": True, "margin": device.margin.describe(), "breakdown": to_dict(result.breakdown),
                  "breakdown_plan": to_dict(result.breakdown_plan), "levers": result.levers}
 
@@ -173,7 +182,8 @@ def estimate(
             out.print(breakdown_table(result.breakdown, result.breakdown_plan, result.search.limit_bytes, title))
             print_levers(result.levers, result.breakdown_plan)
 
-        render_search(result.search, out_path if result.config else None, as_json, "estimate", extra, details)
+        render_search(result.search, out_path if result.config else None, as_json, "estimate", extra, details,
+                      kept_train=kept)
 
 
 @app.command()
@@ -214,6 +224,7 @@ def check(
                 "old_breakdown": to_dict(result.old) if result.old else None,
                 "new_breakdown": to_dict(result.new) if result.new else None,
                 "difference": result.difference, "oom_message": result.oom_message,
+                "budget_clamped_from_bytes": result.budget_clamped_from,
             }, indent=2))
         else:
             render_check(result, config_path)
@@ -239,6 +250,9 @@ def render_check(result, config_path: Path) -> None:
               + (f"   ({_delta(grew)})" if grew is not None else ""))
     out.print(f"  allowed   {fmt_bytes(result.limit_bytes)}   (budget {fmt_bytes(result.budget_bytes)}, "
               f"{result.headroom:.0%} headroom)")
+    if result.budget_clamped_from is not None:
+        out.print(f"  [yellow]budget lowered[/] from the config's {fmt_bytes(result.budget_clamped_from)} to the "
+                  f"{fmt_bytes(result.budget_bytes)} free on the GPU now (--budget sets it)")
     if result.new is not None:
         table = Table(title=f"breakdown (peak in {result.new.phase})", title_justify="left", box=box.SIMPLE_HEAD,
                       pad_edge=False)

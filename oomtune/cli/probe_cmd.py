@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
+import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
@@ -84,6 +87,59 @@ def trial_progress(enabled: bool):
         yield on_start, on_trial
 
 
+def check_out(out_path: Path, model: Path):
+    """--out, checked before a single trial runs (and again just before writing): not the model file; absent or an
+    oomtune config (never a folder, a device, a pipe, nor a file of yours that is anything else); in a folder that
+    exists or can be made, and can be written. Returns the train: section of the config already there, which the
+    new config keeps (None when there is none)."""
+    from ..errors import OomtuneError
+    from ..plan import load_config
+
+    p = Path(out_path)
+    try:
+        if p.resolve() == model.resolve() or (p.exists() and model.exists() and os.path.samefile(p, model)):
+            raise OomtuneError(f"--out {p} is the model file: the config needs another name (e.g. --out best.yaml)")
+        if p.is_dir():
+            raise OomtuneError(f"--out {p} is a folder: name a file in it (e.g. --out {p / 'best.yaml'})")
+        if p.exists() and not p.is_file():
+            raise OomtuneError(f"--out {p} is not a regular file (a device, pipe or socket): name a file")
+        train = None
+        if p.exists():
+            try:
+                train = load_config(p).train
+            except (OomtuneError, ValueError) as e:  # not YAML, not a config, not text
+                why = str(e).removeprefix(f"{p}: ")
+                raise OomtuneError(f"--out {p} exists and is not an oomtune config ({why}): not overwriting it; "
+                                   "choose another --out or move it away") from None
+            except OSError as e:
+                raise OomtuneError(f"--out {p} exists and cannot be read ({e.strerror or e})") from None
+        folder = p.absolute().parent
+        while not folder.exists():  # written with its missing folders made
+            folder = folder.parent
+        if not folder.is_dir():
+            raise OomtuneError(f"--out {p}: {folder} is not a folder")
+        fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=folder)  # what the write will do
+        os.close(fd)
+        os.unlink(tmp)
+    except OSError as e:
+        raise OomtuneError(f"--out {p}: cannot write there ({e.strerror or e})") from None
+    return train
+
+
+def write_config(config, out_path: Path, model: Path, header: str) -> bool:
+    """Write the config to --out, keeping the train: section of the oomtune config already there (read again now:
+    it may have been edited while the search ran), its new plan and found_by replacing the old. True: it kept one."""
+    from ..errors import OomtuneError
+    from ..plan import save_config
+
+    train = check_out(out_path, model)
+    try:
+        save_config(config if train is None else dataclasses.replace(config, train=train), out_path, header=header)
+    except OSError as e:  # a full disk, a folder that went away or turned read-only during the search
+        raise OomtuneError(f"cannot write the config to {out_path}: {e.strerror or e}") from None
+    return train is not None
+
+
 def result_json(result, config_path: Path | None) -> dict:
     from ..plan import to_dict
 
@@ -108,11 +164,12 @@ def result_json(result, config_path: Path | None) -> dict:
 
 
 def render_search(result, out_path: Path | None, as_json: bool, verb: str, extra_json: dict | None = None,
-                  details=None) -> None:
+                  details=None, kept_train: bool = False) -> None:
     """Shared by probe and estimate: the tables, the plan, where it was written; exit 1 if nothing fits.
-    estimate adds keys to the JSON (`extra_json`) and prints its breakdown after the tables (`details()`)."""
+    estimate adds keys to the JSON (`extra_json`) and prints its breakdown after the tables (`details()`).
+    `kept_train`: the config already at out_path was an oomtune config, and its train: section was kept."""
     if as_json:
-        print(json.dumps(result_json(result, out_path) | (extra_json or {}), indent=2))
+        print(json.dumps(result_json(result, out_path) | {"kept_train": kept_train} | (extra_json or {}), indent=2))
     else:
         if result.records:  # none when the estimate knew without a trial that nothing fits
             out.print(trials_table(result.records))
@@ -125,6 +182,9 @@ def render_search(result, out_path: Path | None, as_json: bool, verb: str, extra
                       f"(budget {fmt_bytes(fb.budget_bytes)}, {fb.headroom:.0%} headroom){tps}; "
                       f"{len(result.records)} trials")
             out.print(f"[bold]wrote[/] {out_path}   next: [cyan]oomtune train --config {out_path}[/]")
+            if kept_train:
+                out.print(f"      kept the [bold]train:[/] section {out_path} already had (the plan and found_by "
+                          "are new)")
         if details is not None:
             details()
     if result.config is None:
@@ -170,14 +230,17 @@ def probe(
     """
     with user_errors(debug):
         from ..devices import make_device
+        from ..estimate import check_search_options
         from ..model_file import load_model_file
-        from ..plan import save_config
         from ..probe import probe as run_probe
         from ..probe import resolve_targets
 
+        check_search_options(headroom, steps, objective, amp)  # before anything is loaded or run
+        rank = worker_rank()
+        if rank in (None, 0):  # the launcher and rank 0, which writes it
+            check_out(out_path, model)
         model_file = load_model_file(model)
         targets = resolve_targets(model_file, batch, context, min_context)
-        rank = worker_rank()
         if nproc_per_node is not None and rank is None:  # the launcher: check, then the same probe on every rank
             from ..errors import OomtuneError
             from ..launch import Launch
@@ -216,6 +279,6 @@ def probe(
         with trial_progress(not as_json) as (on_start, on_trial):
             result = run_probe(model_file, dev, targets, headroom=headroom, steps=steps, objective=objective,
                                amp=amp, on_start=on_start, on_trial=on_trial, dist=dist)
-        if result.config is not None:
-            save_config(result.config, out_path, header=f"written by `oomtune probe {model}` — edit `train:` freely")
-        render_search(result, out_path if result.config else None, as_json, "probe")
+        kept = result.config is not None and write_config(
+            result.config, out_path, model, header=f"written by `oomtune probe {model}` — edit `train:` freely")
+        render_search(result, out_path if result.config else None, as_json, "probe", kept_train=kept)

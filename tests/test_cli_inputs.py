@@ -1,0 +1,266 @@
+"""Bad input on the command line: one line on stderr naming the bad thing, exit 2, checked before anything runs,
+and never a file of the user's overwritten. Plus what `--out` keeps of a config that is already there."""
+
+from __future__ import annotations
+
+import errno
+import json
+import math
+import os
+import types
+from pathlib import Path
+
+import pytest
+
+from oomtune.errors import ConfigError, OomtuneError
+from oomtune.plan import Config, Plan, TrainConfig, load_config, save_config
+
+from .conftest import EXAMPLES, run_cli
+
+ESTIMATE = ("--budget", "400KiB", "--margin", "0")  # the tiny model's ladder on the fake device: a second or two
+
+
+def one_line_error(r, *needles: str) -> None:
+    assert r.exit_code == 2, r.output
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:"), r.stderr
+    assert "Traceback" not in r.output
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+@pytest.fixture
+def no_search(monkeypatch):
+    """Fail the test if a probe or an estimate starts searching."""
+
+    def boom(*args, **kwargs):
+        raise AssertionError("the search ran")
+
+    monkeypatch.setattr("oomtune.probe.probe", boom)
+    monkeypatch.setattr("oomtune.estimate.estimate", boom)
+
+
+# -- 1. --out never overwrites the model file or a file that is not an oomtune config -------------
+
+@pytest.mark.parametrize("command", ["probe", "estimate"])
+def test_out_that_is_the_model_file_is_refused(command, write_model, tmp_path, no_search):
+    model = write_model()
+    before = model.read_text()
+    extra = ("--device", "cpu") if command == "probe" else ESTIMATE
+    for out in (model, tmp_path / "sub" / ".." / model.name):
+        one_line_error(run_cli(command, model, *extra, "-o", out), "--out", "is the model file")
+    os.link(model, tmp_path / "hard.py")  # the same file under another name
+    one_line_error(run_cli(command, model, *extra, "-o", tmp_path / "hard.py"), "is the model file")
+    assert model.read_text() == before
+
+
+def test_out_that_is_another_file_of_yours_is_refused(write_model, tmp_path, no_search):
+    model = write_model()
+    for name, text in (("notes.md", "# my notes\n\nnot: [yaml\n"), ("other.py", "import torch\n"),
+                       ("data.yaml", "learning_rate: 3\n")):
+        f = tmp_path / name
+        f.write_text(text)
+        one_line_error(run_cli("estimate", model, *ESTIMATE, "--out", f), f"--out {f}", "not an oomtune config",
+                       "not overwriting it")
+        assert f.read_text() == text
+    binary = tmp_path / "weights.yaml"
+    binary.write_bytes(b"\x80\x81\xff")
+    one_line_error(run_cli("estimate", model, *ESTIMATE, "--out", binary), "not an oomtune config")
+    assert binary.read_bytes() == b"\x80\x81\xff"
+
+
+# -- 2. an existing config's train: section is kept ----------------------------------------------
+
+def test_rerunning_over_a_config_keeps_its_hand_edited_train_section(write_model, tmp_path):
+    model, out = write_model(), tmp_path / "best.yaml"
+    first = run_cli("estimate", model, *ESTIMATE, "--batch", "4", "--context", "8", "--out", out)
+    assert first.exit_code == 0, first.output
+    assert "kept the" not in first.stdout  # nothing was there
+    out.write_text(out.read_text().replace("steps: 1000", "steps: 7").replace("seed: 1337", "seed: 5"))
+    r = run_cli("estimate", model, *ESTIMATE, "--batch", "2", "--context", "8", "--out", out)
+    assert r.exit_code == 0, r.output
+    assert "kept the train: section" in r.stdout
+    cfg = load_config(out)
+    assert (cfg.train.steps, cfg.train.seed, cfg.train.lr) == (7, 5, TrainConfig().lr)
+    assert cfg.plan.global_batch_size == 2 and cfg.found_by.target_batch == 2  # the plan and found_by are new
+    j = run_cli("estimate", model, *ESTIMATE, "--batch", "2", "--context", "8", "--out", out, "--json")
+    assert json.loads(j.stdout)["kept_train"] is True and load_config(out).train.steps == 7
+
+
+def test_probe_keeps_the_train_section_too(write_model, tmp_path):
+    """device: cpu."""
+    model, out = write_model(), tmp_path / "best.yaml"
+    args = ("probe", model, "--device", "cpu", "--budget", "4MiB", "--batch", "2", "--context", "4", "--out", out)
+    assert run_cli(*args).exit_code == 0
+    out.write_text(out.read_text().replace("lr: 0.0003", "lr: 0.001"))
+    r = run_cli(*args, "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["kept_train"] is True and load_config(out).train.lr == 0.001
+
+
+# -- 3. --out is checked before the search; a failed write is one line ---------------------------
+
+def test_a_bad_out_is_refused_before_anything_runs(write_model, tmp_path, no_search):
+    model = write_model()
+    (tmp_path / "file").write_text("x")
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    cases = [(tmp_path, "is a folder"), (fifo, "not a regular file"),
+             (tmp_path / "file" / "best.yaml", "is not a folder")]
+    if Path("/proc/self").is_dir():
+        cases.append((Path("/proc/oomtune-test.yaml"), "cannot write there"))
+    for out, why in cases:
+        for command, extra in (("probe", ("--device", "cpu")), ("estimate", ESTIMATE)):
+            r = run_cli(command, model, *extra, "--out", out)
+            one_line_error(r, f"--out {out}", why)
+            assert "probing" not in r.stderr
+    assert fifo.is_fifo()
+
+
+def test_out_in_folders_that_do_not_exist_yet_is_fine(write_model, tmp_path):
+    model = write_model()
+    missing = tmp_path / "new" / "deeper" / "best.yaml"  # written with its folders made
+    assert run_cli("estimate", model, *ESTIMATE, "--batch", "2", "--context", "4", "--out", missing).exit_code == 0
+    assert load_config(missing).plan.global_batch_size == 2
+
+
+def test_save_config_never_replaces_a_device_node_or_a_pipe(tmp_path):
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    with pytest.raises(ConfigError, match="not a regular file"):
+        save_config(Config(model="model.py", plan=Plan(2, 4)), fifo)
+    assert fifo.is_fifo()
+
+
+def test_a_write_that_fails_after_the_search_is_exit_2_one_line(write_model, tmp_path, monkeypatch):
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr("oomtune.plan.atomic_write", full)
+    out = tmp_path / "best.yaml"
+    r = run_cli("estimate", write_model(), *ESTIMATE, "--batch", "2", "--context", "4", "--out", out, "--json")
+    one_line_error(r, "cannot write the config", "No space left on device")
+    assert not out.exists()
+
+
+# -- 4-6. option checks: steps, plan mode, before anything is loaded -----------------------------
+
+def test_steps_0_is_bad_input(write_model, tmp_path):
+    model, config = write_model(), tmp_path / "best.yaml"
+    assert run_cli("estimate", model, *ESTIMATE, "--batch", "2", "--context", "4", "--out", config).exit_code == 0
+    one_line_error(run_cli("check", "--config", config, "--steps", "0"), "--steps must be at least 1")
+    one_line_error(run_cli("estimate", EXAMPLES / "tiny_gpt.py", "--budget", "1GiB", "--micro-batch", "4",
+                           "--context", "64", "--steps", "0"), "--steps must be at least 1")
+    one_line_error(run_cli("estimate", model, *ESTIMATE, "--steps", "0"), "--steps must be at least 1")
+
+
+@pytest.mark.parametrize("args, needle", [
+    (("--headroom", "-1"), "--headroom must be in [0, 1)"),
+    (("--headroom", "1.5"), "--headroom must be in [0, 1)"),
+    (("--headroom", "nan"), "--headroom must be in [0, 1)"),
+    (("--grad-accum", "0"), "--grad-accum must be at least 1"),
+    (("--micro-batch", "0"), "--micro-batch must be at least 1"),
+    (("--amp", "fp8"), "--amp 'fp8'"),
+    (("--objective", "throughput"), "--objective throughput"),
+    (("--objective", "speed"), "--objective 'speed'"),
+    (("--precision", "fp8"), "--precision 'fp8'"),
+])
+def test_plan_mode_checks_the_same_options_as_the_ladder(args, needle, write_model):
+    r = run_cli("estimate", write_model(), "--budget", "1GiB", "--micro-batch", "2", "--context", "4", *args)
+    one_line_error(r, needle)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (("--headroom", "2"), "--headroom must be in [0, 1)"),
+    (("--steps", "0"), "--steps must be at least 1"),
+    (("--objective", "speed"), "--objective 'speed'"),
+    (("--amp", "fp8"), "--amp 'fp8'"),
+])
+def test_probe_checks_its_options_before_loading_anything(args, needle, tmp_path, monkeypatch):
+    def no_load(*a, **k):
+        raise AssertionError("the model file was loaded")
+
+    monkeypatch.setattr("oomtune.model_file.load_model_file", no_load)
+    r = run_cli("probe", tmp_path / "model.py", "--device", "cpu", "--out", tmp_path / "best.yaml", *args)
+    one_line_error(r, needle)
+    assert "probing" not in r.stderr
+
+
+# -- 7. a bad value is blamed on where it came from ----------------------------------------------
+
+def test_a_config_value_is_not_blamed_on_a_flag(write_model, tmp_path):
+    model, config = write_model(), tmp_path / "best.yaml"
+    assert run_cli("estimate", model, *ESTIMATE, "--batch", "2", "--context", "4", "--out", config).exit_code == 0
+    config.write_text(config.read_text().replace("headroom: 0.1", "headroom: 1.5"))
+    r = run_cli("check", "--config", config)
+    one_line_error(r, "found_by.headroom must be in [0, 1), got 1.5")
+    assert "--headroom" not in r.stderr
+    assert run_cli("check", "--config", config, "--headroom", "0.1").exit_code == 0  # the flag overrides it
+
+
+def test_a_defaults_min_context_is_not_blamed_on_a_flag(write_model, no_search):
+    from .conftest import TINY_MODEL
+
+    model = write_model(TINY_MODEL + '\nDEFAULTS = {"context": 32, "min_context": 16}\n')
+    for command, extra in (("probe", ("--device", "cpu")), ("estimate", ESTIMATE)):
+        r = run_cli(command, model, *extra, "--context", "8")
+        one_line_error(r, "model.py DEFAULTS['min_context'] 16 is longer than --context 8",
+                       "give --min-context 8 or less")
+    one_line_error(run_cli("estimate", model, *ESTIMATE, "--min-context", "64"),
+                   "--min-context 64 is longer than model.py DEFAULTS['context'] 32")
+
+
+@pytest.mark.parametrize("key", ["lr", "min_lr", "weight_decay", "clip_grad_norm"])
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+def test_train_numbers_must_be_finite(key, value):
+    with pytest.raises(ConfigError, match=f"train.{key} must be a finite number"):
+        TrainConfig(**{key: value})
+
+
+def test_a_nan_in_the_yaml_is_one_line(write_model, tmp_path):
+    model, config = write_model(), tmp_path / "best.yaml"
+    assert run_cli("estimate", model, *ESTIMATE, "--batch", "2", "--context", "4", "--out", config).exit_code == 0
+    config.write_text(config.read_text().replace("lr: 0.0003", "lr: .nan"))
+    one_line_error(run_cli("check", "--config", config), "train.lr must be a finite number")
+
+
+# -- 8. check --device cuda: the config's budget, lowered to what is free now --------------------
+
+class StubGpu:
+    """Stands in for CudaDevice: its budget is what is free unless one is given (more than free is refused)."""
+
+    kind = "cuda"
+    computes = True
+
+    def __init__(self, free: int, budget: str | None):
+        self.free_bytes = free
+        self.budget_bytes = int(budget) if budget else free
+        if self.budget_bytes > free:
+            raise OomtuneError(f"--budget {self.budget_bytes} is more than the {free} free")
+
+    def lower_budget(self, budget_bytes: int) -> None:
+        self.budget_bytes = min(self.budget_bytes, budget_bytes)
+
+
+@pytest.mark.parametrize("free_delta, clamped", [(-(1 << 20), True), (1 << 20, False)])
+def test_check_on_cuda_uses_at_most_the_memory_free_now(free_delta, clamped, write_model, tmp_path, monkeypatch):
+    model, config = write_model(), tmp_path / "best.yaml"
+    assert run_cli("estimate", model, "--budget", "64MiB", "--margin", "0", "--batch", "2", "--context", "4",
+                   "--out", config).exit_code == 0
+    old_budget = load_config(config).found_by.budget_bytes
+    free = old_budget + free_delta
+    monkeypatch.setattr("oomtune.estimate.make_device", lambda kind, budget=None: StubGpu(free, budget))
+    monkeypatch.setattr("oomtune.trial.run_trial", lambda *a, **k: types.SimpleNamespace(
+        oom=False, peak_bytes=1 << 20, oom_message=None))
+    r = run_cli("check", "--config", config, "--device", "cuda", "--json")
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)
+    assert data["device"] == "cuda"
+    assert data["budget_bytes"] == min(free, old_budget)
+    assert data["limit_bytes"] == int(min(free, old_budget) * 0.9)
+    assert data["budget_clamped_from_bytes"] == (old_budget if clamped else None)
+    text = run_cli("check", "--config", config, "--device", "cuda")
+    assert ("budget lowered" in text.stdout) is clamped
+    if clamped:  # a --budget given is the user's: more than is free stays an error
+        one_line_error(run_cli("check", "--config", config, "--device", "cuda", "--budget", str(old_budget)),
+                       "more than")
