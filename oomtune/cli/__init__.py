@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import traceback
 from contextlib import contextmanager
 from typing import Annotated
 
@@ -112,7 +113,32 @@ RESULT_SHORT = {"fits": "fits", "oom": "OOM", "over-headroom": ">limit"}  # >lim
 
 
 def main() -> None:
-    app()
+    if worker_rank() is None:
+        app()
+        return
+    # A rank ends with os._exit, after its process group is destroyed and its output flushed: interpreter
+    # teardown after distributed work can abort (SIGABRT, "terminate called without an active exception") as C++
+    # threads of torch.distributed are destroyed joinable, turning a finished rank into a failed one.
+    code: int | str | None
+    try:
+        app()
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    except KeyboardInterrupt:
+        code = 130
+    except BaseException:  # noqa: BLE001 - printed as Python would, then the same exit
+        traceback.print_exc()
+        code = 1
+    from .. import parallel
+
+    parallel.close()
+    if isinstance(code, str):  # sys.exit("message")
+        print(code, file=sys.stderr)
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code or 0)
 
 
 # each module registers its commands on `app`
