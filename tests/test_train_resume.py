@@ -161,3 +161,13 @@ def test_counting_the_state_each_step_leaves_no_tracker_alive(write_model):
     assert trackers() == alive  # each count's tracker is gone with it
     params = sum(p.numel() * p.element_size() for p in t.model.parameters())
     assert len(set(counts)) == 1 and counts[0] >= 4 * params  # weights, gradients, AdamW's two moments
+
+
+def test_sys_exit_inside_train_batches_is_one_line_and_exit_2(model_dir):
+    model = model_dir / "model.py"
+    model.write_text(model.read_text().replace("        DRAWS[0] += 1\n", "        DRAWS[0] += 1\n"
+                                               "        if DRAWS[0] == 3:\n            raise SystemExit(3)\n"))
+    result = train("--run-dir", "run", "--steps", "4")
+    assert result.exit_code == 2, result.stderr
+    (line,) = [" ".join(x.split()) for x in result.stderr.split("\n\n") if x.startswith("error:")]
+    assert "train_batches() called sys.exit(3)" in line
