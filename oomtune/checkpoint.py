@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from .errors import BAD_INPUT, OomtuneError
-from .plan import file_mode
+from .files import file_mode
 
 FORMAT = "oomtune-checkpoint"
 VERSION = 1

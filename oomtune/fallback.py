@@ -18,9 +18,10 @@ import yaml
 from .checkpoint import restore_rng
 from .devices import is_oom
 from .errors import NO_FIT, OOM_RELAUNCH, ConfigError, OomtuneError
+from .files import atomic_write
 from .model_file import Batch
 from .parallel import LoneOutOfMemory
-from .plan import Config, Plan, atomic_write, dump_config, from_dict, to_dict
+from .plan import Config, Plan, dump_config, from_dict, to_dict
 from .train_events import Note, OomFallback
 
 

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import tempfile
 import types
 import typing
 from dataclasses import dataclass, field, fields
@@ -16,6 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from .errors import ConfigError
+from .files import atomic_write
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 Precision = Literal["fp32", "bf16", "fp16"]
@@ -369,34 +368,6 @@ def dump_config(config: Config, header: str = "") -> str:
     lines = [f"# {h}" for h in header.splitlines()] if header else []
     _emit(config, "", 0, lines)
     return "\n".join(lines) + "\n"
-
-
-def file_mode(path: Path) -> int:
-    """The permissions a file written via a temp file (which mkstemp makes 0600) should get: those of the file
-    it replaces, else what a plain open() would give under the umask."""
-    try:
-        return path.stat().st_mode & 0o7777
-    except OSError:
-        umask = os.umask(0)
-        os.umask(umask)
-        return 0o666 & ~umask
-
-
-def atomic_write(path: str | Path, text: str) -> None:
-    """Write via a temp file in the same folder + rename: a reader sees the old file or the new, never half."""
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
-    try:
-        os.fchmod(fd, file_mode(p))
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, p)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def save_config(config: Config, path: str | Path, header: str = "") -> None:

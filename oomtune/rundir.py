@@ -7,7 +7,7 @@ import datetime as dt
 import json
 from pathlib import Path
 
-from .plan import atomic_write
+from .files import atomic_write
 
 METRICS = "metrics.jsonl"  # one JSON object per logged step: step, loss, lr, tokens_per_s, peak_bytes[, eval_loss]
 EVENTS = "events.jsonl"  # start / resume / oom_fallback / config_updated / checkpoint / interrupted / finished
