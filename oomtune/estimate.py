@@ -22,6 +22,7 @@ from .errors import BAD_INPUT, OomtuneError
 from .gpus_table import Margin, find_gpu, parse_margin
 from .model_file import ModelFile
 from .plan import Config, MemoryBreakdown, Plan, TrialRecord
+from .probe import check_headroom, check_search_options, check_steps
 from .units import parse_budget
 
 
@@ -54,29 +55,6 @@ def smallest_plan(device: Device, targets, amp: str, checkpointing_supported: bo
 
     last = ladder_rungs(device, amp, checkpointing_supported, world_size, sharding)[-1]
     return plan_of(Point(last, 1, targets.min_context), world_size)
-
-
-def check_headroom(headroom: float, where: str = "--headroom") -> None:
-    """`where` names where the value came from: the flag, or the config's key."""
-    if not 0 <= headroom < 1:  # NaN fails this too
-        raise OomtuneError(f"{where} must be in [0, 1), got {headroom}")
-
-
-def check_steps(steps: int) -> None:
-    if steps < 1:  # no step, no peak: a trial needs at least one
-        raise OomtuneError(f"--steps must be at least 1, got {steps}")
-
-
-def check_search_options(headroom: float, steps: int, objective: str, amp: str) -> None:
-    """The options probe and estimate share, checked before anything is loaded (one line, exit 2)."""
-    from .probe import AMP_CHOICES, OBJECTIVES
-
-    check_headroom(headroom)
-    check_steps(steps)
-    if objective not in OBJECTIVES:
-        raise OomtuneError(f"--objective {objective!r}: expected one of {', '.join(OBJECTIVES)}")
-    if amp not in AMP_CHOICES:
-        raise OomtuneError(f"--amp {amp!r}: expected one of {', '.join(AMP_CHOICES)}")
 
 
 def check_estimate_options(objective: str, headroom: float, steps: int = 2, amp: str = "auto") -> None:

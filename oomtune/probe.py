@@ -54,13 +54,32 @@ def resolve_targets(model_file: ModelFile, batch: int | None, context: int | Non
     return Targets(b, t, t_min)
 
 
+def check_headroom(headroom: float, where: str = "--headroom") -> None:
+    """`where` names where the value came from: the flag, or the config's key."""
+    if not 0 <= headroom < 1:  # NaN fails this too
+        raise OomtuneError(f"{where} must be in [0, 1), got {headroom}")
+
+
+def check_steps(steps: int) -> None:
+    if steps < 1:  # no step, no peak: a trial needs at least one
+        raise OomtuneError(f"--steps must be at least 1, got {steps}")
+
+
+def check_search_options(headroom: float, steps: int, objective: str, amp: str) -> None:
+    """The options probe and estimate share, checked before anything is loaded (one line, exit 2)."""
+    check_headroom(headroom)
+    check_steps(steps)
+    if objective not in OBJECTIVES:
+        raise OomtuneError(f"--objective {objective!r}: expected one of {', '.join(OBJECTIVES)}")
+    if amp not in AMP_CHOICES:
+        raise OomtuneError(f"--amp {amp!r}: expected one of {', '.join(AMP_CHOICES)}")
+
+
 def ladder_rungs(device: Device, amp: str, checkpointing_supported: bool, world_size: int = 1,
                  sharding: str | None = None) -> list[Rung]:
     """fp32 -> +amp -> +checkpointing (which keeps amp); on several ranks these replicate the model (ddp) and
     the ladder adds +fsdp (sharded weights, gradients and optimizer state; keeps amp and checkpointing) before
     accumulation is the only lever left. `sharding` puts every rung on that one instead."""
-    if amp not in AMP_CHOICES:
-        raise OomtuneError(f"--amp {amp!r}: expected one of {', '.join(AMP_CHOICES)}")
     dtype = device.amp_dtype() if amp == "auto" else amp
     base = sharding or ("ddp" if world_size > 1 else "none")
     rungs = [Rung("fp32", "fp32", False, base), Rung("amp", dtype, False, base)]
@@ -138,12 +157,7 @@ def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: 
     On several ranks (`dist`) every rank calls this: each trial runs on all of them, and they agree on its result
     (see run_trial), so every rank climbs the same ladder; the target batch is global (B / ranks per rank). The
     budget is the smallest of the ranks' (each GPU's own free memory), so they probe alike."""
-    if not 0 <= headroom < 1:
-        raise OomtuneError(f"--headroom must be in [0, 1), got {headroom}")
-    if steps < 1:
-        raise OomtuneError(f"--steps must be at least 1, got {steps}")
-    if objective not in OBJECTIVES:
-        raise OomtuneError(f"--objective {objective!r}: expected one of {', '.join(OBJECTIVES)}")
+    check_search_options(headroom, steps, objective, amp)
     world = dist.world_size if dist is not None else 1
     if targets.batch % world:
         raise OomtuneError(f"--batch {targets.batch} is not a multiple of the {world} ranks: the global batch is "

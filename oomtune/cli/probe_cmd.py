@@ -230,10 +230,9 @@ def probe(
     """
     with user_errors(debug):
         from ..devices import make_device
-        from ..estimate import check_search_options
         from ..model_file import load_model_file
+        from ..probe import check_search_options, resolve_targets
         from ..probe import probe as run_probe
-        from ..probe import resolve_targets
 
         check_search_options(headroom, steps, objective, amp)  # before anything is loaded or run
         rank = worker_rank()
