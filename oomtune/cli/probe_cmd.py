@@ -140,6 +140,24 @@ def write_config(config, out_path: Path, model: Path, header: str) -> bool:
     return train is not None
 
 
+def divisor_note(result) -> str | None:
+    """Where the global batch has no divisor near the largest micro-batch that fits (B=17 with 8 fitting runs as
+    1 x 17), say so and name the nearest global batch that would run at the micro-batch that fits."""
+    ladder = result.ladder
+    if result.config is None or ladder.choice is None:
+        return None
+    fitting = next((r.micro_batch_size for r in ladder.rungs if r.rung == ladder.choice.rung and r.found), None)
+    chosen = ladder.choice.micro_batch_size
+    if fitting is None or chosen * 2 > fitting:  # within a factor of two of what fits: nothing to say
+        return None
+    world = getattr(result, "world_size", 1)
+    batch = result.targets.batch
+    nearest = max(fitting, round(batch / world / fitting) * fitting) * world
+    return (f"micro-batch {fitting} fits, but the global batch {batch} has no divisor between {chosen + 1} and "
+            f"{fitting}{' per rank' if world > 1 else ''}: it runs as {chosen} x {ladder.choice.grad_accum_steps}; "
+            f"--batch {nearest} would run as {fitting} x {nearest // world // fitting}")
+
+
 def result_json(result, config_path: Path | None) -> dict:
     from ..plan import to_dict
 
@@ -160,6 +178,7 @@ def result_json(result, config_path: Path | None) -> dict:
         "trials": [to_dict(t) for t in result.records],
         "config_path": str(config_path) if config_path else None,
         "why_nothing_fits": result.why_nothing_fits,
+        "divisor_note": divisor_note(result),
     }
 
 
@@ -182,6 +201,9 @@ def render_search(result, out_path: Path | None, as_json: bool, verb: str, extra
                       f"(budget {fmt_bytes(fb.budget_bytes)}, {fb.headroom:.0%} headroom){tps}; "
                       f"{len(result.records)} trials")
             out.print(f"[bold]wrote[/] {out_path}   next: [cyan]oomtune train --config {out_path}[/]")
+            note = divisor_note(result)
+            if note:
+                out.print(f"[yellow]note:[/] {note}")
             if kept_train:
                 out.print(f"      kept the [bold]train:[/] section {out_path} already had (the plan and found_by "
                           "are new)")
