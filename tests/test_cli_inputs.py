@@ -76,10 +76,14 @@ def test_rerunning_over_a_config_keeps_its_hand_edited_train_section(write_model
     first = run_cli("estimate", model, *ESTIMATE, "--batch", "4", "--context", "8", "--out", out)
     assert first.exit_code == 0, first.output
     assert "kept the" not in first.stdout  # nothing was there
-    out.write_text(out.read_text().replace("steps: 1000", "steps: 7").replace("seed: 1337", "seed: 5"))
+    out.write_text(out.read_text().replace("steps: 1000", "steps: 7  # mine: a short run")
+                   .replace("seed: 1337", "seed: 5\n  # a comment of my own, kept word for word"))
     r = run_cli("estimate", model, *ESTIMATE, "--batch", "2", "--context", "8", "--out", out)
     assert r.exit_code == 0, r.output
     assert "kept the train: section" in r.stdout
+    text = out.read_text()
+    assert "steps: 7  # mine: a short run  # optimizer steps\n" in text  # the comments a person added are kept
+    assert "\n  # a comment of my own, kept word for word\n" in text
     cfg = load_config(out)
     assert (cfg.train.steps, cfg.train.seed, cfg.train.lr) == (7, 5, TrainConfig().lr)
     assert cfg.plan.global_batch_size == 2 and cfg.found_by.target_batch == 2  # the plan and found_by are new
