@@ -332,6 +332,7 @@ def make_device(kind: str = "auto", budget: str | None = None) -> Device:
 _OOM_TEXT = (
     "CUDA out of memory",  # the caching allocator (and the simulated devices)
     "CUBLAS_STATUS_ALLOC_FAILED",  # cuBLAS could not get its workspace
+    "CUDNN_STATUS_ALLOC_FAILED",  # nor cuDNN
     "CUDA error: out of memory",  # memory taken outside the caching allocator (kernels loaded lazily, NCCL)
     "DefaultCPUAllocator: can't allocate memory",  # the host ran out
 )

@@ -79,11 +79,24 @@ def build_training(model_file: ModelFile, plan: Plan, device: Device, lr: float,
     if plan.sharding != "none":
         model = parallel.wrap(model, plan.sharding, model_file.blocks(model), dist)
     optimizer = model_file.optimizer([p for p in model.parameters() if p.requires_grad], lr)
+    if device.kind != "cuda":
+        as_on_cuda(optimizer)
     t = Training(model, optimizer, _scaler(plan, device), plan, model_file, device, clip_grad_norm,
                  dist=dist, decaying=tuple(bool(g.get("weight_decay")) for g in optimizer.param_groups))
     if weight_decay is not None:
         set_weight_decay(t, weight_decay)
     return t
+
+
+def as_on_cuda(optimizer: torch.optim.Optimizer) -> None:
+    """Where the model file leaves torch to choose, torch runs an optimizer as `foreach` (one kernel over all its
+    tensors) on CUDA and per tensor on the CPU; foreach AdamW holds a parameter-sized set of temporaries in the
+    optimizer step (sqrt of the second moments for every tensor at once). The simulated devices stand in for a
+    GPU, so they make CUDA's choice and their peak includes those temporaries."""
+    for group in optimizer.param_groups:
+        if "foreach" in group and group["foreach"] is None and not group.get("fused") \
+                and not group.get("differentiable"):
+            group["foreach"] = True
 
 
 def set_weight_decay(t: Training, weight_decay: float) -> None:

@@ -38,3 +38,54 @@ def test_pytest_summary_and_relative_error_helpers():
     assert g.pytest_counts(out) == {"failed": 1, "passed": 8, "skipped": 1}
     assert g.pytest_counts("no tests ran in 0.01s") == {}
     assert [g.pct(110, 100), g.pct(95, 100), g.pct(None, 100), g.pct(5, 0)] == ["+10.0%", "-5.0%", "n/a", "n/a"]
+
+
+def load_tables():
+    load_script()  # puts scripts/ on the path, as `make gpu-check` does
+    import gpu_tables
+
+    return gpu_tables
+
+
+def test_the_implied_margin_is_the_least_squares_line_of_card_less_tensors():
+    t = load_tables()
+    MiB = 1 << 20
+    exact = [(n * MiB, n * MiB + 300 * MiB + n * MiB // 20) for n in (100, 400, 2000)]  # 300 MiB + 5%
+    fixed, pct = t.implied_margin(exact)
+    assert abs(fixed - 300 * MiB) < 1 and abs(pct - 0.05) < 1e-9
+    assert t.implied_margin([(MiB, 2 * MiB), (MiB, 3 * MiB)]) is None  # one tensor peak: no line
+
+
+def test_the_memory_table_dry_run_on_the_cpu_device_reads_zero_error():
+    """device: cpu standing in for the GPU, fake for the estimate. The fake device equals the cpu device to the byte,
+    so every row's tensor error must read +0.0%: this checks the table's arithmetic and layout, which otherwise run
+    only on a GPU."""
+    from oomtune.devices import CpuDevice
+
+    t = load_tables()
+    rep = t.Report()
+    context = t.memory_table(rep, CpuDevice("1GiB"), float("inf"), {}, examples=("mlp_dict",), scales=(1,))
+    assert context is None and not rep.problems, rep.problems  # no NVML numbers off a GPU
+    md = "\n".join(rep.md)
+    rows = [ln for ln in md.splitlines() if ln.startswith("| mlp_dict")]
+    assert len(rows) == 3  # fp32, amp, checkpointing
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert len(cells) == len(t.MEMORY_HEADER)
+        assert cells[t.MEMORY_HEADER.index("error")] == "+0.0%", row
+    data = rep.data["memory"]["rows"]
+    assert all(r["fake_tensor_peak_bytes"] == r["real_max_allocated_less_live_before_bytes"] > 0 for r in data)
+    assert rep.data["memory"]["implied_margin"] is None  # no context without NVML: nothing to fit
+
+
+def test_the_probe_table_dry_run_compares_the_plans():
+    """device: cpu standing in for the GPU (1 GiB budget: mlp_dict's 32 x 64 fits outright), fake for the estimate."""
+    from oomtune.devices import CpuDevice
+
+    t = load_tables()
+    rep = t.Report()
+    t.probe_table(rep, float("inf"), None, make_real=CpuDevice, examples=("mlp_dict",), budget="1GiB", batch=32)
+    assert not rep.problems, rep.problems
+    (row,) = rep.data["probe"]
+    assert row["plan"] == "micro-batch 32, context 64, fp32 (global batch 32)" and row["same_plan"] == "yes"
+    assert row["trials"] == row["fake_trials"] == 1

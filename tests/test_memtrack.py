@@ -71,6 +71,7 @@ def test_over_budget_raises_cuda_shaped_oom_in_forward_and_backward():
 def test_is_oom_recognises_real_and_simulated_ooms_but_not_bugs():
     assert is_oom(torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB"))
     assert is_oom(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate"))
+    assert is_oom(RuntimeError("cuDNN error: CUDNN_STATUS_ALLOC_FAILED"))
     assert is_oom(RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported"))
     assert not is_oom(RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x8 and 16x4)"))
     assert not is_oom(ValueError("CUDA out of memory"))

@@ -72,3 +72,45 @@ def test_a_trial_holds_a_whole_steps_micro_batches_as_the_trainer_does(write_mod
     more = trial.run_trial(model_file, Plan(4, 16, grad_accum_steps=accum), device).peak_bytes
     batch_bytes = 4 * 16 * 32 * 4 + 512  # x (fp32, a multiple of 512) and y (4 int64s, one 512-byte block)
     assert more - two == (accum - 2) * batch_bytes
+
+
+WIDE_MODEL = '''
+import torch
+from torch import nn
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(256, 256, bias=False) for _ in range(8))
+
+    def forward(self, x, y):
+        for b in self.blocks:
+            x = b(x)
+        return (x - y).pow(2).mean()
+
+def build_model():
+    return Net()
+
+def make_batch(batch_size, context_length, device):
+    return (torch.randn(batch_size, context_length, 256, device=device),
+            torch.randn(batch_size, context_length, 256, device=device))
+'''
+
+
+def test_the_simulated_device_runs_adamw_as_cuda_does_with_its_foreach_temporaries(write_model, monkeypatch):
+    """device: cpu. Eight 256x256 weights (2 MiB) and one example: the peak is the optimizer step. CUDA runs AdamW
+    as foreach, which holds sqrt(second moment) for every weight at once: weights + gradients + 2 moments + that set
+    = 5 x 2 MiB. The per-tensor loop torch picks on the CPU holds it for one or two weights at a time."""
+    from oomtune import step
+
+    model_file = load_model_file(write_model(WIDE_MODEL))
+    weights = 8 * 256 * 256 * 4
+
+    def peak() -> int:
+        r = trial.run_trial(model_file, Plan(1, 1), make_device("cpu", "1GiB"), steps=2)
+        assert not r.oom
+        return r.peak_bytes
+
+    assert peak() >= 5 * weights
+    monkeypatch.setattr(step, "as_on_cuda", lambda optimizer: None)  # torch's own choice on the CPU
+    assert 4 * weights < peak() < 5 * weights

@@ -1,0 +1,281 @@
+"""The tables of `make gpu-check` (scripts/gpu_check.py): fake estimate vs real memory, and the probe on the real
+GPU next to the fake device's plan. Each takes the device to measure on, so a test can dry-run them on the CPU."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ("tiny_gpt", "mlp_dict", "conv_net")
+PLAN_SCALES = (8, 64)  # the table's fixed plans: scale x DEFAULTS batch, DEFAULTS context (64: a few GiB)
+PROBE_BUDGET, PROBE_BATCH = "4GiB", 4096
+MEMORY_HEADER = ["model", "rung", "batch x ctx", "fake (tensors)", "real max allocated", "less live before", "error",
+                 "real max reserved", "fake + margin", "real reserved + context", "error", "real tok/s"]
+
+
+class TimeBox(BaseException):
+    """The whole check ran out of its time box. A BaseException, so no `except Exception` on the way (the
+    trial's OOM handler, the model file's error wrapper) mistakes it for an OOM or a user error."""
+
+
+def pct(estimate: int | None, real: int | None) -> str:
+    if not estimate or not real:
+        return "n/a"
+    return f"{(estimate - real) / real * 100:+.1f}%"
+
+
+def md_table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+class Report:
+    """Collects the Markdown sections (printed as they come) and the JSON."""
+
+    def __init__(self):
+        self.md: list[str] = []
+        self.data: dict = {}
+        self.problems: list[str] = []
+
+    def say(self, text: str = "") -> None:
+        print(text, flush=True)
+        self.md.append(text)
+
+    def problem(self, text: str) -> None:
+        self.problems.append(text)
+
+    def write(self, out_dir: str | None) -> None:
+        if not out_dir:
+            return
+        d = Path(out_dir)
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "gpu_check.md").write_text("\n".join(self.md) + "\n")
+        (d / "gpu_check.json").write_text(json.dumps(self.data, indent=2) + "\n")
+        print(f"\nwrote {d / 'gpu_check.md'} and {d / 'gpu_check.json'}", flush=True)
+
+
+def check_time(deadline: float) -> None:
+    if time.monotonic() > deadline:
+        raise TimeBox
+
+
+
+# -- 2. fake vs real ---------------------------------------------------------------------------------
+
+def fake_device(budget: str):
+    """The fake device, or the reason there is none (it is being built alongside this script)."""
+    from oomtune import devices
+
+    if "fake" not in getattr(devices, "DEVICE_KINDS", ()):
+        return None, "n/a: fake device missing"
+    try:
+        return devices.make_device("fake", budget), None
+    except Exception as e:  # noqa: BLE001 - any failure to make it is reported in the column, not raised
+        return None, f"n/a: fake device failed: {type(e).__name__}: {e}"
+
+
+def rungs_for(cuda) -> list[tuple[str, str, bool]]:
+    amp = cuda.amp_dtype()
+    return [("fp32", "fp32", False), ("amp", amp, False), ("checkpointing", amp, True)]
+
+
+def context_now(torch, gpu: dict, device) -> int | None:
+    """This process's CUDA context (and the driver's other per-process memory: cuBLAS/cuDNN handles, kernels
+    loaded so far): NVML's used memory now, less before torch touched the GPU, less what torch's allocator
+    reserves. None without NVML."""
+    from oomtune import nvml
+
+    if gpu.get("before_used_bytes") is None:
+        return None
+    now = nvml.find_gpu(nvml.query(processes=False), pci=gpu.get("pci"), uuid=gpu.get("uuid"))
+    if now is None:
+        return None
+    return now.used_bytes - gpu["before_used_bytes"] - torch.cuda.memory_reserved(device)
+
+
+def implied_margin(points: list[tuple[int, int]]) -> tuple[float, float] | None:
+    """Least squares of (card - tensors) = fixed + pct x tensors over (tensors, card) points: the margin the
+    rows imply, as (fixed bytes, pct). None with fewer than two distinct tensor peaks."""
+    if len({t for t, _ in points}) < 2:
+        return None
+    n = len(points)
+    mx = sum(t for t, _ in points) / n
+    my = sum(c - t for t, c in points) / n
+    sxx = sum((t - mx) ** 2 for t, _ in points)
+    sxy = sum((t - mx) * (c - t - my) for t, c in points)
+    pct = sxy / sxx
+    return my - pct * mx, pct
+
+
+def memory_table(rep: Report, cuda, deadline: float, gpu: dict, examples=EXAMPLES,
+                 scales=PLAN_SCALES) -> int | None:
+    """The fake-vs-real rows on `cuda` (the real device; a test dry-runs it on the cpu device); returns the CUDA
+    context measured after the warm-up (None without NVML)."""
+    import torch
+
+    from oomtune.model_file import load_model_file
+    from oomtune.plan import Plan
+    from oomtune.trial import run_trial
+    from oomtune.units import format_bytes as fb
+
+    rep.say(f"## fake estimate vs real memory (fixed plans: {' and '.join(map(str, scales))} x each model's "
+            "DEFAULTS batch)")
+    fake, fake_missing = fake_device("1TiB")
+    rungs = rungs_for(cuda)
+    models = {name: load_model_file(ROOT / "examples" / f"{name}.py") for name in examples}
+    # warm-up: every (model, rung) once at micro-batch 1, so workspaces cuBLAS & co. keep for the process's
+    # lifetime exist before measuring; they stay in every real number below (as in any training process)
+    for name, mf in models.items():
+        for _, prec, ckpt in rungs:
+            check_time(deadline)
+            try:
+                run_trial(mf, Plan(1, mf.defaults.get("context", 512), prec, ckpt), cuda, steps=1)
+            except Exception as e:  # noqa: BLE001 - (not the TimeBox) its row below reports it; the table is written
+                rep.problem(f"{name} {prec}{'+ckpt' if ckpt else ''} warm-up: {type(e).__name__}: {str(e)[:80]}")
+    baseline = cuda.live_bytes()
+    context = context_now(torch, gpu, cuda.torch_device)  # after the warm-up: handles and kernels exist now
+    rep.data["gpu"] = gpu | {"context_bytes": context}
+    rep.say(f"live before each trial (kept across trials: cuBLAS workspaces etc.): {fb(baseline)}; "
+            f"this process's CUDA context after the warm-up (NVML used - used before - reserved): "
+            f"{fb(context) if context is not None else 'n/a (no NVML)'}; "
+            f"fake margin: {fake.margin.describe() if fake is not None and hasattr(fake, 'margin') else 'n/a'}")
+    rows, data = [], []
+    stopped = False
+    plans = [(name, mf, scale) for scale in scales for name, mf in models.items()]
+    for name, mf, scale in plans:
+        if stopped:
+            break
+        b, t = scale * mf.defaults.get("batch", 32), mf.defaults.get("context", 512)
+        for rung, prec, ckpt in rungs:
+            plan = Plan(b, t, prec, ckpt)
+            label = f"{prec}{'+ckpt' if ckpt else ''}"
+            row = {"model": name, "rung": rung, "precision": prec, "checkpointing": ckpt, "batch": b, "context": t}
+            try:
+                check_time(deadline)
+                live_before = cuda.live_bytes()
+                real = run_trial(mf, plan, cuda, steps=2)
+                est = run_trial(mf, plan, fake, steps=2) if fake is not None else None
+            except TimeBox:
+                rep.problem("time box hit in the memory table")
+                rows.append([name, label, f"{b}x{t}", "time box"] + [""] * (len(MEMORY_HEADER) - 4))
+                data.append(row | {"error": "time box"})
+                stopped = True
+                break
+            except Exception as e:  # noqa: BLE001 - a broken row is reported, the others still run
+                rep.problem(f"{name} {label}: {type(e).__name__}")
+                rows.append([name, label, f"{b}x{t}", f"error: {type(e).__name__}: {str(e)[:80]}"]
+                            + [""] * (len(MEMORY_HEADER) - 4))
+                data.append(row | {"error": f"{type(e).__name__}: {e}"})
+                continue
+            if real.oom:
+                rep.problem(f"{name} {label}: real OOM")
+            fake_t = None if est is None or est.oom else est.peak_allocated_bytes  # tensors only
+            fake_m = None if est is None or est.oom else est.peak_bytes  # + the margin
+            fake_txt = fake_missing or ("OOM" if est.oom else fb(fake_t))
+            # the fake device starts from nothing; the real peak includes what was live before (workspaces)
+            own = real.peak_allocated_bytes - live_before if real.peak_allocated_bytes is not None else None
+            # the margin stands for the CUDA context too, so its yardstick is reserved + context
+            on_card = real.peak_bytes + context if real.peak_bytes is not None and context is not None else None
+            rows.append([name, label, f"{b}x{t}", fake_txt, fb(real.peak_allocated_bytes), fb(own), pct(fake_t, own),
+                         fb(real.peak_bytes), fake_missing or fb(fake_m), fb(on_card), pct(fake_m, on_card),
+                         "OOM" if real.oom else f"{real.tokens_per_s:,.0f}" if real.tokens_per_s else "-"])
+            data.append(row | {"fake_tensor_peak_bytes": fake_t, "fake_peak_with_margin_bytes": fake_m,
+                               "fake_missing": fake_missing, "real_max_allocated_bytes": real.peak_allocated_bytes,
+                               "real_live_before_bytes": live_before,
+                               "real_max_allocated_less_live_before_bytes": own,
+                               "real_max_reserved_bytes": real.peak_bytes, "real_reserved_plus_context_bytes": on_card,
+                               "real_oom": real.oom,
+                               "real_tokens_per_s": real.tokens_per_s, "real_phase_peaks": real.phase_peaks})
+    rep.say(md_table(MEMORY_HEADER, rows))
+    rep.say("error = (fake - real) / real. The fake tensor peak is compared with the real max allocated less what "
+            "was live just before that trial (workspaces kept across trials). The fake margin stands for the "
+            "allocator's rounding and the CUDA context, so it is compared with the real reserved peak plus the "
+            "context (n/a without NVML).")
+    points = [(r["fake_tensor_peak_bytes"], r["real_reserved_plus_context_bytes"]) for r in data
+              if r.get("fake_tensor_peak_bytes") and r.get("real_reserved_plus_context_bytes") and not r["real_oom"]]
+    fit = implied_margin(points)
+    if fit is not None:
+        worst = max((c - t) - (fit[0] + fit[1] * t) for t, c in points)
+        rep.say(f"margin these {len(points)} rows imply (least squares, card - tensors = fixed + pct x tensors): "
+                f"{fb(int(fit[0]))} + {fit[1] * 100:.1f}%; the worst row is {fb(int(worst))} above that line "
+                f"(default --margin: 512MiB+5%)")
+    rep.data["memory"] = {"baseline_allocated_bytes": baseline, "fake_missing": fake_missing, "rows": data,
+                          "implied_margin": {"fixed_bytes": int(fit[0]), "pct": fit[1],
+                                             "points": len(points)} if fit else None}
+    return context
+
+
+# -- 3. the probe --------------------------------------------------------------------------------------
+
+def probe_table(rep: Report, deadline: float, context: int | None, make_real=None, examples=EXAMPLES,
+                budget: str = PROBE_BUDGET, batch: int = PROBE_BATCH) -> None:
+    """The probe on the real GPU (`make_real(budget)` -> the device; a test dry-runs it on another) next to the
+    fake device's plan for the same targets."""
+    from oomtune.devices import make_device
+    from oomtune.model_file import load_model_file
+    from oomtune.probe import Targets, probe
+    from oomtune.units import format_bytes as fb
+    from oomtune.units import parse_budget
+
+    # on cuda the budget caps the caching allocator (the context is outside it); the fake device's budget is a
+    # whole card whose margin includes the context: give it the context on top, so both mean the same memory
+    make_real = make_real or (lambda b: make_device("cuda", b))
+    fake_budget = f"{parse_budget(budget) + (context or 0)}B"
+    rep.say(f"## the probe on the real GPU (budget {budget}, headroom 10%, target batch {batch})")
+    rep.say(f"the fake device gets {fb(parse_budget(fake_budget))}: the budget plus this process's CUDA context "
+            f"({fb(context) if context is not None else 'unknown without NVML: not added'})")
+    rows, data = [], []
+    for name in examples:
+        mf = load_model_file(ROOT / "examples" / f"{name}.py")
+        t = mf.defaults.get("context", 512)
+        targets = Targets(batch, t, t)
+        try:
+            check_time(deadline)
+            cuda = make_real(budget)
+            start = time.perf_counter()
+            real = probe(mf, cuda, targets)
+            real_s = time.perf_counter() - start
+            fake, fake_missing = fake_device(fake_budget)
+            est, est_s = None, None
+            if fake is not None:
+                check_time(deadline)
+                start = time.perf_counter()
+                est = probe(mf, fake, targets, command="estimate")
+                est_s = time.perf_counter() - start
+        except TimeBox:
+            rep.problem("time box hit in the probe table")
+            rows.append([name, "time box"] + [""] * 7)
+            data.append({"model": name, "error": "time box"})
+            break
+        except Exception as e:  # noqa: BLE001
+            rep.problem(f"probe {name}: {type(e).__name__}")
+            rows.append([name, f"error: {type(e).__name__}: {str(e)[:80]}"] + [""] * 7)
+            data.append({"model": name, "error": f"{type(e).__name__}: {e}"})
+            continue
+        plan = real.config.plan.describe() if real.config else "nothing fits"
+        peak = fb(real.config.found_by.peak_bytes) if real.config else "-"
+        per_rung = ", ".join(f"{k} {v}" for k, v in real.trials_per_rung.items())
+        if est is None:
+            fake_plan, same = fake_missing, "n/a"
+        else:
+            fake_plan = est.config.plan.describe() if est.config else "nothing fits"
+            same = "yes" if (est.config and real.config and est.config.plan == real.config.plan) else "no"
+        rows.append([name, f"{batch}x{t}", plan, peak, f"{len(real.records)} ({per_rung})", f"{real_s:.1f}",
+                     fake_plan, f"{len(est.records)} / {est_s:.1f} s" if est is not None else "n/a", same])
+        data.append({"model": name, "batch": batch, "context": t, "budget": budget,
+                     "plan": real.config.plan.describe() if real.config else None,
+                     "peak_bytes": real.config.found_by.peak_bytes if real.config else None,
+                     "trials": len(real.records), "trials_per_rung": real.trials_per_rung,
+                     "wall_seconds": round(real_s, 2),
+                     "fake_plan": est.config.plan.describe() if est is not None and est.config else None,
+                     "fake_trials": len(est.records) if est is not None else None,
+                     "fake_wall_seconds": round(est_s, 2) if est_s is not None else None, "fake_missing": fake_missing,
+                     "same_plan": same})
+    rep.say(md_table(["model", "target", "real plan", "real peak", "trials (per rung)", "wall s", "fake plan",
+                      "fake trials / wall", "same plan"], rows))
+    rep.data["probe"] = data
+
+
