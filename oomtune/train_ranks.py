@@ -20,7 +20,7 @@ from .errors import BAD_INPUT, OomtuneError
 from .fallback import one_line
 from .model_file import Batch
 from .plan import Plan, to_dict
-from .step import set_weight_decay
+from .step import as_on_cuda, set_weight_decay
 from .train_events import Checkpointed, Note
 
 
@@ -137,6 +137,8 @@ class RanksMixin:
                                f"({one_line(e)[:200]})", BAD_INPUT) from None
         self._account(t.optimizer)  # the loaded state was made outside measure()
         set_weight_decay(t, self.cfg.weight_decay)  # the loaded groups bring the old run's (a flag may change it)
+        if self.device.kind != "cuda":  # and their foreach choice: a simulated device measures CUDA's again
+            as_on_cuda(t.optimizer)
         rng = dist_checkpoint.load_rng(path, self.rank) if folder else (st["rng"] if self.rank == 0 else None)
         if rng is not None:
             restore_rng(rng, self.cuda)
