@@ -238,6 +238,23 @@ def close() -> None:
 
 # -- the model on several ranks ------------------------------------------------------------------------
 
+FSDP_OFF_CUDA_SINCE = (2, 7)  # before it, FSDP2 made CUDA streams whatever the device (CPU streams lacked events)
+
+
+def _torch_version() -> tuple[int, int]:
+    major, minor = str(torch.__version__).split(".")[:2]
+    return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
+
+
+def fsdp_unsupported(device_type: str) -> str | None:
+    """Why FSDP2 cannot run on this device type with this torch (None: it can). Off CUDA (the cpu and fake
+    devices, gloo) it needs torch 2.7: earlier, its first forward asks for a CUDA stream."""
+    if device_type == "cuda" or _torch_version() >= FSDP_OFF_CUDA_SINCE:
+        return None
+    return (f"FSDP2 runs off CUDA (on the {device_type} device) only from torch "
+            f"{'.'.join(map(str, FSDP_OFF_CUDA_SINCE))}; this is torch {torch.__version__}")
+
+
 def wrap(model: nn.Module, sharding: str, blocks: list[nn.Module], d: Dist) -> nn.Module:
     """ddp: DistributedDataParallel (it broadcasts rank 0's weights); fsdp: FSDP2 `fully_shard` on every block, then
     on the root (every rank must have built the same weights: oomtune seeds them alike)."""
@@ -253,6 +270,8 @@ def wrap(model: nn.Module, sharding: str, blocks: list[nn.Module], d: Dist) -> n
                            else {"broadcast_buffers": False})
         return DistributedDataParallel(model, device_ids=ids, **no_forward_sync)
     if sharding == "fsdp":
+        if (why := fsdp_unsupported(d.device.type)) is not None:
+            raise OomtuneError(f"cannot shard the model: {why} (use ddp, or a newer torch)")
         try:
             from torch.distributed.fsdp import fully_shard
         except ImportError:  # torch < 2.6: FSDP2 under its first name

@@ -13,7 +13,7 @@ from .breakdown import StaticMemory, static_memory
 from .devices import Device
 from .errors import BAD_INPUT, OomtuneError
 from .model_file import ModelFile
-from .parallel import Dist
+from .parallel import Dist, fsdp_unsupported
 from .plan import Config, FoundBy, Plan, TrialRecord
 from .search import LadderResult, LadderSearch, Measurement, Objective, Point, Rung, Trial
 from .trial import run_trial
@@ -85,7 +85,7 @@ def ladder_rungs(device: Device, amp: str, checkpointing_supported: bool, world_
     rungs = [Rung("fp32", "fp32", False, base), Rung("amp", dtype, False, base)]
     if checkpointing_supported:
         rungs.append(Rung("checkpointing", dtype, True, base))
-    if world_size > 1 and sharding is None:
+    if world_size > 1 and sharding is None and fsdp_unsupported(device.torch_device.type) is None:
         rungs.append(Rung("fsdp", dtype, checkpointing_supported, "fsdp"))
     return rungs
 
@@ -165,8 +165,11 @@ def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: 
     if dist is not None:
         device.lower_budget(int(dist.min(device.budget_bytes)[0]))
     limit = int(device.budget_bytes * (1 - headroom))
+    no_fsdp = fsdp_unsupported(device.torch_device.type) if world > 1 and sharding in (None, "fsdp") else None
+    if no_fsdp is not None and sharding == "fsdp":
+        raise OomtuneError(f"--sharding fsdp: {no_fsdp}", BAD_INPUT)
     static = static_memory(model_file)
-    check_static_fits(static, device, limit, headroom, world if sharding in (None, "fsdp") else 1)
+    check_static_fits(static, device, limit, headroom, world if sharding in (None, "fsdp") and not no_fsdp else 1)
     rungs = ladder_rungs(device, amp, static.checkpointing_supported, world, sharding)
 
     seconds: dict[Point, float] = {}
@@ -189,8 +192,10 @@ def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: 
     search = LadderSearch(measure, limit, on_trial=collect)
     ladder = search.run(rungs, targets.batch // world, targets.context, targets.min_context, objective)
     if ladder.choice is None:
-        return ProbeResult(ladder, records, static, targets, limit, None,
-                           why_nothing_fits(ladder, targets, static, limit, world), world)
+        why = why_nothing_fits(ladder, targets, static, limit, world)
+        if no_fsdp is not None:
+            why += f" No fsdp rung was tried: {no_fsdp}."
+        return ProbeResult(ladder, records, static, targets, limit, None, why, world)
     c = ladder.choice
     plan = plan_of(Point(c.rung, c.micro_batch_size, c.context_length, c.grad_accum_steps), world)
     found = FoundBy(

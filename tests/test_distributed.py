@@ -31,6 +31,7 @@ from oomtune.checkpoint import list_checkpoints
 from oomtune.errors import ConfigError
 from oomtune.fallback import smaller_plan
 from oomtune.memtrack import MemoryTracker
+from oomtune.parallel import fsdp_unsupported
 from oomtune.plan import Config, Plan, dump_config, load_config
 
 from .conftest import EXAMPLES, events, metrics, run_cli
@@ -40,6 +41,8 @@ STEPS = 20
 TRAIN = {"steps": STEPS, "lr": 0.01, "min_lr": 0.001, "warmup_steps": 2, "eval_interval": 10, "eval_steps": 2,
          "log_every_n_steps": 1, "checkpoint_interval": 10, "run_dir": "run"}
 PLAN = {"micro_batch_size": 4, "context_length": 64}  # per rank; global batch 8 on two ranks
+NO_FSDP = fsdp_unsupported("cpu")  # torch < 2.7: FSDP2 cannot run on the CPU (gloo) at all
+needs_fsdp = pytest.mark.skipif(NO_FSDP is not None, reason=str(NO_FSDP))
 
 
 @pytest.fixture(autouse=True)
@@ -105,6 +108,8 @@ def ddp(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def fsdp(tmp_path_factory) -> Path:
+    if NO_FSDP is not None:
+        pytest.skip(NO_FSDP)
     return train_ranks(tmp_path_factory.mktemp("fsdp"), "fsdp")
 
 
@@ -314,6 +319,7 @@ def make_batch(batch_size, context_length, device):
 '''
 
 
+@needs_fsdp
 def test_a_budget_too_small_to_replicate_the_model_makes_the_probe_pick_fsdp(tmp_path):
     """Weights + gradients + AdamW state are 4.05 MiB: 4 MiB cannot hold them on one rank, whatever the batch;
     sharded over 2 ranks they fit. The fake-device estimate for 2 ranks predicts the probe's plan and peak."""
@@ -352,6 +358,36 @@ def test_a_budget_too_small_to_replicate_the_model_makes_the_probe_pick_fsdp(tmp
     assert abs(result["peak_bytes"] - predicted["peak_bytes"]) <= unit
     one = run_cli("estimate", model, *args, "--margin", "0", "--sharding", "none", "--out", tmp_path / "one.yaml")
     assert one.exit_code == 1  # one process cannot fit it: the weights alone are over
+
+
+def test_where_torch_cannot_run_fsdp_off_cuda_the_ladder_leaves_that_rung_out_and_says_so(tmp_path, monkeypatch):
+    """device: fake (2 ranks in one process). torch before 2.7 cannot run FSDP2 on the CPU: the ladder has no fsdp
+    rung there (it would fail on its first forward), nothing fitting says why, and asking for fsdp is one line."""
+    from oomtune import parallel
+
+    model = tmp_path / "wide.py"
+    model.write_text(textwrap.dedent(WIDE_MODEL))
+    args = ["--batch", "8", "--context", "4", "--budget", str(4 << 20), "--headroom", "0", "--margin", "0",
+            "--world-size", "2"]
+    monkeypatch.setattr(parallel, "_torch_version", lambda: (2, 6))
+    assert parallel.fsdp_unsupported("cuda") is None
+    why = parallel.fsdp_unsupported("cpu")
+    assert why == f"FSDP2 runs off CUDA (on the cpu device) only from torch 2.7; this is torch {torch.__version__}"
+    from oomtune.devices import make_device
+    from oomtune.probe import ladder_rungs
+
+    fake = make_device("fake", "1GiB")
+    assert [r.name for r in ladder_rungs(fake, "auto", True, world_size=2)] == ["fp32", "amp", "checkpointing"]
+    r = run_cli("estimate", model, *args, "--json", "--out", tmp_path / "e.yaml")
+    assert r.exit_code == 1, r.output  # replicated, the weights alone are over: without fsdp nothing fits
+    assert json.loads(r.stdout)["why_nothing_fits"].endswith(f"No fsdp rung was tried: {why}.")
+    r = run_cli("estimate", model, *args, "--sharding", "fsdp", "--out", tmp_path / "f.yaml")
+    assert r.exit_code == 2 and r.stderr.strip().splitlines()[-1] == f"error: --sharding fsdp: {why}", r.output
+    assert not (tmp_path / "f.yaml").exists()
+
+    monkeypatch.setattr(parallel, "_torch_version", lambda: (2, 7))
+    assert parallel.fsdp_unsupported("cpu") is None
+    assert [r.name for r in ladder_rungs(fake, "auto", True, world_size=2)][-1] == "fsdp"
 
 
 # -- bad input and failing ranks ---------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 import traceback
+import warnings
 from contextlib import contextmanager
 from typing import Annotated
 
@@ -41,6 +42,8 @@ def _quiet_fake_tensor_log(debug: bool) -> None:
         log.removeFilter(_drop_record)
     elif _drop_record not in log.filters:
         log.addFilter(_drop_record)
+    # torch < 2.5 warns about its own deprecated torch.cpu.amp.autocast inside checkpoint() on every recompute
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.utils\.checkpoint")
 
 
 @app.callback()
