@@ -143,6 +143,26 @@ def test_weight_decay_is_set_on_the_decaying_groups_only_and_a_flag_changes_it_o
     assert decays(3) == [0.2, 0.0]  # the loaded optimizer state brought 0.05: the flag is applied after it
 
 
+def test_a_resume_on_a_simulated_device_runs_the_optimizer_as_cuda_does_whatever_the_checkpoint_says(model_dir):
+    """The cpu device runs AdamW as foreach (CUDA's choice, with its temporaries). A checkpoint written where torch
+    chose for itself (a GPU run: foreach None) brings None back with its param groups; the resume sets it again."""
+    import torch
+
+    def foreach(step: int) -> list:
+        state = load_checkpoint(model_dir / "run" / f"ckpt-{step:08d}.pt")
+        return [g["foreach"] for g in state["optimizer"]["param_groups"]]
+
+    assert train("--run-dir", "run", "--steps", "2").exit_code == 0
+    assert foreach(2) == [True, True]
+    path = model_dir / "run" / "ckpt-00000002.pt"
+    state = torch.load(path, weights_only=True)
+    for group in state["optimizer"]["param_groups"]:
+        group["foreach"] = None
+    torch.save(state, path)
+    assert train("--run-dir", "run", "--resume", "--steps", "3").exit_code == 0
+    assert foreach(3) == [True, True]
+
+
 def test_counting_the_state_each_step_leaves_no_tracker_alive(write_model):
     model_file = load_model_file(write_model(MODEL))
     t = build_training(model_file, Plan(2, 8), make_device("cpu", "1GiB"), lr=1e-3)
