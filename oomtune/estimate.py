@@ -79,9 +79,6 @@ def estimate(model_file: ModelFile, device: FakeDevice, targets, *, headroom: fl
 
     check_estimate_options(objective, headroom, steps, amp)
     parallel.check_world(world_size, sharding)
-    no_fsdp = parallel.fsdp_unsupported(device.torch_device.type)
-    if sharding == "fsdp" and no_fsdp is not None:
-        raise OomtuneError(f"--sharding fsdp: {no_fsdp}")
     ranks = (parallel.fake_world(world_size) if world_size > 1 or sharding in ("ddp", "fsdp")
              else contextlib.nullcontext(None))
     with ranks as d:
@@ -99,7 +96,8 @@ def _estimate(model_file, device, targets, headroom, steps, objective, amp, on_s
     static = static_memory(model_file)
     from .parallel import fsdp_unsupported
 
-    sharded_by = world if sharding in (None, "fsdp") and fsdp_unsupported(device.torch_device.type) is None else 1
+    no_fsdp = fsdp_unsupported(device.torch_device.type) if world > 1 and sharding is None else None
+    sharded_by = world if sharding == "fsdp" or (sharding is None and no_fsdp is None) else 1
     if device.margin.total(static.total_bytes // sharded_by) > limit:
         # nothing can fit: skip the ladder (every trial would run out) and explain with the smallest plan
         search = ProbeResult(LadderResult((), None, ()), [], static, targets, limit, None, world_size=world)
@@ -115,7 +113,7 @@ def _estimate(model_file, device, targets, headroom, steps, objective, amp, on_s
     plan = smallest_plan(device, targets, amp, static.checkpointing_supported, world, sharding)
     bd = breakdown(model_file, plan, device, steps, dist)
     search.why_nothing_fits = why_nothing_fits(bd, plan, static, limit, device.budget_bytes, headroom, device.margin)
-    if world > 1 and sharding is None and (no_fsdp := fsdp_unsupported(device.torch_device.type)) is not None:
+    if no_fsdp is not None:
         search.why_nothing_fits += f" No fsdp rung was tried: {no_fsdp}."
     return EstimateResult(search, device.margin, bd, plan,
                           levers(bd, static, limit, device.margin, headroom, plan.activation_checkpointing))

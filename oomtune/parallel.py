@@ -218,6 +218,8 @@ def check_world(world_size: int, sharding: str | None) -> None:
         raise OomtuneError(f"--sharding {sharding!r}: expected none, ddp or fsdp")
     if sharding == "none" and world_size > 1:
         raise OomtuneError(f"--sharding none is one process: with --world-size {world_size} use ddp or fsdp")
+    if sharding == "fsdp" and (why := fsdp_unsupported("cpu")) is not None:  # the fake device's tensors are cpu's
+        raise OomtuneError(f"--sharding fsdp: {why}")
 
 
 def ranks_for(plan, device, dist: Dist | None = None) -> contextlib.AbstractContextManager:

@@ -165,11 +165,10 @@ def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: 
     if dist is not None:
         device.lower_budget(int(dist.min(device.budget_bytes)[0]))
     limit = int(device.budget_bytes * (1 - headroom))
-    no_fsdp = fsdp_unsupported(device.torch_device.type) if world > 1 and sharding in (None, "fsdp") else None
-    if no_fsdp is not None and sharding == "fsdp":
-        raise OomtuneError(f"--sharding fsdp: {no_fsdp}", BAD_INPUT)
+    no_fsdp = fsdp_unsupported(device.torch_device.type) if world > 1 and sharding is None else None
     static = static_memory(model_file)
-    check_static_fits(static, device, limit, headroom, world if sharding in (None, "fsdp") and not no_fsdp else 1)
+    sharded_by = world if sharding == "fsdp" or (sharding is None and no_fsdp is None) else 1
+    check_static_fits(static, device, limit, headroom, sharded_by)
     rungs = ladder_rungs(device, amp, static.checkpointing_supported, world, sharding)
 
     seconds: dict[Point, float] = {}

@@ -137,8 +137,7 @@ class RanksMixin:
                                f"({one_line(e)[:200]})", BAD_INPUT) from None
         self._account(t.optimizer)  # the loaded state was made outside measure()
         set_weight_decay(t, self.cfg.weight_decay)  # the loaded groups bring the old run's (a flag may change it)
-        if self.device.kind != "cuda":  # and their foreach choice: a simulated device measures CUDA's again
-            as_on_cuda(t.optimizer)
+        as_on_cuda(t.optimizer, self.device)  # and their foreach choice
         rng = dist_checkpoint.load_rng(path, self.rank) if folder else (st["rng"] if self.rank == 0 else None)
         if rng is not None:
             restore_rng(rng, self.cuda)

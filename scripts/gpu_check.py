@@ -38,14 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # the checkout, not an installed copy
 sys.path.insert(0, str(ROOT / "scripts"))  # its tables, beside this file
 
-from gpu_tables import (  # noqa: E402 - after the path is set
-    Report,
-    TimeBox,
-    md_table,  # noqa: F401 - used by the tests
-    memory_table,
-    pct,  # noqa: F401 - used by the tests
-    probe_table,
-)
+from gpu_tables import Report, TimeBox, memory_table, probe_table  # noqa: E402 - after the path is set
 
 OPTIONAL = ("pytest", "pynvml", "yaml", "typer", "rich")
 NO_GPU = 3

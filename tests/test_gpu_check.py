@@ -19,6 +19,13 @@ def load_script():
     return module
 
 
+def load_tables():
+    load_script()  # puts scripts/ on the path, as `make gpu-check` does
+    import gpu_tables
+
+    return gpu_tables
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible: run the real check, `make gpu-check`")
 def test_without_a_gpu_it_says_so_writes_the_report_and_exits_3(tmp_path):
     env = dict(os.environ, OUT=str(tmp_path), PYTHONPATH=str(ROOT))
@@ -33,18 +40,11 @@ def test_without_a_gpu_it_says_so_writes_the_report_and_exits_3(tmp_path):
 
 
 def test_pytest_summary_and_relative_error_helpers():
-    g = load_script()
+    g, t = load_script(), load_tables()
     out = "....F.s\nFAILED tests/test_gpu.py::test_x - 2 passed in a message\n1 failed, 8 passed, 1 skipped in 61.2s\n"
     assert g.pytest_counts(out) == {"failed": 1, "passed": 8, "skipped": 1}
     assert g.pytest_counts("no tests ran in 0.01s") == {}
-    assert [g.pct(110, 100), g.pct(95, 100), g.pct(None, 100), g.pct(5, 0)] == ["+10.0%", "-5.0%", "n/a", "n/a"]
-
-
-def load_tables():
-    load_script()  # puts scripts/ on the path, as `make gpu-check` does
-    import gpu_tables
-
-    return gpu_tables
+    assert [t.pct(110, 100), t.pct(95, 100), t.pct(None, 100), t.pct(5, 0)] == ["+10.0%", "-5.0%", "n/a", "n/a"]
 
 
 def test_the_implied_margin_is_the_least_squares_line_of_card_less_tensors():

@@ -112,5 +112,5 @@ def test_the_simulated_device_runs_adamw_as_cuda_does_with_its_foreach_temporari
         return r.peak_bytes
 
     assert peak() >= 5 * weights
-    monkeypatch.setattr(step, "as_on_cuda", lambda optimizer: None)  # torch's own choice on the CPU
+    monkeypatch.setattr(step, "as_on_cuda", lambda optimizer, device: None)  # torch's own choice on the CPU
     assert 4 * weights < peak() < 5 * weights

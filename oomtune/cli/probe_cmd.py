@@ -150,7 +150,7 @@ def divisor_note(result) -> str | None:
     chosen = ladder.choice.micro_batch_size
     if fitting is None or chosen * 2 > fitting:  # within a factor of two of what fits: nothing to say
         return None
-    world = getattr(result, "world_size", 1)
+    world = result.world_size
     batch = result.targets.batch
     nearest = max(fitting, round(batch / world / fitting) * fitting) * world
     return (f"micro-batch {fitting} fits, but the global batch {batch} has no divisor between {chosen + 1} and "
@@ -192,7 +192,7 @@ def render_search(result, out_path: Path | None, as_json: bool, verb: str, extra
     else:
         if result.records:  # none when the estimate knew without a trial that nothing fits
             out.print(trials_table(result.records))
-            out.print(rungs_table(result.ladder, result.targets, getattr(result, "world_size", 1)))
+            out.print(rungs_table(result.ladder, result.targets, result.world_size))
         if result.config is not None:
             fb = result.config.found_by
             tps = f", {fb.tokens_per_s:,.0f} tokens/s" if fb.tokens_per_s else ""
