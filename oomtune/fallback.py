@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 
 from .checkpoint import restore_rng
-from .config_text import keep_train_text
+from .config_text import keep_unchanged_text
 from .devices import is_oom
 from .errors import NO_FIT, OOM_RELAUNCH, ConfigError, OomtuneError
 from .files import atomic_write
@@ -65,7 +65,7 @@ def rewrite_plan(path: Path, config: Config, plan: Plan, note: str) -> None:
         same = from_dict(Config, yaml.safe_load(edited)) == want
     except (ConfigError, yaml.YAMLError):
         same = False
-    atomic_write(path, edited if same else keep_train_text(text, dump_config(want, header=note)))
+    atomic_write(path, edited if same else keep_unchanged_text(text, dump_config(want, header=note)))
 
 
 class FallbackMixin:

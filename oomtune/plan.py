@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
-from .config_text import keep_train_text
+from .config_text import keep_unchanged_text
 from .errors import ConfigError
 from .files import atomic_write
 
@@ -381,8 +381,8 @@ def save_config(config: Config, path: str | Path, header: str = "") -> None:
     if model.is_absolute() and model.is_relative_to(p.resolve().parent):
         config = dataclasses.replace(config, model=str(model.relative_to(p.resolve().parent)))
     text = dump_config(config, header)
-    try:  # the train: section a person wrote stays as they wrote it, comments included, where its values are kept
-        text = keep_train_text(p.read_text(), text) if p.is_file() else text
+    try:  # each section a person wrote stays as they wrote it, comments included, where its values are kept
+        text = keep_unchanged_text(p.read_text(), text) if p.is_file() else text
     except (OSError, UnicodeDecodeError):
         pass
     atomic_write(p, text)
