@@ -22,7 +22,7 @@ from .errors import OomtuneError
 from .gpus_table import GPUS, Margin
 from .memtrack import MemoryTracker, Recorder
 from .model_file import ModelFile
-from .plan import MemoryBreakdown, Plan
+from .plan import TRIAL_STEPS, MemoryBreakdown, Plan
 from .units import format_bytes
 
 
@@ -135,7 +135,8 @@ def margin_of(device: Device) -> Margin:
     return getattr(device, "margin", None) or Margin()
 
 
-def breakdown(model_file: ModelFile, plan: Plan, device: TrackedDevice, steps: int = 2, dist=None) -> MemoryBreakdown:
+def breakdown(model_file: ModelFile, plan: Plan, device: TrackedDevice, steps: int = TRIAL_STEPS,
+              dist=None) -> MemoryBreakdown:
     """Run `plan` once on `device` (fake or cpu) with its budget lifted, recording every storage, and sort
     what was live at the peak. The step is the trial's own (run_trial), so the peak is the trial's peak. A plan
     on several ranks is measured on one of them (`dist`, or a fake world made for it)."""

@@ -210,7 +210,8 @@ class FakeDevice(TrackedDevice):
 
         capacity = gpu.memory_bytes if gpu is not None else None
         if budget is None and capacity is None:
-            raise OomtuneError("--device fake has no memory of its own: give --budget (e.g. 24GiB) or --gpu NAME")
+            raise OomtuneError("--device fake has no memory of its own: give --budget (e.g. --budget 24GiB), "
+                               "or estimate for a named card: oomtune estimate MODEL --gpu NAME")
         budget_bytes = parse_budget(budget, capacity) if budget else capacity
         self.margin = margin if margin is not None else parse_margin(None)
         super().__init__("fake", torch.device("cpu"), budget_bytes, capacity)

@@ -1,4 +1,4 @@
-"""The one project error. Library code raises it; cli.py turns it into a one-line message and an exit code."""
+"""The one project error. Library code raises it; the CLI (oomtune/cli) makes it one line and an exit code."""
 
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ from .devices import CpuDevice, Device, FakeDevice, TrackedDevice, make_device
 from .errors import BAD_INPUT, OomtuneError
 from .gpus_table import Margin, find_gpu, parse_margin
 from .model_file import ModelFile
-from .plan import Config, MemoryBreakdown, Plan, TrialRecord
+from .plan import HEADROOM, TRIAL_STEPS, Config, MemoryBreakdown, Plan, TrialRecord
 from .probe import check_headroom, check_search_options, check_steps
 from .units import parse_budget
 
@@ -57,7 +57,7 @@ def smallest_plan(device: Device, targets, amp: str, checkpointing_supported: bo
     return plan_of(Point(last, 1, targets.min_context), world_size)
 
 
-def check_estimate_options(objective: str, headroom: float, steps: int = 2, amp: str = "auto") -> None:
+def check_estimate_options(objective: str, headroom: float, steps: int = TRIAL_STEPS, amp: str = "auto") -> None:
     """check_search_options, and throughput refused: the fake device measures no speed."""
     if objective == "throughput":
         raise OomtuneError("--objective throughput ranks rungs by measured speed, and the fake device computes "
@@ -65,8 +65,8 @@ def check_estimate_options(objective: str, headroom: float, steps: int = 2, amp:
     check_search_options(headroom, steps, objective, amp)
 
 
-def estimate(model_file: ModelFile, device: FakeDevice, targets, *, headroom: float = 0.1, steps: int = 2,
-             objective: str = "fit", amp: str = "auto", on_start: Callable | None = None,
+def estimate(model_file: ModelFile, device: FakeDevice, targets, *, headroom: float = HEADROOM,
+             steps: int = TRIAL_STEPS, objective: str = "fit", amp: str = "auto", on_start: Callable | None = None,
              on_trial: Callable[[TrialRecord], None] | None = None, world_size: int = 1,
              sharding: str | None = None) -> EstimateResult:
     """The probe's ladder on the fake device, then the breakdown of its choice (see module doc).
@@ -135,8 +135,8 @@ class WhatIf:
         return None if self.limit_bytes is None else self.breakdown.peak_bytes <= self.limit_bytes
 
 
-def what_if(model_file: ModelFile, plan: Plan, device: FakeDevice | None, margin: Margin, *, headroom: float = 0.1,
-            steps: int = 2) -> WhatIf:
+def what_if(model_file: ModelFile, plan: Plan, device: FakeDevice | None, margin: Margin, *, headroom: float = HEADROOM,
+            steps: int = TRIAL_STEPS) -> WhatIf:
     """The breakdown of one plan; with a device (a budget), the verdict and levers too."""
     check_headroom(headroom)
     check_steps(steps)
@@ -191,7 +191,7 @@ def check_margin(config: Config, margin: str | None) -> Margin:
 
 
 def check(config: Config, model_file: ModelFile, *, device_kind: str = "fake", budget: str | None = None,
-          headroom: float | None = None, margin: str | None = None, steps: int = 2) -> CheckResult:
+          headroom: float | None = None, margin: str | None = None, steps: int = TRIAL_STEPS) -> CheckResult:
     """Re-measure the config's plan and say whether it still fits the config's budget (or --budget)."""
     from .trial import run_trial
 
@@ -205,7 +205,7 @@ def check(config: Config, model_file: ModelFile, *, device_kind: str = "fake", b
         headroom = fb.headroom
         check_headroom(headroom, "the config's found_by.headroom")
     else:
-        headroom = 0.1
+        headroom = HEADROOM
     spec = None
     if fb is not None and fb.gpu_name:
         try:

@@ -21,6 +21,8 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 Precision = Literal["fp32", "bf16", "fp16"]
 SHARDINGS = ("none", "ddp", "fsdp")
 Sharding = Literal["none", "ddp", "fsdp"]  # none: one process; ddp: replicated (DDP); fsdp: sharded (FSDP2)
+HEADROOM = 0.1  # the searches' default: fraction of the budget kept free (fragmentation, longer batches)
+TRIAL_STEPS = 2  # optimizer steps per trial: the optimizer state exists when the peak is read
 
 
 @dataclass(frozen=True)

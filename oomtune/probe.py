@@ -14,7 +14,7 @@ from .devices import Device
 from .errors import BAD_INPUT, OomtuneError
 from .model_file import ModelFile
 from .parallel import Dist, fsdp_unsupported
-from .plan import Config, FoundBy, Plan, TrialRecord
+from .plan import HEADROOM, TRIAL_STEPS, Config, FoundBy, Plan, TrialRecord
 from .search import LadderResult, LadderSearch, Measurement, Objective, Point, Rung, Trial
 from .trial import run_trial
 from .units import format_bytes
@@ -147,8 +147,8 @@ def check_static_fits(static: StaticMemory, device: Device, limit_bytes: int, he
         )
 
 
-def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: float = 0.1, steps: int = 2,
-          objective: Objective = "fit", amp: str = "auto", command: str = "probe",
+def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: float = HEADROOM,
+          steps: int = TRIAL_STEPS, objective: Objective = "fit", amp: str = "auto", command: str = "probe",
           on_start: Callable[[Point], None] | None = None,
           on_trial: Callable[[TrialRecord], None] | None = None, dist: Dist | None = None,
           sharding: str | None = None) -> ProbeResult:

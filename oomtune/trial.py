@@ -11,7 +11,7 @@ from .devices import Device, is_oom
 from .errors import ModelFileError
 from .model_file import ModelFile
 from .parallel import Dist, RanksOutOfMemory
-from .plan import Plan, TrainConfig
+from .plan import TRIAL_STEPS, Plan, TrainConfig
 from .step import Training, build_training, train_step
 
 # k >= 2 accumulated micro-steps need the memory of 2 (the gradients accumulate in place): a trial computes at
@@ -85,7 +85,7 @@ def _steps(model_file: ModelFile, plan: Plan, device: Device, steps: int, readin
     return step_s, tokens / step_s if step_s > 0 and device.computes else None, first_loss
 
 
-def run_trial(model_file: ModelFile, plan: Plan, device: Device, steps: int = 2,
+def run_trial(model_file: ModelFile, plan: Plan, device: Device, steps: int = TRIAL_STEPS,
               observe: Callable[[Training, str], None] | None = None, dist: Dist | None = None) -> TrialResult:
     """Run `steps` optimizer steps of `plan`. An OOM is a result, not an error; any other error is the
     user's and propagates. Memory is given back outside the `except` block (its frames hold the

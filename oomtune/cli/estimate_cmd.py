@@ -11,6 +11,7 @@ import typer
 from rich import box
 from rich.table import Table
 
+from ..plan import HEADROOM, TRIAL_STEPS
 from . import DebugOpt, app, err, fmt_bytes, out, user_errors
 from .probe_cmd import check_out, render_search, trial_progress, write_config
 
@@ -85,8 +86,8 @@ def estimate(
                                                 "--micro-batch: the plan's context).")] = None,
     min_context: Annotated[int | None, typer.Option("--min-context", help="Shortest context you accept "
                                                     "(default: T, i.e. never cut).")] = None,
-    headroom: Annotated[float, typer.Option(help="Fraction of the budget kept free.")] = 0.1,
-    steps: Annotated[int, typer.Option(help="Optimizer steps per trial (2: optimizer state exists).")] = 2,
+    headroom: Annotated[float, typer.Option(help="Fraction of the budget kept free.")] = HEADROOM,
+    steps: Annotated[int, typer.Option(help="Optimizer steps per trial (2: optimizer state exists).")] = TRIAL_STEPS,
     objective: Annotated[str, typer.Option(help="fit: the first rung that fits. (throughput needs measured "
                                            "speed: use probe.)")] = "fit",
     amp: Annotated[str, typer.Option(help="Mixed precision for the amp rungs: auto (bf16 where the card has it, "
@@ -199,7 +200,7 @@ def check(
     margin: Annotated[str | None, typer.Option("--margin", help="fake device only. Default: the margin the "
                                                "config was estimated with; for a config probed on a GPU "
                                                "512MiB+5%; for one probed on cpu 0.")] = None,
-    steps: Annotated[int, typer.Option(help="Optimizer steps to run (2: optimizer state exists).")] = 2,
+    steps: Annotated[int, typer.Option(help="Optimizer steps to run (2: optimizer state exists).")] = TRIAL_STEPS,
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON (for CI).")] = False,
     debug: DebugOpt = False,
 ):

@@ -15,6 +15,7 @@ from rich import box
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from ..plan import HEADROOM, TRIAL_STEPS
 from . import RESULT_SHORT, RESULT_STYLE, DebugOpt, app, err, fmt_bytes, out, user_errors, worker_rank
 from .train_cmd import (
     DistTimeoutOpt,
@@ -223,12 +224,13 @@ def probe(
                                                 "Default: DEFAULTS, else 512.")] = None,
     min_context: Annotated[int | None, typer.Option("--min-context", help="Shortest context you accept "
                                                     "(default: T, i.e. never cut).")] = None,
-    device: Annotated[str, typer.Option("--device", "-d", help="auto | cuda | cpu (cpu simulates a GPU's "
-                                        "memory limit with a tensor-level tracker).")] = "auto",
+    device: Annotated[str, typer.Option("--device", "-d", help="auto | cuda | cpu | fake (cpu simulates a "
+                                        "GPU's memory limit with a tensor-level tracker; fake does the same on "
+                                        "fake tensors, computing nothing).")] = "auto",
     budget: Annotated[str | None, typer.Option("--budget", help="Memory to fit in: 24GiB, 512MiB, 80% "
                                                "(default: the GPU's free memory; cpu: available RAM).")] = None,
-    headroom: Annotated[float, typer.Option(help="Fraction of the budget kept free.")] = 0.1,
-    steps: Annotated[int, typer.Option(help="Optimizer steps per trial (2: optimizer state exists).")] = 2,
+    headroom: Annotated[float, typer.Option(help="Fraction of the budget kept free.")] = HEADROOM,
+    steps: Annotated[int, typer.Option(help="Optimizer steps per trial (2: optimizer state exists).")] = TRIAL_STEPS,
     objective: Annotated[str, typer.Option(help="fit: the first rung that fits; throughput: the fastest "
                                            "fitting rung (measures them all).")] = "fit",
     amp: Annotated[str, typer.Option(help="Mixed precision for the amp rungs: auto (bf16 where supported, "
@@ -247,8 +249,7 @@ def probe(
 
     Example: [cyan]oomtune probe examples/tiny_gpt.py --device cpu --budget 12MiB[/]
 
-    On several GPUs: [cyan]oomtune probe model.py --nproc-per-node 4[/] (every rank runs every trial; the ladder
-    adds an fsdp rung when replicating the model does not fit).
+    On several GPUs: [cyan]oomtune probe model.py --nproc-per-node 4[/] (all ranks run each trial; +fsdp rung).
     """
     with user_errors(debug):
         from ..devices import make_device

@@ -190,8 +190,7 @@ def train(
 
     Example: [cyan]oomtune train --config best.yaml --steps 200[/]
 
-    On several GPUs: [cyan]oomtune train --config best.yaml --nproc-per-node 4[/] (torchrun; DDP or FSDP2 as the
-    plan's sharding says; the global batch stays exact).
+    On several GPUs: [cyan]oomtune train --config best.yaml --nproc-per-node 4[/] (DDP or FSDP2, as planned).
     """
     with user_errors(debug):
         overrides = {"steps": steps, "lr": lr, "min_lr": min_lr, "warmup_steps": warmup_steps,
