@@ -190,6 +190,14 @@ def test_probe_checks_its_options_before_loading_anything(args, needle, tmp_path
     assert "probing" not in r.stderr
 
 
+def test_probe_on_the_fake_device_without_a_budget_names_options_that_exist(write_model, tmp_path):
+    r = run_cli("probe", write_model(), "--device", "fake", "--out", tmp_path / "best.yaml")
+    one_line_error(r, "--device fake has no memory of its own", "--budget", "oomtune estimate MODEL --gpu NAME")
+    assert not (tmp_path / "best.yaml").exists()
+    assert "--gpu" not in r.stderr.split("oomtune estimate")[0]  # probe itself has no --gpu to suggest
+    assert run_cli("probe", "--gpu", "a100-80").exit_code == 2  # (it has not)
+
+
 # -- 7. a bad value is blamed on where it came from ----------------------------------------------
 
 def test_a_config_value_is_not_blamed_on_a_flag(write_model, tmp_path):
