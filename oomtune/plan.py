@@ -117,6 +117,14 @@ class TrainConfig:
                 raise ConfigError(f"train.{name} must be a finite number, got {getattr(self, name)}")
         if self.lr <= 0 or self.min_lr < 0:
             raise ConfigError("train.lr must be > 0 and train.min_lr >= 0")
+        if self.min_lr > self.lr:  # the cosine would climb from lr to min_lr
+            raise ConfigError(f"train.min_lr ({self.min_lr}) must not be above train.lr ({self.lr})")
+        if self.weight_decay < 0:  # AdamW would push every weight away from 0
+            raise ConfigError(f"train.weight_decay must be 0 or more, got {self.weight_decay}")
+        if self.clip_grad_norm is not None and self.clip_grad_norm <= 0:  # < 0 flips the gradient, 0 zeroes it
+            raise ConfigError(f"train.clip_grad_norm must be > 0, or null for no clipping, got {self.clip_grad_norm}")
+        if not str(self.run_dir).strip():
+            raise ConfigError("train.run_dir must not be empty")
 
 
 @dataclass(frozen=True)

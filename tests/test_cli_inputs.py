@@ -7,6 +7,7 @@ import errno
 import json
 import math
 import os
+import re
 import types
 from pathlib import Path
 
@@ -227,6 +228,27 @@ def test_a_defaults_min_context_is_not_blamed_on_a_flag(write_model, no_search):
 def test_train_numbers_must_be_finite(key, value):
     with pytest.raises(ConfigError, match=f"train.{key} must be a finite number"):
         TrainConfig(**{key: value})
+
+
+@pytest.mark.parametrize("values, needle", [
+    ({"clip_grad_norm": -1.0}, "train.clip_grad_norm must be > 0, or null"),  # would flip every gradient
+    ({"clip_grad_norm": 0.0}, "train.clip_grad_norm must be > 0, or null"),  # would zero them
+    ({"weight_decay": -0.1}, "train.weight_decay must be 0 or more"),
+    ({"lr": 1e-3, "min_lr": 1e-2}, "train.min_lr (0.01) must not be above train.lr (0.001)"),
+    ({"run_dir": " "}, "train.run_dir must not be empty"),
+])
+def test_train_values_that_would_wreck_a_run_are_refused(values, needle):
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        TrainConfig(**values)
+
+
+def test_a_bad_train_flag_is_one_line_naming_the_flag(write_model, tmp_path):
+    model, config = write_model(), tmp_path / "best.yaml"
+    assert run_cli("estimate", model, *ESTIMATE, "--batch", "2", "--context", "4", "--out", config).exit_code == 0
+    r = run_cli("train", "--config", config, "--clip-grad-norm=-1", "--run-dir", tmp_path / "run")
+    one_line_error(r, "--clip-grad-norm must be > 0")
+    assert not (tmp_path / "run").exists()
+    assert TrainConfig(clip_grad_norm=None).clip_grad_norm is None and TrainConfig(weight_decay=0).weight_decay == 0
 
 
 def test_a_nan_in_the_yaml_is_one_line(write_model, tmp_path):
