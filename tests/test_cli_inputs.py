@@ -298,3 +298,34 @@ def test_check_on_cuda_uses_at_most_the_memory_free_now(free_delta, clamped, wri
     if clamped:  # a --budget given is the user's: more than is free stays an error
         one_line_error(run_cli("check", "--config", config, "--device", "cuda", "--budget", str(old_budget)),
                        "more than")
+
+
+# -- 9. a Ctrl-C Python dropped (it landed in a finalizer) still stops the search, and nothing is written ------
+
+@pytest.mark.parametrize("command", ["estimate", "probe"])
+@pytest.mark.parametrize("as_json", [False, True])
+def test_a_swallowed_ctrl_c_stops_the_search_and_writes_no_config(command, as_json, write_model, tmp_path,
+                                                                 monkeypatch):
+    import signal
+
+    import oomtune.estimate
+    import oomtune.probe
+
+    real = {"estimate": oomtune.estimate.estimate, "probe": oomtune.probe.probe}[command]
+
+    def swallowed_then_search(*args, **kwargs):
+        try:  # what Python does to a KeyboardInterrupt raised inside a __del__: print it, carry on
+            signal.getsignal(signal.SIGINT)(signal.SIGINT, None)
+        except KeyboardInterrupt:
+            pass
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(f"oomtune.{command}.{command}", swallowed_then_search)
+    out = tmp_path / "best.yaml"
+    extra = ESTIMATE if command == "estimate" else ("--device", "cpu", "--budget", "64MiB")
+    r = run_cli(command, write_model(), *extra, "--batch", "2", "--context", "4", "--out", out,
+                *(["--json"] if as_json else []))
+    assert r.exit_code == 130, r.output
+    assert "interrupted" in r.stderr and "Traceback" not in r.output
+    assert not out.exists()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the command put Python's back

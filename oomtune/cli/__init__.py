@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
+import threading
 import traceback
 import warnings
 from contextlib import contextmanager
@@ -73,6 +75,38 @@ def _peer_failure(e: BaseException) -> bool:
         "NCCL communicator was aborted", "[gloo/"))
 
 
+_interrupted = False  # Ctrl-C came during this command (see _on_sigint)
+
+
+def _on_sigint(signum, frame) -> None:
+    """Python's own Ctrl-C, remembered: a KeyboardInterrupt raised while a finalizer runs (torch's storage
+    weakrefs, in every trial) is printed and dropped by Python, and the search would go on to write its
+    config. `stop_if_interrupted` turns the remembered one back into an interruption."""
+    global _interrupted
+    _interrupted = True
+    raise KeyboardInterrupt
+
+
+def stop_if_interrupted() -> None:
+    """Between trials and before a file is written: a Ctrl-C that was swallowed still stops the command."""
+    if _interrupted:
+        raise KeyboardInterrupt
+
+
+@contextmanager
+def _remember_sigint():
+    global _interrupted
+    _interrupted = False
+    own = threading.current_thread() is threading.main_thread() and \
+        signal.getsignal(signal.SIGINT) is signal.default_int_handler  # not where Ctrl-C is ignored (nohup, &)
+    previous = signal.signal(signal.SIGINT, _on_sigint) if own else None
+    try:
+        yield
+    finally:
+        if own:
+            signal.signal(signal.SIGINT, previous)
+
+
 @contextmanager
 def user_errors(debug: bool):
     """One project error -> one line on stderr and its exit code; anything else -> a short line + exit 1. A
@@ -81,7 +115,8 @@ def user_errors(debug: bool):
     who = escape(f"[rank {rank}] ") if rank is not None else ""
     _quiet_fake_tensor_log(debug)
     try:
-        yield
+        with _remember_sigint():
+            yield
     except OomtuneError as e:
         if debug:
             raise

@@ -16,7 +16,18 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from ..plan import HEADROOM, TRIAL_STEPS
-from . import RESULT_SHORT, RESULT_STYLE, DebugOpt, app, err, fmt_bytes, out, user_errors, worker_rank
+from . import (
+    RESULT_SHORT,
+    RESULT_STYLE,
+    DebugOpt,
+    app,
+    err,
+    fmt_bytes,
+    out,
+    stop_if_interrupted,
+    user_errors,
+    worker_rank,
+)
 from .train_cmd import (
     DistTimeoutOpt,
     MasterAddrOpt,
@@ -64,7 +75,7 @@ def rungs_table(ladder, targets, world_size: int = 1) -> Table:
 def trial_progress(enabled: bool):
     """A spinner with the trial in flight; each finished trial is printed above it (stderr)."""
     if not enabled:
-        yield (lambda point: None), (lambda rec: None)
+        yield (lambda point: None), (lambda rec: stop_if_interrupted())
         return
     progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), TextColumn("[dim]{task.completed} trials"),
                         TimeElapsedColumn(), console=err, transient=True)
@@ -78,6 +89,7 @@ def trial_progress(enabled: bool):
                                           f"context {point.context_length}{accum}")
 
     def on_trial(rec):
+        stop_if_interrupted()
         progress.advance(task)
         progress.console.print(
             f"  [dim]{rec.rung:<13}[/] b={rec.micro_batch_size:<4} T={rec.context_length:<6} "
@@ -133,6 +145,7 @@ def write_config(config, out_path: Path, model: Path, header: str) -> bool:
     from ..errors import OomtuneError
     from ..plan import save_config
 
+    stop_if_interrupted()  # a Ctrl-C during the search writes nothing, even one Python dropped
     train = check_out(out_path, model)
     try:
         save_config(config if train is None else dataclasses.replace(config, train=train), out_path, header=header)
