@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import types
 import typing
 from dataclasses import dataclass, field, fields
@@ -310,7 +311,7 @@ def load_config(path: str | Path) -> Config:
 # -- writing -------------------------------------------------------------------------------------
 
 COMMENTS = {
-    "model": "the model file (relative to this file's folder)",
+    "model": "the model file (relative to this file's folder, unless absolute)",
     "plan.micro_batch_size": "examples per forward/backward pass",
     "plan.context_length": "tokens per example",
     "plan.precision": "fp32 | bf16 | fp16 (autocast keeps fp32 weights; fp16 adds a GradScaler)",
@@ -382,14 +383,16 @@ def dump_config(config: Config, header: str = "") -> str:
 
 
 def save_config(config: Config, path: str | Path, header: str = "") -> None:
-    """Write atomically; an absolute model path under the config's folder is stored relative to it. Only a
-    regular file is replaced, never a device node or a folder (the CLI checks --out before the search too)."""
+    """Write atomically; an absolute model path is stored relative to the config's folder (`../models/m.py`)
+    where the two share a folder below the filesystem's root, so a config committed with its model works in any
+    clone. Only a regular file is replaced, never a device node or a folder (the CLI checks --out before the
+    search too)."""
     p = Path(path)
     if p.exists() and not p.is_file():
         raise ConfigError(f"cannot write the config to {p}: it exists and is not a regular file")
-    model = Path(config.model)
-    if model.is_absolute() and model.is_relative_to(p.resolve().parent):
-        config = dataclasses.replace(config, model=str(model.relative_to(p.resolve().parent)))
+    model, folder = Path(config.model), p.resolve().parent
+    if model.is_absolute() and Path(os.path.commonpath([model, folder])) != Path(model.anchor):
+        config = dataclasses.replace(config, model=os.path.relpath(model, folder))
     text = dump_config(config, header)
     try:  # each section a person wrote stays as they wrote it, comments included, where its values are kept
         text = keep_unchanged_text(p.read_text(), text) if p.is_file() else text
