@@ -1,9 +1,64 @@
-"""Keeping a hand-edited config's text (comments, spacing, order) when oomtune rewrites it: every top-level section
-whose values the rewrite does not change stays word for word."""
+"""A config's YAML text: read strictly (a key given twice is an error), written with a comment on every key,
+and, when oomtune rewrites a hand-edited config, every top-level section whose values the rewrite does not change
+kept word for word (comments, spacing, order)."""
 
 from __future__ import annotations
 
 import re
+
+COMMENTS = {
+    "model": "the model file (relative to this file's folder, unless absolute)",
+    "plan.micro_batch_size": "examples per forward/backward pass",
+    "plan.context_length": "tokens per example",
+    "plan.precision": "fp32 | bf16 | fp16 (autocast keeps fp32 weights; fp16 adds a GradScaler)",
+    "plan.activation_checkpointing": "less memory, ~30% more compute (blocks recomputed in backward)",
+    "plan.grad_accum_steps": "micro-batches per optimizer step; more = less memory, same result",
+    "plan.world_size": "ranks (processes, one per GPU) the plan is for: oomtune train --nproc-per-node",
+    "plan.sharding": "none | ddp (replicated on every rank) | fsdp (weights, grads, optimizer state sharded)",
+    "plan.global_batch_size": "micro_batch_size x grad_accum_steps x world_size: what the optimizer sees",
+    "train.steps": "optimizer steps",
+    "train.lr": "peak learning rate, after warmup",
+    "train.min_lr": "cosine decay ends here",
+    "train.warmup_steps": "linear warmup from 0",
+    "train.clip_grad_norm": "null = no clipping",
+    "train.eval_interval": "optimizer steps between evaluations",
+    "train.eval_steps": "batches per evaluation",
+    "train.checkpoint_interval": "optimizer steps between checkpoints",
+    "train.log_every_n_steps": "optimizer steps between metric lines",
+    "train.run_dir": "checkpoints and metrics.jsonl go here",
+    "found_by.estimated": "true: predicted on the fake device, never measured",
+    "found_by.budget_bytes": "memory the search was allowed to use",
+    "found_by.headroom": "fraction of the budget kept free (fragmentation, longer batches)",
+    "found_by.peak_bytes": "measured peak of the plan",
+    "found_by.breakdown": "what the peak is made of; the parts sum to tensor_peak_bytes",
+    "found_by.breakdown.phase": "the step's phase at the peak: forward | backward | optimizer",
+    "found_by.breakdown.margin": "added for what tensors do not show on a GPU: CUDA context, workspaces, allocator",
+    "found_by.breakdown.peak_bytes": "tensor_peak_bytes + margin_bytes",
+}
+
+
+def unique_keys_loader():
+    """PyYAML's safe loader, refusing a key given twice in one mapping (plain PyYAML keeps the last one, so
+    a second `model:` or `lr:` would silently win)."""
+    import yaml
+
+    class UniqueKeys(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            seen: dict = {}
+            for key_node, _ in node.value:
+                key, line = self.construct_object(key_node, deep=deep), key_node.start_mark.line + 1
+                try:
+                    if key in seen:
+                        raise yaml.constructor.ConstructorError(
+                            None, None, f"key {key!r} appears twice (lines {seen[key]} and {line})",
+                            key_node.start_mark)
+                    seen[key] = line
+                except TypeError:  # an unhashable key: PyYAML's own error follows
+                    continue
+            return super().construct_mapping(node, deep)
+
+    return UniqueKeys
+
 
 _KEY = re.compile(r"([A-Za-z_][\w.-]*)\s*:(\s|$)")  # a top-level key at column 0
 _TOP_LEVEL = re.compile(r"[^\s#]")  # a line that starts a top-level key (or a YAML marker), not a comment

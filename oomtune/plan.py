@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
-from .config_text import keep_unchanged_text
+from .config_text import COMMENTS, keep_unchanged_text, unique_keys_loader
 from .errors import ConfigError
 from .files import atomic_write
 
@@ -206,6 +206,10 @@ class FoundBy:
     breakdown: MemoryBreakdown | None = None  # what the peak is made of (estimate, check); absent in older files
     trials: tuple[TrialRecord, ...] = ()
 
+    def __post_init__(self):
+        if self.budget_bytes <= 0:  # `check` re-measures against it
+            raise ConfigError(f"found_by.budget_bytes must be more than 0, got {self.budget_bytes}")
+
 
 @dataclass(frozen=True)
 class Config:
@@ -292,14 +296,21 @@ def load_config(path: str | Path) -> Config:
     import yaml  # here, not at the top: trials and probes run where PyYAML is not installed (gpu-check)
 
     p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"{p} is a folder, not a config file")
     if not p.is_file():
         raise ConfigError(f"config file not found: {p}")
     try:
-        data = yaml.safe_load(p.read_text())
+        data = yaml.load(p.read_text(encoding="utf-8"), Loader=unique_keys_loader())
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{p}: not a text file in UTF-8 (byte {e.start} is {e.object[e.start]:#04x})") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read the config {p}: {e.strerror or e}") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         line = f" at line {mark.line + 1}" if mark else ""
-        raise ConfigError(f"{p}: not valid YAML{line}") from e
+        problem = f": {e.problem}" if getattr(e, "problem", None) else ""
+        raise ConfigError(f"{p}: not valid YAML{line}{problem}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{p}: expected a mapping with keys model, plan, train")
     try:
@@ -310,35 +321,6 @@ def load_config(path: str | Path) -> Config:
 
 # -- writing -------------------------------------------------------------------------------------
 
-COMMENTS = {
-    "model": "the model file (relative to this file's folder, unless absolute)",
-    "plan.micro_batch_size": "examples per forward/backward pass",
-    "plan.context_length": "tokens per example",
-    "plan.precision": "fp32 | bf16 | fp16 (autocast keeps fp32 weights; fp16 adds a GradScaler)",
-    "plan.activation_checkpointing": "less memory, ~30% more compute (blocks recomputed in backward)",
-    "plan.grad_accum_steps": "micro-batches per optimizer step; more = less memory, same result",
-    "plan.world_size": "ranks (processes, one per GPU) the plan is for: oomtune train --nproc-per-node",
-    "plan.sharding": "none | ddp (replicated on every rank) | fsdp (weights, grads, optimizer state sharded)",
-    "plan.global_batch_size": "micro_batch_size x grad_accum_steps x world_size: what the optimizer sees",
-    "train.steps": "optimizer steps",
-    "train.lr": "peak learning rate, after warmup",
-    "train.min_lr": "cosine decay ends here",
-    "train.warmup_steps": "linear warmup from 0",
-    "train.clip_grad_norm": "null = no clipping",
-    "train.eval_interval": "optimizer steps between evaluations",
-    "train.eval_steps": "batches per evaluation",
-    "train.checkpoint_interval": "optimizer steps between checkpoints",
-    "train.log_every_n_steps": "optimizer steps between metric lines",
-    "train.run_dir": "checkpoints and metrics.jsonl go here",
-    "found_by.estimated": "true: predicted on the fake device, never measured",
-    "found_by.budget_bytes": "memory the search was allowed to use",
-    "found_by.headroom": "fraction of the budget kept free (fragmentation, longer batches)",
-    "found_by.peak_bytes": "measured peak of the plan",
-    "found_by.breakdown": "what the peak is made of; the parts sum to tensor_peak_bytes",
-    "found_by.breakdown.phase": "the step's phase at the peak: forward | backward | optimizer",
-    "found_by.breakdown.margin": "added for what tensors do not show on a GPU: CUDA context, workspaces, allocator",
-    "found_by.breakdown.peak_bytes": "tensor_peak_bytes + margin_bytes",
-}
 
 
 def _scalar(v: Any) -> str:

@@ -77,17 +77,3 @@ def test_save_config_over_a_config_keeps_the_comments_of_sections_it_does_not_ch
     save_config(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=3)), p)  # new values: fresh
     assert "# my run" not in p.read_text() and load_config(p).train.steps == 3
 
-
-def test_the_model_path_is_stored_relative_to_the_config_wherever_they_share_a_folder(tmp_path):
-    import dataclasses
-
-    from oomtune.plan import save_config
-
-    cfg = load_config(CONFIGS[0])
-    model = (tmp_path / "models" / "m.py").resolve()
-    for out, stored in ((tmp_path / "best.yaml", "models/m.py"),  # below the config's folder
-                        (tmp_path / "cfgs" / "ci" / "best.yaml", "../../models/m.py")):  # beside it
-        out.parent.mkdir(parents=True, exist_ok=True)
-        save_config(dataclasses.replace(cfg, model=str(model)), out)
-        assert load_config(out).model == stored
-        assert load_config(out).model_path(out).resolve() == model

@@ -33,11 +33,16 @@ def test_round_trip(tmp_path):
     assert PLAN.global_batch_size == 32
 
 
-def test_model_path_is_stored_relative_to_the_config_when_inside_its_folder(tmp_path):
+def test_model_path_is_stored_relative_to_the_config_wherever_they_share_a_folder(tmp_path):
     (tmp_path / "m.py").write_text("")
     save_config(make_config(model=str(tmp_path / "m.py")), tmp_path / "sub" / ".." / "best.yaml")
     cfg = load_config(tmp_path / "best.yaml")
     assert cfg.model == "m.py" and cfg.model_path(tmp_path / "best.yaml") == tmp_path / "m.py"
+    beside = tmp_path / "cfgs" / "ci" / "best.yaml"  # a config folder next to the model's: ../ keeps it portable
+    beside.parent.mkdir(parents=True)
+    save_config(make_config(model=str(tmp_path / "m.py")), beside)
+    cfg = load_config(beside)
+    assert cfg.model == "../../m.py" and cfg.model_path(beside).resolve() == (tmp_path / "m.py").resolve()
 
 
 @pytest.mark.parametrize("edit, message", [
@@ -52,6 +57,10 @@ def test_model_path_is_stored_relative_to_the_config_when_inside_its_folder(tmp_
     (("global_batch_size: 32", "global_batch_size: 30"), r"plan\.global_batch_size is 30 but micro_batch_size x"),
     (("  micro_batch_size: 4", "  micro_batch_size: 0"), r"plan\.micro_batch_size must be at least 1"),
     (("result: fits", "result: maybe"), r"found_by\.trials\[0\]\.result: expected"),
+    (("model: model.py", "model: model.py\nmodel: other.py"),  # PyYAML alone would keep the last one
+     r"not valid YAML at line 2: key 'model' appears twice \(lines 1 and 2\)"),
+    (("  lr: 0.001", "  lr: 0.001\n  lr: 0.1"), r"key 'lr' appears twice"),
+    (("budget_bytes: 1048576", "budget_bytes: -1"), r"found_by\.budget_bytes must be more than 0, got -1"),
 ])
 def test_bad_keys_and_types_are_named(tmp_path, edit, message):
     path = tmp_path / "best.yaml"
@@ -75,6 +84,11 @@ def test_missing_keys_and_files_and_bad_yaml(tmp_path):
     (tmp_path / "c.yaml").write_text("- just a list\n")
     with pytest.raises(ConfigError, match="expected a mapping"):
         load_config(tmp_path / "c.yaml")
+    with pytest.raises(ConfigError, match="is a folder, not a config file"):
+        load_config(tmp_path)
+    (tmp_path / "d.yaml").write_bytes(b"model: m.py\n\xff\xfe\n")
+    with pytest.raises(ConfigError, match=r"d\.yaml: not a text file in UTF-8 \(byte 12 is 0xff\)"):
+        load_config(tmp_path / "d.yaml")
 
 
 def test_a_config_without_found_by_is_a_hand_written_config(tmp_path):
