@@ -260,7 +260,8 @@ def load_model_file(path: str | Path) -> ModelFile:
         spec.loader.exec_module(module)
     except SyntaxError as e:
         sys.modules.pop(name, None)
-        raise ModelFileError(f"{p.name}: syntax error at line {e.lineno}: {e.msg}") from e
+        where = f" at line {e.lineno}" if e.lineno else ""  # a NUL byte in the file has no line
+        raise ModelFileError(f"{p.name}: syntax error{where}: {e.msg}") from e
     except SystemExit as e:  # would exit with the file's code (3 reads as PEER_FAILED) or print its message
         sys.modules.pop(name, None)
         raise ModelFileError(f"{p.name}: importing it called {_exit_call(e)}") from e
@@ -268,8 +269,11 @@ def load_model_file(path: str | Path) -> ModelFile:
         sys.modules.pop(name, None)
         raise ModelFileError(f"{p.name}: importing it raised {type(e).__name__}: {_one_line(e)}") from e
     for required in ("build_model", "make_batch"):
-        if not callable(getattr(module, required, None)):
+        if not hasattr(module, required):
             raise ModelFileError(f"{p.name}: missing required function {required}()")
+        if not callable(value := getattr(module, required)):
+            raise ModelFileError(f"{p.name}: {required} must be a function, got {type(value).__name__} "
+                                 f"{repr(value)[:40]}")
     defaults = getattr(module, "DEFAULTS", {})
     if not isinstance(defaults, dict):
         raise ModelFileError(f"{p.name}: DEFAULTS must be a dict like {{'batch': 32, 'context': 512}}")

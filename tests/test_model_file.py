@@ -37,9 +37,17 @@ def test_syntax_error_names_the_line(write_model):
     assert probe_error(path).startswith("error: model.py: syntax error at line 1")
 
 
+def test_a_nul_byte_is_a_syntax_error_without_a_line(write_model):
+    path = write_model("def build_model():\n    pass\n\0\n")
+    msg = probe_error(path)
+    assert msg.startswith("error: model.py: syntax error: ") and "None" not in msg
+
+
 def test_missing_build_model(write_model):
     path = write_model("def make_batch(b, t, device):\n    return None\n")
     assert probe_error(path) == "error: model.py: missing required function build_model()"
+    path = write_model("build_model = 5\ndef make_batch(b, t, device):\n    return None\n")
+    assert probe_error(path) == "error: model.py: build_model must be a function, got int 5"
 
 
 def test_make_batch_returning_the_wrong_type(write_model):
