@@ -218,7 +218,8 @@ class FakeDevice(TrackedDevice):
         self.tracker.budget_bytes = self.margin.tensor_budget(budget_bytes)
         if self.tracker.budget_bytes <= 0:
             raise OomtuneError(f"budget {format_bytes(budget_bytes)} is not more than the margin "
-                               f"{self.margin.describe()} a GPU needs beyond tensors (estimate and check take --margin)")
+                               f"{self.margin.describe()} a GPU needs beyond tensors (estimate and check take "
+                               "--margin)")
         self._bf16 = gpu.bf16 if gpu is not None else True
         self.name = f"{gpu.name} (estimated)" if gpu is not None else "fake (estimated)"
 

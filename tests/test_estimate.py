@@ -258,3 +258,15 @@ def test_bad_input_exits_2(write_model, tmp_path):
         assert "error:" in r.stderr and "Traceback" not in r.output, name
     assert "define blocks(model)" in run_cli("estimate", flat, "--micro-batch", "1", "--checkpointing").stderr
     assert run_cli("estimate", flat, "--micro-batch", "1", "--margin", "0").exit_code == 0  # the file itself is fine
+
+
+def test_bf16_on_a_card_without_it_gets_a_note_and_the_same_memory(tmp_path):
+    args = ("estimate", EXAMPLES / "tiny_gpt.py", "--micro-batch", "2", "--context", "32", "--precision", "bf16")
+    t4, a100 = run_cli(*args, "--gpu", "t4", "--json"), run_cli(*args, "--gpu", "a100-80", "--json")
+    assert t4.exit_code == 0 and a100.exit_code == 0, t4.output + a100.output
+    t4_out, a100_out = json.loads(t4.stdout), json.loads(a100.stdout)
+    assert "no native bf16" in t4_out["note"] and "note" not in a100_out
+    assert t4_out["breakdown"]["tensor_peak_bytes"] == a100_out["breakdown"]["tensor_peak_bytes"]
+    ladder = run_cli("estimate", EXAMPLES / "tiny_gpt.py", "--gpu", "t4", "--amp", "bf16", "--batch", "2",
+                     "--context", "32", "--out", tmp_path / "best.yaml")
+    assert ladder.exit_code == 0 and "note: Tesla T4 has no native bf16" in ladder.stderr

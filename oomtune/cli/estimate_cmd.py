@@ -9,6 +9,7 @@ from typing import Annotated
 
 import typer
 from rich import box
+from rich.markup import escape
 from rich.table import Table
 
 from ..plan import HEADROOM, TRIAL_STEPS
@@ -40,6 +41,16 @@ def breakdown_table(bd, plan, limit_bytes: int | None = None, title: str = "brea
     if limit_bytes is not None:
         table.add_row("allowed", fmt_bytes(limit_bytes), "", "[dim]budget less headroom[/]")
     return table
+
+
+def no_bf16_note(device, precision: str | None) -> str | None:
+    """bf16 asked for on a card without it: the memory is the same, the speed is not."""
+    if device is None or precision != "bf16" or device.supports_bf16():
+        return None
+    card = device.name.removesuffix(" (estimated)")
+    return (f"{card} has no native bf16 (compute capability below 8.0): PyTorch emulates it, without fp16's "
+            "tensor-core speed. The memory estimate holds; fp16 (--amp auto picks it there) is the card's mixed "
+            "precision.")
 
 
 def print_levers(levers, plan) -> None:
@@ -143,11 +154,15 @@ def estimate(
                 raise OomtuneError(f"{model_file.label}: --checkpointing, but no blocks to wrap (define blocks(model))")
             result = what_if(model_file, plan, device, device.margin if device else parse_margin(margin),
                              headroom=headroom, steps=steps)
+            note = no_bf16_note(device, plan.precision)
             if as_json:
                 print(json.dumps({"estimated": True, "plan": to_dict(plan), "fits": result.fits,
                                   "budget_bytes": result.budget_bytes, "limit_bytes": result.limit_bytes,
-                                  "breakdown": to_dict(result.breakdown), "levers": list(result.levers)}, indent=2))
+                                  "breakdown": to_dict(result.breakdown), "levers": list(result.levers),
+                                  **({"note": note} if note else {})}, indent=2))
             else:
+                if note:
+                    err.print(f"[yellow]note:[/] {escape(note)}")
                 out.print(breakdown_table(result.breakdown, plan, result.limit_bytes, "estimate"))
                 if result.fits is not None:
                     verdict = "[bold green]fits[/]" if result.fits else "[bold red]does not fit[/]"
@@ -161,6 +176,9 @@ def estimate(
 
         targets = resolve_targets(model_file, batch, context, min_context)
         device = make_fake_device(budget, gpu, margin)
+        note = no_bf16_note(device, amp)
+        if note and not as_json:
+            err.print(f"[yellow]note:[/] {escape(note)}")
         if not as_json:
             ranks = f" x {world_size} ranks" if world_size > 1 else ""
             err.print(f"estimating [bold]{model_file.label}[/] for {device.name}{ranks}, budget "
