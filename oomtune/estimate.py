@@ -100,7 +100,8 @@ def _estimate(model_file, device, targets, headroom, steps, objective, amp, on_s
     sharded_by = world if sharding == "fsdp" or (sharding is None and no_fsdp is None) else 1
     if device.margin.total(static.total_bytes // sharded_by) > limit:
         # nothing can fit: skip the ladder (every trial would run out) and explain with the smallest plan
-        search = ProbeResult(LadderResult((), None, ()), [], static, targets, limit, None, world_size=world)
+        search = ProbeResult(LadderResult((), None, ()), [], static, targets, limit, None, world_size=world,
+                             budget_bytes=device.budget_bytes)
     else:
         search = probe(model_file, device, targets, headroom=headroom, steps=steps, objective=objective, amp=amp,
                        command="estimate", on_start=on_start, on_trial=on_trial, dist=dist, sharding=sharding)

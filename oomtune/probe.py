@@ -100,6 +100,7 @@ class ProbeResult:
     config: Config | None  # None when nothing fits
     why_nothing_fits: str | None = None
     world_size: int = 1  # ranks; the ladder's micro-batches are per rank (targets.batch / world_size)
+    budget_bytes: int | None = None  # what the search was given (limit_bytes is this less the headroom)
 
     @property
     def trials_per_rung(self) -> dict[str, int]:
@@ -194,7 +195,7 @@ def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: 
         why = why_nothing_fits(ladder, targets, static, limit, world)
         if no_fsdp is not None:
             why += f" No fsdp rung was tried: {no_fsdp}."
-        return ProbeResult(ladder, records, static, targets, limit, None, why, world)
+        return ProbeResult(ladder, records, static, targets, limit, None, why, world, device.budget_bytes)
     c = ladder.choice
     plan = plan_of(Point(c.rung, c.micro_batch_size, c.context_length, c.grad_accum_steps), world)
     found = FoundBy(
@@ -206,4 +207,5 @@ def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: 
         date=dt.datetime.now(dt.timezone.utc).replace(microsecond=0).isoformat(), trials=tuple(records),
     )
     config = Config(model=str(model_file.path), plan=plan, found_by=found)
-    return ProbeResult(ladder, records, static, targets, limit, config, world_size=world)
+    return ProbeResult(ladder, records, static, targets, limit, config, world_size=world,
+                       budget_bytes=device.budget_bytes)

@@ -160,6 +160,7 @@ def test_nothing_fits_says_why_and_names_the_levers(tiny_gpt, tmp_path):
     assert r.exit_code == 1
     report = json.loads(r.stdout)
     assert report["fits"] is False and report["trials"] == []  # known without a trial
+    assert report["budget_bytes"] == budget and report["limit_bytes"] == int(budget * 0.9)
     assert report["why_nothing_fits"].startswith("weights + gradients + AdamW state = ")
     levers = " ".join(report["levers"])
     assert "8-bit" in levers and "shard" in levers and "offload" in levers

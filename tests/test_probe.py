@@ -113,6 +113,9 @@ def test_cli_table_and_nothing_fits_exit_code(tmp_path):
     assert "nothing fits in 4.23 MiB" in r.stderr and "AdamW state" in r.stderr
     assert "trials" in r.stdout and "OOM" in r.stdout
     assert not out.exists()
+    report = json.loads(run_cli("probe", EXAMPLES / "tiny_gpt.py", "--device", "cpu", "--budget", "4.7MiB",
+                                "--out", out, "--json").stdout)
+    assert report["fits"] is False and report["budget_bytes"] == int(4.7 * MiB)  # what it was given, fits or not
 
 
 def test_an_existing_config_survives_a_failed_probe(tmp_path, write_model):

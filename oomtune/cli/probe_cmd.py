@@ -181,7 +181,7 @@ def result_json(result, config_path: Path | None) -> dict:
         "plan": to_dict(cfg.plan) if cfg else None,
         "peak_bytes": cfg.found_by.peak_bytes if cfg else None,
         "tokens_per_s": cfg.found_by.tokens_per_s if cfg else None,
-        "budget_bytes": cfg.found_by.budget_bytes if cfg else None,
+        "budget_bytes": result.budget_bytes,
         "limit_bytes": result.limit_bytes,
         "static": {"weights_bytes": result.static.weights_bytes, "gradients_bytes": result.static.gradients_bytes,
                    "optimizer_bytes": result.static.optimizer_bytes},
