@@ -198,6 +198,8 @@ def check(config: Config, model_file: ModelFile, *, device_kind: str = "fake", b
 
     if device_kind not in CHECK_DEVICES:
         raise OomtuneError(f"--device {device_kind!r}: expected one of {', '.join(CHECK_DEVICES)}")
+    if margin is not None and device_kind != "fake":  # cpu counts tensors only, cuda measures the real thing
+        raise OomtuneError(f"--margin applies to --device fake only (the {device_kind} device does not add one)")
     check_steps(steps)
     fb = config.found_by
     if headroom is not None:

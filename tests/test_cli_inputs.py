@@ -199,6 +199,14 @@ def test_probe_on_the_fake_device_without_a_budget_names_options_that_exist(writ
     assert run_cli("probe", "--gpu", "a100-80").exit_code == 2  # (it has not)
 
 
+def test_check_refuses_a_margin_its_device_would_ignore(write_model, tmp_path):
+    model, config = write_model(), tmp_path / "best.yaml"
+    assert run_cli("estimate", model, *ESTIMATE, "--batch", "2", "--context", "4", "--out", config).exit_code == 0
+    one_line_error(run_cli("check", "--config", config, "--device", "cpu", "--margin", "1GiB"),
+                   "--margin applies to --device fake only (the cpu device does not add one)")
+    assert run_cli("check", "--config", config, "--device", "fake", "--margin", "0").exit_code == 0
+
+
 # -- 7. a bad value is blamed on where it came from ----------------------------------------------
 
 def test_a_config_value_is_not_blamed_on_a_flag(write_model, tmp_path):
