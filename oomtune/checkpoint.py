@@ -11,18 +11,22 @@ folder `ckpt-<step>/` instead (torch.distributed.checkpoint, see dist_checkpoint
 
 from __future__ import annotations
 
+import errno
 import os
+import pickle
 import random
 import re
 import shutil
 import tempfile
+import zipfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .errors import BAD_INPUT, OomtuneError
+from .errors import BAD_INPUT, NO_FIT, OomtuneError
 from .files import file_mode
+from .units import format_bytes
 
 FORMAT = "oomtune-checkpoint"
 VERSION = 1
@@ -38,6 +42,22 @@ class CheckpointError(OomtuneError):
 
     def __init__(self, message: str):
         super().__init__(message, BAD_INPUT)
+
+
+class CheckpointWriteError(OomtuneError):
+    """A checkpoint could not be written (a full disk, a folder gone read-only): exit 1, the earlier ones intact."""
+
+    def __init__(self, message: str):
+        super().__init__(message, NO_FIT)  # exit 1, as every failure of a run that had started
+
+
+def first_line(e: BaseException) -> str:
+    """An exception's first line, whole (never cut mid-sentence), else its type's name; a first line that only
+    introduces the next ("Error(s) in loading state_dict for Net:") with that next line."""
+    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+    if not lines:
+        return type(e).__name__
+    return f"{lines[0]} {lines[1]}" if lines[0].endswith(":") and len(lines) > 1 else lines[0]
 
 
 def checkpoint_path(run_dir: str | Path, step: int) -> Path:
@@ -85,20 +105,39 @@ def save_checkpoint(run_dir: str | Path, state: dict[str, Any], keep: int = KEEP
     d = Path(run_dir)
     d.mkdir(parents=True, exist_ok=True)
     final = checkpoint_path(d, int(state["step"]))
-    fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=d)
+    tmp = None
     try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=d)
         os.fchmod(fd, file_mode(final))
         with os.fdopen(fd, "wb") as f:
             torch.save({"format": FORMAT, "version": VERSION, **state}, f)
             f.flush()
             os.fsync(f.fileno())  # the bytes are on disk before the name points at them
         os.replace(tmp, final)
-    except BaseException:  # KeyboardInterrupt included: never leave a half-written temp file behind
-        Path(tmp).unlink(missing_ok=True)
+    except BaseException as e:  # KeyboardInterrupt included: never leave a half-written temp file behind
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+        if isinstance(e, Exception):
+            raise CheckpointWriteError(write_failure(final, e)) from e
         raise
     fsync_dir(d)  # the rename itself survives a power cut
     prune(d, keep)
     return final
+
+
+def write_failure(final: Path, e: BaseException) -> str:
+    """One line for a checkpoint that could not be written: where, why in plain words, and what is left."""
+    if isinstance(e, OSError) and e.errno is not None:
+        why = "the disk is full" if e.errno in (errno.ENOSPC, errno.EDQUOT) else (e.strerror or first_line(e)).lower()
+    else:  # torch's writer turns a failed write into "[enforce fail at inline_container.cc] . unexpected pos ..."
+        why = f"the write failed ({first_line(e)})"
+    try:
+        why += f"; {format_bytes(shutil.disk_usage(final.parent).free)} free there"
+    except OSError:
+        pass
+    kept = [p.name for _, p in list_checkpoints(final.parent) if p != final]
+    left = f"the earlier checkpoints are intact: {', '.join(kept)}" if kept else "there is no earlier checkpoint"
+    return f"could not write checkpoint {final}: {why}; {left}"
 
 
 def prune(run_dir: Path, keep: int = KEEP) -> None:
@@ -135,9 +174,66 @@ def _read(p: Path) -> Any:
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint not found: {p}") from None
     except Exception as e:  # truncated zip, bit rot, a file that is not a checkpoint, a pickled object
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"checkpoint {p} is corrupt or not a checkpoint ({reason[:160]})") from None
+        raise CheckpointError(f"checkpoint {p} {unreadable_because(p, e)}") from None
     return state
+
+
+def unreadable_because(p: Path, e: BaseException) -> str:
+    """Why torch.load failed, in plain words. torch says little ("[Errno 22] Invalid argument" for a truncated
+    file, "101" for one that is not a checkpoint); the file's zip structure (torch.save writes a zip) says more."""
+    try:
+        size = p.stat().st_size
+        with open(p, "rb") as f:
+            head = f.read(4)
+    except OSError as err:
+        return f"cannot be read ({err.strerror or first_line(err)})"
+    if size == 0:
+        return "is empty (0 bytes)"
+    if head != b"PK\x03\x04":
+        return f"is not a checkpoint: {size:,} bytes that are not a PyTorch file (torch.save writes a zip archive)"
+    try:
+        with zipfile.ZipFile(p) as z:
+            bad = z.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError):
+        return f"is truncated or damaged: {size:,} bytes without a complete zip index (a copy cut short?)"
+    if bad is not None:
+        return f"is damaged: its part {bad} fails its checksum"
+    if isinstance(e, pickle.UnpicklingError):  # weights_only refused an object
+        return f"holds something other than tensors and plain values ({first_line(e)})"
+    return f"cannot be read ({type(e).__name__}: {first_line(e)})"
+
+
+def older_intact(latest: Path) -> Path | None:
+    """The newest checkpoint older than `latest` in its folder that loads, else None."""
+    for _, p in reversed(list_checkpoints(latest.parent)):
+        if p == latest:
+            continue
+        try:
+            load_checkpoint(p)
+        except CheckpointError:
+            continue
+        return p
+    return None
+
+
+def state_dict_mismatch(expected: dict[str, Any], saved: Any) -> str | None:
+    """How a saved model state dict differs from the model's: the first key of each kind and the counts."""
+    if not isinstance(saved, dict):
+        return f"its model state is {type(saved).__name__}, not a state dict"
+    parts = []
+    missing = [k for k in expected if k not in saved]
+    extra = [k for k in saved if k not in expected]
+    if missing:
+        parts.append(f"{len(missing)} of the model's keys are not in it (first: {missing[0]})")
+    if extra:
+        parts.append(f"{len(extra)} of its keys are not in the model (first: {extra[0]})")
+    shaped = [k for k in expected if k in saved and isinstance(saved[k], torch.Tensor)
+              and isinstance(expected[k], torch.Tensor) and tuple(saved[k].shape) != tuple(expected[k].shape)]
+    if shaped:
+        k = shaped[0]
+        parts.append(f"{len(shaped)} shape(s) differ (first: {k} is {tuple(saved[k].shape)} in the checkpoint, "
+                     f"{tuple(expected[k].shape)} in the model)")
+    return "; ".join(parts) or None
 
 
 def _validate(p: Path, state: Any, required: tuple[str, ...]) -> dict[str, Any]:

@@ -19,7 +19,18 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from .checkpoint import FORMAT, KEEP, META, VERSION, CheckpointError, fsync_dir, prune, remove
+from .checkpoint import (
+    FORMAT,
+    KEEP,
+    META,
+    VERSION,
+    CheckpointError,
+    first_line,
+    fsync_dir,
+    prune,
+    remove,
+    unreadable_because,
+)
 from .parallel import Dist
 from .step import Training
 
@@ -74,8 +85,7 @@ def load_state(path: Path, t: Training) -> None:
     try:
         dcp.load(state, checkpoint_id=str(path))
     except Exception as e:  # a missing key, a shape that does not match, a torn file
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"checkpoint {path} does not match this model or optimizer ({first[:200]})") from None
+        raise CheckpointError(f"checkpoint {path} does not match this model or optimizer: {first_line(e)}") from None
     set_state_dict(t.model, t.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
 
@@ -87,7 +97,7 @@ def load_rng(path: Path, rank: int) -> dict[str, Any] | None:
     try:
         return torch.load(p, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise CheckpointError(f"checkpoint {p} is corrupt ({str(e).strip()[:160]})") from None
+        raise CheckpointError(f"checkpoint {p} {unreadable_because(p, e)}") from None
 
 
 def load_single_file(state: dict[str, Any], t: Training) -> None:

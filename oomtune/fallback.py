@@ -1,24 +1,37 @@
-"""The runtime out-of-memory fallback of `oomtune train`.
+"""How `oomtune train` survives or stops: the runtime out-of-memory fallback, a diverged (NaN / infinite) loss,
+and an error mid-run.
 
 An OOM in a step (a longer real batch, fragmentation) is caught; outside the `except` block the gradients are
 dropped and memory given back, the micro-batch is halved and the accumulation doubled (the global batch stays
 exact), and the same batches are retried. Once the smaller plan has run, the config file is rewritten with it
-(only the plan's numbers are edited, so a person's comments survive)."""
+(only the plan's numbers are edited, so a person's comments survive).
+
+A non-finite training loss in any micro-batch stops the run before that step's optimizer update (`LossWatch`
+records the losses, checked once a step when the step reaches its optimizer phase), with a checkpoint of the last
+finished step, whose loss was finite. There is no skipping of a bad batch: a NaN from one batch or from a run
+that diverged stop alike, and the message says which step. (fp16's GradScaler skipping a step whose *gradients*
+overflowed is not a stop: the loss was finite, the scale drops and training goes on.)
+
+An error mid-run (a model-file hook raising, eval_batches yielding nothing) saves the last finished step too, when
+it is newer than the last checkpoint, so that `--resume` continues once the problem is fixed.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
+import torch
 import yaml
 
-from .checkpoint import restore_rng
+from .checkpoint import KEEP, first_line, restore_rng
 from .config_text import keep_unchanged_text
 from .devices import is_oom
-from .errors import NO_FIT, OOM_RELAUNCH, ConfigError, OomtuneError
+from .errors import NO_FIT, OOM_RELAUNCH, ConfigError, ModelFileError, OomtuneError
 from .files import atomic_write
 from .model_file import Batch
 from .parallel import LoneOutOfMemory
@@ -191,3 +204,132 @@ class FallbackMixin:
         self.file_config = dataclasses.replace(self.file_config, plan=self.plan)
         self.log.event("config_updated", step=step, path=str(self.config_path), plan=to_dict(self.plan))
         self._emit(Note(f"updated {self.config_path}: plan is now {self.plan.describe()}"))
+
+
+class NonFiniteLoss(Exception):
+    """A training micro-batch's loss was NaN or infinite (on some rank): raised before the step's update."""
+
+    def __init__(self, values: list[float]):
+        super().__init__("non-finite training loss")
+        self.values = values  # this rank's micro-batch losses of the step
+
+
+class LossWatch:
+    """Stands in for the model file inside the training step (`step.py` calls `t.model_file.loss`): keeps each
+    training micro-batch's loss, detached and without a sync, for `FailureMixin._check_losses`."""
+
+    def __init__(self, model_file: Any):
+        self.model_file = model_file
+        self.losses: list[torch.Tensor] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model_file, name)
+
+    def loss(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+        value = self.model_file.loss(model, batch)
+        if torch.is_grad_enabled():  # a training micro-step; evaluation runs under no_grad
+            self.losses.append(value.detach())
+        return value
+
+
+def _loss_text(value: float) -> str:
+    return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+
+
+class FailureMixin:
+    """The trainer's stops on a diverged loss and on an error mid-run. Expects the Trainer's state: watch, phase,
+    step, start_step, resumed_from, run_dir, step_rng, checkpoint_step, last_checkpoint, t, device, cuda, dist, cfg,
+    plan, log, and `_checkpoint`."""
+
+    def _check_losses(self) -> None:
+        """At a step's optimizer phase, before its update: stop on a NaN / infinite loss of any micro-batch. One
+        sync point a step (and one all-reduce on several ranks, so that they all stop at the same step)."""
+        losses, self.watch.losses = self.watch.losses, []
+        if not losses:
+            return
+        values = torch.stack([v.float() for v in losses])
+        bad = not bool(torch.isfinite(values).all())
+        if self.dist is not None:
+            bad = bool(self.dist.max(1.0 if bad else 0.0)[0])
+        if bad:
+            raise NonFiniteLoss(values.tolist())
+
+    def _forget_step(self, rewind_rng: bool) -> None:
+        """Drop what the step in flight did (half-accumulated gradients, its RNG draws): the state is then that of
+        the last finished step, ready to be checkpointed."""
+        self.t.optimizer.zero_grad(set_to_none=True)
+        self.watch.losses = []
+        self.device.release()
+        if rewind_rng:
+            restore_rng(self.step_rng, self.cuda)
+
+    def _stop_diverged(self, e: NonFiniteLoss) -> NoReturn:
+        step = self.step + 1
+        self._forget_step(rewind_rng=True)  # the update of `step` never ran
+        bad = [(i, v) for i, v in enumerate(e.values) if not math.isfinite(v)]
+        if bad:
+            where = f" (micro-batch {bad[0][0] + 1} of {len(e.values)})" if len(e.values) > 1 else ""
+            what = f"the training loss is {_loss_text(bad[0][1])} at step {step}{where}"
+        else:
+            what = f"the training loss of another rank is not finite at step {step}"
+        if self.step == self.start_step and self.resumed_from is not None:  # the checkpoint itself leads to NaN
+            saved = f"It is the first step after {self.resumed_from} (step {self.step}), which leads to it already"
+            hint = (f"move {self.resumed_from.name} out of {self.run_dir} to resume from an older checkpoint, or "
+                    f"start over with a lower --lr (now {self.cfg.lr:g}) and another --run-dir")
+        elif self.step == 0:
+            saved = "No step had run, so nothing was saved"
+            hint = ("check the model file's loss and data (a NaN before any update is not the learning rate)"
+                    + ("; fp16 overflows above 65504: try bf16" if self.plan.precision == "fp16" else ""))
+        else:
+            if self.checkpoint_step != self.step:
+                self._checkpoint("diverged", keep=KEEP + 1)  # keeps the earlier ones too: this one may be bad already
+            saved = f"The last finite step is saved in {self.last_checkpoint} (step {self.step})"
+            hints = [f"lower --lr (now {self.cfg.lr:g})"]
+            if self.cfg.clip_grad_norm is None:
+                hints.append("enable clipping (--clip-grad-norm 1.0)")
+            if self.plan.precision == "fp16":
+                hints.append("use bf16 where the device has it (fp16 overflows above 65504)")
+            hint = ", ".join(hints) + (", then continue with --resume (should that step be too far gone already, "
+                                       "with an older checkpoint or another --run-dir)")
+        self.log.event("diverged", step=step, loss=_loss_text(bad[0][1]) if bad else None,
+                       checkpoint=self.last_checkpoint.name if self.step and self.last_checkpoint else None)
+        raise OomtuneError(f"{what}: training diverged and stopped before applying that step. {saved}; {hint}",
+                           NO_FIT)
+
+    def _stop_on_error(self, e: Exception) -> NoReturn:
+        """An error mid-run that is not one of the trainer's own stops (a model-file hook raising, eval_batches
+        yielding nothing): save the last finished step when it is newer than the last checkpoint (one process; not
+        when the error came inside the optimizer update, which may be half applied), log it, re-raise as one line."""
+        if isinstance(e, OomtuneError) and not isinstance(e, ModelFileError):
+            raise e  # already one line and its own stop (out of memory, a checkpoint write, a log write)
+        phase = getattr(self, "phase", "data")
+        done = phase in ("eval", "after")  # the step had finished
+        step = self.step if done else self.step + 1
+        message = e.message if isinstance(e, OomtuneError) else f"{type(e).__name__}: {first_line(e)}"
+        saved = failed = None
+        if (self.dist is None and phase not in ("optimizer", "checkpoint") and self.step > 0
+                and self.checkpoint_step != self.step):
+            self._forget_step(rewind_rng=not done)
+            try:
+                saved = self._checkpoint("error")
+            except OomtuneError as w:
+                failed = w.message
+        try:
+            self.log.event("error", step=step, phase=phase, message=message,
+                           checkpoint=self.last_checkpoint.name if self.last_checkpoint else None)
+        except OomtuneError:
+            pass  # the run dir cannot be written: the error itself says more
+        if self.dist is not None or (self.step == 0 and self.last_checkpoint is None):
+            raise e  # several ranks: the CLI tells a peer's failure from this rank's own by the error itself
+        if saved is not None:
+            tail = f"Saved {saved} (step {self.step}, the last finished one): fix it, then continue with --resume"
+        elif self.last_checkpoint is not None:
+            tail = (f"The last checkpoint is {self.last_checkpoint} (step {self.checkpoint_step}): continue with "
+                    "--resume")
+        else:
+            tail = "No checkpoint could be saved" + (f" ({failed})" if failed else " (the error came in the "
+                                                     "optimizer update)")
+        if isinstance(e, ModelFileError):
+            raise ModelFileError(f"{message} (at step {step}). {tail}") from e
+        raise OomtuneError(f"{message} (at step {step}, {phase}; rerun with --debug for the traceback). {tail}",
+                           NO_FIT) from e

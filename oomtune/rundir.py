@@ -1,20 +1,71 @@
-"""The run directory's log files: metrics.jsonl (one JSON object per logged step) and events.jsonl (start,
-resume, checkpoints, OOM fallbacks, config updates, interruption, finish)."""
+"""The run directory: checked before anything is built, and its log files: metrics.jsonl (one JSON object per
+logged step) and events.jsonl (start, resume, checkpoints, OOM fallbacks, config updates, divergence, errors,
+interruption, finish).
+
+Both files are strict JSON, one object a line: a number that is not finite (a NaN or infinite loss) is written as
+null, never as the bare `NaN` / `Infinity` tokens Python's json module would write and other readers reject."""
 
 from __future__ import annotations
 
 import datetime as dt
 import json
+import math
+import os
+import tempfile
 from pathlib import Path
+from typing import Any
 
+from .errors import BAD_INPUT, NO_FIT, OomtuneError
 from .files import atomic_write
 
 METRICS = "metrics.jsonl"  # one JSON object per logged step: step, loss, lr, tokens_per_s, peak_bytes[, eval_loss]
-EVENTS = "events.jsonl"  # start / resume / oom_fallback / config_updated / checkpoint / interrupted / finished
+EVENTS = "events.jsonl"  # start / resume / oom_fallback / config_updated / checkpoint / diverged / error / ...
 
 
 def now() -> str:
     return dt.datetime.now(dt.timezone.utc).replace(microsecond=0).isoformat()
+
+
+def check_run_dir(run_dir: Path) -> None:
+    """Bad input, before any model is built: a run dir (or a folder above it) that is a file, or one that cannot be
+    created or written. Writes nothing that stays: a probe file in the nearest existing folder, deleted at once."""
+    for folder in (run_dir, *run_dir.parents):
+        if not os.path.lexists(folder):
+            continue
+        if not folder.is_dir():
+            what = "is a file" if folder == run_dir else f"cannot be created: {folder} is a file"
+            raise OomtuneError(f"run dir {run_dir} {what}, not a folder; pass --run-dir with a folder", BAD_INPUT)
+        try:
+            fd, probe = tempfile.mkstemp(prefix=".oomtune-write-test.", dir=folder)
+            os.close(fd)
+            os.unlink(probe)
+        except OSError as e:
+            where = "" if folder == run_dir else f" (in {folder})"
+            raise OomtuneError(f"run dir {run_dir} cannot be written{where}: {(e.strerror or str(e)).lower()}; pass "
+                               "--run-dir with a folder you can write", BAD_INPUT) from None
+        return
+
+
+def no_checkpoint_message(run_dir: Path) -> str:
+    """What `--resume` says when `run_dir` has no checkpoint, with a way out."""
+    if (run_dir / METRICS).exists():
+        return (f"--resume: the run in {run_dir} stopped before its first checkpoint (ckpt-*), so it cannot be "
+                f"resumed: delete {run_dir / METRICS} and start it over without --resume, or pass --run-dir for a "
+                "new run")
+    gone = "" if run_dir.exists() else ", which does not exist"
+    return f"--resume: no checkpoint (ckpt-*) in run dir {run_dir}{gone}; start a run without --resume, or pass the " \
+           "--run-dir of one"
+
+
+def json_safe(value: Any) -> Any:
+    """`value` with every non-finite float (NaN, +-inf) replaced by None: strict JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
 
 
 class RunLog:
@@ -24,18 +75,22 @@ class RunLog:
         self.run_dir = Path(run_dir)
         self.enabled = enabled
 
+    def _append(self, name: str, record: dict) -> None:
+        path = self.run_dir / name
+        try:
+            with open(path, "a") as f:
+                f.write(json.dumps(json_safe(record), allow_nan=False) + "\n")
+        except OSError as e:  # a full disk, a run dir gone read-only
+            raise OomtuneError(f"could not write {path}: {(e.strerror or str(e)).lower()}", NO_FIT) from None
+
     def event(self, kind: str, always: bool = False, **fields) -> None:
         """`always`: written by this rank even when it is not rank 0 (it alone knows, and the others are stopped)."""
-        if not (self.enabled or always):
-            return
-        with open(self.run_dir / EVENTS, "a") as f:
-            f.write(json.dumps({"time": now(), "event": kind, **fields}) + "\n")
+        if self.enabled or always:
+            self._append(EVENTS, {"time": now(), "event": kind, **fields})
 
     def metrics(self, metrics: dict) -> None:
-        if not self.enabled:
-            return
-        with open(self.run_dir / METRICS, "a") as f:
-            f.write(json.dumps(metrics) + "\n")
+        if self.enabled:
+            self._append(METRICS, metrics)
 
     def truncate_metrics(self, step: int) -> None:
         """On resume, drop lines past the checkpoint's `step` (written after it by the run that was killed), so

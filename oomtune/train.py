@@ -32,18 +32,18 @@ from typing import Any
 import torch
 
 from . import parallel
-from .checkpoint import capture_rng, latest_checkpoint, load_checkpoint, remove, seed_everything, stale_temp_files
+from .checkpoint import capture_rng, latest_checkpoint, remove, seed_everything, stale_temp_files
 from .data import DataStream
 from .devices import is_oom
-from .errors import BAD_INPUT, NO_FIT, ConfigError, ModelFileError, OomtuneError
-from .fallback import FallbackMixin, one_line, rewrite_plan, smaller_plan
+from .errors import BAD_INPUT, ConfigError, ModelFileError, OomtuneError
+from .fallback import FailureMixin, FallbackMixin, LossWatch, NonFiniteLoss, one_line, rewrite_plan, smaller_plan
 from .model_file import Batch, ModelFile, load_model_file
 from .plan import Config, Plan, TrainConfig, from_dict, load_config, to_dict
-from .rundir import METRICS, RunLog
-from .runtime import device_kind, graceful_stop, nvml_used_bytes, resolve_device
+from .rundir import METRICS, RunLog, check_run_dir, no_checkpoint_message
+from .runtime import StopRequest, device_kind, graceful_stop, nvml_used_bytes, resolve_device
 from .step import Training, build_training, eval_loss, state_bytes, train_step
 from .train_events import Checkpointed, Event, Note, OomFallback, Started, StepDone, TrainResult
-from .train_ranks import RanksMixin, plan_for_ranks, share_size
+from .train_ranks import RanksMixin, load_latest, plan_for_ranks, share_size
 
 __all__ = ["Checkpointed", "Event", "Note", "OomFallback", "Started", "StepDone", "TrainResult", "Trainer",
            "lr_at", "rewrite_plan", "smaller_plan", "train"]
@@ -94,13 +94,13 @@ def check_inputs(config_path: str | Path, overrides: dict[str, Any] | None, *, r
     except ModelFileError as e:
         raise ModelFileError(f"{config_path}: {e.message}") from None
     run_dir = Path(cfg.run_dir)
+    check_run_dir(run_dir)  # a file, an unwritable folder: bad input, before the model is built
     state, latest = None, None
     if resume:
         latest = latest_checkpoint(run_dir)
         if latest is None:
-            raise OomtuneError(f"--resume: no checkpoint (ckpt-*) in run dir {run_dir}", BAD_INPUT)
-        state = load_checkpoint(latest)
-        plan = _checkpoint_plan(latest, state)
+            raise OomtuneError(no_checkpoint_message(run_dir), BAD_INPUT)
+        state, plan = load_latest(latest)
         cfg, notes = _resumed_settings(cfg, file_config.train, state, given)
         smaller = file_config.plan
         if (smaller.micro_batch_size < plan.micro_batch_size and plan.micro_batch_size % smaller.micro_batch_size == 0
@@ -114,10 +114,13 @@ def check_inputs(config_path: str | Path, overrides: dict[str, Any] | None, *, r
                                                                                    * plan.world_size))
     else:
         notes = ()
-        taken = [p for p in (run_dir / METRICS, latest_checkpoint(run_dir)) if p and p.exists()]
-        if taken:
-            raise OomtuneError(f"run dir {run_dir} already holds a run ({taken[0].name}): pass --resume "
-                               "to continue it, or --run-dir for a new one", BAD_INPUT)
+        if latest_checkpoint(run_dir) is not None:
+            raise OomtuneError(f"run dir {run_dir} already holds a run ({latest_checkpoint(run_dir).name}): pass "
+                               "--resume to continue it, or --run-dir for a new one", BAD_INPUT)
+        if (run_dir / METRICS).exists():  # a run that stopped before its first checkpoint: nothing to resume
+            raise OomtuneError(f"run dir {run_dir} holds a run that has no checkpoint to resume ({METRICS} only): "
+                               f"delete {run_dir / METRICS} to start over there, or pass --run-dir for a new one",
+                               BAD_INPUT)
         plan = file_config.plan
     where = str(latest or config_path)
     plan = plan_for_ranks(plan, world_size, where)
@@ -145,21 +148,7 @@ def _resumed_settings(cfg: TrainConfig, in_file: TrainConfig, state: dict,
                      "(for example --steps) to change one",)
 
 
-def _checkpoint_plan(path: Path, st: dict) -> Plan:
-    try:
-        plan = Plan(**st["plan"])
-        batch = int(st["data"]["batch_size"])
-        step = int(st["step"])
-    except (TypeError, KeyError, ValueError, ConfigError) as e:
-        raise OomtuneError(f"checkpoint {path} has an unreadable plan or data position ({one_line(e)})",
-                           BAD_INPUT) from None
-    if batch % plan.micro_batch_size or plan.global_batch_size % batch or step < 0:
-        raise OomtuneError(f"checkpoint {path}: data batch {batch} does not fit plan {plan.describe()}",
-                           BAD_INPUT)
-    return plan
-
-
-class Trainer(FallbackMixin, RanksMixin):
+class Trainer(FallbackMixin, FailureMixin, RanksMixin):
     """One invocation of `oomtune train` (on one rank). Build it (every check that can fail on bad input runs
     here, before any file is written), then `run()`.
 
@@ -191,6 +180,8 @@ class Trainer(FallbackMixin, RanksMixin):
 
     def _set_phase(self, phase: str) -> None:
         self.phase = phase
+        if phase == "optimizer":  # the micro-batches are done, the update not yet applied
+            self._check_losses()
 
     # -- evaluation ----------------------------------------------------------------------------------
     def _evaluate(self) -> tuple[float, int]:
@@ -235,7 +226,11 @@ class Trainer(FallbackMixin, RanksMixin):
             self._restore(self.resume_state)
             self.resume_state = None  # free the loaded copy
 
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise OomtuneError(f"run dir {self.run_dir} cannot be created: {(e.strerror or str(e)).lower()}",
+                               BAD_INPUT) from None
         if self.rank == 0:
             for tmp in stale_temp_files(self.run_dir):  # a write that was killed: never a checkpoint
                 remove(tmp)
@@ -255,57 +250,23 @@ class Trainer(FallbackMixin, RanksMixin):
 
         stream = DataStream(mf, self.data_hook, self.data_batch, self.plan.context_length, self.device,
                             cfg.seed + DATA_SEED_OFFSET)
-        if self.resumed_from is not None:
-            if self.step >= cfg.steps:
-                self._emit(Note(f"the checkpoint is at step {self.step} and train.steps is {cfg.steps}: nothing "
-                                "to do (raise --steps to train longer)"))
-            else:
-                stream.skip(self.step * self.batches_per_step)  # replay the data stream to where it stood
-
-        first_loss = last_loss = last_eval = None
-        tokens = 0
-        seconds = 0.0
-        peak = 0
-        stopping = None  # the signal every rank agreed to stop on
+        self.start_step = self.step  # this invocation's first; at or past cfg.steps: nothing to do (TrainResult)
+        self.t.model_file = self.watch = LossWatch(self.t.model_file)  # a NaN loss stops before its update
+        failure: Exception | None = None
         with graceful_stop() as stop:
-            while self.step < cfg.steps and stopping is None:
-                self.step_rng = capture_rng(self.cuda)
-                lr = lr_at(self.step, cfg)
-                for group, ratio in zip(self.t.optimizer.param_groups, base_lrs, strict=True):
-                    group["lr"] = lr * ratio
-                tic = time.perf_counter()
-                loss, step_peak = self._attempt(
-                    lambda batches: train_step(self.t, self._micro_batches(batches)), "forward", [],
-                    lambda: self._share(stream.take(self.batches_per_step)))
-                seconds += time.perf_counter() - tic  # synchronized: measure() waits for the device
-                self.step += 1
-                tokens += self.plan.tokens_per_step
-                peak = max(peak, step_peak)
-                stopping = self._stop_over_ranks(stop.signal_name)
-
-                eval_now = evaluates and (self.step % cfg.eval_interval == 0 or self.step == cfg.steps)
-                metrics = None
-                if (self.step % cfg.log_every_n_steps == 0 or self.step in (1, cfg.steps) or eval_now
-                        or stopping is not None):  # step 1: the starting loss, ln(vocab) for a fresh LM
-                    last_loss = self._mean_over_ranks(float(loss))  # a sync point, once per logged step
-                    first_loss = last_loss if first_loss is None else first_loss
-                    metrics = {"step": self.step, "loss": last_loss, "lr": lr,
-                               "tokens_per_s": round(tokens / seconds, 1) if seconds > 0 else None,
-                               "peak_bytes": self._max_over_ranks(peak)}  # the rank that needs the most
-                    if self.cuda:
-                        metrics["nvml_used_bytes"] = self._nvml()
-                    if eval_now:
-                        last_eval, eval_peak = self._evaluate()
-                        metrics["eval_loss"] = last_eval
-                        metrics["peak_bytes"] = self._max_over_ranks(max(peak, eval_peak))
-                    metrics["state_bytes"] = self._max_over_ranks(state_bytes(self.t))  # weights+grads+optimizer
-                    metrics["micro_batch_size"] = self.plan.micro_batch_size  # changes after an OOM fallback
-                    metrics["grad_accum_steps"] = self.plan.grad_accum_steps
-                    self.log.metrics(metrics)
-                    tokens, seconds, peak = 0, 0.0, 0
-                self._emit(StepDone(self.step, cfg.steps, metrics))
-                if self.step % cfg.checkpoint_interval == 0 or self.step == cfg.steps:
-                    self._checkpoint("final" if self.step == cfg.steps else "interval")
+            try:
+                if self.resumed_from is not None and self.step < cfg.steps:
+                    self.phase = "data"
+                    stream.skip(self.step * self.batches_per_step)  # replay the data stream to where it stood
+                first_loss, last_loss, last_eval, stopping = self._loop(stream, evaluates, base_lrs, stop)
+            except NonFiniteLoss as e:
+                failure = e.with_traceback(None)  # its frames hold the step's tensors; nothing there to debug
+            except Exception as e:
+                failure = e
+            if isinstance(failure, NonFiniteLoss):  # outside the except blocks (see fallback.py)
+                self._stop_diverged(failure)
+            if failure is not None:
+                self._stop_on_error(failure)
             interrupted = stopping is not None and self.step < cfg.steps
             if interrupted:
                 self._emit(Note(f"{stopping}: stopped after step {self.step}"))
@@ -316,7 +277,64 @@ class Trainer(FallbackMixin, RanksMixin):
             self.log.event("finished", step=self.step)
         return TrainResult(self.step, cfg.steps, self.plan, interrupted, self.run_dir, self.last_checkpoint,
                            first_loss, last_loss, last_eval, tuple(self.fallbacks), time.perf_counter() - started,
-                           config_updated=bool(self.fallbacks) and self.file_config.plan == self.plan)
+                           config_updated=bool(self.fallbacks) and self.file_config.plan == self.plan,
+                           start_step=self.start_step)
+
+    def _loop(self, stream: DataStream, evaluates: bool, base_lrs: list[float],
+              stop: StopRequest) -> tuple[float | None, float | None, float | None, str | None]:
+        """Optimizer steps until train.steps or a stop signal -> (first logged loss, last logged loss, last eval
+        loss, the signal every rank agreed to stop on)."""
+        cfg = self.cfg
+        first_loss = last_loss = last_eval = None
+        tokens = 0
+        seconds = 0.0
+        peak = 0
+        stopping = None
+        while self.step < cfg.steps and stopping is None:
+            self.step_rng = capture_rng(self.cuda)
+            lr = lr_at(self.step, cfg)
+            for group, ratio in zip(self.t.optimizer.param_groups, base_lrs, strict=True):
+                group["lr"] = lr * ratio
+            tic = time.perf_counter()
+            loss, step_peak = self._attempt(self._train_step, "forward", [],
+                                            lambda: self._share(stream.take(self.batches_per_step)))
+            seconds += time.perf_counter() - tic  # synchronized: measure() waits for the device
+            self.step += 1
+            self.phase = "after"  # the step has finished: an error from here on leaves a whole state behind
+            tokens += self.plan.tokens_per_step
+            peak = max(peak, step_peak)
+            stopping = self._stop_over_ranks(stop.signal_name)
+
+            eval_now = evaluates and (self.step % cfg.eval_interval == 0 or self.step == cfg.steps)
+            metrics = None
+            if (self.step % cfg.log_every_n_steps == 0 or self.step in (1, cfg.steps) or eval_now
+                    or stopping is not None):  # step 1: the starting loss, ln(vocab) for a fresh LM
+                last_loss = self._mean_over_ranks(float(loss))  # a sync point, once per logged step
+                first_loss = last_loss if first_loss is None else first_loss
+                metrics = {"step": self.step, "loss": last_loss, "lr": lr,
+                           "tokens_per_s": round(tokens / seconds, 1) if seconds > 0 else None,
+                           "peak_bytes": self._max_over_ranks(peak)}  # the rank that needs the most
+                if self.cuda:
+                    metrics["nvml_used_bytes"] = self._nvml()
+                if eval_now:
+                    last_eval, eval_peak = self._evaluate()
+                    metrics["eval_loss"] = last_eval
+                    metrics["peak_bytes"] = self._max_over_ranks(max(peak, eval_peak))
+                    if not math.isfinite(last_eval):  # written as null; training itself stops on a NaN loss
+                        self._emit(Note(f"the eval loss is {last_eval} at step {self.step}", warning=True))
+                metrics["state_bytes"] = self._max_over_ranks(state_bytes(self.t))  # weights+grads+optimizer
+                metrics["micro_batch_size"] = self.plan.micro_batch_size  # changes after an OOM fallback
+                metrics["grad_accum_steps"] = self.plan.grad_accum_steps
+                self.log.metrics(metrics)
+                tokens, seconds, peak = 0, 0.0, 0
+            self._emit(StepDone(self.step, cfg.steps, metrics))
+            if self.step % cfg.checkpoint_interval == 0 or self.step == cfg.steps:
+                self._checkpoint("final" if self.step == cfg.steps else "interval")
+        return first_loss, last_loss, last_eval, stopping
+
+    def _train_step(self, batches: list[Batch]) -> torch.Tensor:
+        self.watch.losses = []  # this attempt's (a retry after an out-of-memory error starts them over)
+        return train_step(self.t, self._micro_batches(batches))
 
     def _account(self, *objs) -> None:
         """Count tensors made outside `measure()` on a simulated device (a no-op on cuda: the allocator sees
@@ -339,9 +357,10 @@ class Trainer(FallbackMixin, RanksMixin):
             if not is_oom(e):
                 raise
             oom = one_line(e)
-        if oom is not None:
+        if oom is not None:  # before any step: the memory given is too small for the model, bad input
             self.device.release()
-            raise OomtuneError(f"out of memory building the model on {self.device.name}: {oom}", NO_FIT)
+            raise OomtuneError(f"out of memory building the model on {self.device.name}: the weights alone do not "
+                               f"fit ({oom}); give a larger --budget or free memory", BAD_INPUT)
         t.on_phase = self._set_phase
         return t
 

@@ -46,7 +46,7 @@ class OomFallback:
 class Checkpointed:
     step: int
     path: Path
-    reason: str  # interval | final | interrupted | oom
+    reason: str  # interval | final | interrupted | oom | diverged | error
 
 
 Event = Started | Note | StepDone | OomFallback | Checkpointed
@@ -66,3 +66,9 @@ class TrainResult:
     fallbacks: tuple[OomFallback, ...] = ()
     seconds: float = 0.0
     config_updated: bool = False  # the config file now holds `plan` (a fallback's plan was written back)
+    start_step: int = 0  # the step this invocation started from (a resume's checkpoint step)
+
+    @property
+    def nothing_to_do(self) -> bool:
+        """A resume of a run already at (or past) train.steps: no step was run."""
+        return self.start_step >= self.steps

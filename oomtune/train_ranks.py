@@ -13,10 +13,20 @@ from pathlib import Path
 import torch
 
 from . import dist_checkpoint
-from .checkpoint import capture_rng, restore_rng, save_checkpoint
+from .checkpoint import (
+    KEEP,
+    CheckpointError,
+    capture_rng,
+    first_line,
+    load_checkpoint,
+    older_intact,
+    restore_rng,
+    save_checkpoint,
+    state_dict_mismatch,
+)
 from .data import split_batch
 from .devices import is_oom
-from .errors import BAD_INPUT, OomtuneError
+from .errors import BAD_INPUT, ConfigError, OomtuneError
 from .fallback import one_line
 from .model_file import Batch
 from .plan import Plan, to_dict
@@ -43,6 +53,34 @@ def share_size(plan: Plan, data_batch: int, where: str) -> int:
         raise OomtuneError(f"{where}: batches of {data_batch} cannot be shared out as {per_rank} examples per rank "
                            f"in micro-batches of {plan.micro_batch_size}", BAD_INPUT)
     return piece
+
+
+def load_latest(latest: Path) -> tuple[dict, Plan]:
+    """The latest checkpoint and its plan. A broken one is never touched: the error names an older one that is
+    intact, and how to resume from it."""
+    try:
+        state = load_checkpoint(latest)
+        return state, checkpoint_plan(latest, state)
+    except CheckpointError as e:
+        older = older_intact(latest)
+        if older is None:
+            raise
+        raise CheckpointError(f"{e.message}. An older checkpoint is intact, {older.name}: move {latest.name} out "
+                              f"of {latest.parent} and rerun with --resume to continue from it") from None
+
+
+def checkpoint_plan(path: Path, st: dict) -> Plan:
+    """The plan a checkpoint was written with, checked against its data position."""
+    try:
+        plan = Plan(**st["plan"])
+        batch = int(st["data"]["batch_size"])
+        step = int(st["step"])
+    except (TypeError, KeyError, ValueError, ConfigError) as e:
+        raise CheckpointError(f"checkpoint {path} has an unreadable plan or data position ({one_line(e)})") \
+            from None
+    if batch % plan.micro_batch_size or plan.global_batch_size % batch or step < 0:
+        raise CheckpointError(f"checkpoint {path}: data batch {batch} does not fit plan {plan.describe()}")
+    return plan
 
 
 class RanksMixin:
@@ -97,7 +135,9 @@ class RanksMixin:
         return (signal_name or "SIGTERM") if self.dist.max(1 if signal_name else 0)[0] else None
 
     # -- checkpoints -------------------------------------------------------------------------------
-    def _checkpoint(self, reason: str) -> Path:
+    def _checkpoint(self, reason: str, keep: int = KEEP) -> Path:
+        """Save the state of the last finished step (`self.step`); keep the newest `keep` checkpoints."""
+        self.phase = "checkpoint"  # an error while writing: no second try (fallback.FailureMixin)
         t = self.t
         meta = {
             "step": self.step, "plan": to_dict(self.plan),
@@ -107,19 +147,25 @@ class RanksMixin:
             "torch_version": str(torch.__version__),
         }
         if self.dist is not None:  # every rank writes its part
-            path = dist_checkpoint.save_state(self.run_dir, meta, capture_rng(self.cuda), t, self.dist)
+            path = dist_checkpoint.save_state(self.run_dir, meta, capture_rng(self.cuda), t, self.dist, keep)
         else:
             path = save_checkpoint(self.run_dir, {**meta, "model": t.model.state_dict(),
                                                   "optimizer": t.optimizer.state_dict(),
-                                                  "rng": capture_rng(self.cuda)})
+                                                  "rng": capture_rng(self.cuda)}, keep)
         self.last_checkpoint, self.checkpoint_step = path, self.step
         self.log.event("checkpoint", step=self.step, path=path.name, reason=reason)
         self._emit(Checkpointed(self.step, path, reason))
+        self.phase = "after"
         return path
 
     def _restore(self, st: dict) -> None:
         t, path = self.t, self.resumed_from
         folder = st.get("layout") == dist_checkpoint.LAYOUT
+        if not folder:  # name the first key that differs, not torch's "Error(s) in loading state_dict for Net:"
+            mismatch = state_dict_mismatch(t.module.state_dict(), st["model"])
+            if mismatch:
+                raise OomtuneError(f"checkpoint {path} does not match {self.model_file.label}'s model: {mismatch}",
+                                   BAD_INPUT)
         try:
             with self.device.measure():
                 if folder:
@@ -133,8 +179,8 @@ class RanksMixin:
         except (RuntimeError, KeyError, ValueError, TypeError) as e:
             if is_oom(e):
                 raise
-            raise OomtuneError(f"checkpoint {path} does not match {self.model_file.label}'s model or optimizer "
-                               f"({one_line(e)[:200]})", BAD_INPUT) from None
+            raise OomtuneError(f"checkpoint {path} does not match {self.model_file.label}'s model or optimizer: "
+                               f"{first_line(e)}", BAD_INPUT) from None
         self._account(t.optimizer)  # the loaded state was made outside measure()
         set_weight_decay(t, self.cfg.weight_decay)  # the loaded groups bring the old run's (a flag may change it)
         as_on_cuda(t.optimizer, self.device)  # and their foreach choice

@@ -491,7 +491,7 @@ def test_a_corrupt_or_foreign_checkpoint_on_resume_and_a_fresh_run_into_a_used_r
     snapshot = {p.name: p.read_bytes() for p in [cfg, *(tmp_path / "run").iterdir()]}
 
     assert_one_line_exit_2(run_cli("train", "--config", cfg, "--device", "cpu", "--run-dir", "run", "--resume"),
-                           "ckpt-00000003.pt", "corrupt")
+                           "ckpt-00000003.pt", "truncated")
     assert_one_line_exit_2(run_cli("train", "--config", cfg, "--device", "cpu", "--run-dir", "run"),
                            "already holds a run", "--resume")
     assert {p.name: p.read_bytes() for p in [cfg, *(tmp_path / "run").iterdir()]} == snapshot

@@ -67,10 +67,14 @@ def flags(**values) -> list[str]:
     return args
 
 
+def _num(x) -> str:
+    return "n/a" if x is None else f"{x:.4f}"  # None: not finite (metrics.jsonl writes null)
+
+
 def _metrics_line(m: dict) -> str:
-    parts = [f"step {m['step']:>6}", f"loss {m['loss']:.4f}"]
+    parts = [f"step {m['step']:>6}", f"loss {_num(m['loss'])}"]
     if "eval_loss" in m:
-        parts.append(f"[bold]eval {m['eval_loss']:.4f}[/]")
+        parts.append(f"[bold]eval {_num(m['eval_loss'])}[/]")
     parts.append(f"lr {m['lr']:.2e}")
     if m.get("tokens_per_s"):
         parts.append(f"{m['tokens_per_s']:,.0f} tok/s")
@@ -99,7 +103,7 @@ def _render(progress: Progress, task):
             if e.metrics is not None:
                 m = e.metrics
                 mem = m.get("nvml_used_bytes") if m.get("nvml_used_bytes") is not None else m["peak_bytes"]
-                fields = {"loss": f"loss {m['loss']:.4f}", "speed": f"{m['tokens_per_s'] or 0:,.0f} tok/s",
+                fields = {"loss": f"loss {_num(m['loss'])}", "speed": f"{m['tokens_per_s'] or 0:,.0f} tok/s",
                           "memory": f"{'nvml' if 'nvml_used_bytes' in m else 'peak'} {fmt_bytes(mem)}"}
                 say(_metrics_line(m))
             progress.update(task, completed=e.step, **fields)
@@ -166,7 +170,7 @@ def train(
                                                             "(train.checkpoint_interval).")] = None,
     log_every_n_steps: Annotated[int | None, typer.Option(help="Steps between metric lines "
                                                           "(train.log_every_n_steps).")] = None,
-    run_dir: Annotated[Path | None, typer.Option(help="Checkpoints, metrics.jsonl, events.jsonl (train.run_dir).")]
+    run_dir: Annotated[str | None, typer.Option(help="Checkpoints, metrics.jsonl, events.jsonl (train.run_dir).")]
     = None,
     seed: Annotated[int | None, typer.Option(help="Seed of the model's and the data's RNGs (train.seed).")] = None,
     resume: Annotated[bool, typer.Option("--resume/--no-resume", help="Continue from the latest checkpoint in "
@@ -196,7 +200,7 @@ def train(
         overrides = {"steps": steps, "lr": lr, "min_lr": min_lr, "warmup_steps": warmup_steps,
                      "weight_decay": weight_decay, "clip_grad_norm": clip_grad_norm, "eval_interval": eval_interval,
                      "eval_steps": eval_steps, "checkpoint_interval": checkpoint_interval,
-                     "log_every_n_steps": log_every_n_steps, "run_dir": str(run_dir) if run_dir else None,
+                     "log_every_n_steps": log_every_n_steps, "run_dir": run_dir,  # str: "" is refused, not "."
                      "seed": seed}
         rank_budgets = parse_rank_budgets(rank_budget)
         rank = worker_rank()
@@ -229,6 +233,10 @@ def train(
                       f"Continue with [cyan]oomtune train --config {config} --resume[/]"
                       + (f" --run-dir {result.run_dir}" if run_dir else ""))
             raise typer.Exit(130)
+        if result.nothing_to_do:
+            out.print(f"nothing to do: the run in {result.run_dir} is at step {result.step}, already at or past "
+                      f"--steps {result.steps} (raise --steps to train longer); checkpoint {result.checkpoint}")
+            return
         losses = (f"loss {result.first_loss:.4f} -> {result.last_loss:.4f}"
                   if result.first_loss is not None and result.last_loss is not None else "no steps run")
         ev = f", eval loss {result.eval_loss:.4f}" if result.eval_loss is not None else ""
