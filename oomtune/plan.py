@@ -366,14 +366,14 @@ def dump_config(config: Config, header: str = "") -> str:
 
 def save_config(config: Config, path: str | Path, header: str = "") -> None:
     """Write atomically; an absolute model path is stored relative to the config's folder (`../models/m.py`)
-    where the two share a folder below the filesystem's root, so a config committed with its model works in any
-    clone. Only a regular file is replaced, never a device node or a folder (the CLI checks --out before the
-    search too)."""
+    where the two share a folder at least two levels below the root (a project's folder, not just /tmp or /home),
+    so a config committed with its model works in any clone. Only a regular file is replaced, never a device node
+    or a folder (the CLI checks --out before the search too)."""
     p = Path(path)
     if p.exists() and not p.is_file():
         raise ConfigError(f"cannot write the config to {p}: it exists and is not a regular file")
     model, folder = Path(config.model), p.resolve().parent
-    if model.is_absolute() and Path(os.path.commonpath([model, folder])) != Path(model.anchor):
+    if model.is_absolute() and len(Path(os.path.commonpath([model, folder])).parts) >= 3:  # /work/proj, not /tmp
         config = dataclasses.replace(config, model=os.path.relpath(model, folder))
     text = dump_config(config, header)
     try:  # each section a person wrote stays as they wrote it, comments included, where its values are kept

@@ -2,6 +2,7 @@
 
 import dataclasses
 import os
+from pathlib import Path
 
 import pytest
 
@@ -43,6 +44,10 @@ def test_model_path_is_stored_relative_to_the_config_wherever_they_share_a_folde
     save_config(make_config(model=str(tmp_path / "m.py")), beside)
     cfg = load_config(beside)
     assert cfg.model == "../../m.py" and cfg.model_path(beside).resolve() == (tmp_path / "m.py").resolve()
+    top = Path(tmp_path.resolve().parts[1])  # e.g. /tmp: shared by unrelated projects, so no ../../ through it
+    for far in (Path("/") / top / "oomtune-elsewhere" / "m.py", Path("/srv-oomtune-none/m.py")):
+        save_config(make_config(model=str(far)), beside)
+        assert load_config(beside).model == str(far)
 
 
 @pytest.mark.parametrize("edit, message", [
