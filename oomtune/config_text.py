@@ -46,6 +46,8 @@ def unique_keys_loader():
         def construct_mapping(self, node, deep=False):
             seen: dict = {}
             for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor`: PyYAML merges these itself
+                    continue
                 key, line = self.construct_object(key_node, deep=deep), key_node.start_mark.line + 1
                 try:
                     if key in seen:

@@ -95,7 +95,7 @@ class FallbackMixin:
             oom = lone = None
             try:
                 if not batches:
-                    self.phase = "data"
+                    self.phase = "eval-data" if phase == "eval" else "data"  # eval's: after its step finished
                     # outside the accounting: host-side work (a corpus in RAM, tokenizing) is not device
                     # memory; what the batches themselves hold is counted on a simulated device
                     batches.extend(draw())
@@ -109,7 +109,7 @@ class FallbackMixin:
                 if not is_oom(e):
                     raise
                 oom = one_line(e)
-            if oom is not None and self.phase == "data":
+            if oom is not None and self.phase in ("data", "eval-data"):
                 self._stop_in_data(oom, after_step=phase == "eval")
             if lone is not None:  # only this rank ran out, inside FSDP's collectives
                 self._stop_for_relaunch(lone.message, writes=True)
@@ -232,6 +232,14 @@ class LossWatch:
         return value
 
 
+def _non_finite_buffer(module: torch.nn.Module) -> str | None:
+    """The first floating-point buffer (BatchNorm running statistics, say) holding a NaN or an infinity."""
+    for name, buf in module.named_buffers():
+        if buf.is_floating_point() and not bool(torch.isfinite(buf).all()):
+            return name
+    return None
+
+
 def _loss_text(value: float) -> str:
     return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
 
@@ -272,18 +280,32 @@ class FailureMixin:
             what = f"the training loss is {_loss_text(bad[0][1])} at step {step}{where}"
         else:
             what = f"the training loss of another rank is not finite at step {step}"
-        if self.step == self.start_step and self.resumed_from is not None:  # the checkpoint itself leads to NaN
-            saved = f"It is the first step after {self.resumed_from} (step {self.step}), which leads to it already"
-            hint = (f"move {self.resumed_from.name} out of {self.run_dir} to resume from an older checkpoint, or "
-                    f"start over with a lower --lr (now {self.cfg.lr:g}) and another --run-dir")
+        if self.step == self.start_step and self.resumed_from is not None:  # at once after the resume
+            saved = (f"It is the first step after {self.resumed_from} (step {self.step}): either that state leads "
+                     f"to it already, or the batch of step {step} does (a resume replays the same data)")
+            hint = (f"resume with a lower --lr (now {self.cfg.lr:g}); if it persists, check that batch, or move "
+                    f"{self.resumed_from.name} out of {self.run_dir} to resume from an older checkpoint")
         elif self.step == 0:
             saved = "No step had run, so nothing was saved"
             hint = ("check the model file's loss and data (a NaN before any update is not the learning rate)"
                     + ("; fp16 overflows above 65504: try bf16" if self.plan.precision == "fp16" else ""))
         else:
-            if self.checkpoint_step != self.step:
-                self._checkpoint("diverged", keep=KEEP + 1)  # keeps the earlier ones too: this one may be bad already
-            saved = f"The last finite step is saved in {self.last_checkpoint} (step {self.step})"
+            tainted = _non_finite_buffer(self.t.module)  # running statistics the failed forwards already updated
+            if self.dist is not None and bool(self.dist.max(0.0 if tainted is None else 1.0)[0]):
+                tainted = tainted or "of another rank"  # all ranks save, or none: a checkpoint is collective
+            if tainted is not None:
+                saved = (f"The NaN already reached the model's buffer {tainted} in step {step}'s forward, so step "
+                         f"{self.step} was not saved; the last checkpoint is "
+                         f"{self.last_checkpoint or 'none'}" + (f" (step {self.checkpoint_step})"
+                                                                  if self.last_checkpoint else ""))
+            elif self.checkpoint_step != self.step:
+                try:
+                    self._checkpoint("diverged", keep=KEEP + 1)  # keeps the earlier ones: this may be bad already
+                    saved = f"The last finite step is saved in {self.last_checkpoint} (step {self.step})"
+                except OomtuneError as w:  # a full disk: say both
+                    saved = f"Step {self.step} could not be saved ({w.message})"
+            else:
+                saved = f"The last finite step is saved in {self.last_checkpoint} (step {self.step})"
             hints = [f"lower --lr (now {self.cfg.lr:g})"]
             if self.cfg.clip_grad_norm is None:
                 hints.append("enable clipping (--clip-grad-norm 1.0)")
@@ -303,7 +325,7 @@ class FailureMixin:
         if isinstance(e, OomtuneError) and not isinstance(e, ModelFileError):
             raise e  # already one line and its own stop (out of memory, a checkpoint write, a log write)
         phase = getattr(self, "phase", "data")
-        done = phase in ("eval", "after")  # the step had finished
+        done = phase in ("eval", "eval-data", "after")  # the step had finished
         step = self.step if done else self.step + 1
         message = e.message if isinstance(e, OomtuneError) else f"{type(e).__name__}: {first_line(e)}"
         saved = failed = None

@@ -96,6 +96,13 @@ def test_missing_keys_and_files_and_bad_yaml(tmp_path):
         load_config(tmp_path / "d.yaml")
 
 
+def test_a_yaml_merge_key_is_not_a_key_given_twice(tmp_path):
+    (tmp_path / "merge.yaml").write_text("model: m.py\nplan: &p {micro_batch_size: 2, context_length: 16}\n"
+                                         "train:\n  <<: {lr: 0.001, steps: 5}\n  <<: {seed: 7}\n  steps: 9\n")
+    cfg = load_config(tmp_path / "merge.yaml")
+    assert (cfg.train.lr, cfg.train.steps, cfg.train.seed) == (0.001, 9, 7)
+
+
 def test_a_config_without_found_by_is_a_hand_written_config(tmp_path):
     (tmp_path / "hand.yaml").write_text("model: m.py\nplan:\n  micro_batch_size: 2\n  context_length: 16\n")
     cfg = load_config(tmp_path / "hand.yaml")

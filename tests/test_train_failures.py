@@ -131,6 +131,12 @@ def test_a_nan_loss_stops_before_its_update_keeps_the_checkpoints_and_a_resume_c
     (diverged,) = events(run, "diverged")
     assert (diverged["step"], diverged["loss"], diverged["checkpoint"]) == (8, "nan", "ckpt-00000007.pt")
 
+    # the same bad batch again right after the resume: the message says it may be the batch, not the checkpoint
+    again = train("--resume")
+    assert again.exit_code == 1
+    assert "first step after run/ckpt-00000007.pt (step 7)" in error_line(again)
+    assert "or the batch of step 8 does" in error_line(again) and steps_saved(run) == [3, 6, 7]
+
     # one bad batch (here: gone once the marker is) - the resume trains on from step 7 as if nothing happened
     (model_dir / "nan-at").unlink()
     assert train("--resume").exit_code == 0
@@ -230,6 +236,54 @@ def test_an_empty_eval_batches_at_the_first_evaluation_saves_that_step(model_dir
     line = error_line(result)
     assert "eval_batches() yielded no batches" in line and "ckpt-00000002.pt (step 2" in line
     assert steps_saved(model_dir / "run") == [2]
+
+
+EVAL_THAT_FAILS = '''
+def eval_batches(batch_size, context_length, device):
+    if (HERE / "eval-fail").exists():
+        raise ValueError("the eval server went away")
+    g = torch.Generator().manual_seed(0)
+    for _ in range(4):
+        x = torch.randn(batch_size, context_length, 16, generator=g)
+        yield x, (x.sum((1, 2)) > 0).long()
+'''
+
+
+def test_an_eval_draw_error_is_after_its_step_and_the_resume_is_exact(model_dir):
+    model = model_dir / "model.py"
+    model.write_text(model.read_text() + EVAL_THAT_FAILS)
+    assert train("--run-dir", "ref", "--eval-interval", "2").exit_code == 0
+    (model_dir / "eval-fail").write_text("1")
+    result = train("--eval-interval", "2", "--checkpoint-interval", "100")
+    assert result.exit_code == 2, result.stderr
+    assert "(at step 2)" in error_line(result)  # step 2 had finished: its evaluation failed
+    (error,) = events(model_dir / "run", "error")
+    assert (error["step"], error["phase"]) == (2, "eval-data")
+    assert steps_saved(model_dir / "run") == [2]
+    (model_dir / "eval-fail").unlink()
+    assert train("--resume", "--eval-interval", "2", "--checkpoint-interval", "3").exit_code == 0
+    after = [r for r in metrics(model_dir / "run") if r["step"] > 2]  # step 2's own row died with its evaluation
+    ref = [r for r in metrics(model_dir / "ref") if r["step"] > 2]
+    assert [r["step"] for r in after] == [r["step"] for r in ref] == list(range(3, 11))
+    assert [r["loss"] for r in after] == pytest.approx([r["loss"] for r in ref], rel=1e-6)
+
+
+def test_a_nan_that_reached_the_batchnorm_statistics_is_not_saved_as_the_last_finite_step(model_dir):
+    model = model_dir / "model.py"
+    model.write_text(model.read_text()
+                     .replace("self.drop = nn.Dropout(0.1)", "self.drop = nn.Dropout(0.1)\n        self.bn = "
+                              "nn.BatchNorm1d(8)")
+                     .replace("        for b in self.blocks:", "        x = self.bn(x)\n        for b in self.blocks:"))
+    (model_dir / "nan-at").write_text("15")  # step 8's first micro-batch: its forward puts the NaN in running_mean
+    result = train()
+    assert result.exit_code == 1, result.stderr
+    line = error_line(result)
+    assert "reached the model's buffer bn.running_mean" in line and "ckpt-00000006.pt (step 6)" in line
+    run = model_dir / "run"
+    assert steps_saved(run) == [3, 6]  # step 7 in memory has NaN statistics: not saved as if it were good
+    for step in (3, 6):
+        state = load_checkpoint(run / f"ckpt-{step:08d}.pt")["model"]
+        assert all(torch.isfinite(v).all() for v in state.values() if v.is_floating_point())
 
 
 def test_a_run_dir_without_a_checkpoint_says_how_to_start_over(model_dir):
@@ -363,3 +417,26 @@ def test_a_train_batches_that_returns_no_iterable_is_named(model_dir):
     assert result.exit_code == 2
     assert error_line(result) == ("error: model.py: train_batches() returned 42 (int); expected an iterable of "
                                   "batches (a generator that yields them, or a list)")
+
+
+def test_a_divergence_whose_checkpoint_cannot_be_written_still_says_it_diverged(model_dir, monkeypatch):
+    import oomtune.checkpoint as ckpt
+
+    real_replace, renames = ckpt.os.replace, []
+
+    def replace(src, dst):  # the third checkpoint (step 7, saved because step 8 diverged) meets a full disk
+        renames.append(dst)
+        if len(renames) == 3:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(ckpt.os, "replace", replace)
+    (model_dir / "nan-at").write_text("15")
+    result = train()
+    assert result.exit_code == 1, result.stderr
+    line = error_line(result)
+    assert "the training loss is nan at step 8" in line and "Step 7 could not be saved" in line
+    assert "the disk is full" in line
+    run = model_dir / "run"
+    assert steps_saved(run) == [3, 6] and stale_temp_files(run) == []
+    assert [e["step"] for e in events(run, "diverged")] == [8]
