@@ -66,3 +66,17 @@ def events(run_dir: Path, kind: str) -> list[dict]:
     """The events of one kind in a run's events.jsonl."""
     lines = (run_dir / "events.jsonl").read_text().splitlines()
     return [e for line in lines if (e := json.loads(line))["event"] == kind]
+
+
+@pytest.fixture
+def case_dir(tmp_path, monkeypatch, write_model):
+    """tests/train_cases.py's model and config in tmp_path, the working folder; torch on one thread."""
+    import torch
+
+    from .train_cases import make_case
+
+    monkeypatch.chdir(tmp_path)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield make_case(tmp_path, write_model)
+    torch.set_num_threads(before)
