@@ -53,7 +53,7 @@ def _root() -> None:
     """oomtune: probe, estimate, train and check PyTorch training configurations that fit in memory."""
 
 
-DebugOpt = Annotated[bool, typer.Option("--debug", help="Show full tracebacks instead of one-line errors.")]
+DebugOpt = Annotated[bool, typer.Option("--debug/--no-debug", help="Show full tracebacks instead of one-line errors.")]
 
 
 def worker_rank() -> int | None:

@@ -116,7 +116,7 @@ def estimate(
     sharding: Annotated[str | None, typer.Option("--sharding", help="none | ddp | fsdp: every rung on this (default: "
                                                  "ddp rungs, then an fsdp rung, on several ranks).")] = None,
     out_path: Annotated[Path, typer.Option("--out", "-o", help="Where to write the config.")] = Path("best.yaml"),
-    as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON (for CI).")] = False,
+    as_json: Annotated[bool, typer.Option("--json/--no-json", help="Print the result as JSON (for CI).")] = False,
     debug: DebugOpt = False,
 ):
     """Predict the ladder without a GPU: run it on fake tensors (no compute, same memory accounting).
@@ -219,7 +219,7 @@ def check(
                                                "config was estimated with; for a config probed on a GPU "
                                                "512MiB+5%; for one probed on cpu 0.")] = None,
     steps: Annotated[int, typer.Option(help="Optimizer steps to run (2: optimizer state exists).")] = TRIAL_STEPS,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON (for CI).")] = False,
+    as_json: Annotated[bool, typer.Option("--json/--no-json", help="Print the result as JSON (for CI).")] = False,
     debug: DebugOpt = False,
 ):
     """CI gate: re-measure the config's plan; exit 0 if it still fits, 1 if it no longer does, 2 for bad input.

@@ -58,7 +58,7 @@ def processes_table(gpu) -> Table:
 
 @app.command()
 def gpus(
-    as_json: Annotated[bool, typer.Option("--json", help="Print what NVML reports as JSON.")] = False,
+    as_json: Annotated[bool, typer.Option("--json/--no-json", help="Print what NVML reports as JSON.")] = False,
     debug: DebugOpt = False,
 ):
     """List every GPU NVML sees: memory total/used/free, the processes using it, driver and CUDA versions,
@@ -73,7 +73,7 @@ def gpus(
         if not report.available:
             out.print(f"[yellow]no NVIDIA GPU visible:[/] NVML is unavailable ({report.reason}); is the NVIDIA "
                       "driver installed? Without a GPU, [cyan]--device cpu[/] simulates a GPU's memory limit and "
-                      "[cyan]oomtune estimate[/] predicts one.")
+                      "[cyan]oomtune estimate[/] predicts one.", soft_wrap=True)  # one line, for scripts and logs
             return
         n = len(report.gpus)
         out.print(f"NVIDIA driver {report.driver_version or '?'}, CUDA {report.cuda_driver_version or '?'} "

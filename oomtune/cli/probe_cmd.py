@@ -249,7 +249,7 @@ def probe(
     amp: Annotated[str, typer.Option(help="Mixed precision for the amp rungs: auto (bf16 where supported, "
                                      "else fp16) | bf16 | fp16.")] = "auto",
     out_path: Annotated[Path, typer.Option("--out", "-o", help="Where to write the config.")] = Path("best.yaml"),
-    as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON (for CI).")] = False,
+    as_json: Annotated[bool, typer.Option("--json/--no-json", help="Print the result as JSON (for CI).")] = False,
     nproc_per_node: NprocOpt = None,
     nnodes: NnodesOpt = 1,
     node_rank: NodeRankOpt = 0,
