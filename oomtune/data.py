@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import reprlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -90,14 +89,7 @@ class DataStream:
         if self.hook == "make_batch":
             mf, b, t, d = self.model_file, self.batch_size, self.context_length, self.torch_device
             return (mf.batch(b, t, d) for _ in itertools.count())
-        # the hook itself, under the model file's error handling; iter() here, to name what it returned
-        returned = self.model_file._call(self.hook, self.batch_size, self.context_length, self.torch_device)
-        try:
-            return iter(returned)
-        except TypeError:
-            raise self.model_file.fail(self.hook, f"returned {reprlib.repr(returned)} ({type(returned).__name__}); "
-                                                  "expected an iterable of batches "
-                                                  "(a generator that yields them, or a list)") from None
+        return self.model_file.batches(self.hook, self.batch_size, self.context_length, self.torch_device)
 
     def _pull(self) -> Batch:
         assert self._it is not None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import reprlib
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -203,13 +204,14 @@ class ModelFile:
         for block in blocks:
             block.forward = _checkpointed(block.forward)
 
-    def train_batches(self, batch_size: int, context_length: int, device: torch.device) -> Iterator[Batch] | None:
-        return iter(self._call("train_batches", batch_size, context_length, device)) \
-            if self.has("train_batches") else None
-
-    def eval_batches(self, batch_size: int, context_length: int, device: torch.device) -> Iterator[Batch] | None:
-        return iter(self._call("eval_batches", batch_size, context_length, device)) \
-            if self.has("eval_batches") else None
+    def batches(self, hook: str, batch_size: int, context_length: int, device: torch.device) -> Iterator[Batch]:
+        """The iterator of `hook` (train_batches / eval_batches, which the caller checked the file has)."""
+        returned = self._call(hook, batch_size, context_length, device)
+        try:
+            return iter(returned)
+        except TypeError:
+            raise self.fail(hook, f"returned {reprlib.repr(returned)} ({type(returned).__name__}); expected an "
+                                  "iterable of batches (a generator that yields them, or a list)") from None
 
 
 def _checkpointed(forward: Callable) -> Callable:
