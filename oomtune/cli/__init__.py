@@ -35,7 +35,7 @@ def _drop_record(record: logging.LogRecord) -> bool:
     return False
 
 
-def _quiet_fake_tensor_log(debug: bool) -> None:
+def _quiet_torch_noise(debug: bool) -> None:
     """A model error on fake tensors makes torch log its own traceback (logger.exception) before raising; the
     one-line error says it all, so drop those records unless --debug. A filter, not a level: importing torch
     resets its loggers' levels, and the commands import torch after this runs."""
@@ -113,7 +113,7 @@ def user_errors(debug: bool):
     worker on several ranks prefixes its rank, and exits 3 when it only stopped because a peer did."""
     rank = worker_rank()
     who = escape(f"[rank {rank}] ") if rank is not None else ""
-    _quiet_fake_tensor_log(debug)
+    _quiet_torch_noise(debug)
     try:
         with _remember_sigint():
             yield
