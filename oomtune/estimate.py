@@ -10,6 +10,7 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from . import parallel
 from .breakdown import (
     breakdown,
     breakdown_difference,
@@ -21,8 +22,11 @@ from .devices import CpuDevice, Device, FakeDevice, TrackedDevice, make_device
 from .errors import BAD_INPUT, OomtuneError
 from .gpus_table import Margin, find_gpu, parse_margin
 from .model_file import ModelFile
+from .parallel import fsdp_unsupported
 from .plan import HEADROOM, TRIAL_STEPS, Config, MemoryBreakdown, Plan, TrialRecord
-from .probe import check_headroom, check_search_options, check_steps
+from .probe import ProbeResult, check_headroom, check_search_options, check_steps, ladder_rungs, plan_of, probe
+from .search import LadderResult, Point
+from .trial import run_trial
 from .units import parse_budget
 
 
@@ -50,9 +54,6 @@ def make_fake_device(budget: str | None, gpu: str | None, margin: str | None) ->
 def smallest_plan(device: Device, targets, amp: str, checkpointing_supported: bool, world_size: int = 1,
                   sharding: str | None = None) -> Plan:
     """The ladder's most frugal plan: micro-batch 1 at the shortest context allowed, on the last rung."""
-    from .probe import ladder_rungs, plan_of
-    from .search import Point
-
     last = ladder_rungs(device, amp, checkpointing_supported, world_size, sharding)[-1]
     return plan_of(Point(last, 1, targets.min_context), world_size)
 
@@ -75,8 +76,6 @@ def estimate(model_file: ModelFile, device: FakeDevice, targets, *, headroom: fl
     nothing) on rank 0, with FSDP2's own code: sharded weights, gradients and optimizer state, the units'
     gathered weights, full activations (DDP cannot wrap fake tensors: its reducer's buckets are added instead).
     `sharding` puts every rung on ddp or fsdp; by default the ladder replicates (ddp) and adds an fsdp rung."""
-    from . import parallel
-
     check_estimate_options(objective, headroom, steps, amp)
     parallel.check_world(world_size, sharding)
     ranks = (parallel.fake_world(world_size) if world_size > 1 or sharding in ("ddp", "fsdp")
@@ -88,14 +87,9 @@ def estimate(model_file: ModelFile, device: FakeDevice, targets, *, headroom: fl
 
 def _estimate(model_file, device, targets, headroom, steps, objective, amp, on_start, on_trial, dist,
               sharding) -> EstimateResult:
-    from .probe import ProbeResult, probe
-    from .search import LadderResult
-
     world = dist.world_size if dist is not None else 1
     limit = int(device.budget_bytes * (1 - headroom))
     static = static_memory(model_file)
-    from .parallel import fsdp_unsupported
-
     no_fsdp = fsdp_unsupported(device.torch_device.type) if world > 1 and sharding is None else None
     sharded_by = world if sharding == "fsdp" or (sharding is None and no_fsdp is None) else 1
     if device.margin.total(static.total_bytes // sharded_by) > limit:
@@ -194,8 +188,6 @@ def check_margin(config: Config, margin: str | None) -> Margin:
 def check(config: Config, model_file: ModelFile, *, device_kind: str = "fake", budget: str | None = None,
           headroom: float | None = None, margin: str | None = None, steps: int = TRIAL_STEPS) -> CheckResult:
     """Re-measure the config's plan and say whether it still fits the config's budget (or --budget)."""
-    from .trial import run_trial
-
     if device_kind not in CHECK_DEVICES:
         raise OomtuneError(f"--device {device_kind!r}: expected one of {', '.join(CHECK_DEVICES)}")
     if margin is not None and device_kind != "fake":  # cpu counts tensors only, cuda measures the real thing
