@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from .errors import BAD_INPUT, NO_FIT, OomtuneError
+from .errors import BAD_INPUT, NO_FIT, OomtuneError, first_line
 from .files import file_mode
 from .units import format_bytes
 
@@ -49,15 +49,6 @@ class CheckpointWriteError(OomtuneError):
 
     def __init__(self, message: str):
         super().__init__(message, NO_FIT)  # exit 1, as every failure of a run that had started
-
-
-def first_line(e: BaseException) -> str:
-    """An exception's first line, whole (never cut mid-sentence), else its type's name; a first line that only
-    introduces the next ("Error(s) in loading state_dict for Net:") with that next line."""
-    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
-    if not lines:
-        return type(e).__name__
-    return f"{lines[0]} {lines[1]}" if lines[0].endswith(":") and len(lines) > 1 else lines[0]
 
 
 def checkpoint_path(run_dir: str | Path, step: int) -> Path:

@@ -37,6 +37,13 @@ COMMENTS = {
 }
 
 
+def parse(text: str):
+    """A config's YAML as oomtune reads it, everywhere: PyYAML's safe loader, refusing a key given twice."""
+    import yaml
+
+    return yaml.load(text, Loader=unique_keys_loader())
+
+
 def unique_keys_loader():
     """PyYAML's safe loader, refusing a key given twice in one mapping (plain PyYAML keeps the last one, so
     a second `model:` or `lr:` would silently win)."""
@@ -100,7 +107,7 @@ def keep_unchanged_text(old_text: str, new_text: str) -> str:
     import yaml
 
     try:
-        want = yaml.safe_load(new_text)
+        want = parse(new_text)
     except yaml.YAMLError:
         return new_text
     old_lines = old_text.splitlines(keepends=True)
@@ -116,7 +123,7 @@ def keep_unchanged_text(old_text: str, new_text: str) -> str:
         o_lead, o_start, o_end = old_blocks[key]
         spliced = "".join(lines[:lead] + old_lines[o_lead:o_end] + lines[end:])
         try:
-            same = yaml.safe_load(spliced) == want
+            same = parse(spliced) == want
         except yaml.YAMLError:
             same = False
         if same:

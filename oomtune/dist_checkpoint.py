@@ -25,12 +25,12 @@ from .checkpoint import (
     META,
     VERSION,
     CheckpointError,
-    first_line,
     fsync_dir,
     prune,
     remove,
     unreadable_because,
 )
+from .errors import first_line
 from .parallel import Dist
 from .step import Training
 

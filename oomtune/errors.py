@@ -1,4 +1,5 @@
-"""The one project error. Library code raises it; the CLI (oomtune/cli) makes it one line and an exit code."""
+"""The one project error (library code raises it; the CLI makes it one line and an exit code), and the one way
+to put another exception in that line."""
 
 from __future__ import annotations
 
@@ -26,3 +27,12 @@ class ModelFileError(OomtuneError):
 
 class ConfigError(OomtuneError):
     """A config file is missing, malformed, or has an unknown key / wrong type."""
+
+
+def first_line(e: BaseException, empty: str | None = None) -> str:
+    """An exception's first line, whole (never cut mid-sentence), with the next one where the first only
+    introduces it ("Error(s) in loading state_dict for Net:"); for no message, `empty` or the type's name."""
+    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+    if not lines:
+        return empty if empty is not None else type(e).__name__
+    return f"{lines[0]} {lines[1]}" if lines[0].endswith(":") and len(lines) > 1 else lines[0]

@@ -22,9 +22,18 @@ from .devices import CpuDevice, Device, FakeDevice, TrackedDevice, make_device
 from .errors import BAD_INPUT, OomtuneError
 from .gpus_table import Margin, find_gpu, parse_margin
 from .model_file import ModelFile
-from .parallel import fsdp_unsupported
 from .plan import HEADROOM, TRIAL_STEPS, Config, MemoryBreakdown, Plan, TrialRecord
-from .probe import ProbeResult, check_headroom, check_search_options, check_steps, ladder_rungs, plan_of, probe
+from .probe import (
+    ProbeResult,
+    check_headroom,
+    check_search_options,
+    check_steps,
+    fsdp_reach,
+    ladder_rungs,
+    no_fsdp_note,
+    plan_of,
+    probe,
+)
 from .search import LadderResult, Point
 from .trial import run_trial
 from .units import parse_budget
@@ -90,8 +99,7 @@ def _estimate(model_file, device, targets, headroom, steps, objective, amp, on_s
     world = dist.world_size if dist is not None else 1
     limit = int(device.budget_bytes * (1 - headroom))
     static = static_memory(model_file)
-    no_fsdp = fsdp_unsupported(device.torch_device.type) if world > 1 and sharding is None else None
-    sharded_by = world if sharding == "fsdp" or (sharding is None and no_fsdp is None) else 1
+    sharded_by, no_fsdp = fsdp_reach(device, world, sharding)
     if device.margin.total(static.total_bytes // sharded_by) > limit:
         # nothing can fit: skip the ladder (every trial would run out) and explain with the smallest plan
         search = ProbeResult(LadderResult((), None, ()), [], static, targets, limit, None, world_size=world,
@@ -107,9 +115,8 @@ def _estimate(model_file, device, targets, headroom, steps, objective, amp, on_s
         return EstimateResult(search, device.margin, bd, plan)
     plan = smallest_plan(device, targets, amp, static.checkpointing_supported, world, sharding)
     bd = breakdown(model_file, plan, device, steps, dist)
-    search.why_nothing_fits = why_nothing_fits(bd, plan, static, limit, device.budget_bytes, headroom, device.margin)
-    if no_fsdp is not None:
-        search.why_nothing_fits += f" No fsdp rung was tried: {no_fsdp}."
+    search.why_nothing_fits = (why_nothing_fits(bd, plan, static, limit, device.budget_bytes, headroom, device.margin)
+                               + no_fsdp_note(no_fsdp))
     return EstimateResult(search, device.margin, bd, plan,
                           levers(bd, static, limit, device.margin, headroom, plan.activation_checkpointing))
 

@@ -28,20 +28,15 @@ from typing import Any, NoReturn
 import torch
 import yaml
 
-from .checkpoint import KEEP, first_line, restore_rng
-from .config_text import keep_unchanged_text
+from .checkpoint import KEEP, restore_rng
+from .config_text import keep_unchanged_text, parse
 from .devices import is_oom
-from .errors import NO_FIT, OOM_RELAUNCH, ConfigError, ModelFileError, OomtuneError
+from .errors import NO_FIT, OOM_RELAUNCH, ConfigError, ModelFileError, OomtuneError, first_line
 from .files import atomic_write
 from .model_file import Batch
 from .parallel import LoneOutOfMemory
 from .plan import Config, Plan, dump_config, from_dict, to_dict
 from .train_events import Note, OomFallback
-
-
-def one_line(e: BaseException) -> str:
-    lines = str(e).strip().splitlines()
-    return lines[0] if lines else type(e).__name__
 
 
 def smaller_plan(plan: Plan) -> Plan | None:
@@ -75,7 +70,7 @@ def rewrite_plan(path: Path, config: Config, plan: Plan, note: str) -> None:
             lines[i] = f"{m[1]}{m[2]}{m[3]}{getattr(plan, m[2])}{m[5]}\n"
     edited = f"# {note}\n" + "".join(lines)
     try:
-        same = from_dict(Config, yaml.safe_load(edited)) == want
+        same = from_dict(Config, parse(edited)) == want
     except (ConfigError, yaml.YAMLError):
         same = False
     atomic_write(path, edited if same else keep_unchanged_text(text, dump_config(want, header=note)))
@@ -84,7 +79,7 @@ def rewrite_plan(path: Path, config: Config, plan: Plan, note: str) -> None:
 class FallbackMixin:
     """The trainer's OOM handling. Expects the Trainer's state: plan, good_plan, plan_dirty, fallbacks, phase,
     step, step_rng, t, device, cuda, config_path, file_config, last_checkpoint, log, and its `_account`,
-    `_checkpoint` and `_emit` methods."""
+    `_checkpoint`, `_emit` and (FailureMixin's) `_forget_step` methods."""
 
     def _attempt(self, work: Callable[[list[Batch]], Any], phase: str, batches: list[Batch],
                  draw: Callable[[], list[Batch]]) -> tuple[Any, int]:
@@ -108,7 +103,7 @@ class FallbackMixin:
             except Exception as e:
                 if not is_oom(e):
                     raise
-                oom = one_line(e)
+                oom = first_line(e)
             if oom is not None and self.phase in ("data", "eval-data"):
                 self._stop_in_data(oom, after_step=phase == "eval")
             if lone is not None:  # only this rank ran out, inside FSDP's collectives
@@ -126,10 +121,8 @@ class FallbackMixin:
     def _recover(self, message: str) -> None:
         phase = self.phase
         step = self.step if phase == "eval" else self.step + 1  # eval runs after its step is counted
-        self.t.model.zero_grad(set_to_none=True)  # half-accumulated gradients of the failed step
-        self.device.release()
-        if phase != "eval":  # rewind what the failed attempt drew (dropout): the retry runs as if it never had
-            restore_rng(self.step_rng, self.cuda)
+        # rewind what the failed attempt drew (dropout), but not for eval: the retry runs as if it never had
+        self._forget_step(rewind_rng=phase != "eval")
         if phase == "optimizer":
             last = f"; the last checkpoint is {self.last_checkpoint}" if self.last_checkpoint else ""
             self.log.event("oom_stop", step=step, phase=phase, message=message)
@@ -240,10 +233,6 @@ def _non_finite_buffer(module: torch.nn.Module) -> str | None:
     return None
 
 
-def _loss_text(value: float) -> str:
-    return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
-
-
 class FailureMixin:
     """The trainer's stops on a diverged loss and on an error mid-run. Expects the Trainer's state: watch, phase,
     step, start_step, resumed_from, run_dir, step_rng, checkpoint_step, last_checkpoint, t, device, cuda, dist, cfg,
@@ -264,8 +253,8 @@ class FailureMixin:
 
     def _forget_step(self, rewind_rng: bool) -> None:
         """Drop what the step in flight did (half-accumulated gradients, its RNG draws): the state is then that of
-        the last finished step, ready to be checkpointed."""
-        self.t.optimizer.zero_grad(set_to_none=True)
+        the last finished step, ready to be retried or checkpointed."""
+        self.t.model.zero_grad(set_to_none=True)
         self.watch.losses = []
         self.device.release()
         if rewind_rng:
@@ -277,7 +266,7 @@ class FailureMixin:
         bad = [(i, v) for i, v in enumerate(e.values) if not math.isfinite(v)]
         if bad:
             where = f" (micro-batch {bad[0][0] + 1} of {len(e.values)})" if len(e.values) > 1 else ""
-            what = f"the training loss is {_loss_text(bad[0][1])} at step {step}{where}"
+            what = f"the training loss is {bad[0][1]} at step {step}{where}"
         else:
             what = f"the training loss of another rank is not finite at step {step}"
         if self.step == self.start_step and self.resumed_from is not None:  # at once after the resume
@@ -298,14 +287,14 @@ class FailureMixin:
                          f"{self.step} was not saved; the last checkpoint is "
                          f"{self.last_checkpoint or 'none'}" + (f" (step {self.checkpoint_step})"
                                                                   if self.last_checkpoint else ""))
-            elif self.checkpoint_step != self.step:
-                try:
-                    self._checkpoint("diverged", keep=KEEP + 1)  # keeps the earlier ones: this may be bad already
-                    saved = f"The last finite step is saved in {self.last_checkpoint} (step {self.step})"
-                except OomtuneError as w:  # a full disk: say both
-                    saved = f"Step {self.step} could not be saved ({w.message})"
             else:
-                saved = f"The last finite step is saved in {self.last_checkpoint} (step {self.step})"
+                saved = None
+                if self.checkpoint_step != self.step:
+                    try:
+                        self._checkpoint("diverged", keep=KEEP + 1)  # keeps the earlier ones: this may be bad already
+                    except OomtuneError as w:  # a full disk: say both
+                        saved = f"Step {self.step} could not be saved ({w.message})"
+                saved = saved or f"The last finite step is saved in {self.last_checkpoint} (step {self.step})"
             hints = [f"lower --lr (now {self.cfg.lr:g})"]
             if self.cfg.clip_grad_norm is None:
                 hints.append("enable clipping (--clip-grad-norm 1.0)")
@@ -313,7 +302,7 @@ class FailureMixin:
                 hints.append("use bf16 where the device has it (fp16 overflows above 65504)")
             hint = ", ".join(hints) + (", then continue with --resume (should that step be too far gone already, "
                                        "with an older checkpoint or another --run-dir)")
-        self.log.event("diverged", step=step, loss=_loss_text(bad[0][1]) if bad else None,
+        self.log.event("diverged", step=step, loss=str(bad[0][1]) if bad else None,
                        checkpoint=self.last_checkpoint.name if self.step and self.last_checkpoint else None)
         raise OomtuneError(f"{what}: training diverged and stopped before applying that step. {saved}; {hint}",
                            NO_FIT)
@@ -327,7 +316,7 @@ class FailureMixin:
         phase = getattr(self, "phase", "data")
         done = phase in ("eval", "eval-data", "after")  # the step had finished
         step = self.step if done else self.step + 1
-        message = e.message if isinstance(e, OomtuneError) else f"{type(e).__name__}: {first_line(e)}"
+        message = e.message if isinstance(e, OomtuneError) else f"{type(e).__name__}: {first_line(e, '(no message)')}"
         saved = failed = None
         if (self.dist is None and phase not in ("optimizer", "checkpoint") and self.step > 0
                 and self.checkpoint_step != self.step):

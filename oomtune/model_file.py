@@ -25,7 +25,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .devices import is_oom
-from .errors import ModelFileError, OomtuneError
+from .errors import ModelFileError, OomtuneError, first_line
 
 Batch = Any  # a Tensor, a tuple/list of Tensors, or a dict of str -> Tensor
 DEFAULT_KEYS = {"batch", "context", "min_context"}
@@ -62,7 +62,7 @@ class ModelFile:
         except Exception as e:
             if is_oom(e):
                 raise
-            raise ModelFileError(f"{self.label}: {what} raised {type(e).__name__}: {_one_line(e)}") from e
+            raise ModelFileError(f"{self.label}: {what} raised {_raised(e)}") from e
 
     def fail(self, hook: str, what: str) -> ModelFileError:
         return ModelFileError(f"{self.label}: {hook}() {what}")
@@ -228,9 +228,8 @@ def _exit_call(e: SystemExit) -> str:
     return "sys.exit()" if e.code is None else f"sys.exit({e.code!r})"
 
 
-def _one_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return text[0] if text else "(no message)"
+def _raised(e: BaseException) -> str:
+    return f"{type(e).__name__}: {first_line(e, '(no message)')}"
 
 
 def _describe(x: Any) -> str:
@@ -269,7 +268,7 @@ def load_model_file(path: str | Path) -> ModelFile:
         raise ModelFileError(f"{p.name}: importing it called {_exit_call(e)}") from e
     except Exception as e:
         sys.modules.pop(name, None)
-        raise ModelFileError(f"{p.name}: importing it raised {type(e).__name__}: {_one_line(e)}") from e
+        raise ModelFileError(f"{p.name}: importing it raised {_raised(e)}") from e
     for required in ("build_model", "make_batch"):
         if not hasattr(module, required):
             raise ModelFileError(f"{p.name}: missing required function {required}()")

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
-from .config_text import COMMENTS, keep_unchanged_text, unique_keys_loader
+from .config_text import COMMENTS, keep_unchanged_text, parse
 from .errors import ConfigError
 from .files import atomic_write
 
@@ -301,7 +301,7 @@ def load_config(path: str | Path) -> Config:
     if not p.is_file():
         raise ConfigError(f"config file not found: {p}")
     try:
-        data = yaml.load(p.read_text(encoding="utf-8"), Loader=unique_keys_loader())
+        data = parse(p.read_text(encoding="utf-8"))
     except UnicodeDecodeError as e:
         raise ConfigError(f"{p}: not a text file in UTF-8 (byte {e.start} is {e.object[e.start]:#04x})") from None
     except OSError as e:

@@ -54,6 +54,17 @@ def resolve_targets(model_file: ModelFile, batch: int | None, context: int | Non
     return Targets(b, t, t_min)
 
 
+def fsdp_reach(device: Device, world: int, sharding: str | None) -> tuple[int, str | None]:
+    """(over how many ranks the weights can be sharded at best, why the ladder has no fsdp rung where it would
+    add one: None when it has one, or when sharding was chosen)."""
+    no_fsdp = fsdp_unsupported(device.torch_device.type) if world > 1 and sharding is None else None
+    return (world if sharding == "fsdp" or (sharding is None and no_fsdp is None) else 1), no_fsdp
+
+
+def no_fsdp_note(no_fsdp: str | None) -> str:
+    return f" No fsdp rung was tried: {no_fsdp}." if no_fsdp is not None else ""
+
+
 def check_headroom(headroom: float, where: str = "--headroom") -> None:
     """`where` names where the value came from: the flag, or the config's key."""
     if not 0 <= headroom < 1:  # NaN fails this too
@@ -166,9 +177,8 @@ def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: 
     if dist is not None:
         device.lower_budget(int(dist.min(device.budget_bytes)[0]))
     limit = int(device.budget_bytes * (1 - headroom))
-    no_fsdp = fsdp_unsupported(device.torch_device.type) if world > 1 and sharding is None else None
     static = static_memory(model_file)
-    sharded_by = world if sharding == "fsdp" or (sharding is None and no_fsdp is None) else 1
+    sharded_by, no_fsdp = fsdp_reach(device, world, sharding)
     check_static_fits(static, device, limit, headroom, sharded_by)
     rungs = ladder_rungs(device, amp, static.checkpointing_supported, world, sharding)
 
@@ -192,9 +202,7 @@ def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: 
     search = LadderSearch(measure, limit, on_trial=collect)
     ladder = search.run(rungs, targets.batch // world, targets.context, targets.min_context, objective)
     if ladder.choice is None:
-        why = why_nothing_fits(ladder, targets, static, limit, world)
-        if no_fsdp is not None:
-            why += f" No fsdp rung was tried: {no_fsdp}."
+        why = why_nothing_fits(ladder, targets, static, limit, world) + no_fsdp_note(no_fsdp)
         return ProbeResult(ladder, records, static, targets, limit, None, why, world, device.budget_bytes)
     c = ladder.choice
     plan = plan_of(Point(c.rung, c.micro_batch_size, c.context_length, c.grad_accum_steps), world)

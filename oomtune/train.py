@@ -35,8 +35,8 @@ from . import parallel
 from .checkpoint import capture_rng, latest_checkpoint, remove, seed_everything, stale_temp_files
 from .data import DataStream
 from .devices import is_oom
-from .errors import BAD_INPUT, ConfigError, ModelFileError, OomtuneError
-from .fallback import FailureMixin, FallbackMixin, LossWatch, NonFiniteLoss, one_line, rewrite_plan, smaller_plan
+from .errors import BAD_INPUT, ConfigError, ModelFileError, OomtuneError, first_line
+from .fallback import FailureMixin, FallbackMixin, LossWatch, NonFiniteLoss, rewrite_plan, smaller_plan
 from .model_file import Batch, ModelFile, load_model_file
 from .plan import Config, Plan, TrainConfig, from_dict, load_config, to_dict
 from .rundir import METRICS, RunLog, check_run_dir, no_checkpoint_message
@@ -356,7 +356,7 @@ class Trainer(FallbackMixin, FailureMixin, RanksMixin):
         except Exception as e:
             if not is_oom(e):
                 raise
-            oom = one_line(e)
+            oom = first_line(e)
         if oom is not None:  # before any step: the memory given is too small for the model, bad input
             self.device.release()
             raise OomtuneError(f"out of memory building the model on {self.device.name}: the weights alone do not "

@@ -17,7 +17,6 @@ from .checkpoint import (
     KEEP,
     CheckpointError,
     capture_rng,
-    first_line,
     load_checkpoint,
     older_intact,
     restore_rng,
@@ -26,8 +25,7 @@ from .checkpoint import (
 )
 from .data import split_batch
 from .devices import is_oom
-from .errors import BAD_INPUT, ConfigError, OomtuneError
-from .fallback import one_line
+from .errors import BAD_INPUT, ConfigError, OomtuneError, first_line
 from .model_file import Batch
 from .plan import Plan, to_dict
 from .step import as_on_cuda, set_weight_decay
@@ -76,7 +74,7 @@ def checkpoint_plan(path: Path, st: dict) -> Plan:
         batch = int(st["data"]["batch_size"])
         step = int(st["step"])
     except (TypeError, KeyError, ValueError, ConfigError) as e:
-        raise CheckpointError(f"checkpoint {path} has an unreadable plan or data position ({one_line(e)})") \
+        raise CheckpointError(f"checkpoint {path} has an unreadable plan or data position ({first_line(e)})") \
             from None
     if batch % plan.micro_batch_size or plan.global_batch_size % batch or step < 0:
         raise CheckpointError(f"checkpoint {path}: data batch {batch} does not fit plan {plan.describe()}")

@@ -57,9 +57,14 @@ def run_cli(*args: str):
     return CliRunner().invoke(app, [str(a) for a in args])
 
 
+def _not_json(token: str):
+    raise ValueError(f"{token} is not JSON")  # a bare NaN / Infinity: oomtune writes strict JSON (null)
+
+
 def metrics(run_dir: Path) -> list[dict]:
-    """The rows of a run's metrics.jsonl."""
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    """The rows of a run's metrics.jsonl, read as strict JSON."""
+    return [json.loads(line, parse_constant=_not_json)
+            for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def events(run_dir: Path, kind: str) -> list[dict]:

@@ -196,7 +196,8 @@ def test_probe_on_the_fake_device_without_a_budget_names_options_that_exist(writ
     one_line_error(r, "--device fake has no memory of its own", "--budget", "oomtune estimate MODEL --gpu NAME")
     assert not (tmp_path / "best.yaml").exists()
     assert "--gpu" not in r.stderr.split("oomtune estimate")[0]  # probe itself has no --gpu to suggest
-    assert run_cli("probe", "--gpu", "a100-80").exit_code == 2  # (it has not)
+    no_gpu = run_cli("probe", write_model(), "--gpu", "a100-80")  # (it has not)
+    assert no_gpu.exit_code == 2 and "No such option: --gpu" in no_gpu.output
 
 
 def test_check_refuses_a_margin_its_device_would_ignore(write_model, tmp_path):
@@ -292,7 +293,7 @@ def test_check_on_cuda_uses_at_most_the_memory_free_now(free_delta, clamped, wri
     old_budget = load_config(config).found_by.budget_bytes
     free = old_budget + free_delta
     monkeypatch.setattr("oomtune.estimate.make_device", lambda kind, budget=None: StubGpu(free, budget))
-    monkeypatch.setattr("oomtune.trial.run_trial", lambda *a, **k: types.SimpleNamespace(
+    monkeypatch.setattr("oomtune.estimate.run_trial", lambda *a, **k: types.SimpleNamespace(
         oom=False, peak_bytes=1 << 20, oom_message=None))
     r = run_cli("check", "--config", config, "--device", "cuda", "--json")
     assert r.exit_code == 0, r.output

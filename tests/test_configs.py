@@ -53,7 +53,8 @@ def test_keep_unchanged_text_keeps_comments_and_layout_only_where_the_values_are
     assert "# about found_by\nfound_by: {command: probe}\n" in keep_unchanged_text(old, same_found)
     flow = "model: m.py\ntrain: {lr: 0.001, steps: 50}  # inline\nplan: {micro_batch_size: 4}"
     assert "train: {lr: 0.001, steps: 50}  # inline\n" in keep_unchanged_text(flow, new)
-    for broken in ("model: x.py\ntrain:\n  lr: [\n", "other: 1\n", "", "train: 1\ntrain: 2\n"):
+    twice = "model: m.py\ntrain:\n  lr: 0.5\n  lr: 0.001\n  steps: 50\n"  # plain PyYAML would read it as new's
+    for broken in ("model: x.py\ntrain:\n  lr: [\n", "other: 1\n", "", "train: 1\ntrain: 2\n", twice):
         assert keep_unchanged_text(broken, new) == new  # nothing to keep, or not YAML oomtune can keep
     for text in (old, flow):  # whatever is kept, the result reads as the new text does
         import yaml

@@ -15,8 +15,8 @@ import yaml
 from oomtune.checkpoint import list_checkpoints, load_checkpoint, stale_temp_files
 from oomtune.rundir import RunLog
 
-from .conftest import events, run_cli
-from .train_cases import error_line, losses, steps_saved, strict_rows, train
+from .conftest import events, metrics, run_cli
+from .train_cases import error_line, losses, steps_saved, train
 
 # -- a NaN / infinite loss ---------------------------------------------------------------------------------------
 
@@ -31,7 +31,7 @@ def test_a_nan_loss_stops_before_its_update_keeps_the_checkpoints_and_a_resume_c
     run = case_dir / "run"
     assert steps_saved(run) == [3, 6, 7]  # the last finite step saved, the earlier ones kept, nothing diverged
     assert all(torch.isfinite(p).all() for p in load_checkpoint(run / "ckpt-00000007.pt")["model"].values())
-    assert [r["step"] for r in strict_rows(run)] == list(range(1, 8))
+    assert [r["step"] for r in metrics(run)] == list(range(1, 8))
     (diverged,) = events(run, "diverged")
     assert (diverged["step"], diverged["loss"], diverged["checkpoint"]) == (8, "nan", "ckpt-00000007.pt")
 
@@ -53,7 +53,7 @@ def test_a_learning_rate_that_diverges_stops_with_exit_1_and_writes_no_nan(case_
     line = error_line(result)
     assert "training diverged" in line and "lower --lr (now 1e+20)" in line
     run = case_dir / "run"
-    rows = strict_rows(run)  # valid JSON all through
+    rows = metrics(run)  # valid JSON all through
     (diverged,) = events(run, "diverged")
     assert steps_saved(run)[-1] == diverged["step"] - 1 == rows[-1]["step"]  # no checkpoint of a diverged step
     for _, path in list_checkpoints(run):
@@ -107,9 +107,9 @@ def test_fp16_steps_the_grad_scaler_skips_for_inf_gradients_are_not_a_divergence
     assert result.exit_code == 0, result.stderr
     state = load_checkpoint(tmp_path / "run" / "ckpt-00000008.pt")
     assert state["scaler"]["scale"] < 2.0**16  # steps were skipped: the scale dropped
-    assert {int(s["step"]) for s in state["optimizer"]["state"].values()} < {8} | set(range(8))
+    assert max(int(s["step"]) for s in state["optimizer"]["state"].values()) < 8  # AdamW took fewer than 8
     assert events(tmp_path / "run", "diverged") == []
-    assert all(math.isfinite(r["loss"]) for r in strict_rows(tmp_path / "run"))
+    assert all(math.isfinite(r["loss"]) for r in metrics(tmp_path / "run"))
 
 
 def test_a_nan_that_reached_the_batchnorm_statistics_is_not_saved_as_the_last_finite_step(case_dir):

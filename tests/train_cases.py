@@ -4,7 +4,6 @@ draws go wrong (marker files next to it), its config, and readers for the run di
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import yaml
@@ -62,14 +61,6 @@ def error_line(result) -> str:
     lines = [" ".join(x.split()) for x in result.stderr.split("\n\n") if x.strip().startswith("error:")]
     assert len(lines) == 1, result.stderr
     return lines[0]
-
-
-def strict_rows(run_dir: Path) -> list[dict]:
-    """metrics.jsonl read as strict JSON: a bare NaN / Infinity token fails."""
-    def refuse(token):
-        raise ValueError(f"{token} is not JSON")
-
-    return [json.loads(line, parse_constant=refuse) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def losses(run_dir: Path) -> list[float]:
