@@ -17,7 +17,6 @@ import pickle
 import random
 import re
 import shutil
-import tempfile
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,7 @@ from typing import Any
 import torch
 
 from .errors import BAD_INPUT, NO_FIT, OomtuneError, first_line
-from .files import file_mode
+from .files import atomic_write
 from .units import format_bytes
 
 FORMAT = "oomtune-checkpoint"
@@ -96,21 +95,10 @@ def save_checkpoint(run_dir: str | Path, state: dict[str, Any], keep: int = KEEP
     d = Path(run_dir)
     d.mkdir(parents=True, exist_ok=True)
     final = checkpoint_path(d, int(state["step"]))
-    tmp = None
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=d)
-        os.fchmod(fd, file_mode(final))
-        with os.fdopen(fd, "wb") as f:
-            torch.save({"format": FORMAT, "version": VERSION, **state}, f)
-            f.flush()
-            os.fsync(f.fileno())  # the bytes are on disk before the name points at them
-        os.replace(tmp, final)
-    except BaseException as e:  # KeyboardInterrupt included: never leave a half-written temp file behind
-        if tmp is not None:
-            Path(tmp).unlink(missing_ok=True)
-        if isinstance(e, Exception):
-            raise CheckpointWriteError(write_failure(final, e)) from e
-        raise
+        atomic_write(final, lambda f: torch.save({"format": FORMAT, "version": VERSION, **state}, f))
+    except Exception as e:  # the temp file is gone; the earlier checkpoints are untouched
+        raise CheckpointWriteError(write_failure(final, e)) from e
     fsync_dir(d)  # the rename itself survives a power cut
     prune(d, keep)
     return final

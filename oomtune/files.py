@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 
 
 def file_mode(path: Path) -> int:
@@ -18,17 +20,21 @@ def file_mode(path: Path) -> int:
         return 0o666 & ~umask
 
 
-def atomic_write(path: str | Path, text: str) -> None:
-    """Write via a temp file in the same folder + rename: a reader sees the old file or the new, never half."""
+def atomic_write(path: str | Path, content: str | Callable[[BinaryIO], None]) -> None:
+    """Write via a temp file in the same folder + fsync + rename: a reader sees the old file or the new, never half,
+    and a failure (KeyboardInterrupt included) leaves no temp file. `content`: text, or a function writing bytes."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
     try:
         os.fchmod(fd, file_mode(p))
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            if callable(content):
+                content(f)
+            else:
+                f.write(content.encode())
             f.flush()
-            os.fsync(f.fileno())
+            os.fsync(f.fileno())  # the bytes are on disk before the name points at them
         os.replace(tmp, p)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
