@@ -39,3 +39,16 @@ def atomic_write(path: str | Path, content: str | Callable[[BinaryIO], None]) ->
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def nearest_existing(path: Path) -> Path:
+    """`path` or the nearest folder above it that exists: where its missing folders would be made from."""
+    path = Path(path)
+    return next(p for p in (path, *path.parents) if os.path.lexists(p))  # a relative path ends at "."
+
+
+def try_write_in(folder: Path) -> None:
+    """Raise OSError unless a file can be made in `folder` (one is made and deleted at once)."""
+    fd, probe = tempfile.mkstemp(prefix=".oomtune-write-test.", dir=folder)
+    os.close(fd)
+    os.unlink(probe)

@@ -10,13 +10,11 @@ from __future__ import annotations
 import datetime as dt
 import json
 import math
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from .errors import BAD_INPUT, NO_FIT, OomtuneError
-from .files import atomic_write
+from .files import atomic_write, nearest_existing, try_write_in
 
 METRICS = "metrics.jsonl"  # one JSON object per logged step: step, loss, lr, tokens_per_s, peak_bytes[, eval_loss]
 EVENTS = "events.jsonl"  # start / resume / oom_fallback / config_updated / checkpoint / diverged / error / ...
@@ -29,21 +27,17 @@ def now() -> str:
 def check_run_dir(run_dir: Path) -> None:
     """Bad input, before any model is built: a run dir (or a folder above it) that is a file, or one that cannot be
     created or written. Writes nothing that stays: a probe file in the nearest existing folder, deleted at once."""
-    for folder in (run_dir, *run_dir.parents):
-        if not os.path.lexists(folder):
-            continue
-        if not folder.is_dir():
-            what = "is a file" if folder == run_dir else f"cannot be created: {folder} is a file"
-            raise OomtuneError(f"run dir {run_dir} {what}, not a folder; pass --run-dir with a folder", BAD_INPUT)
-        try:
-            fd, probe = tempfile.mkstemp(prefix=".oomtune-write-test.", dir=folder)
-            os.close(fd)
-            os.unlink(probe)
-        except OSError as e:
-            where = "" if folder == run_dir else f" (in {folder})"
-            raise OomtuneError(f"run dir {run_dir} cannot be written{where}: {(e.strerror or str(e)).lower()}; pass "
-                               "--run-dir with a folder you can write", BAD_INPUT) from None
-        return
+    folder = nearest_existing(run_dir)
+    mine = folder == run_dir
+    if not folder.is_dir():
+        what = "is a file" if mine else f"cannot be created: {folder} is a file"
+        raise OomtuneError(f"run dir {run_dir} {what}, not a folder; pass --run-dir with a folder", BAD_INPUT)
+    try:
+        try_write_in(folder)
+    except OSError as e:
+        where = "" if mine else f" (in {folder})"
+        raise OomtuneError(f"run dir {run_dir} cannot be written{where}: {(e.strerror or str(e)).lower()}; pass "
+                           "--run-dir with a folder you can write", BAD_INPUT) from None
 
 
 def no_checkpoint_message(run_dir: Path) -> str:

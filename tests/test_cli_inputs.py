@@ -37,6 +37,8 @@ def no_search(monkeypatch):
     def boom(*args, **kwargs):
         raise AssertionError("the search ran")
 
+    import oomtune.estimate  # noqa: F401 - imported before the patch, else it would keep `boom` as its probe
+
     monkeypatch.setattr("oomtune.probe.probe", boom)
     monkeypatch.setattr("oomtune.estimate.estimate", boom)
 

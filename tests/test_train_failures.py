@@ -108,7 +108,7 @@ def test_a_run_dir_that_is_a_file_empty_or_unwritable_is_one_line_and_exit_2(cas
         raise OSError(errno.EROFS, os.strerror(errno.EROFS))
 
     built = []
-    monkeypatch.setattr("oomtune.rundir.tempfile.mkstemp", read_only)
+    monkeypatch.setattr("oomtune.files.tempfile.mkstemp", read_only)
     monkeypatch.setattr("oomtune.train.build_training", lambda *a, **k: built.append(1))
     result = train("--run-dir", "sub/run")
     assert result.exit_code == 2

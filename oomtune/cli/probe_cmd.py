@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
@@ -106,6 +105,7 @@ def check_out(out_path: Path, model: Path):
     exists or can be made, and can be written. Returns the train: section of the config already there, which the
     new config keeps (None when there is none)."""
     from ..errors import OomtuneError
+    from ..files import nearest_existing, try_write_in
     from ..plan import load_config
 
     p = Path(out_path)
@@ -126,14 +126,10 @@ def check_out(out_path: Path, model: Path):
                                    "choose another --out or move it away") from None
             except OSError as e:
                 raise OomtuneError(f"--out {p} exists and cannot be read ({e.strerror or e})") from None
-        folder = p.absolute().parent
-        while not folder.exists():  # written with its missing folders made
-            folder = folder.parent
+        folder = nearest_existing(p.absolute().parent)  # written with its missing folders made
         if not folder.is_dir():
             raise OomtuneError(f"--out {p}: {folder} is not a folder")
-        fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=folder)  # what the write will do
-        os.close(fd)
-        os.unlink(tmp)
+        try_write_in(folder)  # what the write will do
     except OSError as e:
         raise OomtuneError(f"--out {p}: cannot write there ({e.strerror or e})") from None
     return train
