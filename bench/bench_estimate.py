@@ -53,11 +53,11 @@ def run_ladder() -> tuple[dict, float]:
 def reference_breakdowns() -> list[dict]:
     """The four reference plans, margin 0 (the design's figures are tensor peaks), tied and untied head."""
     sys.path.insert(0, str(ROOT))
-    from oomtune.breakdown import breakdown
-    from oomtune.devices import FakeDevice
-    from oomtune.gpus_table import Margin
+    from oomtune.config.schema import Plan
+    from oomtune.memory.breakdown import breakdown
+    from oomtune.memory.devices import FakeDevice
+    from oomtune.memory.margin import Margin
     from oomtune.model_file import load_model_file
-    from oomtune.plan import Plan
 
     mf = load_model_file(ROOT / MODEL)
     rows = []

@@ -60,7 +60,7 @@ def hand_loop(steps: int, tracked: bool) -> dict:
     tokens, seconds, intervals, last = 0, 0.0, [], None
     ctx = contextlib.nullcontext()
     if tracked:
-        from oomtune.memtrack import MemoryTracker
+        from oomtune.memory.tracker import MemoryTracker
 
         tracker = MemoryTracker()
         tracker.track(model)

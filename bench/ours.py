@@ -8,11 +8,12 @@ from collections import Counter
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 
-import oomtune.probe
-import oomtune.trial
-from oomtune.devices import CpuDevice
+import oomtune.search.probe
+import oomtune.search.trial
+from oomtune.memory.devices import CpuDevice
 from oomtune.model_file import ModelFile
-from oomtune.probe import ProbeResult, probe, resolve_targets
+from oomtune.search.options import resolve_targets
+from oomtune.search.probe import ProbeResult, probe
 
 STEPS_PER_TRIAL = 2  # oomtune's default --steps
 
@@ -22,23 +23,23 @@ def counting_steps() -> Iterator[Counter]:
     """Count the training steps oomtune's trials start, keyed (precision, checkpointing, accumulating), by
     wrapping the one training step the trials call. Restored on exit."""
     counts: Counter = Counter()
-    step = oomtune.trial.train_step
+    step = oomtune.search.trial.train_step
 
     def counted(t, micro_batches):
         counts[(t.plan.precision, t.plan.activation_checkpointing, t.plan.grad_accum_steps > 1)] += 1
         return step(t, micro_batches)
 
-    oomtune.trial.train_step = counted
+    oomtune.search.trial.train_step = counted
     try:
         yield counts
     finally:
-        oomtune.trial.train_step = step
+        oomtune.search.trial.train_step = step
 
 
 @contextlib.contextmanager
 def only_rungs(names: Collection[str] | None) -> Iterator[None]:
     """Restrict the ladder `probe()` climbs to the named rungs (None: all of them), by filtering what
-    `oomtune.probe.ladder_rungs` returns. Restored on exit.
+    `oomtune.search.probe.ladder_rungs` returns. Restored on exit.
 
     For the fp32 batch search alone: the search runs rung after rung, and a rung's trials depend only on that
     rung's own measurements (each rung starts afresh at its target), so dropping the later rungs changes none
@@ -47,7 +48,7 @@ def only_rungs(names: Collection[str] | None) -> Iterator[None]:
     if names is None:
         yield
         return
-    full = oomtune.probe.ladder_rungs
+    full = oomtune.search.probe.ladder_rungs
 
     def restricted(*args, **kwargs):
         rungs = [r for r in full(*args, **kwargs) if r.name in names]
@@ -55,11 +56,11 @@ def only_rungs(names: Collection[str] | None) -> Iterator[None]:
             raise ValueError(f"no rung named {sorted(names)} on this ladder")
         return rungs
 
-    oomtune.probe.ladder_rungs = restricted
+    oomtune.search.probe.ladder_rungs = restricted
     try:
         yield
     finally:
-        oomtune.probe.ladder_rungs = full
+        oomtune.search.probe.ladder_rungs = full
 
 
 @dataclass

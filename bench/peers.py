@@ -28,10 +28,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from oomtune.devices import CpuDevice
-from oomtune.memtrack import simulated_oom_message
+from oomtune.config.schema import TrainConfig
+from oomtune.memory.devices import CpuDevice
+from oomtune.memory.tracker import simulated_oom_message
 from oomtune.model_file import ModelFile
-from oomtune.plan import TrainConfig
 
 STEPS_PER_TRIAL = 2  # as oomtune's trials: the peak needs the optimizer state, which the first step creates
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from oomtune.model_file import load_model_file
-from oomtune.search import extrapolate
+from oomtune.search.ladder import extrapolate
 from oomtune.units import parse_budget
 
 from . import report
@@ -172,7 +172,7 @@ def _plan_json(plan) -> dict | None:
 
 
 def _plan_from_json(d: dict):
-    from oomtune.plan import Plan
+    from oomtune.config.schema import Plan
 
     return Plan(d["micro_batch_size"], d["context_length"], d["precision"], d["activation_checkpointing"],
                 d["grad_accum_steps"])

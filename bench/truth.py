@@ -15,14 +15,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from oomtune.breakdown import static_memory
-from oomtune.devices import CpuDevice, TrackedDevice
+from oomtune.config.schema import Plan, TrainConfig
+from oomtune.memory.breakdown import static_memory
+from oomtune.memory.devices import CpuDevice, TrackedDevice
 from oomtune.model_file import ModelFile
-from oomtune.plan import Plan, TrainConfig
-from oomtune.probe import ladder_rungs
-from oomtune.search import Rung
+from oomtune.search.ladder import Rung
+from oomtune.search.probe import ladder_rungs
+from oomtune.search.trial import run_trial
 from oomtune.step import build_training, train_step
-from oomtune.trial import run_trial
 
 from .ours import counting_steps
 
@@ -34,8 +34,8 @@ def truth_device(budget: str = UNBOUNDED) -> TrackedDevice:
     """The fake device with no margin (its tensor peak is the cpu device's to the byte); the cpu device (same
     bytes, real compute, slower) where this oomtune has no fake device yet."""
     try:
-        from oomtune.devices import FakeDevice
-        from oomtune.gpus_table import Margin
+        from oomtune.memory.devices import FakeDevice
+        from oomtune.memory.margin import Margin
     except ImportError:
         return CpuDevice(budget)
     return FakeDevice(budget, margin=Margin())

@@ -24,8 +24,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .devices import is_oom
 from .errors import ModelFileError, OomtuneError, first_line
+from .memory.devices import is_oom
 
 Batch = Any  # a Tensor, a tuple/list of Tensors, or a dict of str -> Tensor
 DEFAULT_KEYS = {"batch", "context", "min_context"}

@@ -5,9 +5,10 @@ One step = grad_accum_steps micro-steps (forward under autocast, loss / grad_acc
 backward through checkpointed blocks) + one optimizer step (unscale, clip, GradScaler step, zero_grad
 with set_to_none=True so gradient memory is freed between steps).
 
-On several ranks (plan.sharding ddp / fsdp) the model is wrapped by `parallel.wrap`, each micro-step runs in
-`parallel.micro_step` (no gradient sync except where the plan's sharding needs it), and the ranks agree on an
-out-of-memory error before the optimizer step (`parallel.agreed`), so they all take the same decision.
+On several ranks (plan.sharding ddp / fsdp) the model is wrapped by `dist.wrap.wrap`, each micro-step runs in
+`micro_step` (no gradient sync except where the plan's sharding needs it), and the ranks agree on an
+out-of-memory error before the optimizer step (`Dist.agreed`), so they all take the same decision. One process
+has the LOCAL Dist, whose agreements and collectives do nothing: the step is the same code either way.
 """
 
 from __future__ import annotations
@@ -19,12 +20,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from . import parallel
-from .devices import Device
+from .config.schema import Plan
+from .dist.group import LOCAL, Dist
+from .dist.wrap import micro_step, sync_gradients, unwrapped, wrap
 from .errors import OomtuneError
+from .memory.devices import Device
 from .model_file import Batch, ModelFile
-from .parallel import Dist
-from .plan import Plan
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -41,13 +42,13 @@ class Training:
     device: Device
     clip_grad_norm: float | None = None
     on_phase: Callable[[str], None] | None = None  # told "forward" / "backward" / "optimizer" as each starts
-    dist: Dist | None = None  # the ranks, when the plan's sharding is ddp or fsdp
+    dist: Dist = LOCAL  # the ranks (LOCAL: one process)
     decaying: tuple[bool, ...] = ()  # per param group: built with weight decay (set_weight_decay sets those)
 
     @property
     def module(self) -> nn.Module:
         """The model itself, not its DDP wrapper (state dicts, parameter lists)."""
-        return parallel.unwrapped(self.model)
+        return unwrapped(self.model)
 
     def phase(self, name: str) -> None:
         if self.on_phase is not None:
@@ -56,11 +57,11 @@ class Training:
 
 def build_training(model_file: ModelFile, plan: Plan, device: Device, lr: float,
                    clip_grad_norm: float | None = None, weight_decay: float | None = None,
-                   dist: Dist | None = None) -> Training:
+                   dist: Dist = LOCAL) -> Training:
     """Build the model on the device, wrap its blocks for checkpointing, wrap it for the plan's sharding (DDP or
     FSDP2 over `dist`'s ranks), make the optimizer and scaler."""
-    if plan.sharding != "none" and (dist is None or dist.world_size != plan.world_size):
-        have = "no process group" if dist is None else f"{dist.world_size} ranks"
+    if plan.sharding != "none" and (not dist.grouped or dist.world_size != plan.world_size):
+        have = f"{dist.world_size} ranks" if dist.grouped else "no process group"
         raise OomtuneError(f"plan is {plan.sharding} on {plan.world_size} ranks but this process has {have}")
 
     def build() -> nn.Module:
@@ -72,12 +73,12 @@ def build_training(model_file: ModelFile, plan: Plan, device: Device, lr: float,
             #                                refuses)
         return model
 
-    model = parallel.agreed(dist, build) if plan.sharding != "none" else build()  # before any collective
+    model = dist.agreed(build) if plan.sharding != "none" else build()  # before any collective
     model.train()
     if plan.activation_checkpointing:
         model_file.enable_checkpointing(model)
     if plan.sharding != "none":
-        model = parallel.wrap(model, plan.sharding, model_file.blocks(model), dist)
+        model = wrap(model, plan.sharding, model_file.blocks(model), dist)
     optimizer = model_file.optimizer([p for p in model.parameters() if p.requires_grad], lr)
     as_on_cuda(optimizer, device)
     t = Training(model, optimizer, _scaler(plan, device), plan, model_file, device, clip_grad_norm,
@@ -130,7 +131,7 @@ def _accumulate(t: Training, micro_batches: Sequence[Batch]) -> torch.Tensor:
     n = len(micro_batches)
     total = torch.zeros((), device=t.device.torch_device)
     for i, batch in enumerate(micro_batches):
-        with parallel.micro_step(t.model, t.plan.sharding, last=i == n - 1):
+        with micro_step(t.model, t.plan.sharding, last=i == n - 1):
             t.phase("forward")
             with autocast(t):
                 loss = t.model_file.loss(t.model, batch)
@@ -147,10 +148,9 @@ def train_step(t: Training, micro_batches: Sequence[Batch]) -> torch.Tensor:
     point; the caller decides when)."""
     n = len(micro_batches)
     fsdp = t.plan.sharding == "fsdp"  # its forward and backward hold collectives
-    total = parallel.agreed(t.dist, lambda: _accumulate(t, micro_batches), fsdp)  # every rank: OOM or not
+    total = t.dist.agreed(lambda: _accumulate(t, micro_batches), fsdp)  # every rank: OOM or not
     t.phase("optimizer")
-    if t.dist is not None:
-        parallel.sync_gradients(t.model, t.plan.sharding, t.dist)
+    sync_gradients(t.model, t.plan.sharding, t.dist)  # ddp: averaged once a step; otherwise nothing
     if t.clip_grad_norm is not None:
         t.scaler.unscale_(t.optimizer)  # clip the true gradients, not the scaled ones
         nn.utils.clip_grad_norm_(t.model.parameters(), t.clip_grad_norm)
@@ -173,7 +173,7 @@ def eval_loss(t: Training, batches: Sequence[Batch]) -> torch.Tensor:
         return total
 
     try:
-        return parallel.agreed(t.dist, run, t.plan.sharding == "fsdp") / max(len(batches), 1)
+        return t.dist.agreed(run, t.plan.sharding == "fsdp") / max(len(batches), 1)
     finally:
         t.model.train()
 
@@ -182,7 +182,7 @@ def state_bytes(t: Training) -> int:
     """What this rank holds of the model's state through a step: its parameters and buffers, one gradient per
     trainable parameter (what backward makes) and the optimizer state - under FSDP, its local shards. Bytes,
     512-rounded per storage as the CUDA allocator rounds."""
-    from .memtrack import MemoryTracker, rounded
+    from .memory.tracker import MemoryTracker, rounded
 
     counter = MemoryTracker(follow=False)  # called every logged step: it must leave nothing behind
     held = counter.track(t.module, t.optimizer)  # parameters, buffers, gradients alive now, optimizer state

@@ -124,12 +124,11 @@ def environment(rep: Report):
 def gpu_header(rep: Report, torch) -> dict:
     """The GPU as torch and NVML see it, and the size of this process's CUDA context (NVML's used memory
     before and after creating it). Call before anything else creates the context."""
-    from oomtune import nvml
+    from oomtune.memory import nvml
     from oomtune.units import format_bytes as fb
 
     props = torch.cuda.get_device_properties(0)
-    pci = (props.pci_domain_id, props.pci_bus_id, props.pci_device_id) if hasattr(props, "pci_bus_id") else None
-    uuid = str(props.uuid) if hasattr(props, "uuid") else None
+    pci, uuid = nvml.ids_of(props)
     before = nvml.find_gpu(nvml.query(processes=False), pci=pci, uuid=uuid)
     torch.zeros(1, device="cuda")  # creates the context (and one 2 MiB allocator block)
     torch.cuda.synchronize()
@@ -199,7 +198,7 @@ def run_checks(rep: Report, torch, args, deadline: float, out_dir: str | None) -
         rep.problem("gpu tests skipped")
     else:  # the tests run in their own process; leave the tables ~2.5 minutes
         run_gpu_tests(rep, max(30.0, min(args.tests_time, deadline - time.monotonic() - 150)), out_dir)
-    from oomtune.devices import make_device
+    from oomtune.memory.devices import make_device
 
     signal.signal(signal.SIGALRM, _alarm)
     signal.alarm(max(1, int(deadline - time.monotonic())))

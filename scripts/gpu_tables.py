@@ -67,7 +67,7 @@ def check_time(deadline: float) -> None:
 
 def fake_device(budget: str):
     """The fake device, or why it could not be made (reported in its column, not raised)."""
-    from oomtune import devices
+    from oomtune.memory import devices
 
     try:
         return devices.make_device("fake", budget), None
@@ -84,7 +84,7 @@ def context_now(torch, gpu: dict, device) -> int | None:
     """This process's CUDA context (and the driver's other per-process memory: cuBLAS/cuDNN handles, kernels
     loaded so far): NVML's used memory now, less before torch touched the GPU, less what torch's allocator
     reserves. None without NVML."""
-    from oomtune import nvml
+    from oomtune.memory import nvml
 
     if gpu.get("before_used_bytes") is None:
         return None
@@ -114,9 +114,9 @@ def memory_table(rep: Report, cuda, deadline: float, gpu: dict, examples=EXAMPLE
     context measured after the warm-up (None without NVML)."""
     import torch
 
+    from oomtune.config.schema import Plan
     from oomtune.model_file import load_model_file
-    from oomtune.plan import Plan
-    from oomtune.trial import run_trial
+    from oomtune.search.trial import run_trial
     from oomtune.units import format_bytes as fb
 
     rep.say(f"## fake estimate vs real memory (fixed plans: {' and '.join(map(str, scales))} x each model's "
@@ -212,9 +212,10 @@ def probe_table(rep: Report, deadline: float, context: int | None, make_real=Non
                 budget: str = PROBE_BUDGET, batch: int = PROBE_BATCH) -> None:
     """The probe on the real GPU (`make_real(budget)` -> the device; a test dry-runs it on another) next to the
     fake device's plan for the same targets."""
-    from oomtune.devices import make_device
+    from oomtune.memory.devices import make_device
     from oomtune.model_file import load_model_file
-    from oomtune.probe import Targets, probe
+    from oomtune.search.options import Targets
+    from oomtune.search.probe import probe
     from oomtune.units import format_bytes as fb
     from oomtune.units import parse_budget
 

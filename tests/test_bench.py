@@ -11,10 +11,10 @@ pytest.importorskip("accelerate", reason="the bench extra is not installed (pip 
 from bench.ours import run_oomtune  # noqa: E402
 from bench.peers import oom_recognised, run_accelerate, run_lightning  # noqa: E402
 from bench.truth import peak_table, truth_device  # noqa: E402
-from oomtune.devices import CpuDevice  # noqa: E402
+from oomtune.config.schema import Plan  # noqa: E402
+from oomtune.memory.devices import CpuDevice  # noqa: E402
 from oomtune.model_file import load_model_file  # noqa: E402
-from oomtune.plan import Plan  # noqa: E402
-from oomtune.trial import run_trial  # noqa: E402
+from oomtune.search.trial import run_trial  # noqa: E402
 
 from .conftest import TINY_MODEL  # noqa: E402
 
@@ -111,11 +111,11 @@ def test_oomtune_fp32_rung_finds_the_true_max_and_its_steps_are_counted(model, t
 
 def test_oomtune_on_the_fp32_rung_only_runs_the_whole_ladders_fp32_trials(model, budget, ours_fit):
     """The realistic-batch cases cut the ladder to fp32: that must skip the later rungs, not change fp32's trials."""
-    import oomtune.probe
+    import oomtune.search.probe
 
-    full_rungs = oomtune.probe.ladder_rungs
+    full_rungs = oomtune.search.probe.ladder_rungs
     only = run_oomtune(model, B, T, budget, "fit", rungs=["fp32"])
-    assert oomtune.probe.ladder_rungs is full_rungs  # restored
+    assert oomtune.search.probe.ladder_rungs is full_rungs  # restored
     assert [r.rung.name for r in only.probe.ladder.rungs] == ["fp32"]
     assert len(ours_fit.probe.ladder.rungs) > 1  # the whole ladder did climb on
 

@@ -13,8 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from oomtune.config.loading import load_config
+from oomtune.config.schema import Config, Plan, TrainConfig
+from oomtune.config.writing import save_config
 from oomtune.errors import ConfigError, OomtuneError
-from oomtune.plan import Config, Plan, TrainConfig, load_config, save_config
 
 from .conftest import EXAMPLES, run_cli
 
@@ -37,10 +39,10 @@ def no_search(monkeypatch):
     def boom(*args, **kwargs):
         raise AssertionError("the search ran")
 
-    import oomtune.estimate  # noqa: F401 - imported before the patch, else it would keep `boom` as its probe
+    import oomtune.search.estimate  # noqa: F401 - imported before the patch, else it would keep `boom` as its probe
 
-    monkeypatch.setattr("oomtune.probe.probe", boom)
-    monkeypatch.setattr("oomtune.estimate.estimate", boom)
+    monkeypatch.setattr("oomtune.search.probe.probe", boom)
+    monkeypatch.setattr("oomtune.search.estimate.estimate", boom)
 
 
 # -- 1. --out never overwrites the model file or a file that is not an oomtune config -------------
@@ -143,7 +145,7 @@ def test_a_write_that_fails_after_the_search_is_exit_2_one_line(write_model, tmp
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr("oomtune.plan.atomic_write", full)
+    monkeypatch.setattr("oomtune.config.writing.atomic_write", full)
     out = tmp_path / "best.yaml"
     r = run_cli("estimate", write_model(), *ESTIMATE, "--batch", "2", "--context", "4", "--out", out, "--json")
     one_line_error(r, "cannot write the config", "No space left on device")
@@ -294,8 +296,8 @@ def test_check_on_cuda_uses_at_most_the_memory_free_now(free_delta, clamped, wri
                    "--out", config).exit_code == 0
     old_budget = load_config(config).found_by.budget_bytes
     free = old_budget + free_delta
-    monkeypatch.setattr("oomtune.estimate.make_device", lambda kind, budget=None: StubGpu(free, budget))
-    monkeypatch.setattr("oomtune.estimate.run_trial", lambda *a, **k: types.SimpleNamespace(
+    monkeypatch.setattr("oomtune.search.check.make_device", lambda kind, budget=None: StubGpu(free, budget))
+    monkeypatch.setattr("oomtune.search.check.run_trial", lambda *a, **k: types.SimpleNamespace(
         oom=False, peak_bytes=1 << 20, oom_message=None))
     r = run_cli("check", "--config", config, "--device", "cuda", "--json")
     assert r.exit_code == 0, r.output
@@ -319,10 +321,10 @@ def test_a_swallowed_ctrl_c_stops_the_search_and_writes_no_config(command, as_js
                                                                  monkeypatch):
     import signal
 
-    import oomtune.estimate
-    import oomtune.probe
+    import oomtune.search.estimate
+    import oomtune.search.probe
 
-    real = {"estimate": oomtune.estimate.estimate, "probe": oomtune.probe.probe}[command]
+    real = {"estimate": oomtune.search.estimate.estimate, "probe": oomtune.search.probe.probe}[command]
 
     def swallowed_then_search(*args, **kwargs):
         try:  # what Python does to a KeyboardInterrupt raised inside a __del__: print it, carry on
@@ -331,7 +333,7 @@ def test_a_swallowed_ctrl_c_stops_the_search_and_writes_no_config(command, as_js
             pass
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(f"oomtune.{command}.{command}", swallowed_then_search)
+    monkeypatch.setattr(f"oomtune.search.{command}.{command}", swallowed_then_search)
     out = tmp_path / "best.yaml"
     extra = ESTIMATE if command == "estimate" else ("--device", "cpu", "--budget", "64MiB")
     r = run_cli(command, write_model(), *extra, "--batch", "2", "--context", "4", "--out", out,

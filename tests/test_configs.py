@@ -3,8 +3,8 @@
 import pytest
 import yaml
 
+from oomtune.config.loading import load_config
 from oomtune.model_file import load_model_file
-from oomtune.plan import load_config
 
 from .conftest import ROOT, metrics, run_cli
 
@@ -35,7 +35,7 @@ def test_example_config_trains_and_checks(tmp_path, path):
 # -- a rewritten config keeps each section whose values it keeps as its author wrote it -----------
 
 def test_keep_unchanged_text_keeps_comments_and_layout_only_where_the_values_are_the_same():
-    from oomtune.config_text import keep_unchanged_text
+    from oomtune.config.text import keep_unchanged_text
 
     old = ("# my notes\nmodel: m.py  # the small one\nplan:\n  micro_batch_size: 4  # was 8\n"
            "train:\n  # tuned by hand\n  lr: 0.001  # from the sweep\n\n  steps: 50\n"
@@ -64,7 +64,7 @@ def test_keep_unchanged_text_keeps_comments_and_layout_only_where_the_values_are
 def test_save_config_over_a_config_keeps_the_comments_of_sections_it_does_not_change(tmp_path):
     import dataclasses
 
-    from oomtune.plan import save_config
+    from oomtune.config.writing import save_config
 
     p = tmp_path / "best.yaml"
     cfg = load_config(CONFIGS[0])

@@ -27,12 +27,14 @@ import pytest
 import torch
 import yaml
 
-from oomtune.checkpoint import list_checkpoints
+from oomtune.config.loading import load_config
+from oomtune.config.schema import Config, Plan
+from oomtune.config.writing import dump_config
+from oomtune.dist.wrap import fsdp_unsupported
 from oomtune.errors import ConfigError
-from oomtune.fallback import smaller_plan
-from oomtune.memtrack import MemoryTracker
-from oomtune.parallel import fsdp_unsupported
-from oomtune.plan import Config, Plan, dump_config, load_config
+from oomtune.memory.tracker import MemoryTracker
+from oomtune.train.checkpoint import list_checkpoints
+from oomtune.train.recovery import smaller_plan
 
 from .conftest import EXAMPLES, events, metrics, run_cli
 
@@ -88,7 +90,7 @@ def train_ranks(tmp: Path, sharding: str) -> Path:
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory) -> Path:
     """The reference: one process, the same global batch of 8 as 4 x 2 accumulation."""
-    from oomtune.train import train
+    from oomtune.train.trainer import train
 
     tmp = tmp_path_factory.mktemp("one")
     cfg = write_config(tmp / "one.yaml", {**PLAN, "grad_accum_steps": 2})
@@ -323,7 +325,7 @@ def make_batch(batch_size, context_length, device):
 def test_a_budget_too_small_to_replicate_the_model_makes_the_probe_pick_fsdp(tmp_path):
     """Weights + gradients + AdamW state are 4.05 MiB: 4 MiB cannot hold them on one rank, whatever the batch;
     sharded over 2 ranks they fit. The fake-device estimate for 2 ranks predicts the probe's plan and peak."""
-    from oomtune.breakdown import static_memory
+    from oomtune.memory.breakdown import static_memory
     from oomtune.model_file import load_model_file
 
     model = tmp_path / "wide.py"
@@ -363,7 +365,7 @@ def test_a_budget_too_small_to_replicate_the_model_makes_the_probe_pick_fsdp(tmp
 def test_where_torch_cannot_run_fsdp_off_cuda_the_ladder_leaves_that_rung_out_and_says_so(tmp_path, monkeypatch):
     """device: fake (2 ranks in one process). torch before 2.7 cannot run FSDP2 on the CPU: the ladder has no fsdp
     rung there (it would fail on its first forward), nothing fitting says why, and asking for fsdp is one line."""
-    from oomtune import parallel
+    from oomtune.dist import wrap as parallel
 
     model = tmp_path / "wide.py"
     model.write_text(textwrap.dedent(WIDE_MODEL))
@@ -373,8 +375,8 @@ def test_where_torch_cannot_run_fsdp_off_cuda_the_ladder_leaves_that_rung_out_an
     assert parallel.fsdp_unsupported("cuda") is None
     why = parallel.fsdp_unsupported("cpu")
     assert why == f"FSDP2 runs off CUDA (on the cpu device) only from torch 2.7; this is torch {torch.__version__}"
-    from oomtune.devices import make_device
-    from oomtune.probe import ladder_rungs
+    from oomtune.memory.devices import make_device
+    from oomtune.search.probe import ladder_rungs
 
     fake = make_device("fake", "1GiB")
     assert [r.name for r in ladder_rungs(fake, "auto", True, world_size=2)] == ["fp32", "amp", "checkpointing"]

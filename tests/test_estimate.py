@@ -4,15 +4,17 @@ import json
 
 import pytest
 
-from oomtune.breakdown import breakdown, static_memory
-from oomtune.devices import CpuDevice, FakeDevice
+from oomtune.config.loading import load_config
+from oomtune.config.schema import MemoryBreakdown, Plan
 from oomtune.errors import ConfigError
-from oomtune.estimate import estimate
-from oomtune.gpus_table import Margin
+from oomtune.memory.breakdown import breakdown, static_memory
+from oomtune.memory.devices import CpuDevice, FakeDevice
+from oomtune.memory.margin import Margin
 from oomtune.model_file import load_model_file
-from oomtune.plan import MemoryBreakdown, Plan, load_config
-from oomtune.probe import probe, resolve_targets
-from oomtune.trial import run_trial
+from oomtune.search.estimate import estimate
+from oomtune.search.options import resolve_targets
+from oomtune.search.probe import probe
+from oomtune.search.trial import run_trial
 
 from .conftest import EXAMPLES, ROOT, run_cli
 

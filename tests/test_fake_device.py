@@ -3,13 +3,14 @@
 import pytest
 import torch
 
-from oomtune.breakdown import breakdown
-from oomtune.devices import CpuDevice, FakeDevice, make_device
+from oomtune.config.schema import Plan
 from oomtune.errors import OomtuneError
-from oomtune.gpus_table import GPUS, Margin, find_gpu, parse_margin
+from oomtune.memory.breakdown import breakdown
+from oomtune.memory.cards import GPUS, find_gpu
+from oomtune.memory.devices import CpuDevice, FakeDevice, make_device
+from oomtune.memory.margin import Margin, parse_margin
 from oomtune.model_file import load_model_file
-from oomtune.plan import Plan
-from oomtune.trial import run_trial
+from oomtune.search.trial import run_trial
 
 from .conftest import EXAMPLES
 

@@ -17,12 +17,13 @@ import textwrap
 import pytest
 import torch
 
-from oomtune.devices import CudaDevice, make_device
+from oomtune.config.schema import Plan
 from oomtune.errors import OomtuneError
+from oomtune.memory.devices import CudaDevice, make_device
 from oomtune.model_file import load_model_file
-from oomtune.plan import Plan
-from oomtune.probe import Targets, probe
-from oomtune.trial import run_trial
+from oomtune.search.options import Targets
+from oomtune.search.probe import probe
+from oomtune.search.trial import run_trial
 
 from .conftest import EXAMPLES, run_cli
 
@@ -210,7 +211,7 @@ def test_the_default_budget_is_the_free_memory_and_respects_other_processes():
 
 def nvml_usable() -> bool:
     """pynvml imports and NVML answers (a container may have the module but not the driver's library)."""
-    from oomtune import nvml
+    from oomtune.memory import nvml
 
     return importlib.util.find_spec("pynvml") is not None and nvml.query(processes=False).available
 
@@ -218,14 +219,13 @@ def nvml_usable() -> bool:
 def nvml_gpu_of(device):
     """NVML's view of the GPU behind a CudaDevice, matched by PCI address / UUID (as the device does); skips the
     test, with NVML's reason, where NVML cannot be used here."""
-    from oomtune import nvml
+    from oomtune.memory import nvml
 
     report = nvml.query(processes=False)
     if not report.available:
         pytest.skip(f"NVML cannot be used here: {report.reason}")
     props = torch.cuda.get_device_properties(device.torch_device)
-    pci = (props.pci_domain_id, props.pci_bus_id, props.pci_device_id) if hasattr(props, "pci_bus_id") else None
-    uuid = str(props.uuid) if hasattr(props, "uuid") else None
+    pci, uuid = nvml.ids_of(props)
     return nvml.find_gpu(report, pci=pci, uuid=uuid)
 
 
@@ -293,8 +293,8 @@ def test_the_probes_boundary_under_an_8gib_cap_is_a_real_oom(capped_probe):
 
 def test_the_probes_plan_trains_50_steps_under_the_same_cap_without_an_oom(capped_probe, tmp_path):
     pytest.importorskip("yaml")  # the config file
-    from oomtune.plan import save_config
-    from oomtune.train import train
+    from oomtune.config.writing import save_config
+    from oomtune.train.trainer import train
 
     _, result = capped_probe
     plan = result.config.plan

@@ -60,7 +60,7 @@ def test_the_memory_table_dry_run_on_the_cpu_device_reads_zero_error():
     """device: cpu standing in for the GPU, fake for the estimate. The fake device equals the cpu device to the byte,
     so every row's tensor error must read +0.0%: this checks the table's arithmetic and layout, which otherwise run
     only on a GPU."""
-    from oomtune.devices import CpuDevice
+    from oomtune.memory.devices import CpuDevice
 
     t = load_tables()
     rep = t.Report()
@@ -80,7 +80,7 @@ def test_the_memory_table_dry_run_on_the_cpu_device_reads_zero_error():
 
 def test_the_probe_table_dry_run_compares_the_plans():
     """device: cpu standing in for the GPU (1 GiB budget: mlp_dict's 32 x 64 fits outright), fake for the estimate."""
-    from oomtune.devices import CpuDevice
+    from oomtune.memory.devices import CpuDevice
 
     t = load_tables()
     rep = t.Report()

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from oomtune import devices, nvml
+from oomtune.memory import devices, nvml
 
 from .conftest import run_cli
 

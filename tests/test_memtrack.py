@@ -5,11 +5,11 @@ import gc
 import pytest
 import torch
 
-from oomtune.devices import CpuDevice, is_oom
-from oomtune.memtrack import MemoryTracker, rounded
+from oomtune.config.schema import Plan
+from oomtune.memory.devices import CpuDevice, is_oom
+from oomtune.memory.tracker import MemoryTracker, rounded
 from oomtune.model_file import load_model_file
-from oomtune.plan import Plan
-from oomtune.trial import run_trial
+from oomtune.search.trial import run_trial
 
 from .conftest import EXAMPLES
 

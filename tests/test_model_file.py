@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from oomtune.breakdown import static_memory
 from oomtune.errors import ModelFileError
+from oomtune.memory.breakdown import static_memory
 from oomtune.model_file import load_model_file
 
 from .conftest import EXAMPLES, TINY_MODEL, run_cli

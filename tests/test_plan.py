@@ -6,8 +6,10 @@ from pathlib import Path
 
 import pytest
 
+from oomtune.config.loading import load_config
+from oomtune.config.schema import Config, FoundBy, Plan, TrainConfig, TrialRecord
+from oomtune.config.writing import dump_config, save_config
 from oomtune.errors import ConfigError
-from oomtune.plan import Config, FoundBy, Plan, TrainConfig, TrialRecord, dump_config, load_config, save_config
 
 PLAN = Plan(micro_batch_size=4, context_length=128, precision="bf16", activation_checkpointing=True,
             grad_accum_steps=8)

@@ -4,11 +4,13 @@ import json
 
 import pytest
 
-from oomtune.devices import CpuDevice
+from oomtune.config.loading import load_config
+from oomtune.config.schema import Plan
+from oomtune.memory.devices import CpuDevice
 from oomtune.model_file import load_model_file
-from oomtune.plan import Plan, load_config
-from oomtune.probe import probe, resolve_targets
-from oomtune.trial import run_trial
+from oomtune.search.options import resolve_targets
+from oomtune.search.probe import probe
+from oomtune.search.trial import run_trial
 
 from .conftest import EXAMPLES, run_cli
 

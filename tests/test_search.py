@@ -5,14 +5,7 @@ import sys
 
 import pytest
 
-from oomtune.search import (
-    LadderSearch,
-    Measurement,
-    Point,
-    Rung,
-    context_candidates,
-    largest_divisor_at_most,
-)
+from oomtune.search.ladder import LadderSearch, Measurement, Point, Rung, context_candidates, largest_divisor_at_most
 
 FP32 = Rung("fp32", "fp32", False)
 AMP = Rung("amp", "bf16", False)

@@ -21,13 +21,16 @@ import pytest
 import torch
 import yaml
 
-from oomtune.checkpoint import list_checkpoints, load_checkpoint, stale_temp_files
-from oomtune.data import split_batch
+from oomtune.config.loading import load_config
+from oomtune.config.schema import Config, Plan, TrainConfig
+from oomtune.config.writing import dump_config
 from oomtune.errors import ModelFileError
 from oomtune.model_file import load_model_file
-from oomtune.plan import Config, Plan, TrainConfig, dump_config, load_config
-from oomtune.train import lr_at, smaller_plan, train
-from oomtune.trial import run_trial
+from oomtune.search.trial import run_trial
+from oomtune.train.checkpoint import list_checkpoints, load_checkpoint, stale_temp_files
+from oomtune.train.data import split_batch
+from oomtune.train.recovery import smaller_plan
+from oomtune.train.trainer import lr_at, train
 
 from .conftest import EXAMPLES, events, metrics, run_cli
 
@@ -167,7 +170,7 @@ def test_split_batch_cuts_every_batch_tensor_and_shares_the_rest():
 
 
 def test_lr_warms_up_linearly_then_decays_along_a_cosine_to_min_lr():
-    from oomtune.plan import TrainConfig
+    from oomtune.config.schema import TrainConfig
 
     cfg = TrainConfig(steps=110, lr=1.0, min_lr=0.1, warmup_steps=10)
     assert lr_at(0, cfg) == pytest.approx(1 / 11)
@@ -303,7 +306,7 @@ KILL_DRIVER = '''
 import io, os, sys, time
 from pathlib import Path
 import torch
-import oomtune.checkpoint
+import oomtune.train.checkpoint
 
 marker, calls, real_save = Path(sys.argv[1]), [], torch.save
 
@@ -322,7 +325,7 @@ def save(obj, f, *args, **kwargs):
     marker.with_suffix(".tmp").rename(marker)  # the test sees the marker whole or not at all
     time.sleep(600)
 
-oomtune.checkpoint.torch.save = save
+oomtune.train.checkpoint.torch.save = save
 from oomtune.cli import main
 sys.argv = ["oomtune", *sys.argv[2:]]
 main()
@@ -363,7 +366,7 @@ GROW_PLAN = Plan(micro_batch_size=4, context_length=128, grad_accum_steps=2)
 
 
 def peak(model: Path, plan: Plan) -> int:
-    from oomtune.devices import make_device
+    from oomtune.memory.devices import make_device
 
     result = run_trial(load_model_file(model), plan, make_device("cpu", "1GiB"), steps=2)
     assert not result.oom
@@ -506,8 +509,8 @@ def test_resume_needs_a_checkpoint(tmp_path, write_model, monkeypatch):
 
 
 def test_train_runs_where_the_plan_was_probed_unless_told_otherwise(tmp_path, write_model, monkeypatch):
-    from oomtune.plan import FoundBy
-    from oomtune.train import Trainer
+    from oomtune.config.schema import FoundBy
+    from oomtune.train.trainer import Trainer
 
     monkeypatch.chdir(tmp_path)
     found = FoundBy(command="probe", estimated=False, device="cpu", gpu_name="cpu", budget_bytes=12 * 2**20,

@@ -12,8 +12,8 @@ import pytest
 import torch
 import yaml
 
-from oomtune.checkpoint import list_checkpoints, load_checkpoint, stale_temp_files
-from oomtune.rundir import RunLog
+from oomtune.train.checkpoint import list_checkpoints, load_checkpoint, stale_temp_files
+from oomtune.train.rundir import RunLog
 
 from .conftest import events, metrics, run_cli
 from .train_cases import error_line, losses, steps_saved, train
@@ -131,7 +131,7 @@ def test_a_nan_that_reached_the_batchnorm_statistics_is_not_saved_as_the_last_fi
 
 
 def test_a_divergence_whose_checkpoint_cannot_be_written_still_says_it_diverged(case_dir, monkeypatch):
-    import oomtune.checkpoint as ckpt
+    import oomtune.train.checkpoint as ckpt
 
     real_replace, renames = ckpt.os.replace, []
 

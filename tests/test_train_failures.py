@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from oomtune.checkpoint import load_checkpoint, stale_temp_files
+from oomtune.train.checkpoint import load_checkpoint, stale_temp_files
 
 from .conftest import events, metrics, run_cli
 from .train_cases import MODEL, PLAN, error_line, losses, steps_saved, train
@@ -109,7 +109,7 @@ def test_a_run_dir_that_is_a_file_empty_or_unwritable_is_one_line_and_exit_2(cas
 
     built = []
     monkeypatch.setattr("oomtune.files.tempfile.mkstemp", read_only)
-    monkeypatch.setattr("oomtune.train.build_training", lambda *a, **k: built.append(1))
+    monkeypatch.setattr("oomtune.train.trainer.build_training", lambda *a, **k: built.append(1))
     result = train("--run-dir", "sub/run")
     assert result.exit_code == 2
     assert error_line(result) == ("error: run dir sub/run cannot be written (in .): read-only file system; pass "
@@ -120,7 +120,7 @@ def test_a_run_dir_that_is_a_file_empty_or_unwritable_is_one_line_and_exit_2(cas
 @pytest.mark.parametrize("failure", ["torch", "enospc"])
 def test_a_full_disk_while_writing_a_checkpoint_is_one_line_and_the_earlier_checkpoints_stay(case_dir, monkeypatch,
                                                                                             failure):
-    import oomtune.checkpoint as ckpt
+    import oomtune.train.checkpoint as ckpt
 
     real_save, real_replace, calls = ckpt.torch.save, ckpt.os.replace, []
 

@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from oomtune.checkpoint import load_checkpoint
-from oomtune.devices import make_device
-from oomtune.memtrack import MemoryTracker
+from oomtune.config.schema import Plan
+from oomtune.memory.devices import make_device
+from oomtune.memory.tracker import MemoryTracker
 from oomtune.model_file import load_model_file
-from oomtune.plan import Plan
 from oomtune.step import build_training, state_bytes, train_step
+from oomtune.train.checkpoint import load_checkpoint
 
 from .conftest import metrics, run_cli
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from oomtune import trial
-from oomtune.devices import make_device
+from oomtune.config.schema import Plan
+from oomtune.memory.devices import make_device
 from oomtune.model_file import load_model_file
-from oomtune.plan import Plan
+from oomtune.search import trial
 
 # The loss is large, so fp16 gradients overflow at the GradScaler's first scales (65536, 32768, ...): the scaler
 # skips those optimizer steps, and AdamW's state only exists once one is taken.

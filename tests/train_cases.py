@@ -8,7 +8,7 @@ from pathlib import Path
 
 import yaml
 
-from oomtune.checkpoint import list_checkpoints
+from oomtune.train.checkpoint import list_checkpoints
 
 from .conftest import TINY_MODEL, metrics, run_cli
 

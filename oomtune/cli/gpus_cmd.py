@@ -5,13 +5,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Annotated
 
-import typer
 from rich import box
 from rich.table import Table
 
-from . import DebugOpt, app, fmt_bytes, out, user_errors
+from . import app
+from .console import fmt_bytes, out
+from .guard import user_errors
+from .options import DebugOpt, JsonOpt
 
 
 def _cc(gpu) -> str:
@@ -58,13 +59,13 @@ def processes_table(gpu) -> Table:
 
 @app.command()
 def gpus(
-    as_json: Annotated[bool, typer.Option("--json/--no-json", help="Print what NVML reports as JSON.")] = False,
+    as_json: JsonOpt = False,
     debug: DebugOpt = False,
 ):
     """List every GPU NVML sees: memory total/used/free, the processes using it, driver and CUDA versions,
     bf16 support. Exit 0 (with a message) where there is no NVIDIA driver."""
     with user_errors(debug):
-        from .. import nvml
+        from ..memory import nvml
 
         report = nvml.query()
         if as_json:

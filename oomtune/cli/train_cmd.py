@@ -1,4 +1,4 @@
-"""`oomtune train`: a rich progress bar and one line per logged step over `oomtune.train`."""
+"""`oomtune train`: a progress bar and one line per logged step over `oomtune.train`."""
 
 from __future__ import annotations
 
@@ -8,63 +8,28 @@ from typing import Annotated
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from ..errors import OomtuneError
-from . import DebugOpt, app, err, fmt_bytes, out, user_errors, worker_rank
+from ..dist.launch import worker_rank
+from . import app
+from .console import err, fmt_bytes, out
+from .guard import user_errors
+from .options import (
+    DEFAULT_DIST_TIMEOUT,
+    ConfigOpt,
+    DebugOpt,
+    DistTimeoutOpt,
+    MasterAddrOpt,
+    MasterPortOpt,
+    NnodesOpt,
+    NodeRankOpt,
+    NprocOpt,
+    budget_option,
+    device_option,
+)
+from .ranks import flags, parse_rank_budgets
 
-# launcher options, shared with probe: they start torchrun and never reach the workers
-NprocOpt = Annotated[int | None, typer.Option("--nproc-per-node", help="Ranks (processes, one per GPU) on this "
-                                              "node: runs the command under torchrun.", rich_help_panel="ranks")]
-NnodesOpt = Annotated[int, typer.Option("--nnodes", help="Nodes (machines) taking part (torchrun's).",
-                                        rich_help_panel="ranks")]
-NodeRankOpt = Annotated[int, typer.Option("--node-rank", help="This node's index, 0 on the one with "
-                                          "--master-addr (torchrun's).", rich_help_panel="ranks")]
-MasterAddrOpt = Annotated[str, typer.Option("--master-addr", help="Address of node 0 (torchrun's).",
-                                            rich_help_panel="ranks")]
-MasterPortOpt = Annotated[int | None, typer.Option("--master-port", help="Port of the rendezvous on node 0 "
-                                                   "(default: a free one on one node, 29500 on several).",
-                                                   rich_help_panel="ranks")]
-DistTimeoutOpt = Annotated[float, typer.Option("--dist-timeout", help="Seconds a collective waits for the other "
-                                               "ranks before the run stops with an error (a rank that died or "
-                                               "hangs).", rich_help_panel="ranks")]
 RankBudgetOpt = Annotated[list[str] | None, typer.Option("--rank-budget", help="RANK=BUDGET: another simulated "
                                                          "budget on one rank (cpu device; repeatable), to rehearse "
-                                                         "one rank running out of memory.",
-                                                         rich_help_panel="ranks")]
-
-
-def parse_rank_budgets(values: list[str] | None) -> dict[int, str]:
-    budgets = {}
-    for v in values or []:
-        rank, sep, budget = v.partition("=")
-        if not sep or not rank.strip().isdigit() or not budget.strip():
-            raise OomtuneError(f"--rank-budget {v!r}: expected RANK=BUDGET, e.g. 1=8MiB")
-        budgets[int(rank)] = budget.strip()
-    return budgets
-
-
-def launch_ranks(command: list[str], nproc: int, nnodes: int, node_rank: int, master_addr: str,
-                 master_port: int | None) -> None:
-    """Run `oomtune <command>` on every rank under torchrun; a failure is an OomtuneError naming the rank."""
-    from ..launch import Launch, run
-
-    run(Launch(nproc, nnodes, node_rank, master_addr, master_port), command)
-
-
-def flags(**values) -> list[str]:
-    """Options given (not None) back as command-line flags, for the workers' command line."""
-    args: list[str] = []
-    for name, v in values.items():
-        flag = "--" + name.replace("_", "-")
-        if v is None or v is False:
-            continue
-        if v is True:
-            args.append(flag)
-        elif isinstance(v, list):
-            for item in v:
-                args += [flag, str(item)]
-        else:
-            args += [flag, str(v)]
-    return args
+                                                         "one rank running out of memory.", rich_help_panel="ranks")]
 
 
 def _num(x) -> str:
@@ -86,7 +51,7 @@ def _metrics_line(m: dict) -> str:
 
 def _render(progress: Progress, task):
     """An on_event callback that renders training events above the progress bar (stderr)."""
-    from ..train import Checkpointed, Note, OomFallback, Started, StepDone
+    from ..train.events import Checkpointed, Note, OomFallback, Started, StepDone
 
     say = progress.console.print
 
@@ -118,45 +83,57 @@ def _render(progress: Progress, task):
     return on_event
 
 
-MAX_RELAUNCHES = 4  # each halves the micro-batch
+def _report(result, config: Path, run_dir_given: bool) -> None:
+    if result.fallbacks:
+        where = f"written to {config}" if result.config_updated else f"not written: {config} is unchanged"
+        out.print(f"[yellow]plan changed after out-of-memory:[/] {result.plan.describe()} ({where})")
+    if result.interrupted:
+        out.print(f"stopped at step {result.step}/{result.steps}; checkpoint {result.checkpoint}. "
+                  f"Continue with [cyan]oomtune train --config {config} --resume[/]"
+                  + (f" --run-dir {result.run_dir}" if run_dir_given else ""))
+        raise typer.Exit(130)
+    if result.nothing_to_do:
+        out.print(f"nothing to do: the run in {result.run_dir} is at step {result.step}, already at or past "
+                  f"--steps {result.steps} (raise --steps to train longer); checkpoint {result.checkpoint}")
+        return
+    losses = (f"loss {result.first_loss:.4f} -> {result.last_loss:.4f}"
+              if result.first_loss is not None and result.last_loss is not None else "no steps run")
+    ev = f", eval loss {result.eval_loss:.4f}" if result.eval_loss is not None else ""
+    out.print(f"[bold green]trained[/] {result.step}/{result.steps} steps in {result.seconds:.1f}s: {losses}{ev}")
+    out.print(f"metrics {result.run_dir / 'metrics.jsonl'}; checkpoint {result.checkpoint}")
 
 
-def _launch_train(config, overrides, resume, device, budget, dist_timeout, rank_budget, debug, nproc_per_node,
-                  nnodes, node_rank, master_addr, master_port) -> None:
-    """torchrun the trainer on every rank. A rank that ran out of memory alone inside FSDP's collectives stops the
-    run after writing the halved plan to the config: relaunch from the last checkpoint (or from the start, when
-    the run had none yet) with that plan."""
-    from ..checkpoint import latest_checkpoint, remove
-    from ..errors import OOM_RELAUNCH
-    from ..launch import Launch
-    from ..rundir import METRICS
-    from ..train import check_inputs
+def _on_relaunch(latest: Path | None) -> None:
+    err.print(f"[yellow]relaunching every rank[/] with the halved plan, "
+              f"{f'from {latest}' if latest else 'from the start (no checkpoint yet)'}")
 
-    Launch(nproc_per_node, nnodes, node_rank, master_addr, master_port).check()
-    inputs = check_inputs(config, overrides, resume=resume, world_size=nproc_per_node * nnodes)
-    for attempt in range(MAX_RELAUNCHES + 1):
-        try:
-            launch_ranks(["train", "--config", str(config),
-                          *flags(**overrides, resume=resume, device=device, budget=budget, dist_timeout=dist_timeout,
-                                 rank_budget=rank_budget, debug=debug)],
-                         nproc_per_node, nnodes, node_rank, master_addr, master_port)
-            return
-        except OomtuneError as e:
-            if e.exit_code != OOM_RELAUNCH or attempt == MAX_RELAUNCHES or nnodes > 1:
-                raise
-            latest = latest_checkpoint(inputs.run_dir)
-            if latest is None:
-                if resume:
-                    raise
-                remove(inputs.run_dir / METRICS)  # this launch's own: the run starts over (events.jsonl goes on)
-            resume = latest is not None
-            err.print(f"[yellow]relaunching every rank[/] with the halved plan, "
-                      f"{f'from {latest}' if latest else 'from the start (no checkpoint yet)'}")
+
+def _train_here(config: Path, overrides: dict, resume: bool, device, budget, rank_budgets, dist_timeout,
+                run_dir_given: bool) -> None:
+    """This process trains: rank 0 (or the only process) reports with a progress bar; the other ranks only say
+    what goes wrong."""
+    from ..train.trainer import Trainer
+
+    kwargs = {"overrides": overrides, "device": device, "budget": budget, "resume": resume,
+              "rank_budgets": rank_budgets, "dist_timeout": dist_timeout}
+    if worker_rank() not in (None, 0):
+        if Trainer(config, **kwargs).run().interrupted:
+            raise typer.Exit(130)
+        return
+    progress = Progress(TextColumn("[bold]train[/]"), BarColumn(), MofNCompleteColumn(),
+                        TextColumn("{task.fields[loss]}"), TextColumn("{task.fields[speed]}"),
+                        TextColumn("{task.fields[memory]}"), TimeElapsedColumn(), TimeRemainingColumn(),
+                        console=err, transient=True)
+    task = progress.add_task("train", total=None, loss="", speed="", memory="")
+    trainer = Trainer(config, on_event=_render(progress, task), **kwargs)
+    with progress:
+        result = trainer.run()
+    _report(result, config, run_dir_given)
 
 
 @app.command()
 def train(
-    config: Annotated[Path, typer.Option("--config", "-c", help="The config `oomtune probe` wrote.")],
+    config: ConfigOpt,
     steps: Annotated[int | None, typer.Option(help="Optimizer steps (train.steps).")] = None,
     lr: Annotated[float | None, typer.Option(help="Peak learning rate (train.lr).")] = None,
     min_lr: Annotated[float | None, typer.Option(help="Where cosine decay ends (train.min_lr).")] = None,
@@ -175,17 +152,15 @@ def train(
     seed: Annotated[int | None, typer.Option(help="Seed of the model's and the data's RNGs (train.seed).")] = None,
     resume: Annotated[bool, typer.Option("--resume/--no-resume", help="Continue from the latest checkpoint in "
                                          "the run dir (exactly: same data, same RNG).")] = False,
-    device: Annotated[str | None, typer.Option("--device", "-d", help="auto | cuda | cpu (default: where the "
-                                               "config was probed).")] = None,
-    budget: Annotated[str | None, typer.Option("--budget", help="Memory to fit in: 24GiB, 80% (default: cuda: "
-                                               "the free memory; cpu: the budget the config was probed with).")]
-    = None,
+    device: Annotated[str | None, device_option("auto | cuda | cpu (default: where the config was probed).")] = None,
+    budget: Annotated[str | None, budget_option("cuda: the free memory; cpu: the budget the config was probed "
+                                                "with")] = None,
     nproc_per_node: NprocOpt = None,
     nnodes: NnodesOpt = 1,
     node_rank: NodeRankOpt = 0,
     master_addr: MasterAddrOpt = "127.0.0.1",
     master_port: MasterPortOpt = None,
-    dist_timeout: DistTimeoutOpt = 300.0,
+    dist_timeout: DistTimeoutOpt = DEFAULT_DIST_TIMEOUT,
     rank_budget: RankBudgetOpt = None,
     debug: DebugOpt = False,
 ):
@@ -203,42 +178,16 @@ def train(
                      "log_every_n_steps": log_every_n_steps, "run_dir": run_dir,  # str: "" is refused, not "."
                      "seed": seed}
         rank_budgets = parse_rank_budgets(rank_budget)
-        rank = worker_rank()
-        if nproc_per_node is not None and rank is None:  # the launcher: check what can be checked, then torchrun
-            _launch_train(config, overrides, resume, device, budget, dist_timeout, rank_budget, debug,
-                          nproc_per_node, nnodes, node_rank, master_addr, master_port)
+        if nproc_per_node is None or worker_rank() is not None:
+            _train_here(config, overrides, resume, device, budget, rank_budgets, dist_timeout, run_dir is not None)
             return
-        from ..train import Trainer
+        from ..dist.launch import Launch
+        from ..train.launcher import launch_training
 
-        if rank not in (None, 0):  # one rank reports; the others only say what goes wrong
-            result = Trainer(config, overrides=overrides, device=device, budget=budget, resume=resume,
-                             rank_budgets=rank_budgets, dist_timeout=dist_timeout).run()
-            if result.interrupted:
-                raise typer.Exit(130)
-            return
-        progress = Progress(TextColumn("[bold]train[/]"), BarColumn(), MofNCompleteColumn(),
-                            TextColumn("{task.fields[loss]}"), TextColumn("{task.fields[speed]}"),
-                            TextColumn("{task.fields[memory]}"), TimeElapsedColumn(), TimeRemainingColumn(),
-                            console=err, transient=True)
-        task = progress.add_task("train", total=None, loss="", speed="", memory="")
-        trainer = Trainer(config, overrides=overrides, device=device, budget=budget, resume=resume,
-                          on_event=_render(progress, task), rank_budgets=rank_budgets, dist_timeout=dist_timeout)
-        with progress:
-            result = trainer.run()
-        if result.fallbacks:
-            where = f"written to {config}" if result.config_updated else f"not written: {config} is unchanged"
-            out.print(f"[yellow]plan changed after out-of-memory:[/] {result.plan.describe()} ({where})")
-        if result.interrupted:
-            out.print(f"stopped at step {result.step}/{result.steps}; checkpoint {result.checkpoint}. "
-                      f"Continue with [cyan]oomtune train --config {config} --resume[/]"
-                      + (f" --run-dir {result.run_dir}" if run_dir else ""))
-            raise typer.Exit(130)
-        if result.nothing_to_do:
-            out.print(f"nothing to do: the run in {result.run_dir} is at step {result.step}, already at or past "
-                      f"--steps {result.steps} (raise --steps to train longer); checkpoint {result.checkpoint}")
-            return
-        losses = (f"loss {result.first_loss:.4f} -> {result.last_loss:.4f}"
-                  if result.first_loss is not None and result.last_loss is not None else "no steps run")
-        ev = f", eval loss {result.eval_loss:.4f}" if result.eval_loss is not None else ""
-        out.print(f"[bold green]trained[/] {result.step}/{result.steps} steps in {result.seconds:.1f}s: {losses}{ev}")
-        out.print(f"metrics {result.run_dir / 'metrics.jsonl'}; checkpoint {result.checkpoint}")
+        def worker_args(again: bool) -> list[str]:  # the launcher: check what can be checked, then torchrun
+            return ["train", "--config", str(config), *flags(**overrides, resume=again, device=device, budget=budget,
+                                                             dist_timeout=dist_timeout, rank_budget=rank_budget,
+                                                             debug=debug)]
+
+        launch_training(Launch(nproc_per_node, nnodes, node_rank, master_addr, master_port), config, overrides,
+                        resume, worker_args, _on_relaunch)

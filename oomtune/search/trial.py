@@ -7,12 +7,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .devices import Device, is_oom
-from .errors import ModelFileError
-from .model_file import ModelFile
-from .parallel import Dist, RanksOutOfMemory
-from .plan import TRIAL_STEPS, Plan, TrainConfig
-from .step import Training, build_training, train_step
+from ..config.schema import TRIAL_STEPS, Plan, TrainConfig
+from ..dist.group import LOCAL, Dist, RanksOutOfMemory
+from ..errors import ModelFileError, first_line
+from ..memory.devices import Device, is_oom
+from ..model_file import ModelFile
+from ..step import Training, build_training, train_step
 
 # k >= 2 accumulated micro-steps need the memory of 2 (the gradients accumulate in place): a trial computes at
 # most 2 per step. It holds all k micro-batches, as the trainer does (it draws a whole step's, to retry them).
@@ -39,7 +39,7 @@ class TrialResult:
 
 
 def _steps(model_file: ModelFile, plan: Plan, device: Device, steps: int, reading_box: list,
-           observe: Callable[[Training, str], None] | None = None, dist: Dist | None = None) -> tuple:
+           observe: Callable[[Training, str], None] | None = None, dist: Dist = LOCAL) -> tuple:
     train_defaults = TrainConfig()  # the trial runs the step the trainer will run, clipping included
     with device.measure() as reading:
         reading_box.append(reading)
@@ -86,7 +86,7 @@ def _steps(model_file: ModelFile, plan: Plan, device: Device, steps: int, readin
 
 
 def run_trial(model_file: ModelFile, plan: Plan, device: Device, steps: int = TRIAL_STEPS,
-              observe: Callable[[Training, str], None] | None = None, dist: Dist | None = None) -> TrialResult:
+              observe: Callable[[Training, str], None] | None = None, dist: Dist = LOCAL) -> TrialResult:
     """Run `steps` optimizer steps of `plan`. An OOM is a result, not an error; any other error is the
     user's and propagates. Memory is given back outside the `except` block (its frames hold the
     failed step's tensors). `observe(training, phase)` is told each phase as it starts, after the
@@ -104,27 +104,27 @@ def run_trial(model_file: ModelFile, plan: Plan, device: Device, steps: int = TR
     except Exception as e:
         if not is_oom(e):
             raise
-        oom_message = str(e).strip().splitlines()[0]
+        oom_message = first_line(e)
         agreed = isinstance(e, RanksOutOfMemory)  # every rank knows already: no other agreement for this trial
     device.release()
-    if dist is not None and not agreed:
+    if not agreed:
         try:
-            dist.agree(oom_message)
+            dist.agree(oom_message)  # one process: nothing to agree on
         except RanksOutOfMemory as e:
-            oom_message = oom_message or str(e).strip().splitlines()[0]
+            oom_message = oom_message or first_line(e)
     seconds = time.perf_counter() - start
     if oom_message is not None:
         return TrialResult(plan, oom=True, oom_message=oom_message, seconds=seconds)
     reading = box[0]
     peak, allocated, batch_peak = reading.peak_bytes, reading.peak_allocated_bytes, reading.batch_peak_bytes
     phases = dict(reading.phase_peaks)
-    if dist is not None:  # what every rank must fit: the largest; the speed of the whole job: the sum
-        names = sorted(phases)
-        peak, allocated, batch, step_s, *per_phase = dist.max(peak, allocated, batch_peak or -1, step_s,
-                                                             *(phases[n] for n in names))
-        peak, allocated, batch_peak = int(peak), int(allocated), (int(batch) if batch >= 0 else None)
-        phases = {n: int(v) for n, v in zip(names, per_phase, strict=True)}
-        tps = dist.sum(tps)[0] if tps is not None else None
+    # what every rank must fit: the largest; the speed of the whole job: the sum (one process: its own)
+    names = sorted(phases)
+    peak, allocated, batch, step_s, *per_phase = dist.max(peak, allocated, batch_peak or -1, step_s,
+                                                         *(phases[n] for n in names))
+    peak, allocated, batch_peak = int(peak), int(allocated), (int(batch) if batch >= 0 else None)
+    phases = {n: int(v) for n, v in zip(names, per_phase, strict=True)}
+    tps = dist.sum(tps)[0] if tps is not None else None
     return TrialResult(plan, oom=False, peak_bytes=peak, peak_allocated_bytes=allocated,
                        batch_peak_bytes=batch_peak, phase_peaks=phases, step_seconds=step_s,
                        tokens_per_s=tps, loss=loss, seconds=seconds)

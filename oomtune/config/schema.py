@@ -7,22 +7,27 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import types
-import typing
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
-from .config_text import COMMENTS, keep_unchanged_text, parse
-from .errors import ConfigError
-from .files import atomic_write
+from ..errors import ConfigError
 
 PRECISIONS = ("fp32", "bf16", "fp16")
+
+
 Precision = Literal["fp32", "bf16", "fp16"]
+
+
 SHARDINGS = ("none", "ddp", "fsdp")
+
+
 Sharding = Literal["none", "ddp", "fsdp"]  # none: one process; ddp: replicated (DDP); fsdp: sharded (FSDP2)
+
+
 HEADROOM = 0.1  # the searches' default: fraction of the budget kept free (fragmentation, longer batches)
+
+
 TRIAL_STEPS = 2  # optimizer steps per trial: the optimizer state exists when the peak is read
 
 
@@ -222,162 +227,3 @@ class Config:
         p = Path(self.model)
         return p if p.is_absolute() else (Path(config_path).resolve().parent / p)
 
-
-# -- strict loading ------------------------------------------------------------------------------
-
-def _type_name(tp: Any) -> str:
-    if typing.get_origin(tp) is Literal:
-        return " | ".join(repr(a) for a in typing.get_args(tp))
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        return " or ".join(_type_name(a) for a in typing.get_args(tp))
-    return "null" if tp is type(None) else getattr(tp, "__name__", str(tp))
-
-
-def _convert(value: Any, tp: Any, where: str) -> Any:
-    origin = typing.get_origin(tp)
-    if origin is Literal:
-        if value in typing.get_args(tp):
-            return value
-    elif origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        options = [a for a in args if a is not type(None)]
-        if len(options) == 1:  # X | None: X's own error names the deepest key
-            return _convert(value, options[0], where)
-        for arg in options:
-            try:
-                return _convert(value, arg, where)
-            except ConfigError:
-                continue
-    elif origin is tuple:
-        (item_tp, _) = typing.get_args(tp)
-        if isinstance(value, list):
-            return tuple(_convert(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value))
-    elif dataclasses.is_dataclass(tp):
-        if isinstance(value, dict):
-            return from_dict(tp, value, where)
-    elif tp is type(None):
-        if value is None:
-            return None
-    elif tp is bool:
-        if isinstance(value, bool):
-            return value
-    elif tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-    elif tp is str:
-        if isinstance(value, str):
-            return value
-    raise ConfigError(f"{where}: expected {_type_name(tp)}, got {value!r}")
-
-
-def from_dict(cls: type, data: dict, where: str = "") -> Any:
-    """Build dataclass `cls` from a mapping; unknown keys, missing keys and wrong types are errors."""
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in fields(cls)}
-    prefix = f"{where}." if where else ""
-    for key in data:
-        if key not in names:
-            raise ConfigError(f"unknown key {prefix}{key} (allowed: {', '.join(sorted(names))})")
-    kwargs = {}
-    for f in fields(cls):
-        if f.name in data:
-            kwargs[f.name] = _convert(data[f.name], hints[f.name], f"{prefix}{f.name}")
-        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise ConfigError(f"missing key {prefix}{f.name}")
-    return cls(**kwargs)
-
-
-def load_config(path: str | Path) -> Config:
-    import yaml  # here, not at the top: trials and probes run where PyYAML is not installed (gpu-check)
-
-    p = Path(path)
-    if p.is_dir():
-        raise ConfigError(f"{p} is a folder, not a config file")
-    if not p.is_file():
-        raise ConfigError(f"config file not found: {p}")
-    try:
-        data = parse(p.read_text(encoding="utf-8"))
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"{p}: not a text file in UTF-8 (byte {e.start} is {e.object[e.start]:#04x})") from None
-    except OSError as e:
-        raise ConfigError(f"cannot read the config {p}: {e.strerror or e}") from None
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        line = f" at line {mark.line + 1}" if mark else ""
-        problem = f": {e.problem}" if getattr(e, "problem", None) else ""
-        raise ConfigError(f"{p}: not valid YAML{line}{problem}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{p}: expected a mapping with keys model, plan, train")
-    try:
-        return from_dict(Config, data)
-    except ConfigError as e:
-        raise ConfigError(f"{p}: {e.message}") from None
-
-
-# -- writing -------------------------------------------------------------------------------------
-
-
-
-def _scalar(v: Any) -> str:
-    import yaml
-
-    return yaml.safe_dump(v, default_flow_style=True, width=10_000, sort_keys=False).strip().removesuffix("...").strip()
-
-
-def _emit(obj: Any, path: str, indent: int, lines: list[str]) -> None:
-    pad = "  " * indent
-    for f in fields(obj):
-        v = getattr(obj, f.name)
-        key = f"{path}{f.name}"
-        comment = f"  # {COMMENTS[key]}" if key in COMMENTS else ""
-        if dataclasses.is_dataclass(v):
-            lines.append(f"{pad}{f.name}:{comment}")
-            _emit(v, f"{key}.", indent + 1, lines)
-        elif isinstance(v, tuple):
-            if not v:
-                lines.append(f"{pad}{f.name}: []{comment}")
-                continue
-            lines.append(f"{pad}{f.name}:{comment}")
-            for item in v:
-                lines.append(f"{pad}- {_scalar(to_dict(item))}")
-        else:
-            lines.append(f"{pad}{f.name}: {_scalar(v)}{comment}")
-
-
-def to_dict(obj: Any) -> Any:
-    """A dataclass as plain dicts/lists (tuples become lists), for JSON and YAML."""
-    if dataclasses.is_dataclass(obj):
-        return {f.name: to_dict(getattr(obj, f.name)) for f in fields(obj)}
-    if isinstance(obj, (tuple, list)):
-        return [to_dict(v) for v in obj]
-    return obj
-
-
-def dump_config(config: Config, header: str = "") -> str:
-    lines = [f"# {h}" for h in header.splitlines()] if header else []
-    _emit(config, "", 0, lines)
-    return "\n".join(lines) + "\n"
-
-
-def save_config(config: Config, path: str | Path, header: str = "") -> None:
-    """Write atomically; an absolute model path is stored relative to the config's folder (`../models/m.py`)
-    where the two share a folder at least two levels below the root (a project's folder, not just /tmp or /home),
-    so a config committed with its model works in any clone. Only a regular file is replaced, never a device node
-    or a folder (the CLI checks --out before the search too)."""
-    p = Path(path)
-    if p.exists() and not p.is_file():
-        raise ConfigError(f"cannot write the config to {p}: it exists and is not a regular file")
-    model, folder = Path(config.model), p.resolve().parent
-    if model.is_absolute() and len(Path(os.path.commonpath([model, folder])).parts) >= 3:  # /work/proj, not /tmp
-        config = dataclasses.replace(config, model=os.path.relpath(model, folder))
-    text = dump_config(config, header)
-    try:  # each section a person wrote stays as they wrote it, comments included, where its values are kept
-        text = keep_unchanged_text(p.read_text(), text) if p.is_file() else text
-    except (OSError, UnicodeDecodeError):
-        pass
-    atomic_write(p, text)

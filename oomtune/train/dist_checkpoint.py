@@ -15,35 +15,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from .checkpoint import (
-    FORMAT,
-    KEEP,
-    META,
-    VERSION,
-    CheckpointError,
-    fsync_dir,
-    prune,
-    remove,
-    unreadable_because,
-)
-from .errors import first_line
-from .parallel import Dist
-from .step import Training
+from ..dist.group import Dist
+from ..errors import first_line
+from ..step import Training
+from .checkpoint import FORMAT, KEEP, META, VERSION, CheckpointError, fsync_dir, prune, remove, unreadable_because
 
 LAYOUT = "dcp"
 
 
 def folder(run_dir: Path, step: int) -> Path:
     return Path(run_dir) / f"ckpt-{step:08d}"
-
-
-def _barrier(d: Dist | None) -> None:
-    if d is not None and d.world_size > 1:
-        dist.barrier()
 
 
 def save_state(run_dir: Path, meta: dict[str, Any], rng: dict[str, Any], t: Training, d: Dist,
@@ -55,14 +39,14 @@ def save_state(run_dir: Path, meta: dict[str, Any], rng: dict[str, Any], t: Trai
     if d.is_main:
         remove(tmp)
         tmp.mkdir(parents=True)
-    _barrier(d)
+    d.barrier()
     model_state, optim_state = get_state_dict(t.model, t.optimizer)
     dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(tmp))
     with open(tmp / f"rng-{d.rank}.pt", "wb") as f:  # on disk before the folder is published (DCP's own
         torch.save(rng, f)                               # writer fsyncs its files: sync_files defaults to True)
         f.flush()
         os.fsync(f.fileno())
-    _barrier(d)
+    d.barrier()
     if d.is_main:
         with open(tmp / META, "wb") as f:
             torch.save({"format": FORMAT, "version": VERSION, "layout": LAYOUT, "world_size": d.world_size, **meta},
@@ -74,7 +58,7 @@ def save_state(run_dir: Path, meta: dict[str, Any], rng: dict[str, Any], t: Trai
         os.replace(tmp, final)
         fsync_dir(run_dir)
         prune(run_dir, keep)
-    _barrier(d)
+    d.barrier()
     return final
 
 

@@ -7,17 +7,17 @@ then see the same batches: the resumed run replays the stream to its position.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from .checkpoint import capture_rng, restore_rng, seed_everything
-from .devices import Device, is_oom
-from .errors import ModelFileError, OomtuneError
-from .model_file import Batch, ModelFile
+from ..dist.group import Dist
+from ..errors import ModelFileError, OomtuneError, first_line
+from ..memory.devices import Device, is_oom
+from ..model_file import Batch, ModelFile
+from .rng import RngStream
 
 
 def split_batch(batch: Batch, size: int, parts: int, label: str = "the data") -> list[Batch]:
@@ -46,30 +46,6 @@ def split_batch(batch: Batch, size: int, parts: int, label: str = "the data") ->
         raise ModelFileError(f"{label}: a batch has no tensor whose first dimension is its batch size {size}, "
                              f"so it cannot be split into micro-batches of {piece} after an out-of-memory error")
     return out
-
-
-
-class RngStream:
-    """A private stream of the global RNGs (torch CPU/CUDA, random, numpy): `with stream.active():` swaps its
-    state in and the caller's back out, so code inside draws from its own deterministic sequence without
-    shifting anyone else's."""
-
-    def __init__(self, seed: int, cuda: bool):
-        self.cuda = cuda
-        outer = capture_rng(cuda)
-        seed_everything(seed, cuda)
-        self.state = capture_rng(cuda)
-        restore_rng(outer, cuda)
-
-    @contextlib.contextmanager
-    def active(self) -> Iterator[None]:
-        outer = capture_rng(self.cuda)
-        restore_rng(self.state, self.cuda)
-        try:
-            yield
-        finally:
-            self.state = capture_rng(self.cuda)
-            restore_rng(outer, self.cuda)
 
 
 class DataStream:
@@ -102,8 +78,8 @@ class DataStream:
         except Exception as e:
             if is_oom(e):
                 raise
-            line = str(e).strip().splitlines()[0] if str(e).strip() else "(no message)"
-            raise ModelFileError(f"{self.model_file.label}: {self.hook}() raised {type(e).__name__}: {line}") from e
+            raise ModelFileError(f"{self.model_file.label}: {self.hook}() raised {type(e).__name__}: "
+                                 f"{first_line(e, '(no message)')}") from e
 
     def next(self) -> Batch:
         with self.rng.active():
@@ -131,3 +107,43 @@ class DataStream:
         """Replay n batches (resume): the stream then stands where the interrupted run's stood."""
         for _ in range(n):
             self.next()
+
+
+
+class Shares:
+    """Cuts the global stream's batches into this rank's micro-batches. Every rank draws the same global batches and
+    keeps its share - rank r the r-th of world_size equal slices - as pieces of `piece` examples (whole drawn batches
+    of `data_batch`, or equal cuts of one), then cuts each piece into micro-batches of the plan."""
+
+    def __init__(self, dist: Dist, data_batch: int, piece: int, label: str):
+        self.dist = dist
+        self.data_batch = data_batch
+        self.piece = piece
+        self.label = label  # "model.py: train_batches()": named when a batch cannot be split
+
+    def share(self, batches: list[Batch]) -> list[Batch]:
+        """This rank's pieces of the global batches."""
+        ws, r = self.dist.world_size, self.dist.rank
+        if ws == 1:
+            return batches
+        if self.piece == self.data_batch:
+            k = len(batches) // ws
+            return batches[r * k:(r + 1) * k]
+        parts = self.data_batch // self.piece
+        pieces = [p for b in batches for p in split_batch(b, self.data_batch, parts, self.label)]
+        k = len(pieces) // ws
+        return pieces[r * k:(r + 1) * k]
+
+    def micro_batches(self, pieces: list[Batch], micro_batch_size: int, size: int | None = None) -> list[Batch]:
+        size = size or self.piece
+        parts = size // micro_batch_size
+        return [m for b in pieces for m in split_batch(b, size, parts, self.label)]
+
+    def eval_share(self, batches: list[Batch], micro_batch_size: int) -> list[Batch]:
+        """Evaluation micro-batches of this rank: an equal share when they divide evenly, else all of them."""
+        micro = self.micro_batches(batches, micro_batch_size, self.data_batch)
+        ws = self.dist.world_size
+        if ws == 1 or len(micro) % ws:
+            return micro
+        k = len(micro) // ws
+        return micro[self.dist.rank * k:(self.dist.rank + 1) * k]

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
-from .units import format_bytes
+from ..units import format_bytes
 
 BLOCK = 512  # the CUDA caching allocator's smallest rounding unit, bytes
 

@@ -11,19 +11,19 @@ the moment of the peak, not a model of it. When nothing fits: why, and the lever
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from ..config.schema import TRIAL_STEPS, MemoryBreakdown, Plan
+from ..dist.group import LOCAL, Dist, ranks_for
+from ..errors import OomtuneError
+from ..model_file import ModelFile
+from ..units import format_bytes
 from .devices import Device, TrackedDevice
-from .errors import OomtuneError
-from .gpus_table import GPUS, Margin
-from .memtrack import MemoryTracker, Recorder
-from .model_file import ModelFile
-from .plan import TRIAL_STEPS, MemoryBreakdown, Plan
-from .units import format_bytes
+from .margin import Margin
+from .tracker import MemoryTracker, Recorder
 
 
 @dataclass(frozen=True)
@@ -65,8 +65,6 @@ def static_memory(model_file: ModelFile) -> StaticMemory:
     return StaticMemory(weights, grads, optimizer_state, name, checkpointing)
 
 
-# -- the breakdown --------------------------------------------------------------------------------
-
 PART_LABELS = {
     "parameters": "parameters",
     "gradients": "gradients",
@@ -75,6 +73,8 @@ PART_LABELS = {
     "activations": "saved activations",
     "temporaries": "temporaries",
 }
+
+
 PART_HELP = {  # short: the CLI's table fits 80 columns
     "parameters": "weights and buffers",
     "gradients": "backward to zero_grad",
@@ -83,6 +83,7 @@ PART_HELP = {  # short: the CLI's table fits 80 columns
     "activations": "kept from forward for backward",
     "temporaries": "grads in flight, batch, scratch",
 }
+
 
 _TO_COPY = torch.ops.aten._to_copy.default
 
@@ -136,16 +137,14 @@ def margin_of(device: Device) -> Margin:
 
 
 def breakdown(model_file: ModelFile, plan: Plan, device: TrackedDevice, steps: int = TRIAL_STEPS,
-              dist=None) -> MemoryBreakdown:
+              dist: Dist = LOCAL) -> MemoryBreakdown:
     """Run `plan` once on `device` (fake or cpu) with its budget lifted, recording every storage, and sort
     what was live at the peak. The step is the trial's own (run_trial), so the peak is the trial's peak. A plan
     on several ranks is measured on one of them (`dist`, or a fake world made for it)."""
-    from .trial import run_trial  # trial imports step, which imports devices: keep this module light
+    from ..search.trial import run_trial  # trial imports step, which imports devices: keep this module light
 
     if not isinstance(device, TrackedDevice):
         raise OomtuneError(f"a memory breakdown needs the fake or cpu device, not {device.kind}")
-    from .parallel import ranks_for
-
     with ranks_for(plan, device, dist) as d:
         return _breakdown(model_file, plan, device, steps, d, run_trial)
 
@@ -180,59 +179,3 @@ def breakdown_difference(old: MemoryBreakdown, new: MemoryBreakdown) -> dict[str
     diff["peak"] = new.peak_bytes - old.peak_bytes
     return diff
 
-
-# -- when nothing fits: why, and what would help --------------------------------------------------
-
-def why_nothing_fits(bd: MemoryBreakdown, plan: Plan, static: StaticMemory, limit_bytes: int, budget_bytes: int,
-                     headroom: float, margin: Margin) -> str:
-    allowed = f"{format_bytes(limit_bytes)} allowed ({format_bytes(budget_bytes)} budget, {headroom:.0%} headroom)"
-    if margin.total(static.total_bytes) > limit_bytes:
-        over = margin.overhead(static.total_bytes)
-        plus = f" + margin {format_bytes(over)}" if over else ""
-        return (f"weights + gradients + {static.optimizer_name} state = {format_bytes(static.total_bytes)}{plus} > "
-                f"{allowed}, before a single activation")
-    margin_text = f" + margin {format_bytes(bd.margin_bytes)}" if bd.margin_bytes else ""
-    floor = bd.parameters_bytes + bd.gradients_bytes + bd.optimizer_state_bytes
-    return (f"even {plan.describe()} peaks at {format_bytes(bd.peak_bytes)} > {allowed}: weights + gradients + "
-            f"{static.optimizer_name} state {format_bytes(floor)}, the rest "
-            f"{format_bytes(bd.peak_bytes - bd.margin_bytes - floor)}{margin_text} (peak in {bd.phase})")
-
-
-def levers(bd: MemoryBreakdown, static: StaticMemory, limit_bytes: int, margin: Margin, headroom: float,
-           checkpointing_used: bool) -> list[str]:
-    """What would make the smallest plan fit, with the bytes each saves (estimates, not measurements)."""
-    need = bd.peak_bytes - limit_bytes  # bytes to save, margin included
-    tensor_room = margin.tensor_budget(limit_bytes)  # tensor bytes the limit allows
-    out: list[str] = []
-
-    def enough(saved_tensor_bytes: int) -> str:
-        return "enough" if bd.tensor_peak_bytes - saved_tensor_bytes <= tensor_room else "not enough alone"
-
-    opt = bd.optimizer_state_bytes
-    if opt:
-        saved = opt * 3 // 4
-        out.append(f"8-bit optimizer state (bitsandbytes AdamW8bit): {static.optimizer_name} state "
-                   f"{format_bytes(opt)} -> {format_bytes(opt - saved)}, saves {format_bytes(saved)} ({enough(saved)})")
-        out.append(f"CPU offload of the optimizer state (DeepSpeed ZeRO-Offload, FSDP CPUOffload): saves "
-                   f"{format_bytes(opt)} of GPU memory, costs host RAM and PCIe time ({enough(opt)})")
-    sharded = bd.parameters_bytes + bd.gradients_bytes + opt
-    rest = bd.tensor_peak_bytes - sharded
-    if sharded and tensor_room > rest:
-        n = max(2, math.ceil(sharded / (tensor_room - rest)))
-        out.append(f"shard weights, gradients and optimizer state across {n} GPUs (FSDP / DeepSpeed ZeRO-3): "
-                   f"{format_bytes(sharded)} -> {format_bytes(sharded // n)} per GPU")
-    elif sharded:
-        out.append("sharding across GPUs (FSDP / ZeRO-3) cannot help alone: activations and temporaries "
-                   f"{format_bytes(rest)} already exceed what the limit leaves")
-    act = bd.activations_bytes + bd.temporaries_bytes
-    if act and act >= need:
-        if not checkpointing_used:
-            out.append("activation checkpointing: define blocks(model) in the model file so oomtune can wrap them")
-        out.append(f"a shorter context (--min-context): activations + temporaries are {format_bytes(act)}")
-    bigger = [g.name for g in GPUS if int(g.memory_bytes * (1 - headroom)) >= max(bd.peak_bytes, limit_bytes + 1)]
-    if bigger:
-        out.append(f"a larger GPU: {', '.join(bigger)}")
-    return out
-
-
-# -- estimate ------------------------------------------------------------------------------------

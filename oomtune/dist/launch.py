@@ -11,14 +11,27 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
 import socket
 import sys
 from dataclasses import dataclass
 
-from .errors import BAD_INPUT, NO_FIT, OOM_RELAUNCH, PEER_FAILED, OomtuneError
+from ..errors import BAD_INPUT, NO_FIT, OOM_RELAUNCH, PEER_FAILED, OomtuneError
 
 INTERRUPTED = 130
+DEFAULT_TIMEOUT_S = 300.0  # a collective waits this long for the other ranks before the run stops with an error
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # what torchrun sets in each worker
+
+
+def launched_by_torchrun() -> bool:
+    """True in a worker started by torchrun (or anything that sets its environment variables)."""
+    return all(k in os.environ for k in TORCHRUN_ENV)
+
+
+def worker_rank() -> int | None:
+    """This process's rank when torchrun started it, else None."""
+    return int(os.environ["RANK"]) if launched_by_torchrun() else None
 
 
 @dataclass(frozen=True)

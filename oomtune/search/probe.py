@@ -8,50 +8,18 @@ from dataclasses import dataclass
 
 import torch
 
-from . import __version__
-from .breakdown import StaticMemory, static_memory
-from .devices import Device
-from .errors import BAD_INPUT, OomtuneError
-from .model_file import ModelFile
-from .parallel import Dist, fsdp_unsupported
-from .plan import HEADROOM, TRIAL_STEPS, Config, FoundBy, Plan, TrialRecord
-from .search import LadderResult, LadderSearch, Measurement, Objective, Point, Rung, Trial
+from .. import __version__
+from ..config.schema import HEADROOM, TRIAL_STEPS, Config, FoundBy, Plan, TrialRecord
+from ..dist.group import LOCAL, Dist, init
+from ..dist.wrap import fsdp_unsupported
+from ..errors import BAD_INPUT, OomtuneError
+from ..memory.breakdown import StaticMemory, static_memory
+from ..memory.devices import Device, make_device, resolve_kind
+from ..model_file import ModelFile
+from ..units import format_bytes
+from .ladder import LadderResult, LadderSearch, Measurement, Objective, Point, Rung, Trial
+from .options import Targets, check_search_options
 from .trial import run_trial
-from .units import format_bytes
-
-OBJECTIVES = ("fit", "throughput")
-AMP_CHOICES = ("auto", "bf16", "fp16")
-
-
-@dataclass(frozen=True)
-class Targets:
-    batch: int  # B: the global batch to keep exact
-    context: int  # T: the context to reach
-    min_context: int  # T_min: the shortest context the user accepts (default T: never cut)
-
-
-def resolve_targets(model_file: ModelFile, batch: int | None, context: int | None,
-                    min_context: int | None) -> Targets:
-    """CLI values first, then the model file's DEFAULTS, then 32 x 512. A bad value is blamed on where it came
-    from: the flag, or the model file's DEFAULTS (never a flag the user did not type)."""
-    d = model_file.defaults
-    given = {"batch": batch, "context": context, "min_context": min_context}
-    b = batch if batch is not None else d.get("batch", 32)
-    t = context if context is not None else d.get("context", 512)
-    t_min = min_context if min_context is not None else d.get("min_context", t)
-
-    def source(key: str) -> str:
-        if given[key] is not None:
-            return "--" + key.replace("_", "-")
-        return f"{model_file.label} DEFAULTS[{key!r}]" if key in d else f"the default {key}"
-
-    for key, v in (("batch", b), ("context", t), ("min_context", t_min)):
-        if v < 1:
-            raise OomtuneError(f"{source(key)} must be at least 1, got {v}")
-    if t_min > t:
-        raise OomtuneError(f"{source('min_context')} {t_min} is longer than {source('context')} {t}"
-                           + (f" (give --min-context {t} or less)" if min_context is None else ""))
-    return Targets(b, t, t_min)
 
 
 def fsdp_reach(device: Device, world: int, sharding: str | None) -> tuple[int, str | None]:
@@ -63,27 +31,6 @@ def fsdp_reach(device: Device, world: int, sharding: str | None) -> tuple[int, s
 
 def no_fsdp_note(no_fsdp: str | None) -> str:
     return f" No fsdp rung was tried: {no_fsdp}." if no_fsdp is not None else ""
-
-
-def check_headroom(headroom: float, where: str = "--headroom") -> None:
-    """`where` names where the value came from: the flag, or the config's key."""
-    if not 0 <= headroom < 1:  # NaN fails this too
-        raise OomtuneError(f"{where} must be in [0, 1), got {headroom}")
-
-
-def check_steps(steps: int) -> None:
-    if steps < 1:  # no step, no peak: a trial needs at least one
-        raise OomtuneError(f"--steps must be at least 1, got {steps}")
-
-
-def check_search_options(headroom: float, steps: int, objective: str, amp: str) -> None:
-    """The options probe and estimate share, checked before anything is loaded (one line, exit 2)."""
-    check_headroom(headroom)
-    check_steps(steps)
-    if objective not in OBJECTIVES:
-        raise OomtuneError(f"--objective {objective!r}: expected one of {', '.join(OBJECTIVES)}")
-    if amp not in AMP_CHOICES:
-        raise OomtuneError(f"--amp {amp!r}: expected one of {', '.join(AMP_CHOICES)}")
 
 
 def ladder_rungs(device: Device, amp: str, checkpointing_supported: bool, world_size: int = 1,
@@ -162,7 +109,7 @@ def check_static_fits(static: StaticMemory, device: Device, limit_bytes: int, he
 def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: float = HEADROOM,
           steps: int = TRIAL_STEPS, objective: Objective = "fit", amp: str = "auto", command: str = "probe",
           on_start: Callable[[Point], None] | None = None,
-          on_trial: Callable[[TrialRecord], None] | None = None, dist: Dist | None = None,
+          on_trial: Callable[[TrialRecord], None] | None = None, dist: Dist = LOCAL,
           sharding: str | None = None) -> ProbeResult:
     """Climb the ladder with real trials on `device`; every trial runs the training step itself.
 
@@ -170,12 +117,9 @@ def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: 
     (see run_trial), so every rank climbs the same ladder; the target batch is global (B / ranks per rank). The
     budget is the smallest of the ranks' (each GPU's own free memory), so they probe alike."""
     check_search_options(headroom, steps, objective, amp)
-    world = dist.world_size if dist is not None else 1
-    if targets.batch % world:
-        raise OomtuneError(f"--batch {targets.batch} is not a multiple of the {world} ranks: the global batch is "
-                           "shared out evenly")
-    if dist is not None:
-        device.lower_budget(int(dist.min(device.budget_bytes)[0]))
+    world = dist.world_size
+    check_ranks_batch(targets, world)
+    device.lower_budget(int(dist.min(device.budget_bytes)[0]))  # one process: its own
     limit = int(device.budget_bytes * (1 - headroom))
     static = static_memory(model_file)
     sharded_by, no_fsdp = fsdp_reach(device, world, sharding)
@@ -217,3 +161,34 @@ def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: 
     config = Config(model=str(model_file.path), plan=plan, found_by=found)
     return ProbeResult(ladder, records, static, targets, limit, config, world_size=world,
                        budget_bytes=device.budget_bytes)
+
+
+def divisor_note(result: ProbeResult) -> str | None:
+    """Where the global batch has no divisor near the largest micro-batch that fits (B=17 with 8 fitting runs as
+    1 x 17), say so and name the nearest global batch that would run at the micro-batch that fits."""
+    ladder = result.ladder
+    if result.config is None or ladder.choice is None:
+        return None
+    fitting = next((r.micro_batch_size for r in ladder.rungs if r.rung == ladder.choice.rung and r.found), None)
+    chosen = ladder.choice.micro_batch_size
+    if fitting is None or chosen * 2 > fitting:  # within a factor of two of what fits: nothing to say
+        return None
+    world = result.world_size
+    batch = result.targets.batch
+    nearest = max(fitting, round(batch / world / fitting) * fitting) * world
+    return (f"micro-batch {fitting} fits, but the global batch {batch} has no divisor between {chosen + 1} and "
+            f"{fitting}{' per rank' if world > 1 else ''}: it runs as {chosen} x {ladder.choice.grad_accum_steps}; "
+            f"--batch {nearest} would run as {fitting} x {nearest // world // fitting}")
+
+
+def check_ranks_batch(targets: Targets, world_size: int) -> None:
+    if targets.batch % world_size:
+        raise OomtuneError(f"--batch {targets.batch} is not a multiple of the {world_size} ranks: the global batch is "
+                           "shared out evenly")
+
+
+def probe_on_ranks(kind: str, budget: str | None, dist_timeout: float, launched: bool) -> tuple[Device, Dist]:
+    """The device a probe runs on, and its ranks: a worker torchrun started joins the others (on cuda this picks
+    its own GPU, before the device is made); one process has LOCAL."""
+    dist = init(resolve_kind(kind), "ddp", dist_timeout) if launched else LOCAL
+    return make_device(kind, budget), dist

@@ -21,9 +21,9 @@ import torch
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .errors import OomtuneError
-from .memtrack import MemoryTracker
-from .units import format_bytes, parse_budget
+from ..errors import OomtuneError
+from ..units import format_bytes, parse_budget
+from .tracker import MemoryTracker
 
 DEVICE_KINDS = ("auto", "cuda", "cpu", "fake")
 
@@ -138,6 +138,10 @@ class Device:
         """Fit in less (the smallest budget of several ranks, so that they all probe alike)."""
         self.budget_bytes = min(self.budget_bytes, budget_bytes)
 
+    def account(self, *objs) -> None:
+        """Count tensors made outside `measure()` (batches drawn before it, a loaded optimizer state) on a simulated
+        device; a no-op on cuda, whose allocator sees everything."""
+
 
 class TrackedDevice(Device):
     """Simulated memory: a MemoryTracker enforces the budget the way the CUDA allocator would."""
@@ -160,6 +164,9 @@ class TrackedDevice(Device):
 
     def live_bytes(self) -> int:
         return self.tracker.live_bytes
+
+    def account(self, *objs) -> None:
+        self.tracker.track(*objs)
 
     def lower_budget(self, budget_bytes: int) -> None:
         super().lower_budget(budget_bytes)
@@ -206,7 +213,7 @@ class FakeDevice(TrackedDevice):
     computes = False
 
     def __init__(self, budget: str | None = None, *, gpu=None, margin=None):
-        from .gpus_table import parse_margin
+        from .margin import parse_margin
 
         capacity = gpu.memory_bytes if gpu is not None else None
         if budget is None and capacity is None:
@@ -305,23 +312,23 @@ class CudaDevice(Device):
 
 
 def _nvml_free_bytes(props) -> int | None:
-    """NVML's free bytes for the GPU behind torch device properties `props`, matched by PCI address then
-    UUID (attributes of recent PyTorch; None where missing or NVML is unavailable)."""
+    """NVML's free bytes for the GPU behind torch device properties `props` (None where NVML cannot say)."""
     from . import nvml
 
-    pci = None
-    if all(hasattr(props, a) for a in ("pci_domain_id", "pci_bus_id", "pci_device_id")):
-        pci = (props.pci_domain_id, props.pci_bus_id, props.pci_device_id)
-    uuid = str(props.uuid) if getattr(props, "uuid", None) is not None else None
-    if pci is None and uuid is None:
-        return None
-    return nvml.free_bytes(pci=pci, uuid=uuid)
+    gpu = nvml.gpu_of(props)
+    return None if gpu is None else gpu.free_bytes
+
+
+def resolve_kind(kind: str) -> str:
+    """`auto` is cuda when PyTorch sees a GPU, else cpu; any other kind is itself."""
+    if kind == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return kind
 
 
 def make_device(kind: str = "auto", budget: str | None = None) -> Device:
-    """`auto` is cuda when PyTorch sees a GPU, else cpu."""
-    if kind == "auto":
-        kind = "cuda" if torch.cuda.is_available() else "cpu"
+    """A device of `kind` (auto: see resolve_kind) under `budget`."""
+    kind = resolve_kind(kind)
     if kind == "cuda":
         return CudaDevice(budget)
     if kind == "cpu":

@@ -13,8 +13,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from .errors import BAD_INPUT, NO_FIT, OomtuneError
-from .files import atomic_write, nearest_existing, try_write_in
+from ..errors import BAD_INPUT, NO_FIT, OomtuneError
+from ..files import atomic_write, nearest_existing, try_write_in
 
 METRICS = "metrics.jsonl"  # one JSON object per logged step: step, loss, lr, tokens_per_s, peak_bytes[, eval_loss]
 EVENTS = "events.jsonl"  # start / resume / oom_fallback / config_updated / checkpoint / diverged / error / ...

@@ -196,3 +196,32 @@ def free_bytes(*, pci: tuple[int, int, int] | None = None, uuid: str | None = No
     already excluded), or None where NVML is unavailable or the GPU is not found."""
     gpu = find_gpu(query(processes=False), pci=pci, uuid=uuid)
     return None if gpu is None else gpu.free_bytes
+
+
+def ids_of(props) -> tuple[tuple[int, int, int] | None, str | None]:
+    """(PCI address, UUID) of the GPU behind torch's device properties (`torch.cuda.get_device_properties`): what
+    matches it to NVML's GPU whatever CUDA_VISIBLE_DEVICES says. Attributes of recent PyTorch: None where missing."""
+    pci = None
+    if all(hasattr(props, a) for a in ("pci_domain_id", "pci_bus_id", "pci_device_id")):
+        pci = (props.pci_domain_id, props.pci_bus_id, props.pci_device_id)
+    uuid = str(props.uuid) if getattr(props, "uuid", None) is not None else None
+    return pci, uuid
+
+
+def gpu_of(props, report: NvmlReport | None = None, processes: bool = False) -> GpuInfo | None:
+    """NVML's view of the GPU behind torch's device properties (from `report`, else a fresh query); None where NVML
+    is unavailable or does not list it."""
+    pci, uuid = ids_of(props)
+    if pci is None and uuid is None:
+        return None
+    return find_gpu(report if report is not None else query(processes=processes), pci=pci, uuid=uuid)
+
+
+def used_by(props, pid: int) -> int | None:
+    """Memory process `pid` holds on the GPU behind `props`, as nvidia-smi shows it; else the whole GPU's used memory
+    (inside a container NVML's pids may not match ours); None without NVML."""
+    gpu = gpu_of(props, processes=True)
+    if gpu is None:
+        return None
+    mine = next((p.used_bytes for p in gpu.processes if p.pid == pid and p.used_bytes is not None), None)
+    return mine if mine is not None else gpu.used_bytes

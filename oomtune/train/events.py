@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from .plan import Plan, TrainConfig
+from ..config.schema import Plan, TrainConfig
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import errno
 import os
 import pickle
-import random
 import re
 import shutil
 import zipfile
@@ -23,16 +22,28 @@ from typing import Any
 
 import torch
 
-from .errors import BAD_INPUT, NO_FIT, OomtuneError, first_line
-from .files import atomic_write
-from .units import format_bytes
+from ..errors import BAD_INPUT, NO_FIT, OomtuneError, first_line
+from ..files import atomic_write
+from ..units import format_bytes
 
 FORMAT = "oomtune-checkpoint"
+
+
 VERSION = 1
+
+
 KEEP = 2  # checkpoints kept on disk: the newest, and one before it in case the newest is lost
+
+
 _NAME = re.compile(r"^ckpt-(\d+)(\.pt)?$")  # a file ckpt-N.pt, or a folder ckpt-N/ (several ranks)
+
+
 _TEMP_FOLDER = re.compile(r"^\.ckpt-\d+\.tmp$")  # dist_checkpoint's folder being written
+
+
 META = "oomtune.pt"  # in a checkpoint folder: step, plan, data position; written last, so its presence = complete
+
+
 REQUIRED = ("step", "plan", "data", "model", "optimizer", "scaler", "rng")
 
 
@@ -226,49 +237,3 @@ def _validate(p: Path, state: Any, required: tuple[str, ...]) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {p} is incomplete: no {', '.join(missing)}")
     return state
 
-
-# -- RNG state: every generator a step may draw from ------------------------------------------------
-
-def _numpy():
-    try:
-        import numpy
-    except ImportError:
-        return None
-    return numpy
-
-
-def capture_rng(cuda: bool) -> dict[str, Any]:
-    """The global RNG states (torch CPU, torch CUDA when used, Python's random, numpy's legacy global) as
-    plain tensors/lists, so a checkpoint holding them loads with weights_only=True."""
-    version, internal, gauss = random.getstate()
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": [version, list(internal), gauss]}
-    if cuda:
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    np = _numpy()
-    if np is not None:
-        name, keys, pos, has_gauss, cached = np.random.get_state()
-        state["numpy"] = [name, torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss), float(cached)]
-    return state
-
-
-def restore_rng(state: dict[str, Any], cuda: bool) -> None:
-    torch.set_rng_state(state["torch"])
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    if cuda and state.get("cuda") is not None:  # as many GPUs as both runs see (a resume may see fewer)
-        for index, rng in enumerate(state["cuda"][:torch.cuda.device_count()]):
-            torch.cuda.set_rng_state(rng, index)
-    np = _numpy()
-    if np is not None and state.get("numpy") is not None:
-        name, keys, pos, has_gauss, cached = state["numpy"]
-        np.random.set_state((name, keys.numpy().astype("uint32"), pos, has_gauss, cached))
-
-
-def seed_everything(seed: int, cuda: bool) -> None:
-    torch.manual_seed(seed)  # seeds CUDA too where it is initialised
-    random.seed(seed)
-    np = _numpy()
-    if np is not None:
-        np.random.seed(seed % 2**32)
-    if cuda:
-        torch.cuda.manual_seed_all(seed)

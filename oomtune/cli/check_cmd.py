@@ -1,0 +1,49 @@
+"""`oomtune check`: the CI gate - does a config's plan still fit?"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+import typer
+
+from . import app
+from .guard import user_errors
+from .options import DEFAULT_STEPS, ConfigOpt, DebugOpt, JsonOpt, budget_option, device_option
+from .render import check_json, render_check
+
+
+@app.command()
+def check(
+    config_path: ConfigOpt,
+    budget: Annotated[str | None, budget_option("the config's found_by.budget_bytes", "Memory to fit in")] = None,
+    device: Annotated[str, device_option("fake (default: no GPU, estimated) | cpu (real compute, simulated memory) | "
+                                         "cuda (the real GPU).")] = "fake",
+    headroom: Annotated[float | None, typer.Option(help="Fraction of the budget kept free (default: the "
+                                                   "config's).")] = None,
+    margin: Annotated[str | None, typer.Option("--margin", help="fake device only. Default: the margin the config "
+                                               "was estimated with; for a config probed on a GPU 512MiB+5%; for one "
+                                               "probed on cpu 0.")] = None,
+    steps: Annotated[int, typer.Option(help="Optimizer steps to run (2: optimizer state exists).")] = DEFAULT_STEPS,
+    as_json: JsonOpt = False,
+    debug: DebugOpt = False,
+):
+    """CI gate: re-measure the config's plan; exit 0 if it still fits, 1 if it no longer does, 2 for bad input.
+
+    Example: [cyan]oomtune check --config best.yaml[/]
+    """
+    with user_errors(debug):
+        from ..config.loading import load_config
+        from ..model_file import load_model_file
+        from ..search.check import check as run_check
+
+        config = load_config(config_path)
+        model_file = load_model_file(config.model_path(config_path))
+        result = run_check(config, model_file, device_kind=device, budget=budget, headroom=headroom,
+                           margin=margin, steps=steps)
+        if as_json:
+            print(json.dumps(check_json(result), indent=2))
+        else:
+            render_check(result, config_path)
+        if not result.fits:
+            raise typer.Exit(1)

@@ -1,0 +1,113 @@
+"""How a command ends: one project error is one line on stderr and its exit code, anything else a short line and
+exit 1 (a full traceback with --debug); Ctrl-C is remembered even where Python drops it; a worker on several
+ranks prefixes its rank and exits 3 when it only stopped because a peer did."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+import warnings
+from contextlib import contextmanager
+
+import typer
+from rich.markup import escape
+
+from ..dist.launch import worker_rank
+from ..errors import PEER_FAILED, OomtuneError, first_line
+from .console import err
+
+
+def _drop_record(record: logging.LogRecord) -> bool:
+    return False
+
+
+def _quiet_torch_noise(debug: bool) -> None:
+    """A model error on fake tensors makes torch log its own traceback (logger.exception) before raising; the
+    one-line error says it all, so drop those records unless --debug. A filter, not a level: importing torch
+    resets its loggers' levels, and the commands import torch after this runs."""
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    if debug:
+        log.removeFilter(_drop_record)
+    elif _drop_record not in log.filters:
+        log.addFilter(_drop_record)
+    # torch < 2.5 warns about its own deprecated torch.cpu.amp.autocast inside checkpoint() on every recompute
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.utils\.checkpoint")
+
+
+def _peer_failure(e: BaseException) -> bool:
+    """A collective that broke or timed out: another rank failed, died or hangs (not this rank's own error)."""
+    torch = sys.modules.get("torch")
+    dist_error = getattr(getattr(torch, "distributed", None), "DistError", None) if torch else None
+    if dist_error is not None and isinstance(e, dist_error):
+        return True
+    text = str(e)
+    return worker_rank() is not None and any(s in text for s in (
+        "Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out", "timed out",
+        "NCCL communicator was aborted", "[gloo/"))
+
+
+_interrupted = False  # Ctrl-C came during this command (see _on_sigint)
+
+
+def _on_sigint(signum, frame) -> None:
+    """Python's own Ctrl-C, remembered: a KeyboardInterrupt raised while a finalizer runs (torch's storage
+    weakrefs, in every trial) is printed and dropped by Python, and the search would go on to write its
+    config. `stop_if_interrupted` turns the remembered one back into an interruption."""
+    global _interrupted
+    _interrupted = True
+    raise KeyboardInterrupt
+
+
+def stop_if_interrupted() -> None:
+    """Between trials and before a file is written: a Ctrl-C that was swallowed still stops the command."""
+    if _interrupted:
+        raise KeyboardInterrupt
+
+
+@contextmanager
+def _remember_sigint():
+    global _interrupted
+    _interrupted = False
+    own = threading.current_thread() is threading.main_thread() and \
+        signal.getsignal(signal.SIGINT) is signal.default_int_handler  # not where Ctrl-C is ignored (nohup, &)
+    previous = signal.signal(signal.SIGINT, _on_sigint) if own else None
+    try:
+        yield
+    finally:
+        if own:
+            signal.signal(signal.SIGINT, previous)
+
+
+@contextmanager
+def user_errors(debug: bool):
+    """One project error -> one line on stderr and its exit code; anything else -> a short line + exit 1. A
+    worker on several ranks prefixes its rank, and exits 3 when it only stopped because a peer did."""
+    rank = worker_rank()
+    who = escape(f"[rank {rank}] ") if rank is not None else ""
+    _quiet_torch_noise(debug)
+    try:
+        with _remember_sigint():
+            yield
+    except OomtuneError as e:
+        if debug:
+            raise
+        err.print(f"[bold red]error:[/] {who}{escape(e.message)}")
+        raise typer.Exit(e.exit_code) from None
+    except KeyboardInterrupt:
+        err.print("[yellow]interrupted[/]")
+        raise typer.Exit(130) from None
+    except (typer.Exit, typer.Abort):
+        raise
+    except Exception as e:
+        if debug:
+            raise
+        first = first_line(e, "")
+        if rank is not None and _peer_failure(e):
+            err.print(f"[bold red]error:[/] {who}a collective with the other ranks failed ({escape(first[:200])}): "
+                      "another rank failed, died or stopped answering (--dist-timeout)")
+            raise typer.Exit(PEER_FAILED) from None
+        err.print(f"[bold red]error:[/] {who}{type(e).__name__}: {escape(first)} (rerun with --debug for the "
+                  "traceback)")
+        raise typer.Exit(1) from None

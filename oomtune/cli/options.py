@@ -1,0 +1,61 @@
+"""Every option the commands share, defined once with its help. Options default to None where "not given" differs
+from any value (the library decides the default); on/off flags are `--x/--no-x`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from ..config.schema import HEADROOM, TRIAL_STEPS
+from ..dist.launch import DEFAULT_TIMEOUT_S
+
+ModelArg = Annotated[Path, typer.Argument(help="Your model file (build_model, make_batch, optional hooks).")]
+ConfigOpt = Annotated[Path, typer.Option("--config", "-c", help="The config `oomtune probe` (or estimate) wrote.")]
+
+# -- the ladder's targets and the search (probe, estimate) ---------------------------------------------
+BatchOpt = Annotated[int | None, typer.Option("--batch", "-b", help="Target global batch B (kept exact). Default: the "
+                                              "model file's DEFAULTS, else 32.")]
+ContextOpt = Annotated[int | None, typer.Option("--context", "-t", help="Target context length T. Default: DEFAULTS, "
+                                                "else 512.")]
+MinContextOpt = Annotated[int | None, typer.Option("--min-context", help="Shortest context you accept (default: T, "
+                                                   "i.e. never cut).")]
+HeadroomOpt = Annotated[float, typer.Option("--headroom", help="Fraction of the budget kept free.")]
+StepsOpt = Annotated[int, typer.Option("--steps", help="Optimizer steps per trial (2: optimizer state exists).")]
+AmpOpt = Annotated[str, typer.Option("--amp", help="Mixed precision for the amp rungs: auto (bf16 where the device "
+                                     "has it, else fp16) | bf16 | fp16.")]
+OutOpt = Annotated[Path, typer.Option("--out", "-o", help="Where to write the config.")]
+JsonOpt = Annotated[bool, typer.Option("--json/--no-json", help="Print the result as JSON (for CI).")]
+DebugOpt = Annotated[bool, typer.Option("--debug/--no-debug", help="Show full tracebacks instead of one-line errors.")]
+MarginOpt = Annotated[str | None, typer.Option(
+    "--margin", help="Added to the tensor peak for what a real GPU needs beyond tensors: a fixed part (CUDA "
+    "context, cuBLAS/cuDNN workspaces) + a percentage of the peak (allocator rounding, fragmentation). Default "
+    "512MiB+5%; 0 turns it off.")]
+
+# -- launching ranks with torchrun (probe, train): these never reach the workers ------------------------
+NprocOpt = Annotated[int | None, typer.Option("--nproc-per-node", help="Ranks (processes, one per GPU) on this "
+                                              "node: runs the command under torchrun.", rich_help_panel="ranks")]
+NnodesOpt = Annotated[int, typer.Option("--nnodes", help="Nodes (machines) taking part (torchrun's).",
+                                        rich_help_panel="ranks")]
+NodeRankOpt = Annotated[int, typer.Option("--node-rank", help="This node's index, 0 on the one with --master-addr "
+                                          "(torchrun's).", rich_help_panel="ranks")]
+MasterAddrOpt = Annotated[str, typer.Option("--master-addr", help="Address of node 0 (torchrun's).",
+                                            rich_help_panel="ranks")]
+MasterPortOpt = Annotated[int | None, typer.Option("--master-port", help="Port of the rendezvous on node 0 (default: "
+                                                   "a free one on one node, 29500 on several).",
+                                                   rich_help_panel="ranks")]
+DistTimeoutOpt = Annotated[float, typer.Option("--dist-timeout", help="Seconds a collective waits for the other ranks "
+                                               "before the run stops with an error (a rank that died or hangs).",
+                                               rich_help_panel="ranks")]
+
+DEFAULT_HEADROOM, DEFAULT_STEPS, DEFAULT_DIST_TIMEOUT = HEADROOM, TRIAL_STEPS, DEFAULT_TIMEOUT_S
+
+
+def budget_option(default: str, what: str = "Memory to fit in: 24GiB, 512MiB, 80%") -> typer.models.OptionInfo:
+    """--budget: the same option everywhere; only what it defaults to differs by command."""
+    return typer.Option("--budget", help=f"{what} (default: {default}).")
+
+
+def device_option(choices: str) -> typer.models.OptionInfo:
+    return typer.Option("--device", "-d", help=choices)

@@ -1,0 +1,236 @@
+"""What probe, estimate and check print: the trials, the ladder, the plan, the breakdown, the levers, check's
+verdict; and --json. Rendering only: every number comes from the library's results."""
+
+from __future__ import annotations
+
+import json
+from contextlib import contextmanager
+from pathlib import Path
+
+import typer
+from rich import box
+from rich.markup import escape
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from ..config.writing import to_dict
+from ..memory.breakdown import PART_HELP, PART_LABELS
+from ..search.probe import divisor_note
+from .console import RESULT_SHORT, RESULT_STYLE, err, fmt_bytes, out
+from .guard import stop_if_interrupted
+
+
+def rung_label(rung: str, precision: str) -> str:
+    return {"fp32": "fp32", "amp": precision, "checkpointing": f"{precision}+ckpt",
+            "fsdp": f"{precision}+fsdp"}.get(rung, rung)
+
+
+def trials_table(records) -> Table:
+    table = Table(title="trials", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    for col, just in (("#", "right"), ("rung", "left"), ("stage", "left"), ("batch", "right"),
+                      ("ctx", "right"), ("result", "left"), ("peak", "right"), ("tok/s", "right"),
+                      ("sec", "right")):
+        table.add_column(col, justify=just, no_wrap=True)
+    for i, r in enumerate(records, 1):
+        accum = f"x{r.grad_accum_steps}" if r.grad_accum_steps > 1 else ""
+        table.add_row(str(i), rung_label(r.rung, r.precision),
+                      r.stage, f"{r.micro_batch_size}{accum}", str(r.context_length),
+                      f"[{RESULT_STYLE[r.result]}]{RESULT_SHORT[r.result]}[/]", fmt_bytes(r.peak_bytes),
+                      f"{r.tokens_per_s:,.0f}" if r.tokens_per_s else "-", f"{r.seconds:.2f}")
+    return table
+
+
+def rungs_table(ladder, targets, world_size: int = 1) -> Table:
+    table = Table(title="ladder", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    for col in ("rung", "best context", "best micro-batch" + (" per rank" if world_size > 1 else ""), "trials"):
+        table.add_column(col, no_wrap=True)
+    for r in ladder.rungs:
+        table.add_row(rung_label(r.rung.name, r.rung.precision),
+                      f"{r.context_length}/{targets.context}" if r.found else "[red]none[/]",
+                      f"{r.micro_batch_size}/{targets.batch // world_size}" if r.found else "-", str(r.trials))
+    return table
+
+
+@contextmanager
+def trial_progress(enabled: bool):
+    """A spinner with the trial in flight; each finished trial is printed above it (stderr)."""
+    if not enabled:
+        yield (lambda point: None), (lambda rec: stop_if_interrupted())
+        return
+    progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), TextColumn("[dim]{task.completed} trials"),
+                        TimeElapsedColumn(), console=err, transient=True)
+    task = progress.add_task("starting", total=None)
+
+    def on_start(point):
+        ck = " + checkpointing" if point.rung.activation_checkpointing else ""
+        ck += f" + {point.rung.sharding}" if point.rung.sharding != "none" else ""
+        accum = f" x{point.grad_accum_steps} accum" if point.grad_accum_steps > 1 else ""
+        progress.update(task, description=f"{point.rung.precision}{ck}: micro-batch {point.micro_batch_size}, "
+                                          f"context {point.context_length}{accum}")
+
+    def on_trial(rec):
+        stop_if_interrupted()
+        progress.advance(task)
+        progress.console.print(
+            f"  [dim]{rec.rung:<13}[/] b={rec.micro_batch_size:<4} T={rec.context_length:<6} "
+            f"[{RESULT_STYLE[rec.result]}]{RESULT_SHORT[rec.result]:<6}[/] {fmt_bytes(rec.peak_bytes):>10}"
+        )
+
+    with progress:
+        yield on_start, on_trial
+
+
+def result_json(result, config_path: Path | None) -> dict:
+    cfg = result.config
+    return {
+        "fits": cfg is not None,
+        "plan": to_dict(cfg.plan) if cfg else None,
+        "peak_bytes": cfg.found_by.peak_bytes if cfg else None,
+        "tokens_per_s": cfg.found_by.tokens_per_s if cfg else None,
+        "budget_bytes": result.budget_bytes,
+        "limit_bytes": result.limit_bytes,
+        "static": {"weights_bytes": result.static.weights_bytes, "gradients_bytes": result.static.gradients_bytes,
+                   "optimizer_bytes": result.static.optimizer_bytes},
+        "rungs": [{"rung": r.rung.name, "precision": r.rung.precision,
+                   "activation_checkpointing": r.rung.activation_checkpointing,
+                   "context_length": r.context_length, "micro_batch_size": r.micro_batch_size, "trials": r.trials}
+                  for r in result.ladder.rungs],
+        "trials": [to_dict(t) for t in result.records],
+        "config_path": str(config_path) if config_path else None,
+        "why_nothing_fits": result.why_nothing_fits,
+        "divisor_note": divisor_note(result),
+    }
+
+
+def render_search(result, out_path: Path | None, as_json: bool, verb: str, extra_json: dict | None = None,
+                  details=None, kept_train: bool = False) -> None:
+    """Shared by probe and estimate: the tables, the plan, where it was written; exit 1 if nothing fits.
+    estimate adds keys to the JSON (`extra_json`) and prints its breakdown after the tables (`details()`).
+    `kept_train`: the config already at out_path was an oomtune config, and its train: section was kept."""
+    if as_json:
+        print(json.dumps(result_json(result, out_path) | {"kept_train": kept_train} | (extra_json or {}), indent=2))
+    else:
+        if result.records:  # none when the estimate knew without a trial that nothing fits
+            out.print(trials_table(result.records))
+            out.print(rungs_table(result.ladder, result.targets, result.world_size))
+        if result.config is not None:
+            fb = result.config.found_by
+            tps = f", {fb.tokens_per_s:,.0f} tokens/s" if fb.tokens_per_s else ""
+            out.print(f"[bold green]plan:[/] {result.config.plan.describe()}")
+            out.print(f"      peak {fmt_bytes(fb.peak_bytes)} of {fmt_bytes(result.limit_bytes)} allowed "
+                      f"(budget {fmt_bytes(fb.budget_bytes)}, {fb.headroom:.0%} headroom){tps}; "
+                      f"{len(result.records)} trials")
+            out.print(f"[bold]wrote[/] {out_path}   next: [cyan]oomtune train --config {out_path}[/]")
+            note = divisor_note(result)
+            if note:
+                out.print(f"[yellow]note:[/] {note}")
+            if kept_train:
+                out.print(f"      kept the [bold]train:[/] section {out_path} already had (the plan and found_by "
+                          "are new)")
+        if details is not None:
+            details()
+    if result.config is None:
+        err.print(f"[bold red]{verb}:[/] {result.why_nothing_fits}")
+        raise typer.Exit(1)
+
+
+def breakdown_table(bd, plan, limit_bytes: int | None = None, title: str = "breakdown") -> Table:
+    table = Table(title=f"{title}: peak in {bd.phase} - {plan.describe()}", title_justify="left",
+                  box=box.SIMPLE_HEAD, pad_edge=False)
+    for col, just in (("part", "left"), ("bytes", "right"), ("share", "right"), ("what", "left")):
+        table.add_column(col, justify=just, no_wrap=col != "what")
+    peak = bd.tensor_peak_bytes or 1
+    for name, n in bd.part_bytes().items():
+        table.add_row(PART_LABELS[name], fmt_bytes(n), f"{n / peak:.0%}", f"[dim]{PART_HELP[name]}[/]")
+    table.add_section()
+    table.add_row("[bold]tensor peak[/]", f"[bold]{fmt_bytes(bd.tensor_peak_bytes)}[/]", "", "[dim]the parts' sum[/]")
+    table.add_row(f"+ margin {bd.margin}", fmt_bytes(bd.margin_bytes), "",
+                  "[dim]CUDA context, workspaces, allocator rounding (--margin)[/]")
+    style = "" if limit_bytes is None else ("green" if bd.peak_bytes <= limit_bytes else "red")
+    table.add_row("[bold]peak[/]", f"[bold {style}]{fmt_bytes(bd.peak_bytes)}[/]" if style else
+                  f"[bold]{fmt_bytes(bd.peak_bytes)}[/]", "", "")
+    if limit_bytes is not None:
+        table.add_row("allowed", fmt_bytes(limit_bytes), "", "[dim]budget less headroom[/]")
+    return table
+
+
+def print_levers(levers, plan) -> None:
+    if levers:
+        out.print(f"[bold]what would help[/] {plan.describe()} fit (estimates):")
+        for lever in levers:
+            out.print(f"  - {lever}")
+
+
+def _delta(n: int | None) -> str:
+    if n is None:
+        return "-"
+    return f"{'+' if n > 0 else ''}{fmt_bytes(n)}" if n else "0"
+
+
+def render_check(result, config_path: Path) -> None:
+    where = {"fake": "fake device (estimated)", "cpu": "cpu device", "cuda": "the GPU"}[result.device]
+    out.print(f"checked [bold]{config_path}[/] on the {where}: {result.plan.describe()}")
+    old, new = result.old_peak_bytes, result.new_peak_bytes
+    grew = None if old is None or new is None else new - old
+    out.print(f"  old peak  {fmt_bytes(old)}   (recorded in the config)")
+    out.print(f"  new peak  {fmt_bytes(new) if new is not None else '[red]out of memory[/]'}"
+              + (f"   ({_delta(grew)})" if grew is not None else ""))
+    out.print(f"  allowed   {fmt_bytes(result.limit_bytes)}   (budget {fmt_bytes(result.budget_bytes)}, "
+              f"{result.headroom:.0%} headroom)")
+    if result.budget_clamped_from is not None:
+        out.print(f"  [yellow]budget lowered[/] from the config's {fmt_bytes(result.budget_clamped_from)} to the "
+                  f"{fmt_bytes(result.budget_bytes)} free on the GPU now (--budget sets it)")
+    if result.new is not None:
+        table = Table(title=f"breakdown (peak in {result.new.phase})", title_justify="left", box=box.SIMPLE_HEAD,
+                      pad_edge=False)
+        for col in ("part", "old", "new", "difference"):
+            table.add_column(col, justify="left" if col == "part" else "right", no_wrap=True)
+        diff = result.difference
+        for name in PART_LABELS:
+            o = result.old.part_bytes()[name] if result.old else None
+            n = result.new.part_bytes()[name]
+            table.add_row(PART_LABELS[name], fmt_bytes(o), fmt_bytes(n), _delta(diff[name]) if diff else "-")
+        table.add_section()
+        for label, key in (("tensor peak", "tensor_peak_bytes"), (f"margin {result.new.margin}", "margin_bytes"),
+                           ("peak", "peak_bytes")):
+            o = getattr(result.old, key) if result.old else None
+            n = getattr(result.new, key)
+            table.add_row(label, fmt_bytes(o), fmt_bytes(n), _delta(n - o) if o is not None else "-")
+        out.print(table)
+    if result.fits:
+        out.print("[bold green]still fits[/]")
+    else:
+        reason = result.oom_message or (f"peak {fmt_bytes(new)} > {fmt_bytes(result.limit_bytes)} allowed")
+        err.print(f"[bold red]no longer fits:[/] {reason}")
+
+
+def check_json(result) -> dict:
+    return {
+        "fits": result.fits, "device": result.device, "plan": to_dict(result.plan),
+        "budget_bytes": result.budget_bytes, "headroom": result.headroom, "limit_bytes": result.limit_bytes,
+        "old_peak_bytes": result.old_peak_bytes, "new_peak_bytes": result.new_peak_bytes,
+        "old_breakdown": to_dict(result.old) if result.old else None,
+        "new_breakdown": to_dict(result.new) if result.new else None,
+        "difference": result.difference, "oom_message": result.oom_message,
+        "budget_clamped_from_bytes": result.budget_clamped_from,
+    }
+
+
+def render_what_if(result, plan, note: str | None, as_json: bool) -> None:
+    """estimate --micro-batch: one plan's breakdown and, given a budget, whether it fits (exit 1 if not)."""
+    if as_json:
+        print(json.dumps({"estimated": True, "plan": to_dict(plan), "fits": result.fits,
+                          "budget_bytes": result.budget_bytes, "limit_bytes": result.limit_bytes,
+                          "breakdown": to_dict(result.breakdown), "levers": list(result.levers),
+                          **({"note": note} if note else {})}, indent=2))
+    else:
+        if note:
+            err.print(f"[yellow]note:[/] {escape(note)}")
+        out.print(breakdown_table(result.breakdown, plan, result.limit_bytes, "estimate"))
+        if result.fits is not None:
+            verdict = "[bold green]fits[/]" if result.fits else "[bold red]does not fit[/]"
+            out.print(f"{verdict}: peak {fmt_bytes(result.breakdown.peak_bytes)} vs {fmt_bytes(result.limit_bytes)} "
+                      f"allowed (budget {fmt_bytes(result.budget_bytes)}, {result.headroom:.0%} headroom)")
+            print_levers(result.levers, plan)
+    if result.fits is False:
+        raise typer.Exit(1)

@@ -1,0 +1,112 @@
+"""The plan and the config file: frozen dataclasses, strict YAML round-trip, atomic writes.
+
+Defaults live here and only here. Loading rejects unknown keys (naming them) and wrong types.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import fields
+from pathlib import Path
+from typing import Any, Literal
+
+from ..errors import ConfigError
+from .schema import Config
+from .text import parse
+
+
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    return "null" if tp is type(None) else getattr(tp, "__name__", str(tp))
+
+
+def _convert(value: Any, tp: Any, where: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        if value in typing.get_args(tp):
+            return value
+    elif origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        options = [a for a in args if a is not type(None)]
+        if len(options) == 1:  # X | None: X's own error names the deepest key
+            return _convert(value, options[0], where)
+        for arg in options:
+            try:
+                return _convert(value, arg, where)
+            except ConfigError:
+                continue
+    elif origin is tuple:
+        (item_tp, _) = typing.get_args(tp)
+        if isinstance(value, list):
+            return tuple(_convert(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value))
+    elif dataclasses.is_dataclass(tp):
+        if isinstance(value, dict):
+            return from_dict(tp, value, where)
+    elif tp is type(None):
+        if value is None:
+            return None
+    elif tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    raise ConfigError(f"{where}: expected {_type_name(tp)}, got {value!r}")
+
+
+def from_dict(cls: type, data: dict, where: str = "") -> Any:
+    """Build dataclass `cls` from a mapping; unknown keys, missing keys and wrong types are errors."""
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in fields(cls)}
+    prefix = f"{where}." if where else ""
+    for key in data:
+        if key not in names:
+            raise ConfigError(f"unknown key {prefix}{key} (allowed: {', '.join(sorted(names))})")
+    kwargs = {}
+    for f in fields(cls):
+        if f.name in data:
+            kwargs[f.name] = _convert(data[f.name], hints[f.name], f"{prefix}{f.name}")
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ConfigError(f"missing key {prefix}{f.name}")
+    return cls(**kwargs)
+
+
+def load_config(path: str | Path) -> Config:
+    import yaml  # here, not at the top: trials and probes run where PyYAML is not installed (gpu-check)
+
+    p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"{p} is a folder, not a config file")
+    if not p.is_file():
+        raise ConfigError(f"config file not found: {p}")
+    try:
+        data = parse(p.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{p}: not a text file in UTF-8 (byte {e.start} is {e.object[e.start]:#04x})") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read the config {p}: {e.strerror or e}") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        line = f" at line {mark.line + 1}" if mark else ""
+        problem = f": {e.problem}" if getattr(e, "problem", None) else ""
+        raise ConfigError(f"{p}: not valid YAML{line}{problem}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: expected a mapping with keys model, plan, train")
+    try:
+        return from_dict(Config, data)
+    except ConfigError as e:
+        raise ConfigError(f"{p}: {e.message}") from None
+

@@ -1,0 +1,58 @@
+"""Where probe and estimate write their config (--out): checked before a single trial runs, and the train: section
+of an oomtune config already there kept."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+from ..errors import OomtuneError
+from ..files import nearest_existing, try_write_in
+from .loading import load_config
+from .schema import Config, TrainConfig
+from .writing import save_config
+
+
+def check_out(out_path: Path, model: Path) -> TrainConfig | None:
+    """--out, checked before a single trial runs (and again just before writing): not the model file; absent or an
+    oomtune config (never a folder, a device, a pipe, nor a file of yours that is anything else); in a folder that
+    exists or can be made, and can be written. Returns the train: section of the config already there, which the
+    new config keeps (None when there is none)."""
+    p = Path(out_path)
+    try:
+        if p.resolve() == model.resolve() or (p.exists() and model.exists() and os.path.samefile(p, model)):
+            raise OomtuneError(f"--out {p} is the model file: the config needs another name (e.g. --out best.yaml)")
+        if p.is_dir():
+            raise OomtuneError(f"--out {p} is a folder: name a file in it (e.g. --out {p / 'best.yaml'})")
+        if p.exists() and not p.is_file():
+            raise OomtuneError(f"--out {p} is not a regular file (a device, pipe or socket): name a file")
+        train = None
+        if p.exists():
+            try:
+                train = load_config(p).train
+            except (OomtuneError, ValueError) as e:  # not YAML, not a config, not text
+                why = str(e).removeprefix(f"{p}: ")
+                raise OomtuneError(f"--out {p} exists and is not an oomtune config ({why}): not overwriting it; "
+                                   "choose another --out or move it away") from None
+            except OSError as e:
+                raise OomtuneError(f"--out {p} exists and cannot be read ({e.strerror or e})") from None
+        folder = nearest_existing(p.absolute().parent)  # written with its missing folders made
+        if not folder.is_dir():
+            raise OomtuneError(f"--out {p}: {folder} is not a folder")
+        try_write_in(folder)  # what the write will do
+    except OSError as e:
+        raise OomtuneError(f"--out {p}: cannot write there ({e.strerror or e})") from None
+    return train
+
+
+def write_config(config: Config, out_path: Path, model: Path, header: str) -> bool:
+    """Write the config to --out, keeping the train: section of the oomtune config already there (read again now:
+    it may have been edited while the search ran), its new plan and found_by replacing the old. True: it kept one."""
+
+    train = check_out(out_path, model)
+    try:
+        save_config(config if train is None else dataclasses.replace(config, train=train), out_path, header=header)
+    except OSError as e:  # a full disk, a folder that went away or turned read-only during the search
+        raise OomtuneError(f"cannot write the config to {out_path}: {e.strerror or e}") from None
+    return train is not None

@@ -1,0 +1,108 @@
+"""The plan and the config file: frozen dataclasses, strict YAML round-trip, atomic writes.
+
+Defaults live here and only here. Loading rejects unknown keys (naming them) and wrong types.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ..errors import ConfigError
+from ..files import atomic_write
+from .loading import from_dict
+from .schema import Config, Plan
+from .text import COMMENTS, keep_unchanged_text, parse
+
+
+def _scalar(v: Any) -> str:
+    import yaml
+
+    return yaml.safe_dump(v, default_flow_style=True, width=10_000, sort_keys=False).strip().removesuffix("...").strip()
+
+
+def _emit(obj: Any, path: str, indent: int, lines: list[str]) -> None:
+    pad = "  " * indent
+    for f in fields(obj):
+        v = getattr(obj, f.name)
+        key = f"{path}{f.name}"
+        comment = f"  # {COMMENTS[key]}" if key in COMMENTS else ""
+        if dataclasses.is_dataclass(v):
+            lines.append(f"{pad}{f.name}:{comment}")
+            _emit(v, f"{key}.", indent + 1, lines)
+        elif isinstance(v, tuple):
+            if not v:
+                lines.append(f"{pad}{f.name}: []{comment}")
+                continue
+            lines.append(f"{pad}{f.name}:{comment}")
+            for item in v:
+                lines.append(f"{pad}- {_scalar(to_dict(item))}")
+        else:
+            lines.append(f"{pad}{f.name}: {_scalar(v)}{comment}")
+
+
+def to_dict(obj: Any) -> Any:
+    """A dataclass as plain dicts/lists (tuples become lists), for JSON and YAML."""
+    if dataclasses.is_dataclass(obj):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in fields(obj)}
+    if isinstance(obj, (tuple, list)):
+        return [to_dict(v) for v in obj]
+    return obj
+
+
+def dump_config(config: Config, header: str = "") -> str:
+    lines = [f"# {h}" for h in header.splitlines()] if header else []
+    _emit(config, "", 0, lines)
+    return "\n".join(lines) + "\n"
+
+
+def save_config(config: Config, path: str | Path, header: str = "") -> None:
+    """Write atomically; an absolute model path is stored relative to the config's folder (`../models/m.py`)
+    where the two share a folder at least two levels below the root (a project's folder, not just /tmp or /home),
+    so a config committed with its model works in any clone. Only a regular file is replaced, never a device node
+    or a folder (the CLI checks --out before the search too)."""
+    p = Path(path)
+    if p.exists() and not p.is_file():
+        raise ConfigError(f"cannot write the config to {p}: it exists and is not a regular file")
+    model, folder = Path(config.model), p.resolve().parent
+    if model.is_absolute() and len(Path(os.path.commonpath([model, folder])).parts) >= 3:  # /work/proj, not /tmp
+        config = dataclasses.replace(config, model=os.path.relpath(model, folder))
+    text = dump_config(config, header)
+    try:  # each section a person wrote stays as they wrote it, comments included, where its values are kept
+        text = keep_unchanged_text(p.read_text(), text) if p.is_file() else text
+    except (OSError, UnicodeDecodeError):
+        pass
+    atomic_write(p, text)
+
+
+
+_PLAN_KEY = re.compile(r"^(\s+)(micro_batch_size|grad_accum_steps|global_batch_size)(\s*:\s*)(\d+)(.*)$")
+
+
+def rewrite_plan(path: Path, config: Config, plan: Plan, note: str) -> None:
+    """Replace the config file's plan with `plan`, atomically. The numbers are edited in place where the file
+    has the block layout `oomtune probe` writes, so a person's comments and edits survive; the result is read
+    back and must equal the intended config, else the whole file is written out fresh."""
+    want = dataclasses.replace(config, plan=plan)
+    text = path.read_text()
+    lines, in_plan = text.splitlines(keepends=True), False
+    for i, line in enumerate(lines):
+        if re.match(r"^plan\s*:\s*(#.*)?$", line):
+            in_plan = True
+        elif in_plan and re.match(r"^[^\s#]", line):
+            in_plan = False  # the next top-level key
+        elif in_plan and (m := _PLAN_KEY.match(line.rstrip("\r\n"))):
+            lines[i] = f"{m[1]}{m[2]}{m[3]}{getattr(plan, m[2])}{m[5]}\n"
+    edited = f"# {note}\n" + "".join(lines)
+    try:
+        same = from_dict(Config, parse(edited)) == want
+    except (ConfigError, yaml.YAMLError):
+        same = False
+    atomic_write(path, edited if same else keep_unchanged_text(text, dump_config(want, header=note)))
+

@@ -1,0 +1,115 @@
+"""The estimator: the probe's ladder on the fake device plus the breakdown of what it chose (or, when nothing
+fits, of the smallest plan, with the reason and the levers that would help); `what_if` for one plan;
+`check`: re-measure a config's plan and compare (the CI gate).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..config.schema import HEADROOM, TRIAL_STEPS, Config, MemoryBreakdown, Plan
+from ..errors import OomtuneError
+from ..memory.breakdown import breakdown, breakdown_difference
+from ..memory.cards import find_gpu
+from ..memory.devices import CpuDevice, Device, FakeDevice, TrackedDevice, make_device
+from ..memory.margin import Margin, parse_margin
+from ..model_file import ModelFile
+from ..units import parse_budget
+from .options import check_headroom, check_steps
+from .trial import run_trial
+
+CHECK_DEVICES = ("fake", "cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    fits: bool
+    plan: Plan
+    device: str
+    budget_bytes: int
+    headroom: float
+    limit_bytes: int
+    old_peak_bytes: int | None  # what the config recorded (found_by.peak_bytes)
+    new_peak_bytes: int | None  # None: ran out of memory outright (cuda)
+    old: MemoryBreakdown | None  # the config's breakdown, if it has one
+    new: MemoryBreakdown | None  # on fake / cpu
+    oom_message: str | None = None
+    budget_clamped_from: int | None = None  # cuda without --budget: the config's budget, more than is free now
+
+    @property
+    def difference(self) -> dict[str, int] | None:
+        return breakdown_difference(self.old, self.new) if self.old is not None and self.new is not None else None
+
+
+def check_margin(config: Config, margin: str | None) -> Margin:
+    """--margin, else the margin the config was estimated with, else the default where the config's peak was
+    a real GPU's, else none (a cpu probe's peak is tensors only: compare like with like)."""
+    if margin is not None:
+        return parse_margin(margin)
+    fb = config.found_by
+    if fb is not None and fb.breakdown is not None:
+        return parse_margin(fb.breakdown.margin)
+    if fb is not None and fb.device == "cuda":
+        return parse_margin(None)
+    return Margin()
+
+
+def check(config: Config, model_file: ModelFile, *, device_kind: str = "fake", budget: str | None = None,
+          headroom: float | None = None, margin: str | None = None, steps: int = TRIAL_STEPS) -> CheckResult:
+    """Re-measure the config's plan and say whether it still fits the config's budget (or --budget)."""
+    if device_kind not in CHECK_DEVICES:
+        raise OomtuneError(f"--device {device_kind!r}: expected one of {', '.join(CHECK_DEVICES)}")
+    if margin is not None and device_kind != "fake":  # cpu counts tensors only, cuda measures the real thing
+        raise OomtuneError(f"--margin applies to --device fake only (the {device_kind} device does not add one)")
+    check_steps(steps)
+    fb = config.found_by
+    if headroom is not None:
+        check_headroom(headroom)
+    elif fb is not None:
+        headroom = fb.headroom
+        check_headroom(headroom, "the config's found_by.headroom")
+    else:
+        headroom = HEADROOM
+    spec = None
+    if fb is not None and fb.gpu_name:
+        try:
+            spec = find_gpu(fb.gpu_name.removesuffix(" (estimated)"))
+        except OomtuneError:
+            spec = None
+    if budget is None:
+        if fb is None:
+            raise OomtuneError("the config has no found_by section to take the budget from: give --budget")
+        budget_bytes = fb.budget_bytes
+    else:
+        budget_bytes = parse_budget(budget, spec.memory_bytes if spec else None)
+    clamped_from = None
+    if device_kind == "fake":
+        device: Device = FakeDevice(str(budget_bytes), gpu=spec, margin=check_margin(config, margin))
+    elif device_kind == "cpu":
+        device = CpuDevice(str(budget_bytes))
+    else:
+        device, clamped_from = _cuda_device(budget_bytes, clamp=budget is None)
+        budget_bytes = device.budget_bytes
+    limit = int(budget_bytes * (1 - headroom))
+    old_bd = fb.breakdown if fb is not None else None
+    old_peak = fb.peak_bytes if fb is not None else None
+    if isinstance(device, TrackedDevice):
+        bd = breakdown(model_file, config.plan, device, steps)
+        return CheckResult(bd.peak_bytes <= limit, config.plan, device.kind, budget_bytes, headroom, limit,
+                           old_peak, bd.peak_bytes, old_bd, bd)
+    r = run_trial(model_file, config.plan, device, steps)
+    fits = not r.oom and r.peak_bytes is not None and r.peak_bytes <= limit
+    return CheckResult(fits, config.plan, device.kind, budget_bytes, headroom, limit, old_peak,
+                       None if r.oom else r.peak_bytes, old_bd, None, r.oom_message, clamped_from)
+
+
+def _cuda_device(budget_bytes: int, clamp: bool) -> tuple[Device, int | None]:
+    """The GPU under `budget_bytes`. With `clamp` (no --budget: the config's, which was the free memory when it
+    was probed) at most what is free now, and the config's budget when that was more (None when it was not)."""
+    if not clamp:
+        return make_device("cuda", str(budget_bytes)), None
+    device = make_device("cuda")  # no budget: all that is free now
+    free = device.budget_bytes
+    device.lower_budget(budget_bytes)
+    return device, (budget_bytes if free < budget_bytes else None)
+

@@ -1,0 +1,154 @@
+"""The estimator: the probe's ladder on the fake device plus the breakdown of what it chose (or, when nothing
+fits, of the smallest plan, with the reason and the levers that would help); `what_if` for one plan;
+`check`: re-measure a config's plan and compare (the CI gate).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ..config.schema import HEADROOM, TRIAL_STEPS, Config, MemoryBreakdown, Plan, TrialRecord
+from ..dist.group import LOCAL, fake_world
+from ..errors import OomtuneError
+from ..memory.breakdown import breakdown, static_memory
+from ..memory.cards import find_gpu
+from ..memory.devices import Device, FakeDevice
+from ..memory.levers import levers, why_nothing_fits
+from ..memory.margin import Margin, parse_margin
+from ..model_file import ModelFile
+from .ladder import LadderResult, Point
+from .options import check_estimate_options, check_headroom, check_steps, check_world, resolve_targets
+from .probe import ProbeResult, fsdp_reach, ladder_rungs, no_fsdp_note, plan_of, probe
+
+
+@dataclass
+class EstimateResult:
+    search: object  # probe.ProbeResult: the ladder, its trials and the config (None when nothing fits)
+    margin: Margin
+    breakdown: MemoryBreakdown  # of the chosen plan, or of the smallest plan when nothing fits
+    breakdown_plan: Plan
+    levers: list[str] = field(default_factory=list)
+
+    @property
+    def config(self) -> Config | None:
+        return self.search.config
+
+
+def make_fake_device(budget: str | None, gpu: str | None, margin: str | None) -> FakeDevice:
+    """--budget / --gpu / --margin -> the fake device that stands in for that GPU."""
+    spec = find_gpu(gpu) if gpu else None
+    if budget is None and spec is None:
+        raise OomtuneError("say how much memory to fit in: --budget 24GiB or --gpu NAME (e.g. --gpu a100-80)")
+    return FakeDevice(budget, gpu=spec, margin=parse_margin(margin))
+
+
+def smallest_plan(device: Device, targets, amp: str, checkpointing_supported: bool, world_size: int = 1,
+                  sharding: str | None = None) -> Plan:
+    """The ladder's most frugal plan: micro-batch 1 at the shortest context allowed, on the last rung."""
+    last = ladder_rungs(device, amp, checkpointing_supported, world_size, sharding)[-1]
+    return plan_of(Point(last, 1, targets.min_context), world_size)
+
+
+def estimate(model_file: ModelFile, device: FakeDevice, targets, *, headroom: float = HEADROOM,
+             steps: int = TRIAL_STEPS, objective: str = "fit", amp: str = "auto", on_start: Callable | None = None,
+             on_trial: Callable[[TrialRecord], None] | None = None, world_size: int = 1,
+             sharding: str | None = None) -> EstimateResult:
+    """The probe's ladder on the fake device, then the breakdown of its choice (see module doc).
+
+    On `world_size` ranks the ladder runs in a fake process group (torch's `fake` backend: collectives do
+    nothing) on rank 0, with FSDP2's own code: sharded weights, gradients and optimizer state, the units'
+    gathered weights, full activations (DDP cannot wrap fake tensors: its reducer's buckets are added instead).
+    `sharding` puts every rung on ddp or fsdp; by default the ladder replicates (ddp) and adds an fsdp rung."""
+    check_estimate_options(objective, headroom, steps, amp)
+    check_world(world_size, sharding)
+    ranks = (fake_world(world_size) if world_size > 1 or sharding in ("ddp", "fsdp")
+             else contextlib.nullcontext(LOCAL))
+    with ranks as d:
+        return _estimate(model_file, device, targets, headroom, steps, objective, amp, on_start, on_trial, d,
+                         sharding)
+
+
+def _estimate(model_file, device, targets, headroom, steps, objective, amp, on_start, on_trial, dist,
+              sharding) -> EstimateResult:
+    world = dist.world_size
+    limit = int(device.budget_bytes * (1 - headroom))
+    static = static_memory(model_file)
+    sharded_by, no_fsdp = fsdp_reach(device, world, sharding)
+    if device.margin.total(static.total_bytes // sharded_by) > limit:
+        # nothing can fit: skip the ladder (every trial would run out) and explain with the smallest plan
+        search = ProbeResult(LadderResult((), None, ()), [], static, targets, limit, None, world_size=world,
+                             budget_bytes=device.budget_bytes)
+    else:
+        search = probe(model_file, device, targets, headroom=headroom, steps=steps, objective=objective, amp=amp,
+                       command="estimate", on_start=on_start, on_trial=on_trial, dist=dist, sharding=sharding)
+    if search.config is not None:
+        plan = search.config.plan
+        bd = breakdown(model_file, plan, device, steps, dist)
+        found_by = dataclasses.replace(search.config.found_by, breakdown=bd)
+        search.config = dataclasses.replace(search.config, found_by=found_by)
+        return EstimateResult(search, device.margin, bd, plan)
+    plan = smallest_plan(device, targets, amp, static.checkpointing_supported, world, sharding)
+    bd = breakdown(model_file, plan, device, steps, dist)
+    search.why_nothing_fits = (why_nothing_fits(bd, plan, static, limit, device.budget_bytes, headroom, device.margin)
+                               + no_fsdp_note(no_fsdp))
+    return EstimateResult(search, device.margin, bd, plan,
+                          levers(bd, static, limit, device.margin, headroom, plan.activation_checkpointing))
+
+
+@dataclass(frozen=True)
+class WhatIf:
+    """One plan the user asked about: its breakdown and, given a budget, whether it fits."""
+
+    plan: Plan
+    breakdown: MemoryBreakdown
+    limit_bytes: int | None
+    budget_bytes: int | None
+    headroom: float
+    levers: tuple[str, ...] = ()
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.limit_bytes is None else self.breakdown.peak_bytes <= self.limit_bytes
+
+
+def what_if(model_file: ModelFile, plan: Plan, device: FakeDevice | None, margin: Margin, *, headroom: float = HEADROOM,
+            steps: int = TRIAL_STEPS) -> WhatIf:
+    """The breakdown of one plan; with a device (a budget), the verdict and levers too."""
+    check_headroom(headroom)
+    check_steps(steps)
+    if device is None:  # no budget: the breakdown alone (it lifts any budget anyway)
+        bd = breakdown(model_file, plan, FakeDevice(str(1 << 50), margin=margin), steps)
+        return WhatIf(plan, bd, None, None, headroom)
+    limit = int(device.budget_bytes * (1 - headroom))
+    bd = breakdown(model_file, plan, device, steps)
+    lev: tuple[str, ...] = ()
+    if bd.peak_bytes > limit:
+        static = static_memory(model_file)
+        lev = tuple(levers(bd, static, limit, device.margin, headroom, plan.activation_checkpointing))
+    return WhatIf(plan, bd, limit, device.budget_bytes, headroom, lev)
+
+
+def no_bf16_note(device: FakeDevice | None, precision: str | None) -> str | None:
+    """bf16 asked for on a card without it: the memory is the same, the speed is not."""
+    if device is None or precision != "bf16" or device.supports_bf16():
+        return None
+    card = device.name.removesuffix(" (estimated)")
+    return (f"{card} has no native bf16 (compute capability below 8.0): PyTorch emulates it, without fp16's "
+            "tensor-core speed. The memory estimate holds; fp16 (--amp auto picks it there) is the card's mixed "
+            "precision.")
+
+
+def what_if_plan(model_file: ModelFile, micro_batch: int, context: int | None, precision: str | None,
+                 checkpointing: bool | None, grad_accum: int | None, world_size: int = 1,
+                 sharding: str | None = None) -> Plan:
+    """The one plan estimate's what-if options describe (fp32, no checkpointing, no accumulation unless given)."""
+    targets = resolve_targets(model_file, None, context, None)
+    plan = Plan(micro_batch, targets.context, precision or "fp32", bool(checkpointing),
+                grad_accum if grad_accum is not None else 1,
+                world_size=world_size, sharding=sharding or ("ddp" if world_size > 1 else "none"))
+    if plan.activation_checkpointing and not static_memory(model_file).checkpointing_supported:
+        raise OomtuneError(f"{model_file.label}: --checkpointing, but no blocks to wrap (define blocks(model))")
+    return plan

@@ -1,0 +1,110 @@
+"""`oomtune probe`: wire the ladder search to trials on a device and return what the CLI renders."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..config.schema import PRECISIONS, TRIAL_STEPS
+from ..dist.wrap import fsdp_unsupported
+from ..errors import BAD_INPUT, OomtuneError
+from ..model_file import ModelFile
+
+OBJECTIVES = ("fit", "throughput")
+
+
+AMP_CHOICES = ("auto", "bf16", "fp16")
+
+
+@dataclass(frozen=True)
+class Targets:
+    batch: int  # B: the global batch to keep exact
+    context: int  # T: the context to reach
+    min_context: int  # T_min: the shortest context the user accepts (default T: never cut)
+
+
+def resolve_targets(model_file: ModelFile, batch: int | None, context: int | None,
+                    min_context: int | None) -> Targets:
+    """CLI values first, then the model file's DEFAULTS, then 32 x 512. A bad value is blamed on where it came
+    from: the flag, or the model file's DEFAULTS (never a flag the user did not type)."""
+    d = model_file.defaults
+    given = {"batch": batch, "context": context, "min_context": min_context}
+    b = batch if batch is not None else d.get("batch", 32)
+    t = context if context is not None else d.get("context", 512)
+    t_min = min_context if min_context is not None else d.get("min_context", t)
+
+    def source(key: str) -> str:
+        if given[key] is not None:
+            return "--" + key.replace("_", "-")
+        return f"{model_file.label} DEFAULTS[{key!r}]" if key in d else f"the default {key}"
+
+    for key, v in (("batch", b), ("context", t), ("min_context", t_min)):
+        if v < 1:
+            raise OomtuneError(f"{source(key)} must be at least 1, got {v}")
+    if t_min > t:
+        raise OomtuneError(f"{source('min_context')} {t_min} is longer than {source('context')} {t}"
+                           + (f" (give --min-context {t} or less)" if min_context is None else ""))
+    return Targets(b, t, t_min)
+
+
+def check_headroom(headroom: float, where: str = "--headroom") -> None:
+    """`where` names where the value came from: the flag, or the config's key."""
+    if not 0 <= headroom < 1:  # NaN fails this too
+        raise OomtuneError(f"{where} must be in [0, 1), got {headroom}")
+
+
+def check_steps(steps: int) -> None:
+    if steps < 1:  # no step, no peak: a trial needs at least one
+        raise OomtuneError(f"--steps must be at least 1, got {steps}")
+
+
+def check_search_options(headroom: float, steps: int, objective: str, amp: str) -> None:
+    """The options probe and estimate share, checked before anything is loaded (one line, exit 2)."""
+    check_headroom(headroom)
+    check_steps(steps)
+    if objective not in OBJECTIVES:
+        raise OomtuneError(f"--objective {objective!r}: expected one of {', '.join(OBJECTIVES)}")
+    if amp not in AMP_CHOICES:
+        raise OomtuneError(f"--amp {amp!r}: expected one of {', '.join(AMP_CHOICES)}")
+
+
+
+def check_estimate_options(objective: str, headroom: float, steps: int = TRIAL_STEPS, amp: str = "auto") -> None:
+    """check_search_options, and throughput refused: the fake device measures no speed."""
+    if objective == "throughput":
+        raise OomtuneError("--objective throughput ranks rungs by measured speed, and the fake device computes "
+                           "nothing; run `oomtune probe --objective throughput` where the model can run", BAD_INPUT)
+    check_search_options(headroom, steps, objective, amp)
+
+
+
+def check_world(world_size: int, sharding: str | None) -> None:
+    if world_size < 1:
+        raise OomtuneError(f"--world-size must be at least 1, got {world_size}")
+    if sharding is not None and sharding not in ("none", "ddp", "fsdp"):
+        raise OomtuneError(f"--sharding {sharding!r}: expected none, ddp or fsdp")
+    if sharding == "none" and world_size > 1:
+        raise OomtuneError(f"--sharding none is one process: with --world-size {world_size} use ddp or fsdp")
+    if sharding == "fsdp" and (why := fsdp_unsupported("cpu")) is not None:  # the fake device's tensors are cpu's
+        raise OomtuneError(f"--sharding fsdp: {why}")
+
+
+def check_what_if_options(micro_batch: int | None, precision: str | None, checkpointing: bool | None,
+                          grad_accum: int | None, batch: int | None, min_context: int | None) -> bool:
+    """estimate's what-if options: True when they ask for one plan (--micro-batch), False for the ladder."""
+    plan_opts = {"--precision": precision, "--checkpointing": checkpointing, "--grad-accum": grad_accum}
+    if micro_batch is None:
+        given = [k for k, v in plan_opts.items() if v is not None]
+        if given:
+            raise OomtuneError(f"{', '.join(given)} describe one plan: give --micro-batch too "
+                               "(without them estimate runs the whole ladder)")
+        return False
+    for name, v in (("--batch", batch), ("--min-context", min_context)):
+        if v is not None:
+            raise OomtuneError(f"{name} is a ladder target; with --micro-batch the plan is --micro-batch x "
+                               "--grad-accum at --context")
+    if precision is not None and precision not in PRECISIONS:
+        raise OomtuneError(f"--precision {precision!r}: expected one of {', '.join(PRECISIONS)}")
+    for name, v in (("--micro-batch", micro_batch), ("--grad-accum", grad_accum)):
+        if v is not None and v < 1:
+            raise OomtuneError(f"{name} must be at least 1, got {v}")
+    return True
