@@ -31,9 +31,10 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check oomtune tests examples bench scripts
 
-# single-threaded torch: on a busy 2-core machine OpenMP's spin-waiting makes two threads ~10x slower than one
+# single-threaded torch: on a busy 2-core machine OpenMP's spin-waiting makes two threads ~10x slower than one;
+# two pytest workers (pytest-xdist), each test file on one of them (module fixtures are built once)
 test: lint
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -q
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -q -n 2 --dist loadfile
 
 # The real-GPU truth, on a machine with an NVIDIA GPU (< 8 minutes): the `gpu` tests, then the fake-vs-real memory
 # table and the probe's trials and wall time. The machine's own python3 with the checkout on PYTHONPATH: no venv,

@@ -12,7 +12,6 @@ Every number written comes from this run.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
 import shlex
@@ -22,6 +21,7 @@ import time
 from pathlib import Path
 
 from bench.sections import write_section
+from oomtune.units import utc_now
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "bench/models/gpt2_small.py"
@@ -80,7 +80,7 @@ def section(report: dict, wall: float, rows: list[dict]) -> str:
         "",
         f"Command (from the repository root): `{shlex.join(COMMAND)}`  ",
         f"Machine: {os.cpu_count()} CPU cores, torch {torch.__version__}, no GPU; "
-        f"{dt.datetime.now(dt.timezone.utc).replace(microsecond=0).isoformat()}.",
+        f"{utc_now()}.",
         "",
         "| wall time | trials | trials per rung | plan | peak = tensors + margin | allowed |",
         "| ---: | ---: | --- | --- | ---: | ---: |",

@@ -11,7 +11,6 @@ sections between markers; this script keeps what they wrote and puts a TODO line
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
 import platform
@@ -26,7 +25,7 @@ import torch
 
 from oomtune.model_file import load_model_file
 from oomtune.search.ladder import extrapolate
-from oomtune.units import parse_budget
+from oomtune.units import parse_budget, utc_now
 
 from . import report
 from .ours import run_oomtune
@@ -292,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(THREADS)
     started = time.perf_counter()
-    date = dt.datetime.now(dt.timezone.utc).replace(microsecond=0).isoformat()
+    date = utc_now()
     info = machine()
     recognised = oom_recognised()
     if not all(recognised.get(k) for k in ("lightning", "accelerate")):

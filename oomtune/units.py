@@ -1,7 +1,9 @@
-"""Byte sizes: parse '24GiB' / '80%' / '1.5GB', format 1234567 -> '1.18 MiB'. No torch."""
+"""Byte sizes: parse '24GiB' / '80%' / '1.5GB', format 1234567 -> '1.18 MiB'; and the one timestamp oomtune writes
+(UTC, whole seconds, ISO 8601). No torch."""
 
 from __future__ import annotations
 
+import datetime as dt
 import re
 
 from .errors import OomtuneError
@@ -46,3 +48,8 @@ def format_bytes(n: int | float | None) -> str:
             return f"{int(n)} B" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
+
+
+def utc_now() -> str:
+    """Now, as every file oomtune writes records it: '2026-12-01T10:08:56+00:00'."""
+    return dt.datetime.now(dt.timezone.utc).replace(microsecond=0).isoformat()

@@ -75,10 +75,10 @@ def events(run_dir: Path, kind: str) -> list[dict]:
 
 @pytest.fixture
 def case_dir(tmp_path, monkeypatch, write_model):
-    """tests/train_cases.py's model and config in tmp_path, the working folder; torch on one thread."""
+    """tests/train/cases.py's model and config in tmp_path, the working folder; torch on one thread."""
     import torch
 
-    from .train_cases import make_case
+    from .train.cases import make_case
 
     monkeypatch.chdir(tmp_path)
     before = torch.get_num_threads()

@@ -163,7 +163,10 @@ def test_default_blocks_is_the_longest_modulelist_of_one_type():
     assert mf.blocks(m) == list(m.layers)
 
 
-def test_checkpointing_wraps_blocks_and_keeps_gradients_identical():
+def test_checkpointing_recomputes_every_block_in_backward_and_keeps_gradients_identical():
+    """Device: cpu. Each block's inner layers run once per step without checkpointing and twice with it (the forward,
+    then the recompute in backward): counted by forward hooks on a layer inside every block, which a checkpoint that
+    did nothing would leave at one call."""
     mf = load_model_file(EXAMPLES / "tiny_gpt.py")
     torch.manual_seed(0)
     plain = mf.build()
@@ -171,8 +174,17 @@ def test_checkpointing_wraps_blocks_and_keeps_gradients_identical():
     ckpt.load_state_dict(plain.state_dict())
     mf.enable_checkpointing(ckpt)
     batch = mf.batch(2, 16, torch.device("cpu"))
-    for m in (plain, ckpt):
-        mf.loss(m, batch).backward()
+    runs = {}
+    for name, m in (("plain", plain), ("ckpt", ckpt)):
+        calls = [0] * len(m.h)
+        for i, block in enumerate(m.h):
+            block.attn.qkv.register_forward_hook(lambda *_, i=i, calls=calls: calls.__setitem__(i, calls[i] + 1))
+        loss = mf.loss(m, batch)
+        forward_only = list(calls)
+        loss.backward()
+        runs[name] = (forward_only, calls)
+    assert runs["plain"] == ([1, 1, 1, 1], [1, 1, 1, 1])
+    assert runs["ckpt"] == ([1, 1, 1, 1], [2, 2, 2, 2])  # recomputed in backward, once per block
     for p, q in zip(plain.parameters(), ckpt.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad)
 

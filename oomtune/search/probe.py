@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import datetime as dt
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -16,7 +15,7 @@ from ..errors import BAD_INPUT, OomtuneError
 from ..memory.breakdown import StaticMemory, static_memory
 from ..memory.devices import Device, make_device, resolve_kind
 from ..model_file import ModelFile
-from ..units import format_bytes
+from ..units import format_bytes, utc_now
 from .ladder import LadderResult, LadderSearch, Measurement, Objective, Point, Rung, Trial
 from .options import Targets, check_search_options
 from .trial import run_trial
@@ -156,7 +155,7 @@ def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: 
         target_batch=targets.batch, target_context=targets.context, min_context=targets.min_context,
         peak_bytes=c.peak_bytes or 0, tokens_per_s=round(c.tokens_per_s, 1) if c.tokens_per_s else None,
         torch_version=str(torch.__version__), cuda_version=torch.version.cuda, oomtune_version=__version__,
-        date=dt.datetime.now(dt.timezone.utc).replace(microsecond=0).isoformat(), trials=tuple(records),
+        date=utc_now(), trials=tuple(records),
     )
     config = Config(model=str(model_file.path), plan=plan, found_by=found)
     return ProbeResult(ladder, records, static, targets, limit, config, world_size=world,

@@ -11,11 +11,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Protocol
 
+from ..config.schema import Plan
 from ..dist.group import Dist
-from ..errors import BAD_INPUT, OomtuneError
-from ..step import Training
+from ..errors import BAD_INPUT, OomtuneError, first_line
+from ..memory.devices import Device, is_oom
+from ..step import Training, as_on_cuda, set_weight_decay
 from . import dist_checkpoint
 from .checkpoint import KEEP, save_checkpoint, state_dict_mismatch
+from .events import Note
 
 
 class Checkpointer(Protocol):
@@ -88,3 +91,38 @@ class DcpCheckpointer:
 
 def checkpointer_for(dist: Dist) -> Checkpointer:
     return DcpCheckpointer(dist) if dist.grouped else FileCheckpointer()
+
+
+def restore(checkpointer: Checkpointer, path: Path, state: dict[str, Any], t: Training, device: Device,
+            weight_decay: float, label: str) -> None:
+    """Load a checkpoint's model, optimizer and GradScaler state into `t` on `device` (counted there), then set what
+    the loaded param groups bring from the old run: the weight decay of this run, and the foreach choice."""
+    try:
+        with device.measure():
+            checkpointer.load(path, state, t, label)
+            t.scaler.load_state_dict(state["scaler"])
+    except (RuntimeError, KeyError, ValueError, TypeError) as e:
+        if is_oom(e):
+            raise
+        raise OomtuneError(f"checkpoint {path} does not match {label}'s model or optimizer: {first_line(e)}",
+                           BAD_INPUT) from None
+    device.account(t.optimizer)  # the loaded state was made outside measure()
+    set_weight_decay(t, weight_decay)  # the loaded groups bring the old run's (a flag may change it)
+    as_on_cuda(t.optimizer, device)  # and their foreach choice
+
+
+def resume_notes(state: dict[str, Any], plan: Plan, in_file: Plan, data_hook: str) -> list[Note]:
+    """What a resume says once training has started: other data than the checkpoint's, another number of ranks,
+    the checkpoint's plan where the config says another."""
+    notes = []
+    if state["data"].get("hook") not in (None, data_hook):
+        notes.append(Note(f"the checkpoint was trained on {state['data']['hook']}() data, this run uses "
+                          f"{data_hook}()", warning=True))
+    saved = Plan(**state["plan"])
+    if saved.world_size != plan.world_size:
+        notes.append(Note(f"the checkpoint was written by {saved.world_size} rank(s) ({saved.sharding}), resuming on "
+                          f"{plan.world_size} ({plan.sharding}): {plan.describe()}"))
+    elif plan != in_file:
+        notes.append(Note(f"resuming with the checkpoint's plan: {plan.describe()} (the config says "
+                          f"{in_file.describe()})"))
+    return notes

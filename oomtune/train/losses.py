@@ -63,3 +63,12 @@ def non_finite_buffer(module: torch.nn.Module) -> str | None:
         if buf.is_floating_point() and not bool(torch.isfinite(buf).all()):
             return name
     return None
+
+
+def tainted_buffer(module: torch.nn.Module, dist: Dist) -> str | None:
+    """A buffer (running statistics) the failed forwards already made non-finite, on any rank: all ranks save, or
+    none, a checkpoint being collective."""
+    tainted = non_finite_buffer(module)
+    if bool(dist.max(0.0 if tainted is None else 1.0)[0]):
+        return tainted or "of another rank"
+    return None

@@ -7,7 +7,6 @@ null, never as the bare `NaN` / `Infinity` tokens Python's json module would wri
 
 from __future__ import annotations
 
-import datetime as dt
 import json
 import math
 from pathlib import Path
@@ -15,13 +14,11 @@ from typing import Any
 
 from ..errors import BAD_INPUT, NO_FIT, OomtuneError
 from ..files import atomic_write, nearest_existing, try_write_in
+from ..units import utc_now
+from .checkpoint import remove, stale_temp_files
 
 METRICS = "metrics.jsonl"  # one JSON object per logged step: step, loss, lr, tokens_per_s, peak_bytes[, eval_loss]
 EVENTS = "events.jsonl"  # start / resume / oom_fallback / config_updated / checkpoint / diverged / error / ...
-
-
-def now() -> str:
-    return dt.datetime.now(dt.timezone.utc).replace(microsecond=0).isoformat()
 
 
 def check_run_dir(run_dir: Path) -> None:
@@ -38,6 +35,18 @@ def check_run_dir(run_dir: Path) -> None:
         where = "" if mine else f" (in {folder})"
         raise OomtuneError(f"run dir {run_dir} cannot be written{where}: {(e.strerror or str(e)).lower()}; pass "
                            "--run-dir with a folder you can write", BAD_INPUT) from None
+
+
+def open_run_dir(run_dir: Path, clean: bool) -> None:
+    """Make the run dir; `clean`: delete the temp files a killed checkpoint write left (never a checkpoint)."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OomtuneError(f"run dir {run_dir} cannot be created: {(e.strerror or str(e)).lower()}",
+                           BAD_INPUT) from None
+    if clean:
+        for tmp in stale_temp_files(run_dir):
+            remove(tmp)
 
 
 def no_checkpoint_message(run_dir: Path) -> str:
@@ -80,7 +89,7 @@ class RunLog:
     def event(self, kind: str, always: bool = False, **fields) -> None:
         """`always`: written by this rank even when it is not rank 0 (it alone knows, and the others are stopped)."""
         if self.enabled or always:
-            self._append(EVENTS, {"time": now(), "event": kind, **fields})
+            self._append(EVENTS, {"time": utc_now(), "event": kind, **fields})
 
     def metrics(self, metrics: dict) -> None:
         if self.enabled:

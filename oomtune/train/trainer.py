@@ -22,7 +22,6 @@ reports through `on_event` callbacks and returns a TrainResult; it never prints.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import time
 from collections.abc import Callable
@@ -31,53 +30,33 @@ from typing import Any, NoReturn
 
 import torch
 
-from ..config.schema import Plan, TrainConfig
 from ..config.writing import rewrite_plan, to_dict
 from ..dist.group import LoneOutOfMemory, init
 from ..dist.launch import DEFAULT_TIMEOUT_S, launched_by_torchrun
 from ..errors import BAD_INPUT, OomtuneError, first_line
 from ..memory.devices import is_oom
-from ..memory.nvml import used_by
 from ..model_file import Batch
-from ..step import Training, as_on_cuda, build_training, eval_loss, set_weight_decay, state_bytes, train_step
-from .checkpoint import KEEP, remove, stale_temp_files
-from .checkpointer import checkpointer_for
+from ..step import Training, build_training, eval_loss, state_bytes, train_step
+from .checkpoint import KEEP
+from .checkpointer import checkpointer_for, restore, resume_notes
 from .data import DataStream, Shares
 from .events import Checkpointed, Event, Note, Started, StepDone, TrainResult
 from .inputs import Inputs, check_inputs, device_kind, resolve_device
-from .losses import LossWatch, NonFiniteLoss, non_finite_buffer
+from .losses import LossWatch, NonFiniteLoss, tainted_buffer
+from .metrics import StepMetrics, Window
 from .recovery import RecoveryPolicy, Retry, Stop
 from .rng import capture_rng, restore_rng, seed_everything
-from .rundir import RunLog
+from .rundir import RunLog, open_run_dir
+from .schedule import lr_at
 from .signals import StopRequest, graceful_stop
 from .state import Phase, RunState
 
 DATA_SEED_OFFSET, EVAL_SEED_OFFSET = 1, 2  # the data and eval streams' seeds, relative to train.seed
 RANK_SEED_STRIDE = 1_000_003  # rank r > 0 seeds its own RNG (dropout) at seed + r x this: no stream's seed
-NVML_EVERY_S = 2.0  # NVML init + query costs milliseconds: not every step
-
-
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Learning rate for optimizer step `step` (0-based): linear warmup to cfg.lr over warmup_steps, then
-    cosine decay to min_lr at cfg.steps (nanoGPT's schedule)."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / (cfg.warmup_steps + 1)
-    span = max(1, cfg.steps - cfg.warmup_steps)
-    progress = min(1.0, (step - cfg.warmup_steps) / span)
-    return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - cfg.min_lr)
 
 
 def _ignore(event: Event) -> None:
     pass
-
-
-@dataclasses.dataclass
-class _Window:
-    """What the steps since the last logged one did: tokens, seconds, the largest peak."""
-
-    tokens: int = 0
-    seconds: float = 0.0
-    peak: int = 0
 
 
 class Trainer:
@@ -118,7 +97,7 @@ class Trainer:
         self.watch = LossWatch(self.model_file)  # stands in for the model file in the step: a NaN loss stops it
         self.notes = [Note(n) for n in inputs.resume_notes]  # said once training has started
         self.t: Training | None = None  # built by run()
-        self.nvml_at, self.nvml_last = -math.inf, None  # when NVML was last asked, and what it said
+        self.metrics = StepMetrics(self.dist, self.device, self.log)
 
     @property
     def batches_per_step(self) -> int:
@@ -144,7 +123,8 @@ class Trainer:
             except Exception as e:
                 failure = e
             if isinstance(failure, NonFiniteLoss):  # outside the except blocks: their frames hold the step's tensors
-                self._stop(self.recovery.after_divergence(self.state, failure.values, self._tainted_buffer()))
+                tainted = tainted_buffer(self.t.module, self.dist)
+                self._stop(self.recovery.after_divergence(self.state, failure.values, tainted))
             if failure is not None:
                 self._stop(self.recovery.after_error(self.state, failure))
             interrupted = stopping is not None and self.state.step < self.cfg.steps
@@ -172,14 +152,7 @@ class Trainer:
         if inputs.resume_state:
             self._restore(inputs.resume_state)
             inputs.resume_state = None  # free the loaded copy
-        try:
-            inputs.run_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise OomtuneError(f"run dir {inputs.run_dir} cannot be created: {(e.strerror or str(e)).lower()}",
-                               BAD_INPUT) from None
-        if self.dist.is_main:
-            for tmp in stale_temp_files(inputs.run_dir):  # a write that was killed: never a checkpoint
-                remove(tmp)
+        open_run_dir(inputs.run_dir, clean=self.dist.is_main)
         self.log.truncate_metrics(self.state.step)
         self.log.event("resume" if inputs.resumed_from else "start", step=self.state.step,
                        plan=to_dict(self.state.plan), train=to_dict(cfg), device=self.device.name,
@@ -204,7 +177,7 @@ class Trainer:
         loss, the signal every rank agreed to stop on)."""
         cfg, s = self.cfg, self.state
         first_loss = last_loss = last_eval = stopping = None
-        window = _Window()
+        window = Window()
         while s.step < cfg.steps and stopping is None:
             s.step_rng = capture_rng(self.cuda)
             lr = lr_at(s.step, cfg)
@@ -223,35 +196,16 @@ class Trainer:
             metrics = None
             if (s.step % cfg.log_every_n_steps == 0 or s.step in (1, cfg.steps) or eval_now
                     or stopping is not None):  # step 1: the starting loss, ln(vocab) for a fresh LM
-                metrics = self._metrics(float(loss), lr, window, eval_now)
+                metrics = self.metrics.line(s, float(loss), lr, window, self._evaluate if eval_now else None,
+                                            state_bytes(self.t), self.on_event)
                 last_loss = metrics["loss"]
                 first_loss = last_loss if first_loss is None else first_loss
                 last_eval = metrics.get("eval_loss", last_eval)
-                window = _Window()
+                window = Window()
             self.on_event(StepDone(s.step, cfg.steps, metrics))
             if s.step % cfg.checkpoint_interval == 0 or s.step == cfg.steps:
                 self._checkpoint("final" if s.step == cfg.steps else "interval")
         return first_loss, last_loss, last_eval, stopping
-
-    def _metrics(self, loss: float, lr: float, window: _Window, eval_now: bool) -> dict:
-        """The metrics.jsonl line of a logged step (a sync point, once per logged step); evaluates first if due."""
-        s = self.state
-        metrics = {"step": s.step, "loss": self.dist.mean(loss), "lr": lr,
-                   "tokens_per_s": round(window.tokens / window.seconds, 1) if window.seconds > 0 else None,
-                   "peak_bytes": int(self.dist.max(window.peak)[0])}  # the rank that needs the most
-        if self.cuda:
-            metrics["nvml_used_bytes"] = self._nvml()
-        if eval_now:
-            value, eval_peak = self._evaluate()
-            metrics["eval_loss"] = value
-            metrics["peak_bytes"] = int(self.dist.max(max(window.peak, eval_peak))[0])
-            if not math.isfinite(value):  # written as null; training itself stops on a NaN loss
-                self.on_event(Note(f"the eval loss is {value} at step {s.step}", warning=True))
-        metrics["state_bytes"] = int(self.dist.max(state_bytes(self.t))[0])  # weights + gradients + optimizer
-        metrics["micro_batch_size"] = s.plan.micro_batch_size  # changes after an OOM fallback
-        metrics["grad_accum_steps"] = s.plan.grad_accum_steps
-        self.log.metrics(metrics)
-        return metrics
 
     def _train_step(self, batches: list[Batch]) -> torch.Tensor:
         self.watch.forget()  # this attempt's losses (a retry after an out-of-memory error starts them over)
@@ -379,14 +333,6 @@ class Trainer:
         if rewind_rng:
             restore_rng(self.state.step_rng, self.cuda)
 
-    def _tainted_buffer(self) -> str | None:
-        """A model buffer (running statistics) the failed forwards already made non-finite, on any rank: all ranks
-        save, or none, a checkpoint being collective."""
-        tainted = non_finite_buffer(self.t.module)
-        if bool(self.dist.max(0.0 if tainted is None else 1.0)[0]):
-            return tainted or "of another rank"
-        return None
-
     def _on_phase(self, name: str) -> None:
         self.state.phase = Phase(name)
         if self.state.phase is Phase.OPTIMIZER:  # the micro-batches are done, the update not yet applied
@@ -430,52 +376,15 @@ class Trainer:
         return path
 
     def _restore(self, st: dict) -> None:
-        t, path, label = self.t, self.inputs.resumed_from, self.model_file.label
-        try:
-            with self.device.measure():
-                self.checkpointer.load(path, st, t, label)
-                t.scaler.load_state_dict(st["scaler"])
-        except (RuntimeError, KeyError, ValueError, TypeError) as e:
-            if is_oom(e):
-                raise
-            raise OomtuneError(f"checkpoint {path} does not match {label}'s model or optimizer: {first_line(e)}",
-                               BAD_INPUT) from None
-        self.device.account(t.optimizer)  # the loaded state was made outside measure()
-        set_weight_decay(t, self.cfg.weight_decay)  # the loaded groups bring the old run's (a flag may change it)
-        as_on_cuda(t.optimizer, self.device)  # and their foreach choice
+        t, path = self.t, self.inputs.resumed_from
+        restore(self.checkpointer, path, st, t, self.device, self.cfg.weight_decay, self.model_file.label)
         rng = self.checkpointer.rng(path, st, self.dist.rank)
         if rng is not None:
             restore_rng(rng, self.cuda)
         elif self.dist.is_main:
             self.notes.append(Note("the checkpoint has no RNG state for some ranks (it had fewer): they keep their "
                                    "own seed, so dropout will not repeat the original run's"))
-        self.notes.extend(self._resume_notes(st))
-
-    def _resume_notes(self, st: dict) -> list[Note]:
-        plan, in_file = self.state.plan, self.state.file_config.plan
-        notes = []
-        if st["data"].get("hook") not in (None, self.data_hook):
-            notes.append(Note(f"the checkpoint was trained on {st['data']['hook']}() data, this run uses "
-                              f"{self.data_hook}()", warning=True))
-        saved = Plan(**st["plan"])
-        if saved.world_size != plan.world_size:
-            notes.append(Note(f"the checkpoint was written by {saved.world_size} rank(s) ({saved.sharding}), "
-                              f"resuming on {plan.world_size} ({plan.sharding}): {plan.describe()}"))
-        elif plan != in_file:
-            notes.append(Note(f"resuming with the checkpoint's plan: {plan.describe()} (the config says "
-                              f"{in_file.describe()})"))
-        return notes
-
-    def _nvml(self) -> int | None:
-        now = time.monotonic()
-        if now - self.nvml_at >= NVML_EVERY_S:
-            self.nvml_at = now
-            try:
-                props = torch.cuda.get_device_properties(self.device.torch_device)
-                self.nvml_last = used_by(props, os.getpid())
-            except Exception:
-                self.nvml_last = None
-        return self.nvml_last
+        self.notes.extend(resume_notes(st, self.state.plan, self.state.file_config.plan, self.data_hook))
 
 
 def train(config_path: str | Path, *, overrides: dict[str, Any] | None = None, device: str | None = None,

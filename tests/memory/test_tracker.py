@@ -11,7 +11,7 @@ from oomtune.memory.tracker import MemoryTracker, rounded
 from oomtune.model_file import load_model_file
 from oomtune.search.trial import run_trial
 
-from .conftest import EXAMPLES
+from ..conftest import EXAMPLES
 
 
 def test_rounds_each_storage_up_to_512_bytes():

@@ -1,4 +1,4 @@
-"""What tests/test_train_failures.py and tests/test_train_divergence.py share: a tiny model file whose chosen
+"""What tests/train/test_failures.py and tests/train/test_divergence.py share: a tiny model file whose chosen
 draws go wrong (marker files next to it), its config, and readers for the run dir. `cpu` device throughout."""
 
 
@@ -10,7 +10,7 @@ import yaml
 
 from oomtune.train.checkpoint import list_checkpoints
 
-from .conftest import TINY_MODEL, metrics, run_cli
+from ..conftest import TINY_MODEL, metrics, run_cli
 
 # Dropout and seeded data: a resume is exact. Marker files next to the model make chosen draws go wrong:
 # `nan-at` (a draw whose inputs hold a NaN), `fail-at` (a draw that raises).

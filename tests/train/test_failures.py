@@ -1,7 +1,7 @@
 """oomtune train when something goes wrong mid-run or around it: a model-file hook that fails after some steps, a
 run dir that cannot be used, a full disk, a broken checkpoint, and the small cases (nothing left to do, a budget
 smaller than the weights, a hook returning the wrong thing). Each is one line, an exit code, and a run dir that
-`--resume` (or a fresh run) can go on from. The `cpu` device, a tiny model, a few steps (tests/train_cases.py)."""
+`--resume` (or a fresh run) can go on from. The `cpu` device, a tiny model, a few steps (tests/train/cases.py)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import yaml
 
 from oomtune.train.checkpoint import load_checkpoint, stale_temp_files
 
-from .conftest import events, metrics, run_cli
-from .train_cases import MODEL, PLAN, error_line, losses, steps_saved, train
+from ..conftest import events, metrics, run_cli
+from .cases import MODEL, PLAN, error_line, losses, steps_saved, train
 
 # -- a model-file hook failing mid-run ---------------------------------------------------------------------------
 

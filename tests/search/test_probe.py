@@ -12,7 +12,7 @@ from oomtune.search.options import resolve_targets
 from oomtune.search.probe import probe
 from oomtune.search.trial import run_trial
 
-from .conftest import EXAMPLES, run_cli
+from ..conftest import EXAMPLES, run_cli
 
 MiB = 1 << 20
 B, T = 8, 64
@@ -75,15 +75,6 @@ def test_when_only_accumulation_could_keep_the_batch_and_it_does_not_fit_the_rea
     assert result.why_nothing_fits.startswith(
         f"nothing fits in 5.49 MiB with the global batch kept at 8: micro-batch {best} fits (checkpointing")
     assert f"Lower --batch to {best}" in result.why_nothing_fits
-
-
-def test_the_demo_budget_forces_at_least_the_amp_rung(tiny_gpt):
-    """device: cpu. `make demo` probes tiny_gpt's DEFAULTS under 12 MiB: fp32 cannot hold the target."""
-    result = probe(tiny_gpt, CpuDevice("12MiB"), resolve_targets(tiny_gpt, None, None, None))
-    assert [r.rung.name for r in result.ladder.rungs][:2] == ["fp32", "amp"]
-    assert result.ladder.rungs[0].micro_batch_size < 16
-    assert result.config.plan.precision == "bf16"
-    assert result.config.plan.global_batch_size == 16
 
 
 def test_cli_writes_a_config_that_round_trips_and_json_for_ci(tmp_path):

@@ -16,7 +16,7 @@ from oomtune.search.options import resolve_targets
 from oomtune.search.probe import probe
 from oomtune.search.trial import run_trial
 
-from .conftest import EXAMPLES, ROOT, run_cli
+from ..conftest import EXAMPLES, ROOT, run_cli
 
 # A model whose hidden width the check test widens; DEFAULTS are the ladder's targets.
 WIDE_MODEL = '''

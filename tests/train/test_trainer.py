@@ -1,5 +1,5 @@
-"""oomtune train: it learns, it resumes exactly after SIGINT / SIGKILL, it survives an OOM mid-run, and bad
-input is one line + exit 2 with no file of the user's touched.
+"""oomtune train: it learns, it survives an OOM mid-run, and bad input is one line + exit 2 with no file of the
+user's touched (the exact resume after SIGINT / SIGKILL: test_signals.py).
 
 Every run here is on the `cpu` device with torch at one thread (a 2-core CI box shared with other jobs is
 many times slower with two spinning OpenMP threads), tiny models and few steps."""
@@ -7,19 +7,14 @@ many times slower with two spinning OpenMP threads), tiny models and few steps."
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
-import signal
-import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
 from oomtune.config.loading import load_config
 from oomtune.config.schema import Config, Plan, TrainConfig
@@ -27,12 +22,14 @@ from oomtune.config.writing import dump_config
 from oomtune.errors import ModelFileError
 from oomtune.model_file import load_model_file
 from oomtune.search.trial import run_trial
-from oomtune.train.checkpoint import list_checkpoints, load_checkpoint, stale_temp_files
+from oomtune.train.checkpoint import list_checkpoints, load_checkpoint
 from oomtune.train.data import split_batch
 from oomtune.train.recovery import smaller_plan
-from oomtune.train.trainer import lr_at, train
+from oomtune.train.schedule import lr_at
+from oomtune.train.trainer import train
 
-from .conftest import EXAMPLES, events, metrics, run_cli
+from ..conftest import EXAMPLES, events, metrics, run_cli
+from .models import GROWING_MODEL, RESUME_PLAN, error_lines, resume_config, write_config
 
 OOMTUNE = [str(Path(sys.executable).parent / "oomtune")]  # the installed command, as a user runs it
 CHILD_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -44,107 +41,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
-
-# A model with dropout (the model's RNG) and data drawn from torch's and Python's RNGs (the data stream):
-# a resume is only exact if every one of them is restored.
-RESUME_MODEL = '''
-import random
-import torch
-import torch.nn.functional as F
-from torch import nn
-
-V, C = 32, 48
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(V, C)
-        self.blocks = nn.ModuleList(
-            nn.Sequential(nn.LayerNorm(C), nn.Linear(C, 2 * C), nn.GELU(), nn.Dropout(0.2), nn.Linear(2 * C, C))
-            for _ in range(2))
-        self.out = nn.Linear(C, V)
-
-    def forward(self, x, y):
-        h = self.emb(x)
-        for b in self.blocks:
-            h = h + b(h)
-        return F.cross_entropy(self.out(h).flatten(0, 1), y.flatten())
-
-def build_model():
-    return Net()
-
-def make_batch(batch_size, context_length, device):
-    x = torch.randint(0, V, (batch_size, context_length))
-    return x.to(device), ((x * 7 + 3) % V).to(device)
-
-def train_batches(batch_size, context_length, device):
-    while True:
-        x, y = make_batch(batch_size, context_length, "cpu")
-        shift = random.randrange(V)  # Python's RNG too
-        yield ((x + shift) % V).to(device), ((y + shift) % V).to(device)
-
-def eval_batches(batch_size, context_length, device):
-    g = torch.Generator().manual_seed(0)
-    while True:
-        x = torch.randint(0, V, (batch_size, context_length), generator=g)
-        yield x.to(device), ((x * 7 + 3) % V).to(device)
-'''
-
-# Attention-like mixing keeps a (B, T, T) tensor per block: memory grows with T^2, so a batch at full length
-# needs far more than the short ones before it. The first SHORT batches are T // 8 long: with 2 batches a step,
-# step 5 runs a short micro-batch (its gradients accumulate) and then runs out of memory in a long one.
-GROWING_MODEL = '''
-import torch
-import torch.nn.functional as F
-from torch import nn
-
-V, C, SHORT = 16, 16, 9
-
-class Mix(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.q, self.v = nn.Linear(C, C), nn.Linear(C, C)
-
-    def forward(self, h):
-        a = torch.softmax(self.q(h) @ h.transpose(1, 2) / C ** 0.5, dim=-1)  # (B, T, T)
-        return h + a @ self.v(h)
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(V, C)
-        self.blocks = nn.ModuleList(Mix() for _ in range(3))
-        self.out = nn.Linear(C, V)
-
-    def forward(self, x, y):
-        h = self.emb(x)
-        for b in self.blocks:
-            h = b(h)
-        return F.cross_entropy(self.out(h).flatten(0, 1), y.flatten())
-
-def build_model():
-    return Net()
-
-def make_batch(batch_size, context_length, device):
-    x = torch.randint(0, V, (batch_size, context_length), device=device)
-    return x, (x + 1) % V
-
-def train_batches(batch_size, context_length, device):
-    n = 0
-    while True:
-        yield make_batch(batch_size, context_length // 8 if n < SHORT else context_length, device)
-        n += 1
-'''
-
-
-def write_config(path: Path, model: Path, plan: dict, train_cfg: dict) -> Path:
-    path.write_text(yaml.safe_dump({"model": str(model), "plan": plan, "train": train_cfg}, sort_keys=False))
-    return path
-
-
-def error_lines(result) -> list[str]:
-    return [line for line in result.stderr.splitlines() if line.strip()]
 
 
 # -- pure pieces ---------------------------------------------------------------------------------------------
@@ -215,149 +111,6 @@ def test_a_model_file_without_train_batches_trains_on_synthetic_data_with_a_warn
     assert result.exit_code == 0, result.stderr
     assert "no train_batches(): training on make_batch(), random synthetic data" in result.stderr
     assert [r["step"] for r in metrics(tmp_path / "run")] == [1, 3]
-
-
-# -- exact resume after SIGINT and SIGKILL -------------------------------------------------------------------
-
-RESUME_PLAN = {"micro_batch_size": 4, "context_length": 16, "grad_accum_steps": 2}
-RESUME_STEPS = 150
-
-
-def resume_config(tmp: Path, checkpoint_interval: int) -> Path:
-    model = tmp / "resume_model.py"
-    model.write_text(textwrap.dedent(RESUME_MODEL))
-    return write_config(tmp / "resume.yaml", model, RESUME_PLAN,
-                        {"steps": RESUME_STEPS, "lr": 0.003, "warmup_steps": 10, "eval_interval": 25, "eval_steps": 2,
-                         "log_every_n_steps": 1, "checkpoint_interval": checkpoint_interval, "seed": 7})
-
-
-def oomtune(*args, cwd: Path, **kw) -> subprocess.Popen:
-    return subprocess.Popen([*OOMTUNE, *map(str, args)], cwd=cwd, env=CHILD_ENV, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, **kw)
-
-
-@pytest.fixture(scope="module")
-def reference_run(tmp_path_factory) -> list[dict]:
-    """The uninterrupted run every resumed run must reproduce."""
-    tmp = tmp_path_factory.mktemp("reference")
-    cfg = resume_config(tmp, checkpoint_interval=50)
-    proc = oomtune("train", "--config", cfg, "--device", "cpu", "--run-dir", tmp / "run", cwd=tmp)
-    _, stderr = proc.communicate(timeout=300)
-    assert proc.returncode == 0, stderr
-    rows = metrics(tmp / "run")
-    assert [r["step"] for r in rows] == list(range(1, RESUME_STEPS + 1))
-    return rows
-
-
-def assert_same_run(rows: list[dict], reference: list[dict]) -> float:
-    """Same steps, same loss and eval loss at every step; returns the largest difference seen."""
-    assert [r["step"] for r in rows] == [r["step"] for r in reference]
-    worst = 0.0
-    for r, ref in zip(rows, reference, strict=True):
-        for key in ("loss", "eval_loss", "lr"):
-            assert (key in r) == (key in ref)
-            if key in r:
-                worst = max(worst, abs(r[key] - ref[key]))
-                assert r[key] == pytest.approx(ref[key], rel=1e-6, abs=1e-7), (r["step"], key)
-    return worst
-
-
-def wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen | None = None):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if predicate():
-            return
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"the run exited ({proc.returncode}) before {what}: {proc.stderr.read()}")
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def last_step(run_dir: Path) -> int:
-    try:
-        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-        return json.loads(lines[-1])["step"] if lines else 0
-    except (FileNotFoundError, json.JSONDecodeError):
-        return 0
-
-
-def test_sigint_saves_a_checkpoint_and_resume_reproduces_the_uninterrupted_run(tmp_path, reference_run):
-    cfg = resume_config(tmp_path, checkpoint_interval=50)
-    run = tmp_path / "run"
-    proc = oomtune("train", "--config", cfg, "--device", "cpu", "--run-dir", run, cwd=tmp_path)
-    wait_for(lambda: last_step(run) >= 10, 120, "step 10", proc)
-    proc.send_signal(signal.SIGINT)
-    _, stderr = proc.communicate(timeout=120)
-    assert proc.returncode == 130, stderr
-    stopped = last_step(run)
-    assert 10 <= stopped < RESUME_STEPS
-    (ckpt_step, ckpt), *_ = reversed(list_checkpoints(run))
-    assert ckpt_step == stopped  # saved on Ctrl-C, not only at the interval
-    assert load_checkpoint(ckpt)["step"] == stopped
-
-    proc = oomtune("train", "--config", cfg, "--device", "cpu", "--run-dir", run, "--resume", cwd=tmp_path)
-    _, stderr = proc.communicate(timeout=300)
-    assert proc.returncode == 0, stderr
-    worst = assert_same_run(metrics(run), reference_run)
-    print(f"SIGINT at step {stopped}; resumed run vs uninterrupted: largest |difference| {worst:.3g}")
-
-
-KILL_DRIVER = '''
-import io, os, sys, time
-from pathlib import Path
-import torch
-import oomtune.train.checkpoint
-
-marker, calls, real_save = Path(sys.argv[1]), [], torch.save
-
-def save(obj, f, *args, **kwargs):
-    """The second checkpoint write stops half way through its bytes, says so, and waits to be killed."""
-    calls.append(1)
-    if len(calls) < 2:
-        return real_save(obj, f, *args, **kwargs)
-    buf = io.BytesIO()
-    real_save(obj, buf, *args, **kwargs)
-    data = buf.getvalue()
-    f.write(data[: len(data) // 2])
-    f.flush()
-    os.fsync(f.fileno())
-    marker.with_suffix(".tmp").write_text(str(len(data)))
-    marker.with_suffix(".tmp").rename(marker)  # the test sees the marker whole or not at all
-    time.sleep(600)
-
-oomtune.train.checkpoint.torch.save = save
-from oomtune.cli import main
-sys.argv = ["oomtune", *sys.argv[2:]]
-main()
-'''
-
-
-def test_sigkill_during_a_checkpoint_write_leaves_the_last_checkpoint_whole_and_resume_is_exact(
-        tmp_path, reference_run):
-    cfg = resume_config(tmp_path, checkpoint_interval=10)
-    run, marker = tmp_path / "run", tmp_path / "writing"
-    driver = tmp_path / "driver.py"
-    driver.write_text(KILL_DRIVER)
-    proc = subprocess.Popen([sys.executable, str(driver), str(marker), "train", "--config", str(cfg), "--device",
-                             "cpu", "--run-dir", str(run)], cwd=tmp_path, env=CHILD_ENV, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    wait_for(marker.exists, 120, "the second checkpoint write", proc)
-    proc.kill()  # SIGKILL: no handler, no cleanup
-    proc.communicate(timeout=60)
-    assert proc.returncode == -signal.SIGKILL
-
-    partial = stale_temp_files(run)
-    assert len(partial) == 1 and partial[0].stat().st_size < int(marker.read_text())  # killed mid-write
-    assert [step for step, _ in list_checkpoints(run)] == [10]  # the half-written one never took the name
-    assert load_checkpoint(list_checkpoints(run)[0][1])["step"] == 10
-    assert last_step(run) == 20  # metrics ran ahead of the last checkpoint
-
-    proc = oomtune("train", "--config", cfg, "--device", "cpu", "--run-dir", run, "--resume", cwd=tmp_path)
-    _, stderr = proc.communicate(timeout=300)
-    assert proc.returncode == 0, stderr
-    assert stale_temp_files(run) == []
-    worst = assert_same_run(metrics(run), reference_run)  # steps 11-20 replayed once, not twice
-    print(f"SIGKILL in the step-20 write; resumed from 10 vs uninterrupted: largest |difference| {worst:.3g}")
 
 
 # -- OOM mid-run -----------------------------------------------------------------------------------------------

@@ -127,7 +127,7 @@ def test_a_failed_write_leaves_the_old_file_and_no_temp_file(tmp_path, monkeypat
 
 
 def test_every_example_config_loads(tmp_path):
-    from .conftest import ROOT
+    from ..conftest import ROOT
 
     configs = sorted((ROOT / "configs").glob("*.yaml"))
     assert configs, "configs/ has example configs"

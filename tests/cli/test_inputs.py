@@ -18,7 +18,7 @@ from oomtune.config.schema import Config, Plan, TrainConfig
 from oomtune.config.writing import save_config
 from oomtune.errors import ConfigError, OomtuneError
 
-from .conftest import EXAMPLES, run_cli
+from ..conftest import EXAMPLES, run_cli
 
 ESTIMATE = ("--budget", "400KiB", "--margin", "0")  # the tiny model's ladder on the fake device: a second or two
 
@@ -225,7 +225,7 @@ def test_a_config_value_is_not_blamed_on_a_flag(write_model, tmp_path):
 
 
 def test_a_defaults_min_context_is_not_blamed_on_a_flag(write_model, no_search):
-    from .conftest import TINY_MODEL
+    from ..conftest import TINY_MODEL
 
     model = write_model(TINY_MODEL + '\nDEFAULTS = {"context": 32, "min_context": 16}\n')
     for command, extra in (("probe", ("--device", "cpu")), ("estimate", ESTIMATE)):

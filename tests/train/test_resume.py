@@ -20,7 +20,7 @@ from oomtune.model_file import load_model_file
 from oomtune.step import build_training, state_bytes, train_step
 from oomtune.train.checkpoint import load_checkpoint
 
-from .conftest import metrics, run_cli
+from ..conftest import metrics, run_cli
 
 # Dropout (the model's RNG) and a seeded data stream: the same seed and schedule give the same losses.
 MODEL = '''

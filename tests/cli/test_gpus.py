@@ -10,7 +10,7 @@ import pytest
 
 from oomtune.memory import devices, nvml
 
-from .conftest import run_cli
+from ..conftest import run_cli
 
 GiB, MiB = 1024**3, 1024**2
 

@@ -1,6 +1,6 @@
 """oomtune train on a NaN / infinite loss: it stops before the step's update, keeps the last finite step (not one
 whose buffers took the NaN), writes strict JSON, and leaves fp16's skipped steps alone. The `cpu` device, a tiny
-model, a few steps (tests/train_cases.py)."""
+model, a few steps (tests/train/cases.py)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import yaml
 from oomtune.train.checkpoint import list_checkpoints, load_checkpoint, stale_temp_files
 from oomtune.train.rundir import RunLog
 
-from .conftest import events, metrics, run_cli
-from .train_cases import error_line, losses, steps_saved, train
+from ..conftest import events, metrics, run_cli
+from .cases import error_line, losses, steps_saved, train
 
 # -- a NaN / infinite loss ---------------------------------------------------------------------------------------
 

@@ -12,7 +12,7 @@ from oomtune.memory.margin import Margin, parse_margin
 from oomtune.model_file import load_model_file
 from oomtune.search.trial import run_trial
 
-from .conftest import EXAMPLES
+from ..conftest import EXAMPLES
 
 MiB = 1 << 20
 EXAMPLE_FILES = ("tiny_gpt.py", "mlp_dict.py", "conv_net.py")
