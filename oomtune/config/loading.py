@@ -1,7 +1,5 @@
-"""The plan and the config file: frozen dataclasses, strict YAML round-trip, atomic writes.
-
-Defaults live here and only here. Loading rejects unknown keys (naming them) and wrong types.
-"""
+"""Reading a config file strictly: YAML (a key given twice refused) into the schema's frozen dataclasses, where an
+unknown key (named, with the allowed ones), a missing key or a wrong type is one ConfigError line."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-"""The plan and the config file: frozen dataclasses, strict YAML round-trip, atomic writes.
+"""The plan and the config file's schema: frozen dataclasses that check their own values.
 
-Defaults live here and only here. Loading rejects unknown keys (naming them) and wrong types.
-"""
+Defaults live here and only here (the searches' too: HEADROOM, TRIAL_STEPS). Loading them from YAML is
+loading.py's job, writing them writing.py's."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-"""The plan and the config file: frozen dataclasses, strict YAML round-trip, atomic writes.
-
-Defaults live here and only here. Loading rejects unknown keys (naming them) and wrong types.
-"""
+"""Writing a config file: YAML with a comment on every key, atomically, the model path relative where the project's
+folder allows, the sections a person wrote kept as written; and the plan rewrite after an out-of-memory fallback,
+which edits only the plan's numbers."""
 
 from __future__ import annotations
 

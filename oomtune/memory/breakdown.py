@@ -6,8 +6,7 @@ so it costs no memory and works for a model far bigger than the machine.
 `breakdown`: one run of a plan on a tracked device (fake or cpu) with a Recorder on the tracker, sorting
 every storage live at the peak into parameters, gradients, optimizer state, autocast weight copies,
 activations and temporaries. The parts sum to the tensor peak exactly, because they are the live set at
-the moment of the peak, not a model of it. When nothing fits: why, and the levers that would help.
-"""
+the moment of the peak, not a model of it."""
 
 from __future__ import annotations
 
@@ -21,7 +20,7 @@ from ..dist.group import LOCAL, Dist, ranks_for
 from ..errors import OomtuneError
 from ..model_file import ModelFile
 from ..units import format_bytes
-from .devices import Device, TrackedDevice
+from .devices import Device, FakeDevice, TrackedDevice
 from .margin import Margin
 from .tracker import MemoryTracker, Recorder
 
@@ -133,7 +132,8 @@ def _classify(rec: Recorder) -> dict[str, int]:
 
 
 def margin_of(device: Device) -> Margin:
-    return getattr(device, "margin", None) or Margin()
+    """The fake device's margin; the cpu device adds none."""
+    return device.margin if isinstance(device, FakeDevice) else Margin()
 
 
 def breakdown(model_file: ModelFile, plan: Plan, device: TrackedDevice, steps: int = TRIAL_STEPS,

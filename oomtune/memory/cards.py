@@ -1,11 +1,9 @@
-"""What the fake device needs to stand in for a real GPU: the memory of common cards, and the margin for
-what tensor-level accounting does not see on one. No torch here.
+"""The memory of common cards, for `--gpu NAME` (estimate, check). No torch here.
 
 Memory is the total the driver reports (nvidia-smi's "MiB" column), the most a process could ever get.
 The CUDA context, cuBLAS/cuDNN workspaces and the caching allocator's rounding come out of it: that is
-the margin's job, not the table's. Cards ship in variants (PCIe/SXM, ECC on/off) that differ by a few
-hundred MiB; for an exact figure pass `--budget` with what `nvidia-smi --query-gpu=memory.total` says.
-"""
+the margin's job (margin.py), not the table's. Cards ship in variants (PCIe/SXM, ECC on/off) that differ by a
+few hundred MiB; for an exact figure pass `--budget` with what `nvidia-smi --query-gpu=memory.total` says."""
 
 from __future__ import annotations
 

@@ -170,9 +170,11 @@ class TrackedDevice(Device):
 
     def lower_budget(self, budget_bytes: int) -> None:
         super().lower_budget(budget_bytes)
-        self.tracker.budget_bytes = self.budget_bytes
-        if getattr(self, "margin", None) is not None:  # the fake device keeps its margin outside the tensors
-            self.tracker.budget_bytes = self.margin.tensor_budget(self.budget_bytes)
+        self.tracker.budget_bytes = self.tensor_budget(self.budget_bytes)
+
+    def tensor_budget(self, budget_bytes: int) -> int:
+        """The tensor bytes a budget leaves: all of it (the fake device keeps its margin outside the tensors)."""
+        return budget_bytes
 
 
 class CpuDevice(TrackedDevice):
@@ -222,7 +224,7 @@ class FakeDevice(TrackedDevice):
         budget_bytes = parse_budget(budget, capacity) if budget else capacity
         self.margin = margin if margin is not None else parse_margin(None)
         super().__init__("fake", torch.device("cpu"), budget_bytes, capacity)
-        self.tracker.budget_bytes = self.margin.tensor_budget(budget_bytes)
+        self.tracker.budget_bytes = self.tensor_budget(budget_bytes)
         if self.tracker.budget_bytes <= 0:
             raise OomtuneError(f"budget {format_bytes(budget_bytes)} is not more than the margin "
                                f"{self.margin.describe()} a GPU needs beyond tensors (estimate and check take "
@@ -232,6 +234,9 @@ class FakeDevice(TrackedDevice):
 
     def supports_bf16(self) -> bool:
         return self._bf16
+
+    def tensor_budget(self, budget_bytes: int) -> int:
+        return self.margin.tensor_budget(budget_bytes)
 
     def _accounting(self) -> contextlib.AbstractContextManager:
         stack = contextlib.ExitStack()  # a fresh FakeTensorMode per measured stretch; the tracker innermost

@@ -1,13 +1,5 @@
-"""What the peak is made of.
-
-`static_memory`: the floor under every plan (weights, gradients, optimizer state), measured on fake tensors
-so it costs no memory and works for a model far bigger than the machine.
-
-`breakdown`: one run of a plan on a tracked device (fake or cpu) with a Recorder on the tracker, sorting
-every storage live at the peak into parameters, gradients, optimizer state, autocast weight copies,
-activations and temporaries. The parts sum to the tensor peak exactly, because they are the live set at
-the moment of the peak, not a model of it. When nothing fits: why, and the levers that would help.
-"""
+"""When nothing fits: why (the floor of weights, gradients and optimizer state, or the smallest plan's peak and
+what it is made of), and the levers that would help, with the bytes each would save (estimates)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
 """The estimator: the probe's ladder on the fake device plus the breakdown of what it chose (or, when nothing
-fits, of the smallest plan, with the reason and the levers that would help); `what_if` for one plan;
-`check`: re-measure a config's plan and compare (the CI gate).
-"""
+fits, of the smallest plan, with the reason and the levers that would help); `what_if` for one plan."""
 
 from __future__ import annotations
 

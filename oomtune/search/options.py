@@ -1,4 +1,6 @@
-"""`oomtune probe`: wire the ladder search to trials on a device and return what the CLI renders."""
+"""What the searches (probe, estimate, check) are asked, checked before anything is loaded or run: the targets
+(batch, context, min-context: flag, else the model file's DEFAULTS, else 32 x 512), headroom, steps, objective,
+amp, ranks, and estimate's what-if options. Each bad value is one line naming where it came from."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""`oomtune probe`: wire the ladder search to trials on a device and return what the CLI renders."""
+"""`oomtune probe`: the ladder search (ladder.py) wired to trials on a device (trial.py), and the ProbeResult the
+CLI renders: the rungs, every trial, the config, or why nothing fits."""
 
 from __future__ import annotations
 

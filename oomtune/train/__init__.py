@@ -1,1 +1,1 @@
-"""TODO"""
+"""`oomtune train`: the trainer and its parts (run state, checkpoints, recovery, data, logs, signals, launch)."""

@@ -1,13 +1,6 @@
-"""Checkpoints of a training run: written atomically, read back safely, always resumable exactly.
-
-A single-process checkpoint is one file `ckpt-<step>.pt` in the run directory holding the model, optimizer and
-GradScaler state, the step, the plan, every RNG the run draws from, and the data position (how many
-batches the data stream has handed out, at what batch size). It is written to a temp file in the same
-folder, fsynced, then renamed over the final name, so a reader (or a resume after SIGKILL) sees the old
-set of checkpoints or the new one, never half a file. It is read with `torch.load(weights_only=True)`:
-tensors, numbers, strings and containers only, no arbitrary pickled objects. A run on several ranks writes a
-folder `ckpt-<step>/` instead (torch.distributed.checkpoint, see dist_checkpoint.py); both kinds are listed here.
-"""
+"""Every random number generator a step may draw from (torch CPU and CUDA, Python's random, numpy's legacy global):
+captured as plain tensors and lists (a checkpoint holding them loads with weights_only=True), restored, seeded;
+and `RngStream`, a private stream of them that the data are drawn under."""
 
 from __future__ import annotations
 
