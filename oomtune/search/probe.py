@@ -17,7 +17,7 @@ from ..memory.breakdown import StaticMemory, static_memory
 from ..memory.devices import Device, make_device, resolve_kind
 from ..model_file import ModelFile
 from ..units import format_bytes, utc_now
-from .ladder import LadderResult, LadderSearch, Measurement, Objective, Point, Rung, Trial
+from .ladder import LadderResult, LadderSearch, Measurement, Objective, Point, Rung, Trial, largest_divisor_at_most
 from .options import Targets, check_search_options
 from .trial import run_trial
 
@@ -164,20 +164,28 @@ def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: 
 
 
 def divisor_note(result: ProbeResult) -> str | None:
-    """Where the global batch has no divisor near the largest micro-batch that fits (B=17 with 8 fitting runs as
-    1 x 17), say so and name the nearest global batch that would run at the micro-batch that fits."""
+    """Where the plan's micro-batch is well below the largest that fits (within a factor of two: nothing to say),
+    say why: the global batch has no divisor in between (B=17 with 8 fitting runs as 1 x 17; then name the nearest
+    global batch that would run at what fits), or it has one, but that micro-batch with accumulation did not fit
+    (accumulation keeps every gradient alive through the next micro-step)."""
     ladder = result.ladder
     if result.config is None or ladder.choice is None:
         return None
     fitting = next((r.micro_batch_size for r in ladder.rungs if r.rung == ladder.choice.rung and r.found), None)
-    chosen = ladder.choice.micro_batch_size
-    if fitting is None or chosen * 2 > fitting:  # within a factor of two of what fits: nothing to say
+    chosen, accum = ladder.choice.micro_batch_size, ladder.choice.grad_accum_steps
+    if fitting is None or chosen * 2 > fitting:
         return None
     world = result.world_size
     batch = result.targets.batch
+    per_rank = batch // world
+    divisor = largest_divisor_at_most(per_rank, fitting)
+    if divisor > chosen:
+        return (f"micro-batch {fitting} fits, but {divisor} x {per_rank // divisor} with accumulation does not "
+                f"(accumulation keeps every gradient alive through the next micro-step): it runs as {chosen} x "
+                f"{accum}")
     nearest = max(fitting, round(batch / world / fitting) * fitting) * world
     return (f"micro-batch {fitting} fits, but the global batch {batch} has no divisor between {chosen + 1} and "
-            f"{fitting}{' per rank' if world > 1 else ''}: it runs as {chosen} x {ladder.choice.grad_accum_steps}; "
+            f"{fitting}{' per rank' if world > 1 else ''}: it runs as {chosen} x {accum}; "
             f"--batch {nearest} would run as {fitting} x {nearest // world // fitting}")
 
 
