@@ -58,7 +58,7 @@ bench-train: $(STAMP)
 # oomtune against Lightning's and Accelerate's batch-size finders and exhaustive truth (3 model files x 3 budgets at
 # small batches, plus 2 model files x 3 budgets at target batch 256; simulated cpu device), plus the full ladder under
 # both objectives (small batches); runs bench-train / bench-estimate where the Makefile has them and regenerates
-# bench/RESULTS.md and bench/results.json (about 19 min on 2 CPU cores)
+# bench/RESULTS.md and bench/results.json (18-29 min on 2 CPU cores)
 BENCH_STAMP := $(VENV)/.oomtune-bench-installed
 $(BENCH_STAMP): $(STAMP) pyproject.toml
 	$(PY) -m pip install -q -e ".[dev,bench]"

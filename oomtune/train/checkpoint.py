@@ -41,6 +41,7 @@ _NAME = re.compile(r"^ckpt-(\d+)(\.pt)?$")  # a file ckpt-N.pt, or a folder ckpt
 _TEMP_FOLDER = re.compile(r"^\.ckpt-\d+\.tmp$")  # dist_checkpoint's folder being written
 
 
+LAYOUT = "dcp"  # a checkpoint folder's layout (dist_checkpoint.py: torch.distributed.checkpoint, imported only there)
 META = "oomtune.pt"  # in a checkpoint folder: step, plan, data position; written last, so its presence = complete
 
 

@@ -16,8 +16,7 @@ from ..dist.group import Dist
 from ..errors import BAD_INPUT, OomtuneError, first_line
 from ..memory.devices import Device, is_oom
 from ..step import Training, as_on_cuda, set_weight_decay
-from . import dist_checkpoint
-from .checkpoint import KEEP, save_checkpoint, state_dict_mismatch
+from .checkpoint import KEEP, LAYOUT, save_checkpoint, state_dict_mismatch
 from .events import Note
 
 
@@ -70,9 +69,13 @@ class DcpCheckpointer:
         self.dist = dist
 
     def save(self, run_dir: Path, meta: dict[str, Any], rng: dict[str, Any], t: Training, keep: int = KEEP) -> Path:
+        from . import dist_checkpoint
+
         return dist_checkpoint.save_state(run_dir, meta, rng, t, self.dist, keep)
 
     def load(self, path: Path, state: dict[str, Any], t: Training, label: str) -> None:
+        from . import dist_checkpoint
+
         if self._folder(state):
             dist_checkpoint.load_state(path, t)
             return
@@ -80,13 +83,15 @@ class DcpCheckpointer:
         dist_checkpoint.load_single_file(state, t)
 
     def rng(self, path: Path, state: dict[str, Any], rank: int) -> dict[str, Any] | None:
+        from . import dist_checkpoint
+
         if self._folder(state):
             return dist_checkpoint.load_rng(path, rank)
         return state["rng"] if rank == 0 else None  # a one-process file has rank 0's only
 
     @staticmethod
     def _folder(state: dict[str, Any]) -> bool:
-        return state.get("layout") == dist_checkpoint.LAYOUT
+        return state.get("layout") == LAYOUT
 
 
 def checkpointer_for(dist: Dist) -> Checkpointer:

@@ -21,9 +21,18 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from ..dist.group import Dist
 from ..errors import first_line
 from ..step import Training
-from .checkpoint import FORMAT, KEEP, META, VERSION, CheckpointError, fsync_dir, prune, remove, unreadable_because
-
-LAYOUT = "dcp"
+from .checkpoint import (
+    FORMAT,
+    KEEP,
+    LAYOUT,
+    META,
+    VERSION,
+    CheckpointError,
+    fsync_dir,
+    prune,
+    remove,
+    unreadable_because,
+)
 
 
 def folder(run_dir: Path, step: int) -> Path:
