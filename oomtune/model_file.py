@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import inspect
 import reprlib
 import sys
 from collections.abc import Callable, Iterable, Iterator
@@ -47,11 +48,11 @@ class ModelFile:
 
     def _call(self, hook: str, *args, **kwargs):
         fn = getattr(self.module, hook)
-        with self._user_code(f"{hook}()"):
+        with self.user_code(f"{hook}()"):
             return fn(*args, **kwargs)
 
     @contextmanager
-    def _user_code(self, what: str):
+    def user_code(self, what: str):
         """Run user code: its error (or sys.exit) -> one ModelFileError line naming `what`; OOM passes through."""
         try:
             yield
@@ -121,7 +122,7 @@ class ModelFile:
 
     def _default_loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
         """model(*batch) / model(**batch) / model(batch) -> a scalar, (logits, loss), or an object with .loss."""
-        with self._user_code("the model's forward"):
+        with self.user_code("the model's forward"):
             if isinstance(batch, dict):
                 out = model(**batch)
             elif isinstance(batch, (tuple, list)):
@@ -142,13 +143,24 @@ class ModelFile:
             "(logits, loss) or an object with .loss — define loss(model, batch)"
         )
 
-    def optimizer(self, params: Iterable[nn.Parameter], lr: float) -> torch.optim.Optimizer:
+    def optimizer(self, params: Iterable[nn.Parameter], lr: float,
+                  model: nn.Module | None = None) -> torch.optim.Optimizer:
+        """The `optimizer` hook over the trainable `params`: called `optimizer(params, lr, model)` when its signature
+        takes a third argument (nanoGPT's configure_optimizers groups parameters by name), else `(params, lr)`."""
         if not self.has("optimizer"):
             return torch.optim.AdamW(params, lr=lr)
-        opt = self._call("optimizer", params, lr)
+        opt = self._call("optimizer", *((params, lr, model) if self._hook_takes_model() else (params, lr)))
         if not isinstance(opt, torch.optim.Optimizer):
             raise self.fail("optimizer", f"returned {_describe(opt)}; expected a torch.optim.Optimizer")
         return opt
+
+    def _hook_takes_model(self) -> bool:
+        try:
+            params = inspect.signature(self.module.optimizer).parameters.values()
+        except (TypeError, ValueError):  # a builtin or a C function: its signature is unknown
+            return False
+        positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        return len(positional) >= 3 or any(p.kind is p.VAR_POSITIONAL for p in params)
 
     def blocks(self, model: nn.Module) -> list[nn.Module]:
         """The modules activation checkpointing wraps: the `blocks` hook, else the longest nn.ModuleList
@@ -170,7 +182,7 @@ class ModelFile:
         if not isinstance(returned, Iterable):
             raise self.fail("blocks", f"returned {_describe(returned)}; expected an iterable of nn.Module (the "
                                       "blocks activation checkpointing wraps, e.g. model.layers)")
-        with self._user_code("blocks()"):  # a generator runs user code as it is consumed
+        with self.user_code("blocks()"):  # a generator runs user code as it is consumed
             found = list(returned)
         if not found:
             raise self.fail("blocks", f"returned an empty {type(returned).__name__}; expected at least one "

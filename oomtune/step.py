@@ -79,7 +79,7 @@ def build_training(model_file: ModelFile, plan: Plan, device: Device, lr: float,
         model_file.enable_checkpointing(model)
     if plan.sharding != "none":
         model = wrap(model, plan.sharding, model_file.blocks(model), dist)
-    optimizer = model_file.optimizer([p for p in model.parameters() if p.requires_grad], lr)
+    optimizer = model_file.optimizer([p for p in model.parameters() if p.requires_grad], lr, unwrapped(model))
     as_on_cuda(optimizer, device)
     t = Training(model, optimizer, _scaler(plan, device), plan, model_file, device, clip_grad_norm,
                  dist=dist, decaying=tuple(bool(g.get("weight_decay")) for g in optimizer.param_groups))
@@ -136,7 +136,9 @@ def _accumulate(t: Training, micro_batches: Sequence[Batch]) -> torch.Tensor:
             with autocast(t):
                 loss = t.model_file.loss(t.model, batch)
             t.phase("backward")
-            t.scaler.scale(loss / n).backward()  # grads accumulate across micro-steps
+            of = "loss()" if t.model_file.has("loss") else "the model"
+            with t.model_file.user_code(f"the backward pass of {of}"):  # a recompute mismatch, a custom Function
+                t.scaler.scale(loss / n).backward()  # grads accumulate across micro-steps
         total += loss.detach().float()
         del loss
     return total

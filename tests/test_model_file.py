@@ -217,3 +217,46 @@ DEFAULTS = {"batch": 8, "context": 64, "min_context": 16}
     assert isinstance(mf.optimizer(model.parameters(), 0.1), torch.optim.SGD)
     assert mf.blocks(model) == [model.out]
     assert mf.defaults == {"batch": 8, "context": 64, "min_context": 16}
+
+
+def test_an_optimizer_hook_that_takes_the_model_gets_it_and_groups_parameters_by_name(write_model, tmp_path):
+    """device: cpu. nanoGPT's configure_optimizers needs the model (decay for matrices, none for biases and norms):
+    a three-argument hook is called with it, in the probe's trials and in training."""
+    src = TINY_MODEL + '''
+SEEN = []
+
+def optimizer(params, lr, model):
+    params = set(params)  # the trainable ones
+    named = [(n, p) for n, p in model.named_parameters() if p in params]
+    SEEN.append(sorted(n for n, _ in named))
+    return torch.optim.AdamW([{"params": [p for n, p in named if p.dim() >= 2], "weight_decay": 0.1},
+                              {"params": [p for n, p in named if p.dim() < 2], "weight_decay": 0.0}], lr=lr)
+'''
+    mf = load_model_file(write_model(src))
+    model = mf.build()
+    opt = mf.optimizer([p for p in model.parameters() if p.requires_grad], 1e-3, model)
+    assert [len(g["params"]) for g in opt.param_groups] == [3, 3]  # 3 weights, 3 biases
+    assert mf.module.SEEN == [["blocks.0.bias", "blocks.0.weight", "blocks.1.bias", "blocks.1.weight", "out.bias",
+                               "out.weight"]]
+    r = run_cli("probe", mf.path, "--device", "cpu", "--budget", "64MiB", "--batch", "2", "--context", "4",
+                "--out", tmp_path / "best.yaml")
+    assert r.exit_code == 0, r.output
+
+
+def test_an_error_inside_backward_is_the_model_files_one_line_exit_2(write_model):
+    """device: cpu. A custom autograd Function that fails in backward (as a checkpoint recompute mismatch does)."""
+    src = TINY_MODEL.replace("        return nn.functional.cross_entropy(", '''        x = Broken.apply(x)
+        return nn.functional.cross_entropy(''') + '''
+
+class Broken(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("recomputed tensors do not match")
+'''
+    line = probe_error(write_model(src))
+    assert line == ("error: model.py: the backward pass of the model raised RuntimeError: recomputed tensors do not "
+                    "match")

@@ -99,6 +99,7 @@ def result_json(result, config_path: Path | None) -> dict:
         "config_path": str(config_path) if config_path else None,
         "why_nothing_fits": result.why_nothing_fits,
         "divisor_note": divisor_note(result),
+        "notes": list(result.notes),
     }
 
 
@@ -127,6 +128,8 @@ def render_search(result, out_path: Path | None, as_json: bool, verb: str, extra
             if kept_train:
                 out.print(f"      kept the [bold]train:[/] section {out_path} already had (the plan and found_by "
                           "are new)")
+        for note in result.notes:
+            out.print(f"[yellow]note:[/] {note}")
         if details is not None:
             details()
     if result.config is None:

@@ -55,7 +55,7 @@ def static_memory(model_file: ModelFile) -> StaticMemory:
         for p in params:
             p.grad = torch.zeros_like(p)
         grads = tracker.live_bytes - weights
-        opt = model_file.optimizer(params, 1e-3)
+        opt = model_file.optimizer(params, 1e-3, model)
         opt.step()
         optimizer_state = tracker.live_bytes - weights - grads
         checkpointing = model_file.supports_checkpointing(model)

@@ -28,7 +28,7 @@ def why_nothing_fits(bd: MemoryBreakdown, plan: Plan, static: StaticMemory, limi
 
 
 def levers(bd: MemoryBreakdown, static: StaticMemory, limit_bytes: int, margin: Margin, headroom: float,
-           checkpointing_used: bool) -> list[str]:
+           checkpointing_used: bool, context_length: int = 2) -> list[str]:
     """What would make the smallest plan fit, with the bytes each saves (estimates, not measurements)."""
     need = bd.peak_bytes - limit_bytes  # bytes to save, margin included
     tensor_room = margin.tensor_budget(limit_bytes)  # tensor bytes the limit allows
@@ -57,7 +57,8 @@ def levers(bd: MemoryBreakdown, static: StaticMemory, limit_bytes: int, margin: 
     if act and act >= need:
         if not checkpointing_used:
             out.append("activation checkpointing: define blocks(model) in the model file so oomtune can wrap them")
-        out.append(f"a shorter context (--min-context): activations + temporaries are {format_bytes(act)}")
+        if context_length > 1:  # a model whose context is 1 has none shorter
+            out.append(f"a shorter context (--min-context): activations + temporaries are {format_bytes(act)}")
     bigger = [g.name for g in GPUS if int(g.memory_bytes * (1 - headroom)) >= max(bd.peak_bytes, limit_bytes + 1)]
     if bigger:
         out.append(f"a larger GPU: {', '.join(bigger)}")

@@ -93,7 +93,8 @@ def _estimate(model_file, device, targets, headroom, steps, objective, amp, on_s
     search.why_nothing_fits = (why_nothing_fits(bd, plan, static, limit, device.budget_bytes, headroom, device.margin)
                                + no_fsdp_note(no_fsdp))
     return EstimateResult(search, device.margin, bd, plan,
-                          levers(bd, static, limit, device.margin, headroom, plan.activation_checkpointing))
+                          levers(bd, static, limit, device.margin, headroom, plan.activation_checkpointing,
+                                 plan.context_length))
 
 
 @dataclass(frozen=True)
@@ -125,7 +126,8 @@ def what_if(model_file: ModelFile, plan: Plan, device: FakeDevice | None, margin
     lev: tuple[str, ...] = ()
     if bd.peak_bytes > limit:
         static = static_memory(model_file)
-        lev = tuple(levers(bd, static, limit, device.margin, headroom, plan.activation_checkpointing))
+        lev = tuple(levers(bd, static, limit, device.margin, headroom, plan.activation_checkpointing,
+                                 plan.context_length))
     return WhatIf(plan, bd, limit, device.budget_bytes, headroom, lev)
 
 

@@ -59,6 +59,7 @@ class ProbeResult:
     why_nothing_fits: str | None = None
     world_size: int = 1  # ranks; the ladder's micro-batches are per rank (targets.batch / world_size)
     budget_bytes: int | None = None  # what the search was given (limit_bytes is this less the headroom)
+    notes: tuple[str, ...] = ()  # what the ladder left out, and why
 
     @property
     def trials_per_rung(self) -> dict[str, int]:
@@ -84,9 +85,13 @@ def _record(trial: Trial, seconds: float, world_size: int = 1) -> TrialRecord:
 def why_nothing_fits(ladder: LadderResult, targets: Targets, static: StaticMemory, limit: int, world: int) -> str:
     found = [r for r in ladder.rungs if r.found]
     if not found:
-        return (f"nothing fits in {format_bytes(limit)}: micro-batch 1 at context {targets.min_context} runs out of "
-                f"memory on every rung ({', '.join(r.rung.name for r in ladder.rungs)}); {static.describe()} before "
-                "activations. Allow a shorter --min-context, a larger --budget, or a smaller model.")
+        results = {t.result for t in ladder.trials}
+        how = ("runs out of memory" if results <= {"oom"} else "goes over the limit (the budget less the headroom)"
+               if "oom" not in results else "runs out of memory or goes over the limit")
+        allow = "Allow a shorter --min-context, or use" if targets.min_context > 1 else "Use"  # a context of 1: none
+        return (f"nothing fits in {format_bytes(limit)}: micro-batch 1 at context {targets.min_context} {how} on "
+                f"every rung ({', '.join(r.rung.name for r in ladder.rungs)}); {static.describe()} before "
+                f"activations. {allow} a larger --budget or a smaller model.")
     best = max(found, key=lambda r: (r.context_length, r.micro_batch_size))
     per_rank = targets.batch // world
     return (f"nothing fits in {format_bytes(limit)} with the global batch kept at {targets.batch}: micro-batch "
@@ -125,6 +130,7 @@ def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: 
     sharded_by, no_fsdp = fsdp_reach(device, world, sharding)
     check_static_fits(static, device, limit, headroom, sharded_by)
     rungs = ladder_rungs(device, amp, static.checkpointing_supported, world, sharding)
+    notes = () if static.checkpointing_supported else (no_checkpointing_note(model_file),)
 
     seconds: dict[Point, float] = {}
 
@@ -147,7 +153,7 @@ def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: 
     ladder = search.run(rungs, targets.batch // world, targets.context, targets.min_context, objective)
     if ladder.choice is None:
         why = why_nothing_fits(ladder, targets, static, limit, world) + no_fsdp_note(no_fsdp)
-        return ProbeResult(ladder, records, static, targets, limit, None, why, world, device.budget_bytes)
+        return ProbeResult(ladder, records, static, targets, limit, None, why, world, device.budget_bytes, notes)
     c = ladder.choice
     plan = plan_of(Point(c.rung, c.micro_batch_size, c.context_length, c.grad_accum_steps), world)
     found = FoundBy(
@@ -159,7 +165,7 @@ def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: 
         date=utc_now(), trials=tuple(records),
     )
     config = Config(model=str(model_file.path), plan=plan, found_by=found)
-    return ProbeResult(ladder, records, static, targets, limit, config, world_size=world,
+    return ProbeResult(ladder, records, static, targets, limit, config, world_size=world, notes=notes,
                        budget_bytes=device.budget_bytes)
 
 
@@ -187,6 +193,11 @@ def divisor_note(result: ProbeResult) -> str | None:
     return (f"micro-batch {fitting} fits, but the global batch {batch} has no divisor between {chosen + 1} and "
             f"{fitting}{' per rank' if world > 1 else ''}: it runs as {chosen} x {accum}; "
             f"--batch {nearest} would run as {fitting} x {nearest // world // fitting}")
+
+
+def no_checkpointing_note(model_file: ModelFile) -> str:
+    return (f"no activation checkpointing rung: {model_file.label} has no blocks to wrap (no nn.ModuleList of "
+            "same-type modules, no gradient_checkpointing_enable); define blocks(model) to add it")
 
 
 def check_ranks_batch(targets: Targets, world_size: int) -> None:

@@ -148,3 +148,46 @@ def test_a_global_batch_with_no_divisor_near_what_fits_gets_a_note(tmp_path):
     plain = run_cli("probe", EXAMPLES / "conv_net.py", "--device", "cpu", "--budget", "8MiB", "--batch", "8",
                     "--context", "64", "--out", out, "--json")
     assert json.loads(plain.stdout)["divisor_note"] is None
+
+
+CONTEXT_ONE_MODEL = '''
+import torch
+from torch import nn
+
+def build_model():
+    return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 4))
+
+def make_batch(batch_size, context_length, device):
+    return torch.randn(batch_size, 64, device=device), torch.randint(0, 4, (batch_size,), device=device)
+
+def loss(model, batch):
+    x, y = batch
+    return nn.functional.cross_entropy(model(x), y)
+
+DEFAULTS = {"batch": 8, "context": 1}
+'''
+
+
+def test_what_nothing_fitting_says_names_what_happened_and_only_levers_that_apply(write_model, tmp_path):
+    """device: cpu. A model with no blocks and a context of 1: the probe says the checkpointing rung was left out and
+    why; when micro-batch 1 runs but goes over the limit (the headroom is what it ate), the reason says so, not
+    "runs out of memory"; and it suggests no shorter --min-context for a context of 1."""
+    model = write_model(CONTEXT_ONE_MODEL)
+    from oomtune.memory.breakdown import static_memory
+
+    static = static_memory(load_model_file(model)).total_bytes  # 280 KiB; micro-batch 1 peaks at ~352 KiB (foreach
+    #                                                                AdamW's temporaries) on either rung
+    over = run_cli("probe", model, "--device", "cpu", "--budget", str(int(static * 2.1)), "--headroom", "0.5",
+                   "--out", tmp_path / "a.yaml", "--json")  # allowed: 1.05 x static, under the peak, over the weights
+    assert over.exit_code == 1, over.output
+    report = json.loads(over.stdout)
+    assert {t["result"] for t in report["trials"]} == {"over-headroom"}  # it ran, but into the headroom
+    assert "goes over the limit (the budget less the headroom) on every rung (fp32, amp)" in report["why_nothing_fits"]
+    assert "runs out of memory" not in report["why_nothing_fits"] and "--min-context" not in report["why_nothing_fits"]
+    assert report["notes"] == ["no activation checkpointing rung: model.py has no blocks to wrap (no nn.ModuleList "
+                               "of same-type modules, no gradient_checkpointing_enable); define blocks(model) to add "
+                               "it"]
+    oom = run_cli("probe", model, "--device", "cpu", "--budget", str(int(static * 1.1)), "--headroom", "0",
+                  "--out", tmp_path / "b.yaml", "--json")
+    assert oom.exit_code == 1, oom.output
+    assert "runs out of memory on every rung" in json.loads(oom.stdout)["why_nothing_fits"]
