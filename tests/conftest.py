@@ -36,6 +36,18 @@ def make_batch(batch_size, context_length, device):
 '''
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """torch on one thread in every test (a 2-core machine shared by two pytest workers; OMP_NUM_THREADS=1 in
+    `make test` does the same for the processes the tests start)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture
 def write_model(tmp_path):
     """write_model(source, name='model.py') -> Path of a model file in tmp_path."""

@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from oomtune.train.checkpoint import list_checkpoints, load_checkpoint, stale_temp_files
 
@@ -24,14 +23,6 @@ from .models import RESUME_STEPS, resume_config
 
 OOMTUNE = [str(Path(sys.executable).parent / "oomtune")]  # the installed command, as a user runs it
 CHILD_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 # -- exact resume after SIGINT and SIGKILL -------------------------------------------------------------------

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import sys
 import textwrap
 from pathlib import Path
 
@@ -30,18 +28,6 @@ from oomtune.train.trainer import train
 
 from ..conftest import EXAMPLES, events, metrics, run_cli
 from .models import GROWING_MODEL, RESUME_PLAN, error_lines, resume_config, write_config
-
-OOMTUNE = [str(Path(sys.executable).parent / "oomtune")]  # the installed command, as a user runs it
-CHILD_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 # -- pure pieces ---------------------------------------------------------------------------------------------
 
