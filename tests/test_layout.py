@@ -86,3 +86,13 @@ def test_pytest_collects_every_test_folder():
     folders = [p.name for p in (ROOT / "tests").iterdir() if p.is_dir() and (p / "__init__.py").exists()]
     assert "dist" in folders
     assert [f for f in folders if any(fnmatch.fnmatch(f, pattern) for pattern in ignored)] == []
+
+
+def test_the_command_line_starts_without_torch():
+    """`oomtune --help` and argument errors answer at once: importing the CLI loads no torch (a fresh process)."""
+    import subprocess
+    import sys
+
+    code = "import sys, oomtune.cli; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert out.stdout.strip() == "False"

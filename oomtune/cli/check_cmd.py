@@ -7,9 +7,10 @@ from typing import Annotated
 
 import typer
 
+from ..config.schema import TRIAL_STEPS
 from . import app
 from .guard import user_errors
-from .options import DEFAULT_STEPS, ConfigOpt, DebugOpt, JsonOpt, budget_option, device_option
+from .options import ConfigOpt, DebugOpt, JsonOpt, budget_option, device_option
 from .render import check_json, render_check
 
 
@@ -24,7 +25,7 @@ def check(
     margin: Annotated[str | None, typer.Option("--margin", help="fake device only. Default: the margin the config "
                                                "was estimated with; for a config probed on a GPU 512MiB+5%; for one "
                                                "probed on cpu 0.")] = None,
-    steps: Annotated[int, typer.Option(help="Optimizer steps to run (2: optimizer state exists).")] = DEFAULT_STEPS,
+    steps: Annotated[int, typer.Option(help="Optimizer steps to run (2: optimizer state exists).")] = TRIAL_STEPS,
     as_json: JsonOpt = False,
     debug: DebugOpt = False,
 ):

@@ -8,12 +8,11 @@ from typing import Annotated
 import typer
 from rich.markup import escape
 
+from ..config.schema import HEADROOM, TRIAL_STEPS
 from . import app
 from .console import err, fmt_bytes, out
 from .guard import user_errors
 from .options import (
-    DEFAULT_HEADROOM,
-    DEFAULT_STEPS,
     AmpOpt,
     BatchOpt,
     DebugOpt,
@@ -95,8 +94,8 @@ def estimate(
     batch: BatchOpt = None,
     context: EstimateContextOpt = None,
     min_context: MinContextOpt = None,
-    headroom: HeadroomOpt = DEFAULT_HEADROOM,
-    steps: StepsOpt = DEFAULT_STEPS,
+    headroom: HeadroomOpt = HEADROOM,
+    steps: StepsOpt = TRIAL_STEPS,
     objective: EstimateObjectiveOpt = "fit",
     amp: AmpOpt = "auto",
     micro_batch: MicroBatchOpt = None,

@@ -8,9 +8,6 @@ from typing import Annotated
 
 import typer
 
-from ..config.schema import HEADROOM, TRIAL_STEPS
-from ..dist.launch import DEFAULT_TIMEOUT_S
-
 ModelArg = Annotated[Path, typer.Argument(help="Your model file (build_model, make_batch, optional hooks).")]
 ConfigOpt = Annotated[Path, typer.Option("--config", "-c", help="The config `oomtune probe` (or estimate) wrote.")]
 
@@ -49,7 +46,6 @@ DistTimeoutOpt = Annotated[float, typer.Option("--dist-timeout", help="Seconds a
                                                "before the run stops with an error (a rank that died or hangs).",
                                                rich_help_panel="ranks")]
 
-DEFAULT_HEADROOM, DEFAULT_STEPS, DEFAULT_DIST_TIMEOUT = HEADROOM, TRIAL_STEPS, DEFAULT_TIMEOUT_S
 
 
 def budget_option(default: str, what: str = "Memory to fit in: 24GiB, 512MiB, 80%") -> typer.models.OptionInfo:

@@ -7,14 +7,12 @@ from typing import Annotated
 
 import typer
 
-from ..dist.launch import worker_rank
+from ..config.schema import HEADROOM, TRIAL_STEPS
+from ..dist.launch import DEFAULT_TIMEOUT_S, worker_rank
 from . import app
 from .console import err
 from .guard import stop_if_interrupted, user_errors
 from .options import (
-    DEFAULT_DIST_TIMEOUT,
-    DEFAULT_HEADROOM,
-    DEFAULT_STEPS,
     AmpOpt,
     BatchOpt,
     ContextOpt,
@@ -60,8 +58,8 @@ def probe(
                                          "tensor-level tracker; fake does the same on fake tensors, computing "
                                          "nothing).")] = "auto",
     budget: Annotated[str | None, budget_option("the GPU's free memory; cpu: available RAM")] = None,
-    headroom: HeadroomOpt = DEFAULT_HEADROOM,
-    steps: StepsOpt = DEFAULT_STEPS,
+    headroom: HeadroomOpt = HEADROOM,
+    steps: StepsOpt = TRIAL_STEPS,
     objective: ObjectiveOpt = "fit",
     amp: AmpOpt = "auto",
     out_path: OutOpt = Path("best.yaml"),
@@ -71,7 +69,7 @@ def probe(
     node_rank: NodeRankOpt = 0,
     master_addr: MasterAddrOpt = "127.0.0.1",
     master_port: MasterPortOpt = None,
-    dist_timeout: DistTimeoutOpt = DEFAULT_DIST_TIMEOUT,
+    dist_timeout: DistTimeoutOpt = DEFAULT_TIMEOUT_S,
     debug: DebugOpt = False,
 ):
     """Probe MODEL on a device: climb batch/context -> amp -> checkpointing -> accumulation until it fits.

@@ -1,5 +1,6 @@
 """What probe, estimate and check print: the trials, the ladder, the plan, the breakdown, the levers, check's
-verdict; and --json. Rendering only: every number comes from the library's results."""
+verdict; and --json. Rendering only: every number comes from the library's results. What imports torch is imported
+where it is used, so that `oomtune --help` does not load it."""
 
 from __future__ import annotations
 
@@ -14,8 +15,6 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from ..config.writing import to_dict
-from ..memory.breakdown import PART_HELP, PART_LABELS
-from ..search.probe import divisor_note
 from .console import RESULT_SHORT, RESULT_STYLE, err, fmt_bytes, out
 from .guard import stop_if_interrupted
 
@@ -81,6 +80,8 @@ def trial_progress(enabled: bool):
 
 
 def result_json(result, config_path: Path | None) -> dict:
+    from ..search.probe import divisor_note
+
     cfg = result.config
     return {
         "fits": cfg is not None,
@@ -108,6 +109,8 @@ def render_search(result, out_path: Path | None, as_json: bool, verb: str, extra
     """Shared by probe and estimate: the tables, the plan, where it was written; exit 1 if nothing fits.
     estimate adds keys to the JSON (`extra_json`) and prints its breakdown after the tables (`details()`).
     `kept_train`: the config already at out_path was an oomtune config, and its train: section was kept."""
+    from ..search.probe import divisor_note
+
     if as_json:
         print(json.dumps(result_json(result, out_path) | {"kept_train": kept_train} | (extra_json or {}), indent=2))
     else:
@@ -138,6 +141,8 @@ def render_search(result, out_path: Path | None, as_json: bool, verb: str, extra
 
 
 def breakdown_table(bd, plan, limit_bytes: int | None = None, title: str = "breakdown") -> Table:
+    from ..memory.breakdown import PART_HELP, PART_LABELS
+
     table = Table(title=f"{title}: peak in {bd.phase} - {plan.describe()}", title_justify="left",
                   box=box.SIMPLE_HEAD, pad_edge=False)
     for col, just in (("part", "left"), ("bytes", "right"), ("share", "right"), ("what", "left")):
@@ -171,6 +176,8 @@ def _delta(n: int | None) -> str:
 
 
 def render_check(result, config_path: Path) -> None:
+    from ..memory.breakdown import PART_LABELS
+
     where = {"fake": "fake device (estimated)", "cpu": "cpu device", "cuda": "the GPU"}[result.device]
     out.print(f"checked [bold]{config_path}[/] on the {where}: {result.plan.describe()}")
     old, new = result.old_peak_bytes, result.new_peak_bytes

@@ -8,12 +8,11 @@ from typing import Annotated
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from ..dist.launch import worker_rank
+from ..dist.launch import DEFAULT_TIMEOUT_S, worker_rank
 from . import app
 from .console import err, fmt_bytes, out
 from .guard import user_errors
 from .options import (
-    DEFAULT_DIST_TIMEOUT,
     ConfigOpt,
     DebugOpt,
     DistTimeoutOpt,
@@ -160,7 +159,7 @@ def train(
     node_rank: NodeRankOpt = 0,
     master_addr: MasterAddrOpt = "127.0.0.1",
     master_port: MasterPortOpt = None,
-    dist_timeout: DistTimeoutOpt = DEFAULT_DIST_TIMEOUT,
+    dist_timeout: DistTimeoutOpt = DEFAULT_TIMEOUT_S,
     rank_budget: RankBudgetOpt = None,
     debug: DebugOpt = False,
 ):
