@@ -318,7 +318,7 @@ def test_check_on_cuda_uses_at_most_the_memory_free_now(free_delta, clamped, wri
 @pytest.mark.parametrize("command", ["estimate", "probe"])
 @pytest.mark.parametrize("as_json", [False, True])
 def test_a_swallowed_ctrl_c_stops_the_search_and_writes_no_config(command, as_json, write_model, tmp_path,
-                                                                 monkeypatch):
+                                                                 monkeypatch, request):
     import signal
 
     import oomtune.search.estimate
@@ -334,6 +334,9 @@ def test_a_swallowed_ctrl_c_stops_the_search_and_writes_no_config(command, as_js
         return real(*args, **kwargs)
 
     monkeypatch.setattr(f"oomtune.search.{command}.{command}", swallowed_then_search)
+    # a terminal's Ctrl-C handler: a suite started in the background (`make test &`) inherits SIGINT ignored
+    ignored = signal.signal(signal.SIGINT, signal.default_int_handler)
+    request.addfinalizer(lambda: signal.signal(signal.SIGINT, ignored))
     out = tmp_path / "best.yaml"
     extra = ESTIMATE if command == "estimate" else ("--device", "cpu", "--budget", "64MiB")
     r = run_cli(command, write_model(), *extra, "--batch", "2", "--context", "4", "--out", out,

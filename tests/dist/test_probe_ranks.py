@@ -5,33 +5,16 @@ stops answering ends the run with one clear line."""
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import socket
-import statistics
-import subprocess
-import sys
 import textwrap
-import time
-from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
 from oomtune.config.loading import load_config
-from oomtune.config.schema import Config, Plan
-from oomtune.config.writing import dump_config
-from oomtune.dist.wrap import fsdp_unsupported
-from oomtune.errors import ConfigError
-from oomtune.memory.tracker import MemoryTracker
-from oomtune.train.checkpoint import list_checkpoints
-from oomtune.train.recovery import smaller_plan
 
-from ..conftest import EXAMPLES, events, metrics, run_cli
-
-from .helpers import ENV, NO_FSDP, PLAN, STEPS, TRAIN, error_lines, losses, needs_fsdp, oomtune, write_config
-
+from ..conftest import metrics, run_cli
+from .helpers import ENV, PLAN, error_lines, needs_fsdp, oomtune, write_config
 
 # -- the probe on two ranks --------------------------------------------------------------------------------------
 

@@ -12,33 +12,24 @@ are module fixtures shared by the tests, the models tiny and the runs short."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import socket
 import statistics
-import subprocess
-import sys
-import textwrap
-import time
 from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
 from oomtune.config.loading import load_config
 from oomtune.config.schema import Config, Plan
 from oomtune.config.writing import dump_config
-from oomtune.dist.wrap import fsdp_unsupported
 from oomtune.errors import ConfigError
 from oomtune.memory.tracker import MemoryTracker
 from oomtune.train.checkpoint import list_checkpoints
 from oomtune.train.recovery import smaller_plan
 
-from ..conftest import EXAMPLES, events, metrics, run_cli
-
-from .helpers import ENV, NO_FSDP, PLAN, STEPS, TRAIN, error_lines, losses, needs_fsdp, oomtune, write_config
+from ..conftest import events, metrics
+from .helpers import HALF, NO_FSDP, PLAN, STEPS, losses, oomtune, write_config
 
 
 def train_ranks(tmp: Path, sharding: str) -> Path:
@@ -140,7 +131,7 @@ def test_ddp_and_fsdp_on_two_ranks_train_the_run_one_process_trains(one_process,
         # the same global batches, averaged over the ranks: the one-process run, step for step
         assert losses(rows) == pytest.approx(losses(ref), rel=1e-4)
         assert evals == pytest.approx([r["eval_loss"] for r in ref if "eval_loss" in r], rel=1e-4)
-    assert [p.name for _, p in list_checkpoints(fsdp)] == ["ckpt-00000010", "ckpt-00000020"]
+    assert [p.name for _, p in list_checkpoints(fsdp)] == [f"ckpt-{HALF:08d}", f"ckpt-{STEPS:08d}"]
 
 
 def test_fsdp_holds_about_half_the_weights_gradients_and_optimizer_state_per_rank(one_process, ddp, fsdp):
@@ -215,34 +206,34 @@ def test_fsdp_running_out_of_memory_on_rank_1_restarts_every_rank_from_the_last_
 
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_a_two_rank_fsdp_checkpoint_resumes_on_one_and_on_two_ranks(fsdp, ranks, tmp_path):
-    """From the step-10 checkpoint of the 2-rank FSDP run, steps 11-20 on `ranks` ranks are those of the
+    """From the half-way checkpoint of the 2-rank FSDP run, the remaining steps on `ranks` ranks are those of the
     uninterrupted run (DCP reshards the weights and optimizer state; the data stream is replayed)."""
     run = tmp_path / "run"
     shutil.copytree(fsdp, run)
-    shutil.rmtree(run / "ckpt-00000020")
+    shutil.rmtree(run / f"ckpt-{STEPS:08d}")
     cfg = write_config(tmp_path / "c.yaml", {**PLAN, "world_size": 2, "sharding": "fsdp"})
     args = ["--nproc-per-node", "2"] if ranks == 2 else []
     proc = oomtune("train", "--config", cfg, "--device", "cpu", "--resume", *args, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     rows, ref = metrics(run), metrics(fsdp)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
-    assert losses(rows[10:]) == pytest.approx(losses(ref[10:]), rel=1e-4)
+    assert losses(rows[HALF:]) == pytest.approx(losses(ref[HALF:]), rel=1e-4)
     if ranks == 1:
         assert "written by 2 rank(s) (fsdp), resuming on 1" in proc.stderr
-        assert {(r["micro_batch_size"], r["grad_accum_steps"]) for r in rows[10:]} == {(4, 2)}  # same global batch
-    print(f"2-rank checkpoint resumed on {ranks}: losses 11-20 match, largest relative difference "
-          f"{max(abs(a - b) / b for a, b in zip(losses(rows[10:]), losses(ref[10:]), strict=True)):.2g}")
+        assert {(r["micro_batch_size"], r["grad_accum_steps"]) for r in rows[HALF:]} == {(4, 2)}  # same global batch
+    print(f"2-rank checkpoint resumed on {ranks}: the remaining losses match, largest relative difference "
+          f"{max(abs(a - b) / b for a, b in zip(losses(rows[HALF:]), losses(ref[HALF:]), strict=True)):.2g}")
 
 
 def test_a_one_process_checkpoint_resumes_on_two_ranks(one_process, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(one_process, run)
-    (run / "ckpt-00000020.pt").unlink()
+    (run / f"ckpt-{STEPS:08d}.pt").unlink()
     cfg = write_config(tmp_path / "c.yaml", {**PLAN, "grad_accum_steps": 2})
     proc = oomtune("train", "--config", cfg, "--device", "cpu", "--resume", "--nproc-per-node", "2", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     rows = metrics(run)
-    assert {(r["micro_batch_size"], r["grad_accum_steps"]) for r in rows[10:]} == {(4, 1)}  # ddp x 2 ranks
-    assert losses(rows[10:]) == pytest.approx(losses(metrics(one_process)[10:]), rel=1e-4)
+    assert {(r["micro_batch_size"], r["grad_accum_steps"]) for r in rows[HALF:]} == {(4, 1)}  # ddp x 2 ranks
+    assert losses(rows[HALF:]) == pytest.approx(losses(metrics(one_process)[HALF:]), rel=1e-4)
 
 
