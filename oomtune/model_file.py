@@ -226,6 +226,22 @@ class ModelFile:
                                   "iterable of batches (a generator that yields them, or a list)") from None
 
 
+def is_compiled(model: nn.Module) -> bool:
+    """torch.compile(model) (an OptimizedModule) or model.compile(), on the model or any submodule."""
+    return any(type(m).__name__ == "OptimizedModule" or getattr(m, "_compiled_call_impl", None) is not None
+               for m in model.modules())
+
+
+def eager_note(label: str, device_kind: str, training: bool = False) -> str:
+    """What a compiled model's memory on a simulated device is: the eager model's (Dynamo skips every frame while
+    a TorchDispatchMode, the memory tracker, is active, so the model runs uncompiled there)."""
+    what = ("it trains uncompiled here (compiled on --device cuda)" if training else
+            "memory was measured on the eager model, and the compiled model's may differ (on --device cuda it is "
+            "measured compiled)")
+    return (f"{label}: build_model() returns a torch.compile'd model, but torch.compile does not run under the "
+            f"{device_kind} device's memory tracker: {what}")
+
+
 def _checkpointed(forward: Callable) -> Callable:
     @functools.wraps(forward)
     def run(*args, **kwargs):

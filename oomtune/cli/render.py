@@ -207,6 +207,8 @@ def render_check(result, config_path: Path) -> None:
             n = getattr(result.new, key)
             table.add_row(label, fmt_bytes(o), fmt_bytes(n), _delta(n - o) if o is not None else "-")
         out.print(table)
+    for note in result.notes:
+        out.print(f"[yellow]note:[/] {escape(note)}")
     if result.fits:
         out.print("[bold green]still fits[/]")
     else:
@@ -222,7 +224,7 @@ def check_json(result) -> dict:
         "old_breakdown": to_dict(result.old) if result.old else None,
         "new_breakdown": to_dict(result.new) if result.new else None,
         "difference": result.difference, "oom_message": result.oom_message,
-        "budget_clamped_from_bytes": result.budget_clamped_from,
+        "budget_clamped_from_bytes": result.budget_clamped_from, "notes": list(result.notes),
     }
 
 
@@ -232,10 +234,10 @@ def render_what_if(result, plan, note: str | None, as_json: bool) -> None:
         print(json.dumps({"estimated": True, "plan": to_dict(plan), "fits": result.fits,
                           "budget_bytes": result.budget_bytes, "limit_bytes": result.limit_bytes,
                           "breakdown": to_dict(result.breakdown), "levers": list(result.levers),
-                          **({"note": note} if note else {})}, indent=2))
+                          **({"note": note} if note else {}), "notes": list(result.notes)}, indent=2))
     else:
-        if note:
-            err.print(f"[yellow]note:[/] {escape(note)}")
+        for line in ((note,) if note else ()) + result.notes:
+            err.print(f"[yellow]note:[/] {escape(line)}")
         out.print(breakdown_table(result.breakdown, plan, result.limit_bytes, "estimate"))
         if result.fits is not None:
             verdict = "[bold green]fits[/]" if result.fits else "[bold red]does not fit[/]"

@@ -210,6 +210,7 @@ class FoundBy:
     date: str
     breakdown: MemoryBreakdown | None = None  # what the peak is made of (estimate, check); absent in older files
     trials: tuple[TrialRecord, ...] = ()
+    notes: tuple[str, ...] = ()  # how it was measured, where that is not what one would assume (eager, computed)
 
     def __post_init__(self):
         if self.budget_bytes <= 0:  # `check` re-measures against it

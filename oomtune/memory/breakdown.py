@@ -18,9 +18,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from ..config.schema import TRIAL_STEPS, MemoryBreakdown, Plan
 from ..dist.group import LOCAL, Dist, ranks_for
 from ..errors import OomtuneError
-from ..model_file import ModelFile
+from ..model_file import ModelFile, is_compiled
 from ..units import format_bytes
 from .devices import Device, FakeDevice, TrackedDevice
+from .fakes import real_code_paths
 from .margin import Margin
 from .tracker import MemoryTracker, Recorder
 
@@ -34,6 +35,7 @@ class StaticMemory:
     optimizer_bytes: int  # optimizer state after its first step (AdamW: two moments per parameter)
     optimizer_name: str
     checkpointing_supported: bool
+    compiled: bool = False  # build_model() returns a torch.compile'd model
 
     @property
     def total_bytes(self) -> int:
@@ -48,7 +50,7 @@ def static_memory(model_file: ModelFile) -> StaticMemory:
     """Build the model on fake tensors, give every parameter a gradient and take one optimizer step,
     counting bytes after each stage (512-byte rounded, like the CUDA allocator)."""
     tracker = MemoryTracker()
-    with FakeTensorMode(allow_non_fake_inputs=True), tracker, torch.device("cpu"):
+    with FakeTensorMode(allow_non_fake_inputs=True), real_code_paths(), tracker, torch.device("cpu"):
         model = model_file.build()
         weights = tracker.live_bytes
         params = [p for p in model.parameters() if p.requires_grad]
@@ -60,8 +62,9 @@ def static_memory(model_file: ModelFile) -> StaticMemory:
         optimizer_state = tracker.live_bytes - weights - grads
         checkpointing = model_file.supports_checkpointing(model)
         name = type(opt).__name__
+        compiled = is_compiled(model)
         del model, params, opt
-    return StaticMemory(weights, grads, optimizer_state, name, checkpointing)
+    return StaticMemory(weights, grads, optimizer_state, name, checkpointing, compiled)
 
 
 PART_LABELS = {

@@ -18,11 +18,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
-from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..errors import OomtuneError
 from ..units import format_bytes, parse_budget
+from .fakes import real_code_paths
 from .tracker import MemoryTracker
 
 DEVICE_KINDS = ("auto", "cuda", "cpu", "fake")
@@ -70,6 +70,11 @@ class Device:
     budget_bytes: int
     capacity_bytes: int | None = None
     computes: bool = True  # False where tensors hold no values (the fake device): losses cannot be read
+
+    @property
+    def measures_speed(self) -> bool:
+        """Its trials' tokens/s are the speed training will have (not the fake device's, which stands in)."""
+        return self.computes
 
     @property
     def autocast_device_type(self) -> str:
@@ -185,21 +190,6 @@ class CpuDevice(TrackedDevice):
         self.name = f"cpu (simulated memory, budget {format_bytes(budget_bytes)})"
 
 
-class _ZeroScalars(TorchDispatchMode):
-    """Reading a fake tensor's value (`.item()`, `bool(t)`) has an answer only for small constants the fake mode
-    tracks (an optimizer's step count); for the rest say 0 so code that branches on one still runs
-    (GradScaler's found-inf check: 0 = finite, take the optimizer step, the worst case for memory)."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        try:
-            return func(*args, **(kwargs or {}))
-        except DataDependentOutputException:
-            if func is not torch.ops.aten._local_scalar_dense.default:
-                raise
-            dtype = args[0].dtype
-            return False if dtype == torch.bool else (0.0 if dtype.is_floating_point else 0)
-
-
 class FakeDevice(TrackedDevice):
     """The estimator: no compute. Inside `measure()` every tensor is a FakeTensor on the cpu device (shape,
     dtype and storage size, no data), so a trial builds the model and runs the real training step for the
@@ -235,13 +225,24 @@ class FakeDevice(TrackedDevice):
     def supports_bf16(self) -> bool:
         return self._bf16
 
+    @property
+    def measures_speed(self) -> bool:
+        return False  # it stands in for a GPU: the cpu's speed (after compute_instead) says nothing of the GPU's
+
     def tensor_budget(self, budget_bytes: int) -> int:
         return self.margin.tensor_budget(budget_bytes)
 
+    def compute_instead(self) -> None:
+        """Measure on real tensors from now on: the same tracker, budget and margin, the step computed on the cpu.
+        For a model whose shapes depend on values fake tensors do not have (fakes.NeedsValues)."""
+        self.computes = True
+
     def _accounting(self) -> contextlib.AbstractContextManager:
+        if self.computes:
+            return self.tracker
         stack = contextlib.ExitStack()  # a fresh FakeTensorMode per measured stretch; the tracker innermost
         stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
-        stack.enter_context(_ZeroScalars())
+        stack.enter_context(real_code_paths())  # .to() swaps, values of masks, libraries' tracing checks
         stack.enter_context(self.tracker)
         return stack
 

@@ -7,14 +7,14 @@ from dataclasses import dataclass
 
 from ..config.schema import HEADROOM, TRIAL_STEPS, Config, MemoryBreakdown, Plan
 from ..errors import OomtuneError
-from ..memory.breakdown import breakdown, breakdown_difference
+from ..memory.breakdown import breakdown, breakdown_difference, static_memory
 from ..memory.cards import find_gpu
 from ..memory.devices import CpuDevice, Device, FakeDevice, TrackedDevice, make_device
 from ..memory.margin import Margin, parse_margin
-from ..model_file import ModelFile
+from ..model_file import ModelFile, eager_note
 from ..units import parse_budget
 from .options import check_headroom, check_steps
-from .trial import run_trial
+from .trial import computing_where_needed, run_trial
 
 CHECK_DEVICES = ("fake", "cpu", "cuda")
 
@@ -33,6 +33,7 @@ class CheckResult:
     new: MemoryBreakdown | None  # on fake / cpu
     oom_message: str | None = None
     budget_clamped_from: int | None = None  # cuda without --budget: the config's budget, more than is free now
+    notes: tuple[str, ...] = ()  # how it was measured, where the fake device could not
 
     @property
     def difference(self) -> dict[str, int] | None:
@@ -92,9 +93,11 @@ def check(config: Config, model_file: ModelFile, *, device_kind: str = "fake", b
     old_bd = fb.breakdown if fb is not None else None
     old_peak = fb.peak_bytes if fb is not None else None
     if isinstance(device, TrackedDevice):
-        bd = breakdown(model_file, config.plan, device, steps)
+        bd, computed = computing_where_needed(device, model_file.label,
+                                              lambda: breakdown(model_file, config.plan, device, steps))
+        notes = (eager_note(model_file.label, device.kind),) if static_memory(model_file).compiled else ()
         return CheckResult(bd.peak_bytes <= limit, config.plan, device.kind, budget_bytes, headroom, limit,
-                           old_peak, bd.peak_bytes, old_bd, bd)
+                           old_peak, bd.peak_bytes, old_bd, bd, notes=notes + ((computed,) if computed else ()))
     r = run_trial(model_file, config.plan, device, steps)
     fits = not r.oom and r.peak_bytes is not None and r.peak_bytes <= limit
     return CheckResult(fits, config.plan, device.kind, budget_bytes, headroom, limit, old_peak,

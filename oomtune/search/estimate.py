@@ -20,6 +20,7 @@ from ..model_file import ModelFile
 from .ladder import LadderResult, Point
 from .options import check_estimate_options, check_headroom, check_steps, check_world, resolve_targets
 from .probe import ProbeResult, fsdp_reach, ladder_rungs, no_fsdp_note, plan_of, probe
+from .trial import computing_where_needed
 
 
 @dataclass
@@ -65,8 +66,11 @@ def estimate(model_file: ModelFile, device: FakeDevice, targets, *, headroom: fl
     ranks = (fake_world(world_size) if world_size > 1 or sharding in ("ddp", "fsdp")
              else contextlib.nullcontext(LOCAL))
     with ranks as d:
-        return _estimate(model_file, device, targets, headroom, steps, objective, amp, on_start, on_trial, d,
-                         sharding)
+        result, computed = computing_where_needed(device, model_file.label, lambda: _estimate(
+            model_file, device, targets, headroom, steps, objective, amp, on_start, on_trial, d, sharding))
+    if computed:  # the breakdown needed the values (the probe says so itself where its ladder did)
+        result.search.notes += (computed,)
+    return result
 
 
 def _estimate(model_file, device, targets, headroom, steps, objective, amp, on_start, on_trial, dist,
@@ -107,6 +111,7 @@ class WhatIf:
     budget_bytes: int | None
     headroom: float
     levers: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()  # how it was measured, where not on fake tensors
 
     @property
     def fits(self) -> bool | None:
@@ -119,16 +124,18 @@ def what_if(model_file: ModelFile, plan: Plan, device: FakeDevice | None, margin
     check_headroom(headroom)
     check_steps(steps)
     if device is None:  # no budget: the breakdown alone (it lifts any budget anyway)
-        bd = breakdown(model_file, plan, FakeDevice(str(1 << 50), margin=margin), steps)
-        return WhatIf(plan, bd, None, None, headroom)
+        unbounded = FakeDevice(str(1 << 50), margin=margin)
+        bd, computed = computing_where_needed(unbounded, model_file.label,
+                                              lambda: breakdown(model_file, plan, unbounded, steps))
+        return WhatIf(plan, bd, None, None, headroom, notes=(computed,) if computed else ())
     limit = int(device.budget_bytes * (1 - headroom))
-    bd = breakdown(model_file, plan, device, steps)
+    bd, computed = computing_where_needed(device, model_file.label, lambda: breakdown(model_file, plan, device, steps))
     lev: tuple[str, ...] = ()
     if bd.peak_bytes > limit:
         static = static_memory(model_file)
         lev = tuple(levers(bd, static, limit, device.margin, headroom, plan.activation_checkpointing,
                                  plan.context_length))
-    return WhatIf(plan, bd, limit, device.budget_bytes, headroom, lev)
+    return WhatIf(plan, bd, limit, device.budget_bytes, headroom, lev, (computed,) if computed else ())
 
 
 def no_bf16_note(device: FakeDevice | None, precision: str | None) -> str | None:

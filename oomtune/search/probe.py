@@ -15,11 +15,11 @@ from ..dist.wrap import fsdp_unsupported
 from ..errors import BAD_INPUT, OomtuneError
 from ..memory.breakdown import StaticMemory, static_memory
 from ..memory.devices import Device, make_device, resolve_kind
-from ..model_file import ModelFile
+from ..model_file import ModelFile, eager_note
 from ..units import format_bytes, utc_now
 from .ladder import LadderResult, LadderSearch, Measurement, Objective, Point, Rung, Trial, largest_divisor_at_most
 from .options import Targets, check_search_options
-from .trial import run_trial
+from .trial import computing_where_needed, run_trial
 
 
 def fsdp_reach(device: Device, world: int, sharding: str | None) -> tuple[int, str | None]:
@@ -130,7 +130,7 @@ def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: 
     sharded_by, no_fsdp = fsdp_reach(device, world, sharding)
     check_static_fits(static, device, limit, headroom, sharded_by)
     rungs = ladder_rungs(device, amp, static.checkpointing_supported, world, sharding)
-    notes = () if static.checkpointing_supported else (no_checkpointing_note(model_file),)
+    notes = measurement_notes(model_file, static, device)
 
     seconds: dict[Point, float] = {}
 
@@ -149,20 +149,25 @@ def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: 
         if on_trial:
             on_trial(records[-1])
 
-    search = LadderSearch(measure, limit, on_trial=collect)
-    ladder = search.run(rungs, targets.batch // world, targets.context, targets.min_context, objective)
+    def climb() -> LadderResult:
+        records.clear()
+        search = LadderSearch(measure, limit, on_trial=collect)
+        return search.run(rungs, targets.batch // world, targets.context, targets.min_context, objective)
+
+    ladder, computed = computing_where_needed(device, model_file.label, climb)
+    notes += (computed,) if computed else ()
     if ladder.choice is None:
         why = why_nothing_fits(ladder, targets, static, limit, world) + no_fsdp_note(no_fsdp)
         return ProbeResult(ladder, records, static, targets, limit, None, why, world, device.budget_bytes, notes)
     c = ladder.choice
     plan = plan_of(Point(c.rung, c.micro_batch_size, c.context_length, c.grad_accum_steps), world)
     found = FoundBy(
-        command=command, estimated=not device.computes, device=device.kind, gpu_name=device.name,
+        command=command, estimated=device.kind == "fake", device=device.kind, gpu_name=device.name,
         budget_bytes=device.budget_bytes, headroom=headroom, objective=objective,
         target_batch=targets.batch, target_context=targets.context, min_context=targets.min_context,
         peak_bytes=c.peak_bytes or 0, tokens_per_s=round(c.tokens_per_s, 1) if c.tokens_per_s else None,
         torch_version=str(torch.__version__), cuda_version=torch.version.cuda, oomtune_version=__version__,
-        date=utc_now(), trials=tuple(records),
+        date=utc_now(), trials=tuple(records), notes=notes,
     )
     config = Config(model=str(model_file.path), plan=plan, found_by=found)
     return ProbeResult(ladder, records, static, targets, limit, config, world_size=world, notes=notes,
@@ -193,6 +198,14 @@ def divisor_note(result: ProbeResult) -> str | None:
     return (f"micro-batch {fitting} fits, but the global batch {batch} has no divisor between {chosen + 1} and "
             f"{fitting}{' per rank' if world > 1 else ''}: it runs as {chosen} x {accum}; "
             f"--batch {nearest} would run as {fitting} x {nearest // world // fitting}")
+
+
+def measurement_notes(model_file: ModelFile, static: StaticMemory, device: Device) -> tuple[str, ...]:
+    """What the ladder leaves out and how its memory is measured, where either is not what the user would assume."""
+    notes = () if static.checkpointing_supported else (no_checkpointing_note(model_file),)
+    if static.compiled and device.kind != "cuda":
+        notes += (eager_note(model_file.label, device.kind),)
+    return notes
 
 
 def no_checkpointing_note(model_file: ModelFile) -> str:

@@ -6,13 +6,17 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from ..config.schema import TRIAL_STEPS, Plan, TrainConfig
 from ..dist.group import LOCAL, Dist, RanksOutOfMemory
 from ..errors import ModelFileError, first_line
-from ..memory.devices import Device, is_oom
+from ..memory.devices import Device, FakeDevice, is_oom
+from ..memory.fakes import NeedsValues
 from ..model_file import ModelFile
 from ..step import Training, build_training, train_step
+
+T = TypeVar("T")
 
 # k >= 2 accumulated micro-steps need the memory of 2 (the gradients accumulate in place): a trial computes at
 # most 2 per step. It holds all k micro-batches, as the trainer does (it draws a whole step's, to retry them).
@@ -55,7 +59,7 @@ def _steps(model_file: ModelFile, plan: Plan, device: Device, steps: int, readin
         micro = min(plan.grad_accum_steps, ACCUM_IN_TRIAL)
         timings: list[float] = []
         first_loss = None
-        scaled = device.computes and t.scaler.is_enabled()  # (the fake device takes every step: see _ZeroScalars)
+        scaled = device.computes and t.scaler.is_enabled()  # (the fake device takes every step: see fakes.Values)
         taken = i = 0
         while i < steps or (scaled and not taken and i < steps + MAX_SKIPPED_STEPS):
             batches = [model_file.batch(plan.micro_batch_size, plan.context_length, device.torch_device)
@@ -81,8 +85,21 @@ def _steps(model_file: ModelFile, plan: Plan, device: Device, steps: int, readin
     timed = timings[1:] or timings
     step_s = sum(timed) / len(timed)
     tokens = plan.micro_batch_size * plan.context_length * micro
-    # no speed where nothing was computed (the fake device times only Python)
-    return step_s, tokens / step_s if step_s > 0 and device.computes else None, first_loss
+    # no speed where nothing was computed (the fake device times only Python) or where it is not the GPU's
+    return step_s, tokens / step_s if step_s > 0 and device.measures_speed else None, first_loss
+
+
+def computing_where_needed(device: Device, label: str, run: Callable[[], T]) -> tuple[T, str | None]:
+    """`run()`; where the fake device met an op that needs tensor values (fakes.NeedsValues: nonzero routing
+    tokens), `run()` once more on real tensors computed on the cpu, with the note that says so."""
+    try:
+        return run(), None
+    except NeedsValues as e:
+        if not isinstance(device, FakeDevice) or device.computes:
+            raise
+        device.compute_instead()
+        return run(), (f"{label}: {e.message}, so it was measured on real tensors computed on the cpu (the same "
+                       "tracker and margin; slower, and it needs the RAM)")
 
 
 def run_trial(model_file: ModelFile, plan: Plan, device: Device, steps: int = TRIAL_STEPS,

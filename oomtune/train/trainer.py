@@ -34,8 +34,8 @@ from ..config.writing import rewrite_plan, to_dict
 from ..dist.group import LoneOutOfMemory, init
 from ..dist.launch import DEFAULT_TIMEOUT_S, launched_by_torchrun
 from ..errors import BAD_INPUT, OomtuneError, first_line
-from ..memory.devices import is_oom
-from ..model_file import Batch
+from ..memory.devices import TrackedDevice, is_oom
+from ..model_file import Batch, eager_note, is_compiled
 from ..step import Training, build_training, eval_loss, state_bytes, train_step
 from .checkpoint import KEEP
 from .checkpointer import checkpointer_for, restore, resume_notes
@@ -163,6 +163,8 @@ class Trainer:
         for note in self.notes:
             self.on_event(note)
         label = self.model_file.label
+        if isinstance(self.device, TrackedDevice) and is_compiled(self.t.module):
+            self.on_event(Note(eager_note(label, self.device.kind, training=True), warning=True))
         if self.data_hook == "make_batch":
             self.on_event(Note(f"{label} has no train_batches(): training on make_batch(), random synthetic data "
                                "(the loss shows the loop runs, not that the model learns)", warning=True))

@@ -1,0 +1,256 @@
+"""Fake tensors that take the code path real ones take.
+
+The fake device runs the model on FakeTensors: shapes, dtypes and storages, no data. Code that is not ours looks
+closer than the shapes in three places, and each is met here so that what the fake device measures is what the
+cpu device (and the GPU) would:
+
+1. `Module._apply` (`.to()`, `.half()`, PEFT putting an adapter next to its base layer) swaps a FakeTensor
+   parameter's contents with `torch.utils.swap_tensors`, which refuses a tensor something holds a weak reference
+   to, and FakeTensorMode memoises every tensor it makes by weak reference. `swappable_fakes` drops a tensor's
+   memo entries just before it is swapped (they map the meta tensor of the op that made it, long gone), so the
+   swap keeps the Parameter object: tied weights stay tied, frozen ones stay frozen.
+2. Values. Code branches on data: transformers drops an all-ones attention mask (SDPA's own causal mask instead of
+   a (B, 1, T, T) one), a boolean mask picks tokens. `Values` keeps a real copy (a shadow) of every small tensor
+   computed only from the batch and constants, so reading one of those gives the real answer. A scalar that
+   depends on the weights reads 0 (GradScaler's found-inf check: finite, the optimizer step is taken, the worst
+   case for memory); an op whose output shape depends on such values (an MoE routing tokens with nonzero) raises
+   `NeedsValues`, and the search measures on computed tensors instead (see FakeDevice.compute_instead).
+3. Libraries that take a FakeTensor for tracing (transformers' `is_tracing`) are told it is not while a fake
+   measurement runs (`library_view`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import weakref
+from collections.abc import Iterator
+
+import torch
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensor
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_leaves, tree_map_only
+
+from ..errors import OomtuneError
+
+SHADOW = "_oomtune_value"  # the attribute holding a FakeTensor's real copy
+MAX_SHADOW_ELEMENTS = 1 << 22  # larger results are not copied (their values are not read by code that branches)
+_LOCAL_SCALAR = torch.ops.aten._local_scalar_dense.default
+_UNKNOWN = object()
+
+
+class NeedsValues(OomtuneError):
+    """An op needs tensor values the fake device does not have (its output shape, or a value that is not a
+    scalar read): the search falls back to computing."""
+
+    def __init__(self, func) -> None:
+        name = getattr(func, "__name__", str(func)).split(".")[0]
+        super().__init__(f"aten.{name} has an output that depends on tensor values (data-dependent), which fake "
+                         "tensors do not have")
+
+
+# -- 1. swaps -----------------------------------------------------------------------------------------------------
+
+_SWAP = torch.utils.swap_tensors
+
+
+def _forget(t: torch.Tensor) -> None:
+    """Drop the fake mode's weak references to `t`: its memo entries and, for a constant, its alias list."""
+    if not isinstance(t, FakeTensor) or not weakref.getweakrefcount(t):
+        return
+    converter = t.fake_mode.fake_tensor_converter
+    memo = converter.tensor_memo
+    for key in [k for k, v in list(memo.items()) if v is t]:
+        del memo[key]
+    for refs in getattr(converter, "constant_storage_mapping", {}).values():
+        refs[:] = [r for r in refs if r() is not t]
+
+
+def _swap_fakes(t1: torch.Tensor, t2: torch.Tensor) -> None:
+    _forget(t1)
+    _forget(t2)
+    return _SWAP(t1, t2)
+
+
+@contextlib.contextmanager
+def swappable_fakes() -> Iterator[None]:
+    """While inside, `Module._apply` can swap FakeTensor parameters (see the module doc, 1)."""
+    torch.utils.swap_tensors = _swap_fakes
+    try:
+        yield
+    finally:
+        torch.utils.swap_tensors = _SWAP
+
+
+# -- 2. values ----------------------------------------------------------------------------------------------------
+
+def shadow_of(t: torch.Tensor) -> torch.Tensor | None:
+    """The real values behind `t`: itself for a real tensor, its shadow for a FakeTensor that has one."""
+    if not isinstance(t, FakeTensor):
+        return t
+    return getattr(t, SHADOW, None)
+
+
+def _arg_tensors(args, kwargs) -> Iterator[torch.Tensor]:
+    """The tensors among an op's arguments (aten ops nest them at most one list deep)."""
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            yield a
+        elif isinstance(a, (list, tuple)):
+            yield from (x for x in a if isinstance(x, torch.Tensor))
+
+
+def _out_tensors(out) -> list[torch.Tensor] | None:
+    """The op's tensor outputs, or None where it returns something else (a size, a device) or nothing."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (list, tuple)) and out and all(isinstance(t, torch.Tensor) for t in out):
+        return list(out)
+    return None
+
+
+def _written(func, args, kwargs) -> list[torch.Tensor]:
+    """The tensors `func` writes into (in-place and out= ops)."""
+    schema = getattr(func, "_schema", None)
+    if schema is None or not schema.is_mutable:
+        return []
+    written = []
+    for i, arg in enumerate(schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
+        written.extend(t for t in tree_leaves(value) if isinstance(t, torch.Tensor))
+    return written
+
+
+class Values(TorchDispatchMode):
+    """Shadows of small tensors computed from known values; answers for data-dependent reads (module doc, 2).
+    Enter it inside FakeTensorMode, so that every op it sees has fake arguments.
+
+    Known values start at real tensors and at integer and boolean factories (token ids, masks, positions,
+    lengths): floating-point factories are where weights start, and weights have no values on the fake device, so
+    nothing computed from them is copied (the model's own compute never runs here)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._shadowed: set[int] = set()  # storages some tensor on which has a shadow
+        self._stale: set[int] = set()  # of those, written with unknown values since: their shadows are stale
+
+    def _known(self, t: torch.Tensor) -> torch.Tensor | None:
+        s = shadow_of(t)
+        if s is None or s is t:
+            return s
+        return None if id(t.untyped_storage()) in self._stale else s
+
+    def _all_known(self, args, kwargs) -> bool | None:
+        """True: every tensor argument has values; None: one has not; False: there are no tensor arguments."""
+        any_tensor = False
+        for t in _arg_tensors(args, kwargs):
+            if self._known(t) is None:
+                return None
+            any_tensor = True
+        return any_tensor
+
+    def _real(self, func, args, kwargs):
+        """`func` on the shadows, outside every mode (the caller checked every tensor argument has one);
+        _UNKNOWN where the real op fails."""
+        real_args, real_kwargs = tree_map_only(torch.Tensor, self._known, (args, kwargs))
+        try:
+            with _disable_current_modes():
+                return func(*real_args, **real_kwargs)
+        except Exception:
+            return _UNKNOWN
+
+    def _mark_stale(self, t: torch.Tensor) -> None:
+        """`t` was written with unknown values: no tensor on its storage (views included) has known values now."""
+        if not isinstance(t, FakeTensor):
+            return
+        key = id(t.untyped_storage())
+        if key in self._shadowed and key not in self._stale:
+            self._stale.add(key)
+
+    def _attach(self, fake: torch.Tensor, value: torch.Tensor) -> None:
+        setattr(fake, SHADOW, value)
+        st = fake.untyped_storage()
+        key = id(st)
+        if key not in self._shadowed:
+            self._shadowed.add(key)
+            weakref.finalize(st, self._forget_storage, key)
+
+    def _forget_storage(self, key: int) -> None:
+        self._shadowed.discard(key)
+        self._stale.discard(key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        try:
+            out = func(*args, **kwargs)
+        except DataDependentOutputException:
+            return self._read(func, args, kwargs)
+        except DynamicOutputShapeException:
+            return self._shaped_by_values(func, args, kwargs)
+        outs = _out_tensors(out)
+        if outs is None or any(t.numel() > MAX_SHADOW_ELEMENTS for t in outs):
+            known = None
+        else:
+            known = self._all_known(args, kwargs)
+            if known is False and any(t.dtype.is_floating_point or t.dtype.is_complex for t in outs):
+                known = None  # a floating-point factory: where weights start
+        real = self._real(func, args, kwargs) if known is not None else _UNKNOWN
+        if real is _UNKNOWN:
+            if self._shadowed and func._schema.is_mutable:
+                for t in _written(func, args, kwargs):
+                    self._mark_stale(t)
+            return out
+        for fake, value in zip(outs, _out_tensors(real) or (), strict=False):
+            if isinstance(fake, FakeTensor):
+                self._attach(fake, value)
+        return out
+
+    def _read(self, func, args, kwargs):
+        """A value read (`.item()`, `bool(t)`, torch.equal): the real answer, else 0 for a scalar."""
+        real = self._real(func, args, kwargs) if self._all_known(args, kwargs) is not None else _UNKNOWN
+        if real is not _UNKNOWN:
+            return real
+        if func is not _LOCAL_SCALAR:
+            raise NeedsValues(func)
+        dtype = args[0].dtype
+        return False if dtype == torch.bool else (0.0 if dtype.is_floating_point else 0)
+
+    def _shaped_by_values(self, func, args, kwargs):
+        """nonzero, masked_select, unique...: the real op on the shadows gives the shape; fakes of that shape."""
+        real = self._real(func, args, kwargs) if self._all_known(args, kwargs) is not None else _UNKNOWN
+        if real is _UNKNOWN:
+            raise NeedsValues(func)
+        device = next(_arg_tensors(args, kwargs)).device
+
+        def fake_like(value: torch.Tensor) -> torch.Tensor:
+            fake = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=device)
+            self._attach(fake, value)
+            return fake
+
+        return tree_map_only(torch.Tensor, fake_like, real)
+
+
+# -- 3. libraries -------------------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def library_view() -> Iterator[None]:
+    """Libraries' FakeTensor checks answer "not tracing" while inside (module doc, 3)."""
+    patched = []
+    hf = sys.modules.get("transformers.utils.import_utils")
+    if hf is not None and callable(getattr(hf, "is_fake_tensor", None)):
+        patched.append((hf, "is_fake_tensor", hf.is_fake_tensor))
+        hf.is_fake_tensor = lambda x: False
+    try:
+        yield
+    finally:
+        for module, name, original in patched:
+            setattr(module, name, original)
+
+
+@contextlib.contextmanager
+def real_code_paths() -> Iterator[None]:
+    """Everything above, for a stretch of work on fake tensors (enter inside FakeTensorMode)."""
+    with swappable_fakes(), library_view(), Values():
+        yield
