@@ -163,17 +163,11 @@ class ModelFile:
         return len(positional) >= 3 or any(p.kind is p.VAR_POSITIONAL for p in params)
 
     def blocks(self, model: nn.Module) -> list[nn.Module]:
-        """The modules activation checkpointing wraps: the `blocks` hook, else the longest nn.ModuleList
-        whose members all have the same type."""
+        """The modules activation checkpointing wraps: the `blocks` hook, else the members of the model's block
+        stacks (see `block_stacks`)."""
         if self.has("blocks"):
             return self._hooked_blocks(model)
-        best: list[nn.Module] = []
-        for mod in model.modules():
-            if isinstance(mod, nn.ModuleList) and len(mod) > len(best):
-                kinds = {type(m) for m in mod}
-                if len(kinds) == 1:
-                    best = list(mod)
-        return best
+        return [block for stack in block_stacks(model) for block in stack]
 
     def _hooked_blocks(self, model: nn.Module) -> list[nn.Module]:
         """The `blocks` hook's modules: an iterable of nn.Module, at least one (a defined hook that finds
@@ -224,6 +218,28 @@ class ModelFile:
         except TypeError:
             raise self.fail(hook, f"returned {reprlib.repr(returned)} ({type(returned).__name__}); expected an "
                                   "iterable of batches (a generator that yields them, or a list)") from None
+
+
+STACK_SHARE = 0.25  # a stack with under this share of the largest stack's parameters is not a block stack
+
+
+def block_stacks(model: nn.Module) -> list[nn.ModuleList]:
+    """The nn.ModuleLists whose members all have one type (an encoder's and a decoder's layers are two), largest
+    (by parameters) first; one inside another that was taken is part of it; one with under STACK_SHARE of the
+    largest one's parameters (two output heads beside twelve layers) is not a stack of blocks."""
+    def size(m: nn.Module) -> int:
+        return sum(p.numel() for p in m.parameters())
+
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) and len({type(x) for x in m}) == 1]
+    lists = sorted((m for m in lists if size(m)), key=size, reverse=True)
+    taken: list[nn.ModuleList] = []
+    inside: set[int] = set()
+    for stack in lists:
+        if id(stack) in inside or size(stack) < STACK_SHARE * size(lists[0]):
+            continue
+        taken.append(stack)
+        inside.update(id(m) for m in stack.modules())
+    return taken
 
 
 def is_compiled(model: nn.Module) -> bool:

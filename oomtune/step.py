@@ -80,7 +80,7 @@ def build_training(model_file: ModelFile, plan: Plan, device: Device, lr: float,
     if plan.sharding != "none":
         model = wrap(model, plan.sharding, model_file.blocks(model), dist)
     optimizer = model_file.optimizer([p for p in model.parameters() if p.requires_grad], lr, unwrapped(model))
-    as_on_cuda(optimizer, device)
+    as_on_cuda(optimizer, device.kind)
     t = Training(model, optimizer, _scaler(plan, device), plan, model_file, device, clip_grad_norm,
                  dist=dist, decaying=tuple(bool(g.get("weight_decay")) for g in optimizer.param_groups))
     if weight_decay is not None:
@@ -88,13 +88,13 @@ def build_training(model_file: ModelFile, plan: Plan, device: Device, lr: float,
     return t
 
 
-def as_on_cuda(optimizer: torch.optim.Optimizer, device: Device) -> None:
+def as_on_cuda(optimizer: torch.optim.Optimizer, device_kind: str) -> None:
     """Where the model file leaves torch to choose, torch runs an optimizer as `foreach` (one kernel over all its
     tensors) on CUDA and per tensor on the CPU; foreach AdamW holds a parameter-sized set of temporaries in the
     optimizer step (sqrt of the second moments for every tensor at once). The simulated devices stand in for a
     GPU, so they make CUDA's choice and their peak includes those temporaries. Again after a checkpoint's optimizer
     state is loaded: its groups bring the choice of the run that wrote it."""
-    if device.kind == "cuda":  # torch chooses for itself there
+    if device_kind == "cuda":  # torch chooses for itself there
         return
     for group in optimizer.param_groups:
         if "foreach" in group and group["foreach"] is None and not group.get("fused") \

@@ -19,6 +19,7 @@ from ..config.schema import TRIAL_STEPS, MemoryBreakdown, Plan
 from ..dist.group import LOCAL, Dist, ranks_for
 from ..errors import OomtuneError
 from ..model_file import ModelFile, is_compiled
+from ..step import as_on_cuda
 from ..units import format_bytes
 from .devices import Device, FakeDevice, TrackedDevice
 from .fakes import real_code_paths
@@ -36,19 +37,27 @@ class StaticMemory:
     optimizer_name: str
     checkpointing_supported: bool
     compiled: bool = False  # build_model() returns a torch.compile'd model
+    step_temporaries_bytes: int = 0  # the optimizer step's own scratch at its peak (foreach AdamW: a few per param)
 
     @property
     def total_bytes(self) -> int:
+        """What lives through every step: weights, gradients, optimizer state."""
         return self.weights_bytes + self.gradients_bytes + self.optimizer_bytes
+
+    @property
+    def floor_bytes(self) -> int:
+        """The least any plan peaks at: all that lives through a step, plus the optimizer step's temporaries."""
+        return self.total_bytes + self.step_temporaries_bytes
 
     def describe(self) -> str:
         return (f"weights {format_bytes(self.weights_bytes)} + gradients {format_bytes(self.gradients_bytes)} + "
-                f"{self.optimizer_name} state {format_bytes(self.optimizer_bytes)} = {format_bytes(self.total_bytes)}")
+                f"{self.optimizer_name} state {format_bytes(self.optimizer_bytes)} + the optimizer step's "
+                f"temporaries {format_bytes(self.step_temporaries_bytes)} = {format_bytes(self.floor_bytes)}")
 
 
 def static_memory(model_file: ModelFile) -> StaticMemory:
     """Build the model on fake tensors, give every parameter a gradient and take one optimizer step,
-    counting bytes after each stage (512-byte rounded, like the CUDA allocator)."""
+    counting bytes after each stage (512-byte rounded, like the CUDA allocator), and the step's own peak."""
     tracker = MemoryTracker()
     with FakeTensorMode(allow_non_fake_inputs=True), real_code_paths(), tracker, torch.device("cpu"):
         model = model_file.build()
@@ -58,13 +67,16 @@ def static_memory(model_file: ModelFile) -> StaticMemory:
             p.grad = torch.zeros_like(p)
         grads = tracker.live_bytes - weights
         opt = model_file.optimizer(params, 1e-3, model)
+        as_on_cuda(opt, FakeDevice.kind)  # foreach, as torch runs it on a GPU
+        tracker.reset_peak()
         opt.step()
         optimizer_state = tracker.live_bytes - weights - grads
+        temporaries = tracker.peak_bytes - tracker.live_bytes
         checkpointing = model_file.supports_checkpointing(model)
         name = type(opt).__name__
         compiled = is_compiled(model)
         del model, params, opt
-    return StaticMemory(weights, grads, optimizer_state, name, checkpointing, compiled)
+    return StaticMemory(weights, grads, optimizer_state, name, checkpointing, compiled, temporaries)
 
 
 PART_LABELS = {

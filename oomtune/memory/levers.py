@@ -15,11 +15,10 @@ from .margin import Margin
 def why_nothing_fits(bd: MemoryBreakdown, plan: Plan, static: StaticMemory, limit_bytes: int, budget_bytes: int,
                      headroom: float, margin: Margin) -> str:
     allowed = f"{format_bytes(limit_bytes)} allowed ({format_bytes(budget_bytes)} budget, {headroom:.0%} headroom)"
-    if margin.total(static.total_bytes) > limit_bytes:
-        over = margin.overhead(static.total_bytes)
+    if margin.total(static.floor_bytes) > limit_bytes:
+        over = margin.overhead(static.floor_bytes)
         plus = f" + margin {format_bytes(over)}" if over else ""
-        return (f"weights + gradients + {static.optimizer_name} state = {format_bytes(static.total_bytes)}{plus} > "
-                f"{allowed}, before a single activation")
+        return f"{static.describe()}{plus} > {allowed}, before a single activation"
     margin_text = f" + margin {format_bytes(bd.margin_bytes)}" if bd.margin_bytes else ""
     floor = bd.parameters_bytes + bd.gradients_bytes + bd.optimizer_state_bytes
     return (f"even {plan.describe()} peaks at {format_bytes(bd.peak_bytes)} > {allowed}: weights + gradients + "

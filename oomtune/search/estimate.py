@@ -79,7 +79,7 @@ def _estimate(model_file, device, targets, headroom, steps, objective, amp, on_s
     limit = int(device.budget_bytes * (1 - headroom))
     static = static_memory(model_file)
     sharded_by, no_fsdp = fsdp_reach(device, world, sharding)
-    if device.margin.total(static.total_bytes // sharded_by) > limit:
+    if device.margin.total(static.floor_bytes // sharded_by) > limit:
         # nothing can fit: skip the ladder (every trial would run out) and explain with the smallest plan
         search = ProbeResult(LadderResult((), None, ()), [], static, targets, limit, None, world_size=world,
                              budget_bytes=device.budget_bytes)

@@ -85,7 +85,8 @@ def _record(trial: Trial, seconds: float, world_size: int = 1) -> TrialRecord:
 def why_nothing_fits(ladder: LadderResult, targets: Targets, static: StaticMemory, limit: int, world: int) -> str:
     found = [r for r in ladder.rungs if r.found]
     if not found:
-        results = {t.result for t in ladder.trials}
+        results = {t.result for t in ladder.trials if t.point.micro_batch_size == 1} or \
+            {t.result for t in ladder.trials}  # what micro-batch 1, which the reason names, did
         how = ("runs out of memory" if results <= {"oom"} else "goes over the limit (the budget less the headroom)"
                if "oom" not in results else "runs out of memory or goes over the limit")
         allow = "Allow a shorter --min-context, or use" if targets.min_context > 1 else "Use"  # a context of 1: none
@@ -103,10 +104,11 @@ def why_nothing_fits(ladder: LadderResult, targets: Targets, static: StaticMemor
 
 def check_static_fits(static: StaticMemory, device: Device, limit_bytes: int, headroom: float,
                       world_size: int = 1) -> None:
-    if static.total_bytes // world_size > limit_bytes:  # FSDP shards it across the ranks
+    if static.floor_bytes // world_size > limit_bytes:  # FSDP shards it across the ranks
         raise OomtuneError(
             f"budget {format_bytes(device.budget_bytes)} ({format_bytes(limit_bytes)} after {headroom:.0%} "
-            f"headroom) is too small for the weights alone: {static.describe()}",
+            f"headroom) is too small for the weights alone: {static.describe()}"
+            + (f", {format_bytes(static.floor_bytes // world_size)} per rank" if world_size > 1 else ""),
             BAD_INPUT,
         )
 

@@ -113,7 +113,7 @@ def restore(checkpointer: Checkpointer, path: Path, state: dict[str, Any], t: Tr
                            BAD_INPUT) from None
     device.account(t.optimizer)  # the loaded state was made outside measure()
     set_weight_decay(t, weight_decay)  # the loaded groups bring the old run's (a flag may change it)
-    as_on_cuda(t.optimizer, device)  # and their foreach choice
+    as_on_cuda(t.optimizer, device.kind)  # and their foreach choice
 
 
 def resume_notes(state: dict[str, Any], plan: Plan, in_file: Plan, data_hook: str) -> list[Note]:
