@@ -172,7 +172,8 @@ def test_nothing_fits_says_why_and_names_the_levers(tiny_gpt, tmp_path):
     assert not (tmp_path / "x.yaml").exists()
     r = run_cli("estimate", EXAMPLES / "tiny_gpt.py", "--budget", str(budget), "--margin", "0",
                 "--out", tmp_path / "x.yaml")
-    assert "AdamW state" in r.stderr and "the optimizer step's temporaries" in r.stderr and "what would help" in r.stdout
+    assert "AdamW state" in r.stderr and "the optimizer step's temporaries" in r.stderr
+    assert "what would help" in r.stdout
 
 
 def test_what_if_one_plan(tmp_path):
