@@ -191,15 +191,15 @@ class ModelFile:
         """Also validates a `blocks` hook, so static_memory (before any trial) rejects a bad one."""
         if self.has("blocks"):
             return bool(self._hooked_blocks(model))
-        return hasattr(model, "gradient_checkpointing_enable") or bool(self.blocks(model))
+        return _hf_checkpointing(model) is not None or bool(self.blocks(model))
 
     def enable_checkpointing(self, model: nn.Module) -> None:
-        """Recompute each block's activations in backward instead of keeping them."""
-        if not self.has("blocks") and hasattr(model, "gradient_checkpointing_enable"):  # Hugging Face models
-            try:
-                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            except TypeError:  # older transformers
-                model.gradient_checkpointing_enable()
+        """Recompute each block's activations in backward instead of keeping them: Hugging Face models (PEFT-wrapped
+        too) through their own switch, the rest by wrapping `blocks`."""
+        enable = None if self.has("blocks") else _hf_checkpointing(model)
+        if enable is not None:
+            with self.user_code(f"the model's {enable.__name__}()"):
+                _enable_hf_checkpointing(model, enable)
             return
         blocks = self.blocks(model)
         if not blocks:
@@ -256,6 +256,31 @@ def eager_note(label: str, device_kind: str, training: bool = False) -> str:
             "measured compiled)")
     return (f"{label}: build_model() returns a torch.compile'd model, but torch.compile does not run under the "
             f"{device_kind} device's memory tracker: {what}")
+
+
+def _hf_checkpointing(model: nn.Module) -> Callable | None:
+    """A Hugging Face model's own checkpointing switch (transformers 5 renamed it), through a PEFT wrapper too."""
+    for name in ("activation_checkpointing_enable", "gradient_checkpointing_enable"):
+        enable = getattr(model, name, None)
+        if callable(enable):
+            return enable
+    return None
+
+
+def _enable_hf_checkpointing(model: nn.Module, enable: Callable) -> None:
+    """Non-reentrant checkpointing, which needs no input that requires grad; where transformers is too old to be
+    told so (reentrant), a model whose input embeddings are frozen (PEFT) gets `enable_input_require_grads`, or
+    no gradient would flow back through the checkpointed layers to the adapters."""
+    key = "activation_checkpointing_kwargs" if enable.__name__.startswith("activation") else \
+        "gradient_checkpointing_kwargs"
+    try:
+        enable(**{key: {"use_reentrant": False}})
+    except TypeError:  # transformers before 4.35: reentrant only
+        enable()
+        embeddings = getattr(model, "get_input_embeddings", lambda: None)()
+        frozen = embeddings is not None and not any(p.requires_grad for p in embeddings.parameters())
+        if frozen and callable(getattr(model, "enable_input_require_grads", None)):
+            model.enable_input_require_grads()
 
 
 def _checkpointed(forward: Callable) -> Callable:

@@ -306,3 +306,33 @@ def test_the_probes_plan_trains_50_steps_under_the_same_cap_without_an_oom(cappe
     assert run.step == 50 and not run.interrupted
     assert run.fallbacks == () and run.plan == plan  # no OOM: the trainer never had to cut the plan
     assert math.isfinite(run.last_loss) and run.last_loss < run.first_loss  # tiny_gpt trains on real text
+
+
+def test_a_peft_lora_model_probes_trains_and_its_fake_estimate_is_close(tmp_path):
+    """A PEFT LoRA Hugging Face Llama (tests/finetune/models) on the GPU: the probe finds a plan, it trains 3 steps,
+    and the fake device's tensor peak for that plan is near the GPU's allocated peak (the GPU adds cuBLAS
+    workspaces and allocator blocks; make gpu-check prints both)."""
+    for module in ("transformers", "peft", "yaml"):
+        pytest.importorskip(module)
+    from pathlib import Path
+
+    from oomtune.memory.breakdown import breakdown
+    from oomtune.memory.devices import FakeDevice
+    from oomtune.memory.margin import Margin
+
+    model = Path(__file__).parent / "finetune" / "models" / "hf_llama_lora.py"
+    r = run_cli("probe", model, "--device", "cuda", "--budget", "4GiB", "--batch", "16", "--context", "256",
+                "--out", tmp_path / "best.yaml", "--json")
+    assert r.exit_code == 0, r.output
+    t = run_cli("train", "--config", tmp_path / "best.yaml", "--device", "cuda", "--steps", "3",
+                "--run-dir", tmp_path / "run")
+    assert t.exit_code == 0, t.output
+    mf = load_model_file(model)
+    from oomtune.config.loading import load_config
+
+    plan = load_config(tmp_path / "best.yaml").plan
+    real = run_trial(mf, plan, make_device("cuda", "4GiB"))
+    fake = breakdown(mf, plan, FakeDevice("4GiB", margin=Margin()))
+    print(f"LoRA Llama {plan.describe()}: cuda allocated peak {real.peak_allocated_bytes}, reserved "
+          f"{real.peak_bytes}; fake tensor peak {fake.tensor_peak_bytes}")
+    assert 0.9 * fake.tensor_peak_bytes <= real.peak_allocated_bytes <= 1.5 * fake.tensor_peak_bytes + 64 * MiB

@@ -148,19 +148,29 @@ def test_default_loss_explains_an_output_it_cannot_read(write_model):
         mf.loss(mf.build(), mf.batch(2, 3, torch.device("cpu")))
 
 
-def test_default_blocks_is_the_longest_modulelist_of_one_type():
+def test_default_blocks_are_every_stack_of_one_type_of_module():
+    """An encoder's and a decoder's layers are two stacks (both wrapped); a ModuleList of mixed modules is none; two
+    small heads beside them (under a quarter of the largest stack's parameters) are not blocks; a list inside a block
+    is part of that block."""
     mf = load_model_file(EXAMPLES / "tiny_gpt.py")
     model = mf.build()
     assert mf.blocks(model) == list(model.h)
 
-    class Mixed(nn.Module):
+    class Layer(nn.Module):
         def __init__(self):
             super().__init__()
-            self.mixed = nn.ModuleList([nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2), nn.Tanh()])  # longer, mixed
-            self.layers = nn.ModuleList([nn.Linear(2, 2) for _ in range(3)])
+            self.inner = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
 
-    m = Mixed()
-    assert mf.blocks(m) == list(m.layers)
+    class EncoderDecoder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mixed = nn.ModuleList([nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2), nn.Tanh(), nn.Linear(2, 2)])
+            self.encoder = nn.ModuleList(Layer() for _ in range(3))
+            self.decoder = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+            self.heads = nn.ModuleList(nn.Linear(8, 1) for _ in range(2))
+
+    m = EncoderDecoder()
+    assert mf.blocks(m) == [*m.encoder, *m.decoder]
 
 
 def test_checkpointing_recomputes_every_block_in_backward_and_keeps_gradients_identical():

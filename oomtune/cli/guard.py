@@ -5,6 +5,7 @@ ranks prefixes its rank and exits 3 when it only stopped because a peer did."""
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import threading
@@ -21,6 +22,35 @@ from .console import err
 
 def _drop_record(record: logging.LogRecord) -> bool:
     return False
+
+
+# libraries a model file brings whose one-time warnings (deprecations, "Failed to load" an optional kernel) are noise
+# in every command's output; --debug shows them. torch.utils._pytree warns when one of them registers a constant the
+# old way.
+LIBRARIES = ("transformers", "peft", "torchao", "accelerate", "bitsandbytes", "huggingface_hub", "tokenizers")
+LIBRARY_LOGGERS = ("torchao", "peft", "accelerate", "bitsandbytes", "huggingface_hub", "torch.utils._pytree")
+
+
+def _below_error(record: logging.LogRecord) -> bool:
+    return record.levelno >= logging.ERROR
+
+
+def _quiet_libraries(debug: bool) -> None:
+    """Library warnings off unless --debug: Python warnings raised in their modules, their loggers below ERROR
+    (transformers through its own TRANSFORMERS_VERBOSITY, read when it is imported, and its API where it was)."""
+    for name in LIBRARY_LOGGERS:
+        log = logging.getLogger(name)
+        if debug:
+            log.removeFilter(_below_error)
+        elif _below_error not in log.filters:
+            log.addFilter(_below_error)
+    if debug:
+        return
+    warnings.filterwarnings("ignore", module=rf"({'|'.join(LIBRARIES)})(\.|$)")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    hf_logging = sys.modules.get("transformers.utils.logging")
+    if hf_logging is not None:
+        hf_logging.set_verbosity_error()
 
 
 def _quiet_torch_noise(debug: bool) -> None:
@@ -87,6 +117,7 @@ def user_errors(debug: bool):
     rank = worker_rank()
     who = escape(f"[rank {rank}] ") if rank is not None else ""
     _quiet_torch_noise(debug)
+    _quiet_libraries(debug)
     try:
         with _remember_sigint():
             yield

@@ -97,9 +97,11 @@ def computing_where_needed(device: Device, label: str, run: Callable[[], T]) -> 
     except NeedsValues as e:
         if not isinstance(device, FakeDevice) or device.computes:
             raise
-        device.compute_instead()
-        return run(), (f"{label}: {e.message}, so it was measured on real tensors computed on the cpu (the same "
-                       "tracker and margin; slower, and it needs the RAM)")
+        note = (f"{label}: {e.message}, so it was measured on real tensors computed on the cpu (the same tracker "
+                "and margin; slower, and it needs the RAM)")
+    device.release()  # outside the except block, whose traceback holds the failed trial's tensors
+    device.compute_instead()
+    return run(), note
 
 
 def run_trial(model_file: ModelFile, plan: Plan, device: Device, steps: int = TRIAL_STEPS,

@@ -1,0 +1,163 @@
+"""Model files of the kinds fine-tuning users bring (tests/finetune/models): a PEFT LoRA Hugging Face Llama, a
+build_model() that calls .to(), a BERT fed an attention mask, a T5, a compiled model and a top-1 MoE routing tokens
+with nonzero. Each runs probe (device: cpu), train for 3 steps (cpu), estimate (fake) and check (fake) and exits 0,
+and the fake device's tensor peak for the probe's plan is the cpu device's to the byte: the code paths are the same
+(the MoE's shapes depend on its weights, so the fake device computes it on the cpu and says so)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import warnings
+from pathlib import Path
+
+import pytest
+
+from oomtune.config.loading import load_config
+from oomtune.memory.tracker import rounded
+from oomtune.model_file import block_stacks, load_model_file
+
+from ..conftest import metrics, run_cli
+
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+MODELS = Path(__file__).parent / "models"
+KINDS = ["hf_llama_lora", "moved", "hf_bert_mask", "hf_t5", "compiled", "moe_nonzero"]
+BUDGET = ("--budget", "64MiB")
+
+
+def _probe_train_estimate_check(kind: str, tmp_path: Path) -> tuple[dict, dict, dict, str]:
+    model = MODELS / f"{kind}.py"
+    probe = run_cli("probe", model, "--device", "cpu", *BUDGET, "--out", tmp_path / "best.yaml", "--json")
+    assert probe.exit_code == 0, probe.output
+    train = run_cli("train", "--config", tmp_path / "best.yaml", "--steps", "3", "--log-every-n-steps", "1",
+                    "--run-dir", tmp_path / "run")
+    assert train.exit_code == 0, train.output
+    assert [r["step"] for r in metrics(tmp_path / "run")] == [1, 2, 3]
+    estimate = run_cli("estimate", model, *BUDGET, "--margin", "0", "--out", tmp_path / "est.yaml", "--json")
+    assert estimate.exit_code == 0, estimate.output
+    check = run_cli("check", "--config", tmp_path / "best.yaml", "--json")  # fake; a cpu-probed config: margin 0
+    assert check.exit_code == 0, check.output
+    return json.loads(probe.stdout), json.loads(estimate.stdout), json.loads(check.stdout), train.output
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_each_kind_probes_trains_estimates_and_checks_and_fake_equals_cpu(kind, tmp_path):
+    probed, estimated, checked, _ = _probe_train_estimate_check(kind, tmp_path)
+    print(f"{kind}: plan {probed['plan']}, cpu peak {probed['peak_bytes']}, fake {estimated['peak_bytes']}, "
+          f"check {checked['new_peak_bytes']}; notes {estimated['notes'] + checked['notes']}")
+    assert estimated["plan"] == probed["plan"]
+    assert estimated["peak_bytes"] == probed["peak_bytes"] == checked["new_peak_bytes"]  # to the byte
+    computed = [n for n in estimated["notes"] + checked["notes"] if "computed on the cpu" in n]
+    assert bool(computed) == (kind == "moe_nonzero")  # only the MoE needs values the fake device lacks
+
+
+def test_a_frozen_base_has_no_gradients_or_optimizer_state_and_tied_weights_count_once():
+    """device: fake (static memory). LoRA: gradients and AdamW's two moments for the adapters only. moved.py: its
+    head is its embedding (counted once), its frozen block has none."""
+    from oomtune.memory.breakdown import static_memory
+
+    for kind in ("hf_llama_lora", "moved"):
+        mf = load_model_file(MODELS / f"{kind}.py")
+        model = mf.build()  # real tensors, for the expected counts
+        unique = {id(p): p for p in model.parameters()}.values()
+        trainable = [p for p in unique if p.requires_grad]
+        assert len(trainable) < len(unique)
+        static = static_memory(mf)
+        assert static.weights_bytes == sum(rounded(p.numel() * 4) for p in unique) + \
+            sum(rounded(b.numel() * b.element_size()) for b in model.buffers())
+        assert static.gradients_bytes == sum(rounded(p.numel() * 4) for p in trainable)
+        moments = 2 * static.gradients_bytes
+        assert moments <= static.optimizer_bytes <= moments + len(trainable) * 512  # + a step count per tensor
+    assert model.head.weight is model.embed.weight
+
+
+def test_the_fake_device_sees_the_attention_mask_real_tensors_give(monkeypatch):
+    """devices: cpu and fake. Inside BERT's first attention, the mask is what real tensors make of the batch's:
+    none for an all-ones mask (transformers drops it, SDPA masks nothing), and the same 4-D mask where rows are
+    padded. Fails if fake tensors take another code path (they once kept a (B, 1, T, T) fp32 mask per layer)."""
+    from oomtune.config.schema import Plan
+    from oomtune.memory.devices import CpuDevice, make_device
+    from oomtune.search.trial import run_trial
+
+    def seen_mask(mf, device) -> tuple | None:
+        seen = []
+
+        def observe(t, phase):
+            if phase == "forward" and not seen:
+                attention = t.model.bert.encoder.layer[0].attention.self
+                attention.register_forward_pre_hook(lambda m, a, kw: seen.append(kw.get("attention_mask")),
+                                                    with_kwargs=True)
+
+        run_trial(mf, Plan(2, 32), device, observe=observe)
+        mask = seen[0]
+        return None if mask is None else (tuple(mask.shape), mask.dtype)
+
+    for pad_from in (None, 24):
+        monkeypatch.setenv("PAD_FROM", "" if pad_from is None else str(pad_from))
+        mf = load_model_file(MODELS / "hf_bert_mask.py")
+        real, fake = seen_mask(mf, CpuDevice("1GiB")), seen_mask(mf, make_device("fake", "1GiB"))
+        print(f"padding from {pad_from}: the first attention sees {real} on cpu, {fake} on fake")
+        assert fake == real
+        assert (real is None) == (pad_from is None)
+
+
+def test_the_moe_and_the_compiled_model_say_how_they_were_measured(tmp_path):
+    """devices: cpu and fake. The MoE: estimate and check say the fake device computed on the cpu (nonzero on the
+    router's output). The compiled model: probe, its config, check and train say the tracker ran it eager."""
+    _, estimated, checked, _ = _probe_train_estimate_check("moe_nonzero", tmp_path / "moe")
+    for notes in (estimated["notes"], checked["notes"]):
+        assert notes == ["moe_nonzero.py: aten.nonzero has an output that depends on tensor values (data-dependent), "
+                         "which fake tensors do not have, so it was measured on real tensors computed on the cpu (the "
+                         "same tracker and margin; slower, and it needs the RAM)"]
+    probed, estimated, checked, trained = _probe_train_estimate_check("compiled", tmp_path / "compiled")
+    eager = "compiled.py: build_model() returns a torch.compile'd model, but torch.compile does not run under the "
+    assert eager + "cpu device's memory tracker: memory was measured on the eager model" in " ".join(probed["notes"])
+    assert eager + "fake device's memory tracker" in " ".join(estimated["notes"] + checked["notes"])
+    assert any(n.startswith(eager) for n in load_config(tmp_path / "compiled" / "best.yaml").found_by.notes)
+    assert eager + "cpu device's memory tracker: it trains uncompiled here" in " ".join(trained.split())
+
+
+def test_a_lora_checkpoint_resumes_the_run_exactly(tmp_path):
+    """device: cpu. LoRA adapters and their AdamW state come back from the step-2 checkpoint: steps 3-4 are the
+    uninterrupted run's, loss for loss."""
+    model = MODELS / "hf_llama_lora.py"
+    assert run_cli("probe", model, "--device", "cpu", *BUDGET, "--out", tmp_path / "best.yaml").exit_code == 0
+    args = ("train", "--config", tmp_path / "best.yaml", "--steps", "4", "--checkpoint-interval", "2",
+            "--log-every-n-steps", "1", "--lr", "0.01")
+    assert run_cli(*args, "--run-dir", tmp_path / "whole").exit_code == 0
+    shutil.copytree(tmp_path / "whole", tmp_path / "resumed")
+    (tmp_path / "resumed" / "ckpt-00000004.pt").unlink()
+    r = run_cli(*args, "--run-dir", tmp_path / "resumed", "--resume")
+    assert r.exit_code == 0, r.output
+    whole, resumed = metrics(tmp_path / "whole"), metrics(tmp_path / "resumed")
+    assert [m["loss"] for m in resumed] == [m["loss"] for m in whole]
+    assert whole[0]["loss"] != whole[-1]["loss"]  # the adapters trained
+
+
+def test_t5s_two_block_stacks_are_both_found_and_hf_checkpointing_works_through_peft():
+    mf = load_model_file(MODELS / "hf_t5.py")
+    stacks = block_stacks(mf.build())
+    assert [(type(s[0]).__name__, len(s)) for s in stacks] == [("T5Block", 2), ("T5Block", 2)]
+    lora = load_model_file(MODELS / "hf_llama_lora.py")
+    model = lora.build()
+    lora.enable_checkpointing(model)
+    assert model.base_model.model.model.layers[0].gradient_checkpointing
+
+
+def test_library_warnings_show_only_with_debug(tmp_path):
+    """device: fake. transformers' deprecation warning (PEFT reads a renamed attribute in get_peft_model) is not
+    shown by every command; --debug shows it. (Recorded, not read from stderr: pytest takes the warnings.)"""
+    model = MODELS / "hf_llama_lora.py"
+    args = ("estimate", model, *BUDGET, "--margin", "0", "--micro-batch", "2")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")  # every warning every time: what is hidden is hidden by oomtune
+        loud = run_cli(*args, "--debug")
+        shown_loud = [str(w.message) for w in seen if w.category is FutureWarning]
+        seen.clear()
+        quiet = run_cli(*args)
+        shown_quiet = [str(w.message) for w in seen]
+    assert loud.exit_code == quiet.exit_code == 0, quiet.output
+    assert any("is_gradient_checkpointing` is deprecated" in m for m in shown_loud), shown_loud
+    assert shown_quiet == []

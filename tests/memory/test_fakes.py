@@ -1,0 +1,87 @@
+"""Fake tensors that take real tensors' code path (oomtune.memory.fakes). device: fake (a FakeTensorMode with
+`real_code_paths`, as the fake device measures)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+from oomtune.memory.fakes import NeedsValues, real_code_paths, shadow_of
+
+
+@contextlib.contextmanager
+def fake():
+    with FakeTensorMode(allow_non_fake_inputs=True), real_code_paths(), torch.device("cpu"):
+        yield
+
+
+class Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.head = nn.Linear(8, 16, bias=False)
+        self.head.weight = self.embed.weight
+        self.frozen = nn.Linear(8, 8).requires_grad_(False)
+
+
+def test_moving_and_casting_a_fake_model_keeps_its_parameters_ties_and_frozen_ones():
+    with fake():
+        model = Tied()
+        weight = model.embed.weight
+        model.to("cpu").half().to(torch.float32)
+        assert isinstance(model.embed.weight, FakeTensor) and model.embed.weight.dtype == torch.float32
+        assert model.embed.weight is weight and model.head.weight is model.embed.weight  # the same Parameter
+        assert not model.frozen.weight.requires_grad and model.embed.weight.requires_grad
+    with FakeTensorMode(allow_non_fake_inputs=True), torch.device("cpu"):  # without it, torch refuses the swap
+        with pytest.raises(RuntimeError, match="Couldn't swap"):
+            nn.Linear(4, 4).to("cpu")
+
+
+def test_values_computed_from_the_batch_are_read_as_real_ones_give_them():
+    with fake():
+        mask = torch.ones(2, 6, dtype=torch.long)
+        assert isinstance(mask, FakeTensor) and shadow_of(mask) is not None
+        assert bool(mask.all()) and int(mask.sum()) == 12
+        mask[:, 4:] = 0
+        assert not bool(mask.all()) and int(mask.sum()) == 8
+        picked = mask.nonzero()  # an output shape from values: known here
+        assert isinstance(picked, FakeTensor) and picked.shape == (8, 2)
+        positions = torch.arange(6).expand(2, 6)
+        assert int((positions * mask).max()) == 3
+
+
+def test_values_that_come_from_weights_are_unknown():
+    """A weight has no values on the fake device: a scalar read of one reads 0 (GradScaler's found-inf: finite), an
+    output shape from one raises NeedsValues (the search then computes on the cpu)."""
+    with fake():
+        layer = nn.Linear(4, 3)
+        x = torch.ones(5, 4)
+        scores = layer(x)
+        assert shadow_of(scores) is None  # the model's own compute is never run for real
+        assert float(scores.sum()) == 0.0
+        with pytest.raises(NeedsValues, match="aten.nonzero has an output that depends on tensor values"):
+            (scores.argmax(-1) == 1).nonzero()
+
+
+def test_a_known_tensor_written_with_unknown_values_is_unknown_after():
+    with fake():
+        ids = torch.zeros(4, dtype=torch.long)
+        view = ids[:2]
+        weights = nn.Linear(1, 1).weight
+        view.copy_(weights.reshape(-1).long().expand(2))  # through a view: the base is stale too
+        assert shadow_of(ids) is not None  # the attribute is still there, but it is not trusted:
+        with pytest.raises(NeedsValues):
+            ids.nonzero()
+
+
+def test_transformers_is_not_told_a_fake_tensor_is_tracing():
+    hf = pytest.importorskip("transformers.utils.import_utils")
+    with fake():
+        t = torch.ones(2)
+        assert hf.is_tracing(t) is False
+    with FakeTensorMode():
+        assert hf.is_tracing(torch.ones(2)) is True  # outside a measurement transformers' own answer stands
