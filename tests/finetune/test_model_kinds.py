@@ -42,15 +42,32 @@ def _probe_train_estimate_check(kind: str, tmp_path: Path) -> tuple[dict, dict, 
     return json.loads(probe.stdout), json.loads(estimate.stdout), json.loads(check.stdout), train.output
 
 
+COMPUTED = ("moe_nonzero.py: aten.nonzero has an output that depends on tensor values (data-dependent), which fake "
+            "tensors do not have, so it was measured on real tensors computed on the cpu (the same tracker and "
+            "margin; slower, and it needs the RAM)")
+EAGER = "compiled.py: build_model() returns a torch.compile'd model, but torch.compile does not run under the "
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_each_kind_probes_trains_estimates_and_checks_and_fake_equals_cpu(kind, tmp_path):
-    probed, estimated, checked, _ = _probe_train_estimate_check(kind, tmp_path)
+    """Where a kind measures differently from what one would assume, the output says so: the MoE (estimate and
+    check computed on the cpu), the compiled model (probe, its config, check and train: the tracker ran it eager)."""
+    probed, estimated, checked, trained = _probe_train_estimate_check(kind, tmp_path)
     print(f"{kind}: plan {probed['plan']}, cpu peak {probed['peak_bytes']}, fake {estimated['peak_bytes']}, "
           f"check {checked['new_peak_bytes']}; notes {estimated['notes'] + checked['notes']}")
     assert estimated["plan"] == probed["plan"]
     assert estimated["peak_bytes"] == probed["peak_bytes"] == checked["new_peak_bytes"]  # to the byte
     computed = [n for n in estimated["notes"] + checked["notes"] if "computed on the cpu" in n]
-    assert bool(computed) == (kind == "moe_nonzero")  # only the MoE needs values the fake device lacks
+    assert computed == ([COMPUTED, COMPUTED] if kind == "moe_nonzero" else [])  # only it needs missing values
+    eager = [n for n in probed["notes"] + estimated["notes"] + checked["notes"] if n.startswith(EAGER)]
+    assert len(eager) == (3 if kind == "compiled" else 0)
+    if kind == "compiled":
+        assert EAGER + "cpu device's memory tracker: memory was measured on the eager model" in probed["notes"][-1]
+        assert EAGER + "fake device's memory tracker" in checked["notes"][0]
+        assert load_config(tmp_path / "best.yaml").found_by.notes == tuple(probed["notes"])
+        assert EAGER + "cpu device's memory tracker: it trains uncompiled here" in " ".join(trained.split())
+
+
 
 
 def test_a_frozen_base_has_no_gradients_or_optimizer_state_and_tied_weights_count_once():
@@ -101,22 +118,6 @@ def test_the_fake_device_sees_the_attention_mask_real_tensors_give(monkeypatch):
         print(f"padding from {pad_from}: the first attention sees {real} on cpu, {fake} on fake")
         assert fake == real
         assert (real is None) == (pad_from is None)
-
-
-def test_the_moe_and_the_compiled_model_say_how_they_were_measured(tmp_path):
-    """devices: cpu and fake. The MoE: estimate and check say the fake device computed on the cpu (nonzero on the
-    router's output). The compiled model: probe, its config, check and train say the tracker ran it eager."""
-    _, estimated, checked, _ = _probe_train_estimate_check("moe_nonzero", tmp_path / "moe")
-    for notes in (estimated["notes"], checked["notes"]):
-        assert notes == ["moe_nonzero.py: aten.nonzero has an output that depends on tensor values (data-dependent), "
-                         "which fake tensors do not have, so it was measured on real tensors computed on the cpu (the "
-                         "same tracker and margin; slower, and it needs the RAM)"]
-    probed, estimated, checked, trained = _probe_train_estimate_check("compiled", tmp_path / "compiled")
-    eager = "compiled.py: build_model() returns a torch.compile'd model, but torch.compile does not run under the "
-    assert eager + "cpu device's memory tracker: memory was measured on the eager model" in " ".join(probed["notes"])
-    assert eager + "fake device's memory tracker" in " ".join(estimated["notes"] + checked["notes"])
-    assert any(n.startswith(eager) for n in load_config(tmp_path / "compiled" / "best.yaml").found_by.notes)
-    assert eager + "cpu device's memory tracker: it trains uncompiled here" in " ".join(trained.split())
 
 
 def test_a_lora_checkpoint_resumes_the_run_exactly(tmp_path):
