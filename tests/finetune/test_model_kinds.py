@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import shutil
 import warnings
+from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
@@ -19,8 +20,9 @@ from oomtune.model_file import block_stacks, load_model_file
 
 from ..conftest import metrics, run_cli
 
-pytest.importorskip("transformers")
-pytest.importorskip("peft")
+# a mark, not importorskip: importing peft takes ~10 s, and every pytest worker would pay it collecting this file
+pytestmark = pytest.mark.skipif(find_spec("transformers") is None or find_spec("peft") is None,
+                                reason="transformers and peft are not installed (pip install -e '.[dev]')")
 
 MODELS = Path(__file__).parent / "models"
 KINDS = ["hf_llama_lora", "moved", "hf_bert_mask", "hf_t5", "compiled", "moe_nonzero"]
