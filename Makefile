@@ -32,11 +32,11 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check oomtune tests examples bench scripts
 
 # single-threaded torch: on a busy 2-core machine OpenMP's spin-waiting makes two threads ~10x slower than one;
-# four pytest workers (pytest-xdist) on two cores, each test file on one of them (module fixtures are built once):
-# the multi-rank tests wait on timeouts and rendezvous, and the extra workers use those seconds (on a fresh clone
-# the suite took 5:33 with three, 4:59 with four; 6:10 with two in the working copy)
+# three pytest workers (pytest-xdist) on two cores, each test file on one of them (module fixtures are built once):
+# the multi-rank tests wait on timeouts and rendezvous, and a third worker uses those seconds (working copy: 5:00
+# against 6:10 with two; fresh clones: 5:23 and 5:33 with three, 4:59 and 6:11 with four, so no gain from a fourth)
 test: lint
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -q -n 4 --dist loadfile
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -q -n 3 --dist loadfile
 
 # The real-GPU truth, on a machine with an NVIDIA GPU (< 8 minutes): the `gpu` tests, then the fake-vs-real memory
 # table and the probe's trials and wall time. The machine's own python3 with the checkout on PYTHONPATH: no venv,
