@@ -68,9 +68,7 @@ def build_training(model_file: ModelFile, plan: Plan, device: Device, lr: float,
         with device.placement():
             model = model_file.build()
         if any(t.device != device.torch_device for t in (*model.parameters(), *model.buffers())):
-            model.to(device.torch_device)  # anything build_model placed explicitly elsewhere (never on fake
-            #                                tensors: Module.to swaps them, and a FakeTensor with weak references
-            #                                refuses)
+            model.to(device.torch_device)  # anything build_model placed explicitly elsewhere (`.to("cuda")`)
         return model
 
     model = dist.agreed(build) if plan.sharding != "none" else build()  # before any collective

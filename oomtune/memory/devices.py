@@ -194,12 +194,12 @@ class FakeDevice(TrackedDevice):
     """The estimator: no compute. Inside `measure()` every tensor is a FakeTensor on the cpu device (shape,
     dtype and storage size, no data), so a trial builds the model and runs the real training step for the
     cost of its Python, and the same MemoryTracker as `cpu` counts the bytes: the two agree to the byte.
-    The model is built straight into fake tensors (the design's meta device, already materialised): a model
-    built on meta and moved with `.to()` cannot be, since Module._apply swaps each parameter and fake
-    tensors refuse the swap.
+    The model is built straight into fake tensors (the design's meta device, already materialised), and
+    `fakes.real_code_paths` makes them take real tensors' code path (`.to()` in build_model, masks' values).
+    Where a shape depends on values it lacks, `compute_instead` measures on real tensors from then on.
 
     It stands in for a GPU of `budget` bytes: the peak it reports is the tensor peak plus `margin` (what a
-    real GPU needs beyond tensors, see gpus_table.Margin); its OOM fires when that total passes the budget."""
+    real GPU needs beyond tensors, see margin.Margin); its OOM fires when that total passes the budget."""
 
     kind = "fake"
     computes = False

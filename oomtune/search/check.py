@@ -97,7 +97,7 @@ def check(config: Config, model_file: ModelFile, *, device_kind: str = "fake", b
                                               lambda: breakdown(model_file, config.plan, device, steps))
         notes = (eager_note(model_file.label, device.kind),) if static_memory(model_file).compiled else ()
         return CheckResult(bd.peak_bytes <= limit, config.plan, device.kind, budget_bytes, headroom, limit,
-                           old_peak, bd.peak_bytes, old_bd, bd, notes=notes + ((computed,) if computed else ()))
+                           old_peak, bd.peak_bytes, old_bd, bd, notes=notes + computed)
     r = run_trial(model_file, config.plan, device, steps)
     fits = not r.oom and r.peak_bytes is not None and r.peak_bytes <= limit
     return CheckResult(fits, config.plan, device.kind, budget_bytes, headroom, limit, old_peak,

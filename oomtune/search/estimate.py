@@ -68,8 +68,7 @@ def estimate(model_file: ModelFile, device: FakeDevice, targets, *, headroom: fl
     with ranks as d:
         result, computed = computing_where_needed(device, model_file.label, lambda: _estimate(
             model_file, device, targets, headroom, steps, objective, amp, on_start, on_trial, d, sharding))
-    if computed:  # the breakdown needed the values (the probe says so itself where its ladder did)
-        result.search.notes += (computed,)
+    result.search.notes += computed  # where the breakdown needed the values (the probe notes its own ladder's)
     return result
 
 
@@ -127,7 +126,7 @@ def what_if(model_file: ModelFile, plan: Plan, device: FakeDevice | None, margin
         unbounded = FakeDevice(str(1 << 50), margin=margin)
         bd, computed = computing_where_needed(unbounded, model_file.label,
                                               lambda: breakdown(model_file, plan, unbounded, steps))
-        return WhatIf(plan, bd, None, None, headroom, notes=(computed,) if computed else ())
+        return WhatIf(plan, bd, None, None, headroom, notes=computed)
     limit = int(device.budget_bytes * (1 - headroom))
     bd, computed = computing_where_needed(device, model_file.label, lambda: breakdown(model_file, plan, device, steps))
     lev: tuple[str, ...] = ()
@@ -135,7 +134,7 @@ def what_if(model_file: ModelFile, plan: Plan, device: FakeDevice | None, margin
         static = static_memory(model_file)
         lev = tuple(levers(bd, static, limit, device.margin, headroom, plan.activation_checkpointing,
                                  plan.context_length))
-    return WhatIf(plan, bd, limit, device.budget_bytes, headroom, lev, (computed,) if computed else ())
+    return WhatIf(plan, bd, limit, device.budget_bytes, headroom, lev, computed)
 
 
 def no_bf16_note(device: FakeDevice | None, precision: str | None) -> str | None:

@@ -157,7 +157,7 @@ def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: 
         return search.run(rungs, targets.batch // world, targets.context, targets.min_context, objective)
 
     ladder, computed = computing_where_needed(device, model_file.label, climb)
-    notes += (computed,) if computed else ()
+    notes += computed
     if ladder.choice is None:
         why = why_nothing_fits(ladder, targets, static, limit, world) + no_fsdp_note(no_fsdp)
         return ProbeResult(ladder, records, static, targets, limit, None, why, world, device.budget_bytes, notes)

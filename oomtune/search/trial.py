@@ -89,11 +89,11 @@ def _steps(model_file: ModelFile, plan: Plan, device: Device, steps: int, readin
     return step_s, tokens / step_s if step_s > 0 and device.measures_speed else None, first_loss
 
 
-def computing_where_needed(device: Device, label: str, run: Callable[[], T]) -> tuple[T, str | None]:
-    """`run()`; where the fake device met an op that needs tensor values (fakes.NeedsValues: nonzero routing
-    tokens), `run()` once more on real tensors computed on the cpu, with the note that says so."""
+def computing_where_needed(device: Device, label: str, run: Callable[[], T]) -> tuple[T, tuple[str, ...]]:
+    """`run()` and no notes; where the fake device met an op that needs tensor values (fakes.NeedsValues: nonzero
+    routing tokens), `run()` once more on real tensors computed on the cpu, and the note that says so."""
     try:
-        return run(), None
+        return run(), ()
     except NeedsValues as e:
         if not isinstance(device, FakeDevice) or device.computes:
             raise
@@ -101,7 +101,7 @@ def computing_where_needed(device: Device, label: str, run: Callable[[], T]) -> 
                 "and margin; slower, and it needs the RAM)")
     device.release()  # outside the except block, whose traceback holds the failed trial's tensors
     device.compute_instead()
-    return run(), note
+    return run(), (note,)
 
 
 def run_trial(model_file: ModelFile, plan: Plan, device: Device, steps: int = TRIAL_STEPS,
