@@ -109,9 +109,10 @@ def implied_margin(points: list[tuple[int, int]]) -> tuple[float, float] | None:
 
 
 def memory_table(rep: Report, cuda, deadline: float, gpu: dict, examples=EXAMPLES,
-                 scales=PLAN_SCALES) -> int | None:
-    """The fake-vs-real rows on `cuda` (the real device; a test dry-runs it on the cpu device); returns the CUDA
-    context measured after the warm-up (None without NVML)."""
+                 scales=PLAN_SCALES, batch: int | None = None) -> int | None:
+    """The fake-vs-real rows on `cuda` (the real device; a test dry-runs it on the cpu device, at a small `batch`
+    instead of each model's DEFAULTS batch); returns the CUDA context measured after the warm-up (None without
+    NVML)."""
     import torch
 
     from oomtune.config.schema import Plan
@@ -146,7 +147,7 @@ def memory_table(rep: Report, cuda, deadline: float, gpu: dict, examples=EXAMPLE
     for name, mf, scale in plans:
         if stopped:
             break
-        b, t = scale * mf.defaults.get("batch", 32), mf.defaults.get("context", 512)
+        b, t = scale * (batch or mf.defaults.get("batch", 32)), mf.defaults.get("context", 512)
         for rung, prec, ckpt in rungs:
             plan = Plan(b, t, prec, ckpt)
             label = f"{prec}{'+ckpt' if ckpt else ''}"

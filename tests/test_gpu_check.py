@@ -64,7 +64,8 @@ def test_the_memory_table_dry_run_on_the_cpu_device_reads_zero_error():
 
     t = load_tables()
     rep = t.Report()
-    context = t.memory_table(rep, CpuDevice("1GiB"), float("inf"), {}, examples=("mlp_dict",), scales=(1,))
+    context = t.memory_table(rep, CpuDevice("1GiB"), float("inf"), {}, examples=("mlp_dict",), scales=(1,),
+                           batch=4)
     assert context is None and not rep.problems, rep.problems  # no NVML numbers off a GPU
     md = "\n".join(rep.md)
     rows = [ln for ln in md.splitlines() if ln.startswith("| mlp_dict")]
