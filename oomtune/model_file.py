@@ -326,6 +326,9 @@ def load_model_file(path: str | Path) -> ModelFile:
         raise ModelFileError(f"model file {p}: cannot be imported")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses / pickling inside the file need their module registered
+    folder = str(p.resolve().parent)
+    if folder not in sys.path:  # as `python model.py` would: the file imports its neighbours (`from model import GPT`)
+        sys.path.append(folder)
     try:
         spec.loader.exec_module(module)
     except SyntaxError as e:

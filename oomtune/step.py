@@ -24,10 +24,11 @@ from .config.schema import Plan
 from .dist.group import LOCAL, Dist
 from .dist.wrap import micro_step, sync_gradients, unwrapped, wrap
 from .errors import OomtuneError
+from .levers import build_model, check_plan_runs, gradient_holders, make_optimizer, saved_activations
 from .memory.devices import Device
 from .model_file import Batch, ModelFile
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "bf16-true": torch.bfloat16}
 
 
 @dataclass
@@ -63,13 +64,10 @@ def build_training(model_file: ModelFile, plan: Plan, device: Device, lr: float,
     if plan.sharding != "none" and (not dist.grouped or dist.world_size != plan.world_size):
         have = f"{dist.world_size} ranks" if dist.grouped else "no process group"
         raise OomtuneError(f"plan is {plan.sharding} on {plan.world_size} ranks but this process has {have}")
+    check_plan_runs(plan, device.kind, model_file.has("optimizer"), model_file.label)
 
     def build() -> nn.Module:
-        with device.placement():
-            model = model_file.build()
-        if any(t.device != device.torch_device for t in (*model.parameters(), *model.buffers())):
-            model.to(device.torch_device)  # anything build_model placed explicitly elsewhere (`.to("cuda")`)
-        return model
+        return build_model(model_file, plan, device)  # on the device, its weights as the plan's levers store them
 
     model = dist.agreed(build) if plan.sharding != "none" else build()  # before any collective
     model.train()
@@ -77,7 +75,8 @@ def build_training(model_file: ModelFile, plan: Plan, device: Device, lr: float,
         model_file.enable_checkpointing(model)
     if plan.sharding != "none":
         model = wrap(model, plan.sharding, model_file.blocks(model), dist)
-    optimizer = model_file.optimizer([p for p in model.parameters() if p.requires_grad], lr, unwrapped(model))
+    optimizer = make_optimizer(model_file, [p for p in model.parameters() if p.requires_grad], lr, unwrapped(model),
+                               plan, device)  # the 8-bit and offload levers replace the default AdamW
     as_on_cuda(optimizer, device.kind)
     t = Training(model, optimizer, _scaler(plan, device), plan, model_file, device, clip_grad_norm,
                  dist=dist, decaying=tuple(bool(g.get("weight_decay")) for g in optimizer.param_groups))
@@ -92,7 +91,7 @@ def as_on_cuda(optimizer: torch.optim.Optimizer, device_kind: str) -> None:
     optimizer step (sqrt of the second moments for every tensor at once). The simulated devices stand in for a
     GPU, so they make CUDA's choice and their peak includes those temporaries. Again after a checkpoint's optimizer
     state is loaded: its groups bring the choice of the run that wrote it."""
-    if device_kind == "cuda":  # torch chooses for itself there
+    if device_kind == "cuda" or getattr(optimizer, "host_resident", False):  # torch chooses for itself there
         return
     for group in optimizer.param_groups:
         if "foreach" in group and group["foreach"] is None and not group.get("fused") \
@@ -131,7 +130,7 @@ def _accumulate(t: Training, micro_batches: Sequence[Batch]) -> torch.Tensor:
     for i, batch in enumerate(micro_batches):
         with micro_step(t.model, t.plan.sharding, last=i == n - 1):
             t.phase("forward")
-            with autocast(t):
+            with autocast(t), saved_activations(t.plan, t.device):
                 loss = t.model_file.loss(t.model, batch)
             t.phase("backward")
             of = "loss()" if t.model_file.has("loss") else "the model"
@@ -153,7 +152,7 @@ def train_step(t: Training, micro_batches: Sequence[Batch]) -> torch.Tensor:
     sync_gradients(t.model, t.plan.sharding, t.dist)  # ddp: averaged once a step; otherwise nothing
     if t.clip_grad_norm is not None:
         t.scaler.unscale_(t.optimizer)  # clip the true gradients, not the scaled ones
-        nn.utils.clip_grad_norm_(t.model.parameters(), t.clip_grad_norm)
+        nn.utils.clip_grad_norm_(gradient_holders(t.optimizer, t.model), t.clip_grad_norm)
     t.scaler.step(t.optimizer)  # skips the step when fp16 gradients overflowed
     t.scaler.update()
     t.optimizer.zero_grad(set_to_none=True)  # frees gradient memory until the next backward

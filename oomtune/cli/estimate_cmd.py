@@ -18,6 +18,7 @@ from .options import (
     DebugOpt,
     HeadroomOpt,
     JsonOpt,
+    LeversOpt,
     MarginOpt,
     MinContextOpt,
     ModelArg,
@@ -98,6 +99,7 @@ def estimate(
     steps: StepsOpt = TRIAL_STEPS,
     objective: EstimateObjectiveOpt = "fit",
     amp: AmpOpt = "auto",
+    levers: LeversOpt = None,
     micro_batch: MicroBatchOpt = None,
     precision: PrecisionOpt = None,
     checkpointing: CheckpointingOpt = None,
@@ -120,17 +122,19 @@ def estimate(
         from ..memory.margin import parse_margin
         from ..model_file import load_model_file
         from ..search.estimate import make_fake_device, no_bf16_note, what_if, what_if_plan
-        from ..search.options import check_estimate_options, check_what_if_options, check_world
+        from ..search.options import check_estimate_options, check_what_if_options, check_world, parse_levers
 
         one_plan = check_what_if_options(micro_batch, precision, checkpointing, grad_accum, batch, min_context)
         check_estimate_options(objective, headroom, steps, amp)  # both modes, before anything is loaded
         check_world(world_size, sharding)
+        allowed = parse_levers(levers)
         if not one_plan:  # the ladder writes --out: check it before the search, not after
             check_out(out_path, model)
         model_file = load_model_file(model)
         if not one_plan:
             _ladder(model, model_file, batch, context, min_context, budget, gpu, margin,
-                    {"headroom": headroom, "steps": steps, "objective": objective, "amp": amp}, world_size, sharding,
+                    {"headroom": headroom, "steps": steps, "objective": objective, "amp": amp, "levers": allowed},
+                    world_size, sharding,
                     out_path, as_json)
             return
         plan = what_if_plan(model_file, micro_batch, context, precision, checkpointing, grad_accum, world_size,

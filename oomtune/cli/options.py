@@ -22,6 +22,11 @@ HeadroomOpt = Annotated[float, typer.Option("--headroom", help="Fraction of the 
 StepsOpt = Annotated[int, typer.Option("--steps", help="Optimizer steps per trial (2: optimizer state exists).")]
 AmpOpt = Annotated[str, typer.Option("--amp", help="Mixed precision for the amp rungs: auto (bf16 where the device "
                                      "has it, else fp16) | bf16 | fp16.")]
+LeversOpt = Annotated[str | None, typer.Option(
+    "--levers", help="The levers the ladder may use, comma-separated (default: all): amp, checkpointing, "
+    "accumulation, fsdp, then past accumulation bf16-true, 8bit, nf4, offload, offload-activations (climbed only "
+    "where the others cannot fit micro-batch 1 at the target context). amp,checkpointing,accumulation is the "
+    "classic ladder.")]
 OutOpt = Annotated[Path, typer.Option("--out", "-o", help="Where to write the config.")]
 JsonOpt = Annotated[bool, typer.Option("--json/--no-json", help="Print the result as JSON (for CI).")]
 DebugOpt = Annotated[bool, typer.Option("--debug/--no-debug", help="Show full tracebacks instead of one-line errors.")]

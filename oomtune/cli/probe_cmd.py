@@ -20,6 +20,7 @@ from .options import (
     DistTimeoutOpt,
     HeadroomOpt,
     JsonOpt,
+    LeversOpt,
     MasterAddrOpt,
     MasterPortOpt,
     MinContextOpt,
@@ -62,6 +63,7 @@ def probe(
     steps: StepsOpt = TRIAL_STEPS,
     objective: ObjectiveOpt = "fit",
     amp: AmpOpt = "auto",
+    levers: LeversOpt = None,
     out_path: OutOpt = Path("best.yaml"),
     as_json: JsonOpt = False,
     nproc_per_node: NprocOpt = None,
@@ -82,11 +84,12 @@ def probe(
         from ..config.output import check_out
         from ..dist.launch import Launch, run
         from ..model_file import load_model_file
-        from ..search.options import check_search_options, resolve_targets
+        from ..search.options import check_search_options, parse_levers, resolve_targets
         from ..search.probe import check_ranks_batch, probe_on_ranks
         from ..search.probe import probe as run_probe
 
         check_search_options(headroom, steps, objective, amp)  # before anything is loaded or run
+        allowed = parse_levers(levers)
         rank = worker_rank()
         if rank in (None, 0):  # the launcher and rank 0, which writes it
             check_out(out_path, model)
@@ -98,11 +101,13 @@ def probe(
             check_ranks_batch(targets, launch.world_size)
             run(launch, ["probe", str(model), *flags(batch=batch, context=context, min_context=min_context,
                                                      device=device, budget=budget, headroom=headroom, steps=steps,
-                                                     objective=objective, amp=amp, out=out_path, json=as_json,
+                                                     objective=objective, amp=amp, levers=levers, out=out_path,
+                                                     json=as_json,
                                                      dist_timeout=dist_timeout, debug=debug)])
             return
         dev, dist = probe_on_ranks(device, budget, dist_timeout, rank is not None)
-        options = {"headroom": headroom, "steps": steps, "objective": objective, "amp": amp, "dist": dist}
+        options = {"headroom": headroom, "steps": steps, "objective": objective, "amp": amp, "dist": dist,
+                   "levers": allowed}
         if rank not in (None, 0):  # every rank probes; rank 0 reports and writes the config
             if run_probe(model_file, dev, targets, **options).config is None:
                 raise typer.Exit(1)

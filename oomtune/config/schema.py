@@ -13,10 +13,12 @@ from typing import Literal
 
 from ..errors import ConfigError
 
-PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISIONS = ("fp32", "bf16", "fp16", "bf16-true")
 
 
-Precision = Literal["fp32", "bf16", "fp16"]
+# bf16 and fp16 are mixed (autocast over fp32 weights); bf16-true (Lightning's name) holds the weights, gradients
+# and optimizer state in bf16 themselves
+Precision = Literal["fp32", "bf16", "fp16", "bf16-true"]
 
 
 SHARDINGS = ("none", "ddp", "fsdp")
@@ -31,6 +33,14 @@ HEADROOM = 0.1  # the searches' default: fraction of the budget kept free (fragm
 TRIAL_STEPS = 2  # optimizer steps per trial: the optimizer state exists when the peak is read
 
 
+LEVER_LABELS = {  # the plan keys past accumulation, as a plan's description names them
+    "optimizer_8bit": "8-bit AdamW state",
+    "nf4_frozen_weights": "NF4 frozen weights",
+    "offload_optimizer": "optimizer offloaded to host",
+    "offload_activations": "activations offloaded to host",
+}
+
+
 @dataclass(frozen=True)
 class Plan:
     """What one optimizer step looks like, on each of world_size ranks (processes, one per GPU).
@@ -43,6 +53,10 @@ class Plan:
     grad_accum_steps: int = 1
     world_size: int = 1  # ranks the plan was made for (1 in configs older than multi-GPU)
     sharding: Sharding = "none"
+    optimizer_8bit: bool = False  # AdamW's two moments in 8 bits (a byte each plus a scale per block of 256)
+    offload_optimizer: bool = False  # optimizer state and step in host memory; gradients moved there as made
+    offload_activations: bool = False  # tensors saved for backward kept in host memory
+    nf4_frozen_weights: bool = False  # frozen Linear weights (PEFT LoRA's base) stored as 4-bit NF4
     global_batch_size: int = 0  # 0 = derive it
 
     def __post_init__(self):
@@ -51,6 +65,9 @@ class Plan:
                 raise ConfigError(f"plan.{name} must be at least 1, got {getattr(self, name)}")
         if self.precision not in PRECISIONS:
             raise ConfigError(f"plan.precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        if self.sharding != "none" and (self.optimizer_8bit or self.offload_optimizer or self.nf4_frozen_weights):
+            raise ConfigError(f"plan.sharding is {self.sharding}: optimizer_8bit, offload_optimizer and "
+                              "nf4_frozen_weights run on one process only")
         if self.sharding not in SHARDINGS:
             raise ConfigError(f"plan.sharding must be one of {', '.join(SHARDINGS)}, got {self.sharding!r}")
         if self.world_size > 1 and self.sharding == "none":
@@ -92,6 +109,7 @@ class Plan:
             parts.append(f"x{self.grad_accum_steps} accumulation")
         if self.sharding != "none":
             parts.append(f"{self.sharding} x{self.world_size} rank{'s' if self.world_size > 1 else ''}")
+        parts += [label for key, label in LEVER_LABELS.items() if getattr(self, key)]
         return ", ".join(parts) + f" (global batch {self.global_batch_size})"
 
 
@@ -150,6 +168,7 @@ class TrialRecord:
     seconds: float = 0.0
     world_size: int = 1
     sharding: Sharding = "none"
+    host_peak_bytes: int | None = None  # host memory the plan's offloaded parts held at most (offload rungs)
 
 
 @dataclass(frozen=True)
@@ -211,6 +230,7 @@ class FoundBy:
     breakdown: MemoryBreakdown | None = None  # what the peak is made of (estimate, check); absent in older files
     trials: tuple[TrialRecord, ...] = ()
     notes: tuple[str, ...] = ()  # how it was measured, where that is not what one would assume (eager, computed)
+    host_peak_bytes: int | None = None  # host memory the plan's offloaded parts need (offload levers only)
 
     def __post_init__(self):
         if self.budget_bytes <= 0:  # `check` re-measures against it

@@ -38,6 +38,9 @@ class StaticMemory:
     checkpointing_supported: bool
     compiled: bool = False  # build_model() returns a torch.compile'd model
     step_temporaries_bytes: int = 0  # the optimizer step's own scratch at its peak (foreach AdamW: a few per param)
+    nf4_elements: int = 0  # elements of frozen Linear weights the NF4 lever can store in 4 bits
+    host_bytes: int = 0  # what the plan's offload levers hold in host memory instead
+    levers: str = ""  # the levers past accumulation this was measured with ("" for none)
 
     @property
     def total_bytes(self) -> int:
@@ -50,33 +53,64 @@ class StaticMemory:
         return self.total_bytes + self.step_temporaries_bytes
 
     def describe(self) -> str:
-        return (f"weights {format_bytes(self.weights_bytes)} + gradients {format_bytes(self.gradients_bytes)} + "
-                f"{self.optimizer_name} state {format_bytes(self.optimizer_bytes)} + the optimizer step's "
-                f"temporaries {format_bytes(self.step_temporaries_bytes)} = {format_bytes(self.floor_bytes)}")
+        levers = f"with {self.levers}: " if self.levers else ""
+        host = f" (and {format_bytes(self.host_bytes)} in host memory)" if self.host_bytes else ""
+        return (f"{levers}weights {format_bytes(self.weights_bytes)} + gradients "
+                f"{format_bytes(self.gradients_bytes)} + {self.optimizer_name} state {format_bytes(self.optimizer_bytes)} + the optimizer step's "
+                f"temporaries {format_bytes(self.step_temporaries_bytes)} = {format_bytes(self.floor_bytes)}{host}")
 
 
-def static_memory(model_file: ModelFile) -> StaticMemory:
+class _Ledger:
+    """What the levers ask of a device (`host()`, pinning, synchronize), over static_memory's own tracker."""
+
+    kind = FakeDevice.kind
+    pin_memory = False
+
+    def __init__(self, tracker: MemoryTracker):
+        self.tracker = tracker
+
+    def host(self):
+        return self.tracker.hosting()
+
+    def synchronize(self) -> None:
+        pass
+
+
+def static_memory(model_file: ModelFile, plan: Plan | None = None, levers: str = "") -> StaticMemory:
     """Build the model on fake tensors, give every parameter a gradient and take one optimizer step,
-    counting bytes after each stage (512-byte rounded, like the CUDA allocator), and the step's own peak."""
+    counting bytes after each stage (512-byte rounded, like the CUDA allocator), and the step's own peak.
+    With a `plan`, its levers past accumulation (named `levers`) applied as training applies them: bf16-true and
+    NF4 weights, 8-bit AdamW state, the optimizer and its gradients offloaded (counted as host memory)."""
+    from ..levers import make_optimizer, prepare_model
+    from ..levers.nf4 import frozen_linears
+
     tracker = MemoryTracker()
     with FakeTensorMode(allow_non_fake_inputs=True), real_code_paths(), tracker, torch.device("cpu"):
         model = model_file.build()
+        nf4 = sum(m.weight.numel() for m in frozen_linears(model))
+        if plan is not None:
+            prepare_model(model, plan, model_file.label)
         weights = tracker.live_bytes
         params = [p for p in model.parameters() if p.requires_grad]
         for p in params:
             p.grad = torch.zeros_like(p)
+        opt = (make_optimizer(model_file, params, 1e-3, model, plan, _Ledger(tracker)) if plan is not None
+               else model_file.optimizer(params, 1e-3, model))
+        if hasattr(opt, "take_gradients"):  # offloaded: what backward's hooks do as each gradient is made
+            opt.take_gradients()
         grads = tracker.live_bytes - weights
-        opt = model_file.optimizer(params, 1e-3, model)
         as_on_cuda(opt, FakeDevice.kind)  # foreach, as torch runs it on a GPU
         tracker.reset_peak()
         opt.step()
         optimizer_state = tracker.live_bytes - weights - grads
         temporaries = tracker.peak_bytes - tracker.live_bytes
         checkpointing = model_file.supports_checkpointing(model)
-        name = type(opt).__name__
+        name = type(getattr(opt, "inner", opt)).__name__
         compiled = is_compiled(model)
+        host = tracker.host_live_bytes
         del model, params, opt
-    return StaticMemory(weights, grads, optimizer_state, name, checkpointing, compiled, temporaries)
+    return StaticMemory(weights, grads, optimizer_state, name, checkpointing, compiled, temporaries, nf4, host,
+                        levers)
 
 
 PART_LABELS = {

@@ -37,6 +37,7 @@ class Reading:
     peak_allocated_bytes: int = 0  # bytes in live tensors at the peak
     phase_peaks: dict[str, int] = field(default_factory=dict)  # allocated peak per phase: setup, forward, ...
     phase: str = "setup"  # the phase running now
+    host_peak_bytes: int = 0  # host memory held at most by what the offload levers moved there
 
     @property
     def batch_peak_bytes(self) -> int | None:
@@ -93,11 +94,26 @@ class Device:
         Call `mark(reading, phase)` at phase boundaries to split the peak by phase."""
         reading = Reading()
         self._reset_peak()
+        self.host_ledger().reset_host_peak()
         try:
             with self._accounting():
                 yield reading
         finally:
             self.mark(reading, None)
+            reading.host_peak_bytes = self.host_ledger().host_peak_bytes
+
+    def host_ledger(self) -> MemoryTracker:
+        """The tracker that counts host-resident storages (`host()`)."""
+        raise NotImplementedError
+
+    def host(self) -> contextlib.AbstractContextManager:
+        """Tensors made inside live in host memory (the offload levers): pinned CPU memory on cuda; on the simulated
+        devices, CPU tensors the tracker counts as host memory, apart from the device's budget."""
+        return self.host_ledger().hosting()
+
+    @property
+    def pin_memory(self) -> bool:
+        return False
 
     def mark(self, reading: Reading, phase: str | None) -> None:
         """Close the running phase (record its peak) and start `phase`."""
@@ -161,6 +177,9 @@ class TrackedDevice(Device):
     def _accounting(self) -> contextlib.AbstractContextManager:
         return self.tracker
 
+    def host_ledger(self) -> MemoryTracker:
+        return self.tracker
+
     def _read_peak(self) -> tuple[int, int]:
         return self.tracker.peak_bytes, self.tracker.peak_bytes
 
@@ -187,6 +206,7 @@ class CpuDevice(TrackedDevice):
         total, available = _system_memory()
         budget_bytes = parse_budget(budget, total) if budget else available
         super().__init__("cpu", torch.device("cpu"), budget_bytes, total)
+        self.tracker.host_budget_bytes = available  # offloaded tensors share the machine's RAM with the rest
         self.name = f"cpu (simulated memory, budget {format_bytes(budget_bytes)})"
 
 
@@ -286,6 +306,20 @@ class CudaDevice(Device):
         # dividing by the larger keeps the cap at or under the budget either way
         self._total = max(device_total, props.total_memory)
         self._cap()
+        self._host = MemoryTracker(kind="host")  # counts the pinned host tensors the offload levers make
+
+    def host_ledger(self) -> MemoryTracker:
+        return self._host
+
+    def host(self) -> contextlib.AbstractContextManager:
+        stack = contextlib.ExitStack()  # the ledger sees only the work done inside
+        stack.enter_context(self._host)
+        stack.enter_context(self._host.hosting())
+        return stack
+
+    @property
+    def pin_memory(self) -> bool:
+        return True
 
     def _cap(self) -> None:
         torch.cuda.set_per_process_memory_fraction(min(1.0, self.budget_bytes / self._total), self.torch_device)

@@ -26,23 +26,35 @@ def why_nothing_fits(bd: MemoryBreakdown, plan: Plan, static: StaticMemory, limi
             f"{format_bytes(bd.peak_bytes - bd.margin_bytes - floor)}{margin_text} (peak in {bd.phase})")
 
 
-def levers(bd: MemoryBreakdown, static: StaticMemory, limit_bytes: int, margin: Margin, headroom: float,
-           checkpointing_used: bool, context_length: int = 2) -> list[str]:
-    """What would make the smallest plan fit, with the bytes each saves (estimates, not measurements)."""
+def levers_that_help(bd: MemoryBreakdown, static: StaticMemory, limit_bytes: int, margin: Margin, headroom: float,
+                     plan: Plan, past=None) -> list[str]:
+    """What would make the smallest plan (`plan`, on which `bd` was measured) fit, with the bytes each saves
+    (estimates, not measurements): only levers that plan does not use already, each with why the ladder could not
+    (`past.skipped`: left out of --levers, not for this model or device, its library missing)."""
     need = bd.peak_bytes - limit_bytes  # bytes to save, margin included
     tensor_room = margin.tensor_budget(limit_bytes)  # tensor bytes the limit allows
+    skipped = past.skipped if past is not None else {}
     out: list[str] = []
 
     def enough(saved_tensor_bytes: int) -> str:
         return "enough" if bd.tensor_peak_bytes - saved_tensor_bytes <= tensor_room else "not enough alone"
 
+    def why(lever: str) -> str:
+        return f"; the ladder could not use it: {skipped[lever]}" if lever in skipped else ""
+
     opt = bd.optimizer_state_bytes
-    if opt:
+    if opt and not plan.optimizer_8bit and not plan.offload_optimizer:
         saved = opt * 3 // 4
-        out.append(f"8-bit optimizer state (bitsandbytes AdamW8bit): {static.optimizer_name} state "
-                   f"{format_bytes(opt)} -> {format_bytes(opt - saved)}, saves {format_bytes(saved)} ({enough(saved)})")
-        out.append(f"CPU offload of the optimizer state (DeepSpeed ZeRO-Offload, FSDP CPUOffload): saves "
-                   f"{format_bytes(opt)} of GPU memory, costs host RAM and PCIe time ({enough(opt)})")
+        out.append(f"8-bit optimizer state (--levers 8bit): {static.optimizer_name} state {format_bytes(opt)} -> "
+                   f"{format_bytes(opt - saved)}, saves {format_bytes(saved)} ({enough(saved)}){why('8bit')}")
+    if (opt or bd.gradients_bytes) and not plan.offload_optimizer:
+        saved = opt + bd.gradients_bytes
+        out.append(f"CPU offload of the optimizer and its gradients (--levers offload): saves "
+                   f"{format_bytes(saved)} of GPU memory, costs host RAM and PCIe time ({enough(saved)})"
+                   f"{why('offload')}")
+    if static.nf4_elements and not plan.nf4_frozen_weights:
+        out.append(f"4-bit frozen weights (--levers nf4): {static.nf4_elements:,} frozen Linear weights at about "
+                   f"half a byte each{why('nf4')}")
     sharded = bd.parameters_bytes + bd.gradients_bytes + opt
     rest = bd.tensor_peak_bytes - sharded
     if sharded and tensor_room > rest:
@@ -54,9 +66,12 @@ def levers(bd: MemoryBreakdown, static: StaticMemory, limit_bytes: int, margin: 
                    f"{format_bytes(rest)} already exceed what the limit leaves")
     act = bd.activations_bytes + bd.temporaries_bytes
     if act and act >= need:
-        if not checkpointing_used:
+        if not plan.activation_checkpointing:
             out.append("activation checkpointing: define blocks(model) in the model file so oomtune can wrap them")
-        if context_length > 1:  # a model whose context is 1 has none shorter
+        if bd.activations_bytes and not plan.offload_activations:
+            out.append(f"saved activations offloaded to host memory (--levers offload-activations): "
+                       f"{format_bytes(bd.activations_bytes)}{why('offload-activations')}")
+        if plan.context_length > 1:  # a model whose context is 1 has none shorter
             out.append(f"a shorter context (--min-context): activations + temporaries are {format_bytes(act)}")
     bigger = [g.name for g in GPUS if int(g.memory_bytes * (1 - headroom)) >= max(bd.peak_bytes, limit_bytes + 1)]
     if bigger:

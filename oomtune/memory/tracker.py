@@ -13,8 +13,9 @@ when the last tensor or view using it dies.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -183,6 +184,25 @@ class MemoryTracker(TorchDispatchMode):
         self.peak_bytes = 0
         self._sizes: dict[int, int] = {}  # id(storage) -> counted bytes; an entry leaves when the storage dies
         self.recorder: Recorder | None = None  # set to record each storage's life (a breakdown of the peak)
+        # host memory (the offload levers): storages born inside `hosting()`, counted apart, never in the budget
+        self.host_live_bytes = 0
+        self.host_peak_bytes = 0
+        self.host_budget_bytes: int | None = None  # the machine's RAM, where the host can run out
+        self._host_sizes: dict[int, int] = {}
+        self._hosting = 0
+
+    @contextlib.contextmanager
+    def hosting(self) -> Iterator[None]:
+        """Storages born inside live in host memory (an offloaded optimizer state, saved activations moved off
+        the device): counted in host_live_bytes, not against the device's budget."""
+        self._hosting += 1
+        try:
+            yield
+        finally:
+            self._hosting -= 1
+
+    def reset_host_peak(self) -> None:
+        self.host_peak_bytes = self.host_live_bytes
 
     # -- accounting -------------------------------------------------------------------------------
     def _count(self, t: torch.Tensor) -> int:
@@ -203,6 +223,8 @@ class MemoryTracker(TorchDispatchMode):
         """Count `st` at its current size (new, or resized in place); return the bytes newly counted."""
         key = id(st)
         size = rounded(st.nbytes())
+        if key in self._host_sizes or (self._hosting and key not in self._sizes):  # (a view of a device tensor: not)
+            return self._account_host(st, key, size)
         old = self._sizes.get(key)
         if old is None:
             self._sizes[key] = size
@@ -225,6 +247,19 @@ class MemoryTracker(TorchDispatchMode):
             self.peak_bytes = self.live_bytes
         return max(delta, 0)
 
+    def _account_host(self, st: torch.UntypedStorage, key: int, size: int) -> int:
+        old = self._host_sizes.get(key)
+        if old is None and self.follow:
+            weakref.finalize(st, self._release, key)
+        self._host_sizes[key] = size
+        self.host_live_bytes += size - (old or 0)
+        self.host_peak_bytes = max(self.host_peak_bytes, self.host_live_bytes)
+        if self.host_budget_bytes is not None and self.host_live_bytes > self.host_budget_bytes:
+            raise RuntimeError(f"DefaultCPUAllocator: can't allocate memory: the offloaded tensors need "
+                               f"{format_bytes(self.host_live_bytes)} of host RAM and "
+                               f"{format_bytes(self.host_budget_bytes)} is available (simulated by oomtune)")
+        return 0
+
     def _check_resize(self, st: torch.UntypedStorage, size: int) -> None:
         if self.budget_bytes is None:
             return
@@ -246,6 +281,7 @@ class MemoryTracker(TorchDispatchMode):
         return super().__exit__(*exc)
 
     def _release(self, key: int) -> None:
+        self.host_live_bytes -= self._host_sizes.pop(key, 0)
         self.live_bytes -= self._sizes.pop(key, 0)
         if self.recorder is not None:
             self.recorder.died(key)
@@ -263,9 +299,10 @@ class MemoryTracker(TorchDispatchMode):
                 for b in obj.buffers():
                     added += self._count(b)
             elif isinstance(obj, torch.optim.Optimizer):
-                for state in obj.state.values():
-                    for t in _tensors(state):
-                        added += self._count(t)
+                with self.hosting() if getattr(obj, "host_resident", False) else contextlib.nullcontext():
+                    for state in obj.state.values():
+                        for t in _tensors(state):
+                            added += self._count(t)
             else:
                 for t in _tensors(obj):
                     added += self._count(t)

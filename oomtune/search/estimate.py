@@ -14,12 +14,13 @@ from ..errors import OomtuneError
 from ..memory.breakdown import breakdown, static_memory
 from ..memory.cards import find_gpu
 from ..memory.devices import Device, FakeDevice
-from ..memory.levers import levers, why_nothing_fits
+from ..memory.levers import levers_that_help, why_nothing_fits
 from ..memory.margin import Margin, parse_margin
 from ..model_file import ModelFile
 from .ladder import LadderResult, Point
-from .options import check_estimate_options, check_headroom, check_steps, check_world, resolve_targets
-from .probe import ProbeResult, fsdp_reach, ladder_rungs, no_fsdp_note, plan_of, probe
+from .options import LEVERS, check_estimate_options, check_headroom, check_steps, check_world, resolve_targets
+from .past import PastRungs, past_rungs
+from .probe import ProbeResult, floor_static, fsdp_reach, ladder_rungs, no_fsdp_note, plan_of, probe
 from .trial import computing_where_needed
 
 
@@ -45,16 +46,19 @@ def make_fake_device(budget: str | None, gpu: str | None, margin: str | None) ->
 
 
 def smallest_plan(device: Device, targets, amp: str, checkpointing_supported: bool, world_size: int = 1,
-                  sharding: str | None = None) -> Plan:
-    """The ladder's most frugal plan: micro-batch 1 at the shortest context allowed, on the last rung."""
-    last = ladder_rungs(device, amp, checkpointing_supported, world_size, sharding)[-1]
+                  sharding: str | None = None, levers: frozenset[str] = frozenset(LEVERS),
+                  past: PastRungs | None = None) -> Plan:
+    """The ladder's most frugal plan: micro-batch 1 at the shortest context allowed, on the last rung (past
+    accumulation, where it has such rungs: every lever applied)."""
+    last = (past.rungs if past is not None and past.rungs else
+            ladder_rungs(device, amp, checkpointing_supported, world_size, sharding, levers))[-1]
     return plan_of(Point(last, 1, targets.min_context), world_size)
 
 
 def estimate(model_file: ModelFile, device: FakeDevice, targets, *, headroom: float = HEADROOM,
              steps: int = TRIAL_STEPS, objective: str = "fit", amp: str = "auto", on_start: Callable | None = None,
              on_trial: Callable[[TrialRecord], None] | None = None, world_size: int = 1,
-             sharding: str | None = None) -> EstimateResult:
+             sharding: str | None = None, levers: frozenset[str] = frozenset(LEVERS)) -> EstimateResult:
     """The probe's ladder on the fake device, then the breakdown of its choice (see module doc).
 
     On `world_size` ranks the ladder runs in a fake process group (torch's `fake` backend: collectives do
@@ -67,37 +71,41 @@ def estimate(model_file: ModelFile, device: FakeDevice, targets, *, headroom: fl
              else contextlib.nullcontext(LOCAL))
     with ranks as d:
         result, computed = computing_where_needed(device, model_file.label, lambda: _estimate(
-            model_file, device, targets, headroom, steps, objective, amp, on_start, on_trial, d, sharding))
+            model_file, device, targets, headroom, steps, objective, amp, on_start, on_trial, d, sharding, levers))
     result.search.notes += computed  # where the breakdown needed the values (the probe notes its own ladder's)
     return result
 
 
 def _estimate(model_file, device, targets, headroom, steps, objective, amp, on_start, on_trial, dist,
-              sharding) -> EstimateResult:
+              sharding, levers) -> EstimateResult:
     world = dist.world_size
     limit = int(device.budget_bytes * (1 - headroom))
     static = static_memory(model_file)
     sharded_by, no_fsdp = fsdp_reach(device, world, sharding)
-    if device.margin.total(static.floor_bytes // sharded_by) > limit:
+    rungs = ladder_rungs(device, amp, static.checkpointing_supported, world, sharding, levers)
+    past = past_rungs(device, rungs[-1].precision, static, model_file.label, model_file.has("optimizer"), levers,
+                      world)
+    floor = floor_static(model_file, static, past, device.margin.tensor_budget(limit), sharded_by)
+    if device.margin.total(floor.floor_bytes // sharded_by) > limit:
         # nothing can fit: skip the ladder (every trial would run out) and explain with the smallest plan
         search = ProbeResult(LadderResult((), None, ()), [], static, targets, limit, None, world_size=world,
-                             budget_bytes=device.budget_bytes)
+                             budget_bytes=device.budget_bytes, notes=past.notes(), past=past)
     else:
         search = probe(model_file, device, targets, headroom=headroom, steps=steps, objective=objective, amp=amp,
-                       command="estimate", on_start=on_start, on_trial=on_trial, dist=dist, sharding=sharding)
+                       command="estimate", on_start=on_start, on_trial=on_trial, dist=dist, sharding=sharding,
+                       levers=levers)
     if search.config is not None:
         plan = search.config.plan
         bd = breakdown(model_file, plan, device, steps, dist)
         found_by = dataclasses.replace(search.config.found_by, breakdown=bd)
         search.config = dataclasses.replace(search.config, found_by=found_by)
         return EstimateResult(search, device.margin, bd, plan)
-    plan = smallest_plan(device, targets, amp, static.checkpointing_supported, world, sharding)
+    plan = smallest_plan(device, targets, amp, static.checkpointing_supported, world, sharding, levers, past)
     bd = breakdown(model_file, plan, device, steps, dist)
-    search.why_nothing_fits = (why_nothing_fits(bd, plan, static, limit, device.budget_bytes, headroom, device.margin)
+    search.why_nothing_fits = (why_nothing_fits(bd, plan, floor, limit, device.budget_bytes, headroom, device.margin)
                                + no_fsdp_note(no_fsdp))
     return EstimateResult(search, device.margin, bd, plan,
-                          levers(bd, static, limit, device.margin, headroom, plan.activation_checkpointing,
-                                 plan.context_length))
+                          levers_that_help(bd, floor, limit, device.margin, headroom, plan, past))
 
 
 @dataclass(frozen=True)
@@ -132,8 +140,7 @@ def what_if(model_file: ModelFile, plan: Plan, device: FakeDevice | None, margin
     lev: tuple[str, ...] = ()
     if bd.peak_bytes > limit:
         static = static_memory(model_file)
-        lev = tuple(levers(bd, static, limit, device.margin, headroom, plan.activation_checkpointing,
-                                 plan.context_length))
+        lev = tuple(levers_that_help(bd, static, limit, device.margin, headroom, plan, None))
     return WhatIf(plan, bd, limit, device.budget_bytes, headroom, lev, computed)
 
 

@@ -27,10 +27,14 @@ Objective = Literal["fit", "throughput"]
 
 @dataclass(frozen=True)
 class Rung:
-    name: str  # fp32 | amp | checkpointing | fsdp
-    precision: str  # fp32 | bf16 | fp16
+    name: str  # fp32 | amp | checkpointing | fsdp | past accumulation: bf16-true, +8bit, +nf4, +offload, ...
+    precision: str  # fp32 | bf16 | fp16 | bf16-true
     activation_checkpointing: bool
     sharding: str = "none"  # none (one process) | ddp (replicated on every rank) | fsdp (sharded across them)
+    optimizer_8bit: bool = False
+    nf4_frozen_weights: bool = False
+    offload_optimizer: bool = False
+    offload_activations: bool = False
 
 
 @dataclass(frozen=True)
@@ -243,21 +247,26 @@ class LadderSearch:
 
     # -- the ladder ------------------------------------------------------------------------------
     def run(self, rungs: Sequence[Rung], batch: int, context: int, min_context: int,
-            objective: Objective = "fit") -> LadderResult:
+            objective: Objective = "fit", past: Sequence[Rung] = (), accumulation: bool = True) -> LadderResult:
+        """Climb `rungs`; then `past` (the rungs past accumulation, cheapest first), only while no rung fits
+        micro-batch 1 at the target context: the first of them that does ends the climb (accumulation does the
+        rest). `accumulation=False`: a plan must fit the whole batch at once."""
         results: list[RungResult] = []
-        for rung in rungs:
+        for i, rung in enumerate([*rungs, *past]):
+            if i >= len(rungs) and any(r.context_length == context for r in results):
+                break  # the target context is reached: no costlier lever is needed
             r = self.search_rung(rung, batch, context, min_context)
             results.append(r)
             if objective == "fit" and r.context_length == context and r.micro_batch_size == batch:
                 break
-        choice = self.choose(results, batch, context, objective)
+        choice = self.choose(results, batch, context, objective, accumulation)
         return LadderResult(tuple(results), choice, tuple(self.trials))
 
     def _trial(self, rung: Rung, b: int, t: int, accum: int = 1) -> Trial | None:
         return self._seen.get(Point(rung, b, t, accum))
 
     def choose(self, results: Sequence[RungResult], batch: int, context: int,
-               objective: Objective) -> Choice | None:
+               objective: Objective, accumulation: bool = True) -> Choice | None:
         """The plan: rungs in order of preference, the first whose plan (with accumulation, verified) fits."""
         found = [r for r in results if r.found]
         if objective == "fit":
@@ -268,6 +277,8 @@ class LadderSearch:
             best_t = max((r.context_length for r in found), default=0)  # context is never traded for speed
             picks = sorted((r for r in found if r.context_length == best_t),
                            key=lambda r: -(self._speed(r, batch) or 0.0))
+        if not accumulation:
+            picks = [r for r in picks if r.micro_batch_size == batch]
         for r in picks:  # accumulation keeps gradients alive across micro-steps: it can fail where b_S fit
             choice = self._with_accumulation(r, batch)
             if choice is not None:

@@ -17,6 +17,23 @@ OBJECTIVES = ("fit", "throughput")
 AMP_CHOICES = ("auto", "bf16", "fp16")
 
 
+# what the ladder may use, in the order it climbs: the usual rungs, then those past accumulation (cheapest first)
+LEVERS = ("amp", "checkpointing", "accumulation", "fsdp", "bf16-true", "8bit", "nf4", "offload",
+          "offload-activations")
+
+
+def parse_levers(text: str | None) -> frozenset[str]:
+    """--levers amp,checkpointing,accumulation: the set the ladder may use (None: every lever)."""
+    if text is None:
+        return frozenset(LEVERS)
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in LEVERS]
+    if unknown:
+        raise OomtuneError(f"--levers {text!r}: unknown {', '.join(unknown)} (expected names from "
+                           f"{', '.join(LEVERS)}, comma-separated)")
+    return frozenset(names)
+
+
 @dataclass(frozen=True)
 class Targets:
     batch: int  # B: the global batch to keep exact

@@ -18,7 +18,8 @@ from ..memory.devices import Device, make_device, resolve_kind
 from ..model_file import ModelFile, eager_note
 from ..units import format_bytes, utc_now
 from .ladder import LadderResult, LadderSearch, Measurement, Objective, Point, Rung, Trial, largest_divisor_at_most
-from .options import Targets, check_search_options
+from .options import LEVERS, Targets, check_search_options
+from .past import PastRungs, past_rungs
 from .trial import computing_where_needed, run_trial
 
 
@@ -34,17 +35,22 @@ def no_fsdp_note(no_fsdp: str | None) -> str:
 
 
 def ladder_rungs(device: Device, amp: str, checkpointing_supported: bool, world_size: int = 1,
-                 sharding: str | None = None) -> list[Rung]:
+                 sharding: str | None = None, levers: frozenset[str] = frozenset(LEVERS)) -> list[Rung]:
     """fp32 -> +amp -> +checkpointing (which keeps amp); on several ranks these replicate the model (ddp) and
     the ladder adds +fsdp (sharded weights, gradients and optimizer state; keeps amp and checkpointing) before
-    accumulation is the only lever left. `sharding` puts every rung on that one instead."""
-    dtype = device.amp_dtype() if amp == "auto" else amp
+    accumulation is the only lever left. `sharding` puts every rung on that one instead. A lever not in `levers`
+    is left out (the rungs past accumulation are past.py's)."""
+    dtype = (device.amp_dtype() if amp == "auto" else amp) if "amp" in levers else "fp32"
     base = sharding or ("ddp" if world_size > 1 else "none")
-    rungs = [Rung("fp32", "fp32", False, base), Rung("amp", dtype, False, base)]
-    if checkpointing_supported:
+    rungs = [Rung("fp32", "fp32", False, base)]
+    if "amp" in levers:
+        rungs.append(Rung("amp", dtype, False, base))
+    ckpt = checkpointing_supported and "checkpointing" in levers
+    if ckpt:
         rungs.append(Rung("checkpointing", dtype, True, base))
-    if world_size > 1 and sharding is None and fsdp_unsupported(device.torch_device.type) is None:
-        rungs.append(Rung("fsdp", dtype, checkpointing_supported, "fsdp"))
+    if world_size > 1 and sharding is None and fsdp_unsupported(device.torch_device.type) is None \
+            and "fsdp" in levers:
+        rungs.append(Rung("fsdp", dtype, ckpt, "fsdp"))
     return rungs
 
 
@@ -60,6 +66,7 @@ class ProbeResult:
     world_size: int = 1  # ranks; the ladder's micro-batches are per rank (targets.batch / world_size)
     budget_bytes: int | None = None  # what the search was given (limit_bytes is this less the headroom)
     notes: tuple[str, ...] = ()  # what the ladder left out, and why
+    past: PastRungs | None = None  # the rungs past accumulation it could climb, and the levers it could not use
 
     @property
     def trials_per_rung(self) -> dict[str, int]:
@@ -67,19 +74,23 @@ class ProbeResult:
 
 
 def plan_of(point: Point, world_size: int = 1) -> Plan:
+    r = point.rung
     return Plan(micro_batch_size=point.micro_batch_size, context_length=point.context_length,
-                precision=point.rung.precision, activation_checkpointing=point.rung.activation_checkpointing,
-                grad_accum_steps=point.grad_accum_steps, world_size=world_size, sharding=point.rung.sharding)
+                precision=r.precision, activation_checkpointing=r.activation_checkpointing,
+                grad_accum_steps=point.grad_accum_steps, world_size=world_size, sharding=r.sharding,
+                optimizer_8bit=r.optimizer_8bit, nf4_frozen_weights=r.nf4_frozen_weights,
+                offload_optimizer=r.offload_optimizer, offload_activations=r.offload_activations)
 
 
-def _record(trial: Trial, seconds: float, world_size: int = 1) -> TrialRecord:
+def _record(trial: Trial, seconds: float, world_size: int = 1, host: int = 0) -> TrialRecord:
     p, m = trial.point, trial.measurement
     return TrialRecord(rung=p.rung.name, stage=trial.stage, micro_batch_size=p.micro_batch_size,
                        context_length=p.context_length, grad_accum_steps=p.grad_accum_steps,
                        precision=p.rung.precision, activation_checkpointing=p.rung.activation_checkpointing,
                        result=trial.result, peak_bytes=m.peak_bytes,
                        tokens_per_s=round(m.tokens_per_s, 1) if m.tokens_per_s else None,
-                       seconds=round(seconds, 3), world_size=world_size, sharding=p.rung.sharding)
+                       seconds=round(seconds, 3), world_size=world_size, sharding=p.rung.sharding,
+                       host_peak_bytes=host or None)
 
 
 def why_nothing_fits(ladder: LadderResult, targets: Targets, static: StaticMemory, limit: int, world: int) -> str:
@@ -117,7 +128,7 @@ def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: 
           steps: int = TRIAL_STEPS, objective: Objective = "fit", amp: str = "auto", command: str = "probe",
           on_start: Callable[[Point], None] | None = None,
           on_trial: Callable[[TrialRecord], None] | None = None, dist: Dist = LOCAL,
-          sharding: str | None = None) -> ProbeResult:
+          sharding: str | None = None, levers: frozenset[str] = frozenset(LEVERS)) -> ProbeResult:
     """Climb the ladder with real trials on `device`; every trial runs the training step itself.
 
     On several ranks (`dist`) every rank calls this: each trial runs on all of them, and they agree on its result
@@ -130,37 +141,45 @@ def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: 
     limit = int(device.budget_bytes * (1 - headroom))
     static = static_memory(model_file)
     sharded_by, no_fsdp = fsdp_reach(device, world, sharding)
-    check_static_fits(static, device, limit, headroom, sharded_by)
-    rungs = ladder_rungs(device, amp, static.checkpointing_supported, world, sharding)
+    rungs = ladder_rungs(device, amp, static.checkpointing_supported, world, sharding, levers)
+    past = past_rungs(device, rungs[-1].precision, static, model_file.label, model_file.has("optimizer"), levers,
+                      world)
+    floor = floor_static(model_file, static, past, limit, sharded_by)
+    check_static_fits(floor, device, limit, headroom, sharded_by)
     notes = measurement_notes(model_file, static, device)
 
     seconds: dict[Point, float] = {}
+    host: dict[Point, int] = {}
 
     def measure(point: Point) -> Measurement:
         if on_start:
             on_start(point)
         r = run_trial(model_file, plan_of(point, world), device, steps=steps, dist=dist)
-        seconds[point] = r.seconds
+        seconds[point], host[point] = r.seconds, r.host_peak_bytes
         return Measurement(oom=r.oom, peak_bytes=r.peak_bytes, tokens_per_s=r.tokens_per_s,
                            batch_peak_bytes=r.batch_peak_bytes)
 
     records: list[TrialRecord] = []
 
     def collect(trial: Trial) -> None:
-        records.append(_record(trial, seconds.get(trial.point, 0.0), world))
+        records.append(_record(trial, seconds.get(trial.point, 0.0), world, host.get(trial.point, 0)))
         if on_trial:
             on_trial(records[-1])
 
     def climb() -> LadderResult:
         records.clear()
         search = LadderSearch(measure, limit, on_trial=collect)
-        return search.run(rungs, targets.batch // world, targets.context, targets.min_context, objective)
+        return search.run(rungs, targets.batch // world, targets.context, targets.min_context, objective,
+                          past=past.rungs, accumulation="accumulation" in levers)
 
     ladder, computed = computing_where_needed(device, model_file.label, climb)
-    notes += computed
+    climbed_past = len(ladder.rungs) > len(rungs)
+    notes += computed + (past.notes() if climbed_past or ladder.choice is None else ())
     if ladder.choice is None:
-        why = why_nothing_fits(ladder, targets, static, limit, world) + no_fsdp_note(no_fsdp)
-        return ProbeResult(ladder, records, static, targets, limit, None, why, world, device.budget_bytes, notes)
+        why = why_nothing_fits(ladder, targets, floor if climbed_past else static, limit, world) + \
+            no_fsdp_note(no_fsdp)
+        return ProbeResult(ladder, records, static, targets, limit, None, why, world, device.budget_bytes, notes,
+                           past=past)
     c = ladder.choice
     plan = plan_of(Point(c.rung, c.micro_batch_size, c.context_length, c.grad_accum_steps), world)
     found = FoundBy(
@@ -170,10 +189,21 @@ def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: 
         peak_bytes=c.peak_bytes or 0, tokens_per_s=round(c.tokens_per_s, 1) if c.tokens_per_s else None,
         torch_version=str(torch.__version__), cuda_version=torch.version.cuda, oomtune_version=__version__,
         date=utc_now(), trials=tuple(records), notes=notes,
+        host_peak_bytes=host.get(Point(c.rung, c.micro_batch_size, c.context_length, c.grad_accum_steps)) or None,
     )
     config = Config(model=str(model_file.path), plan=plan, found_by=found)
     return ProbeResult(ladder, records, static, targets, limit, config, world_size=world, notes=notes,
-                       budget_bytes=device.budget_bytes)
+                       budget_bytes=device.budget_bytes, past=past)
+
+
+def floor_static(model_file: ModelFile, static: StaticMemory, past: PastRungs, limit: int,
+                 sharded_by: int) -> StaticMemory:
+    """The floor the budget is checked against: the plain one, or, where that does not fit and the ladder has
+    rungs past accumulation, the floor with all of their levers applied (measured on fake tensors too)."""
+    if static.floor_bytes // sharded_by <= limit or not past.rungs:
+        return static
+    last = past.rungs[-1]
+    return static_memory(model_file, plan_of(Point(last, 1, 1)), last.name)
 
 
 def divisor_note(result: ProbeResult) -> str | None:

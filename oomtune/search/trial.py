@@ -40,6 +40,7 @@ class TrialResult:
     tokens_per_s: float | None = None
     loss: float | None = None
     seconds: float = 0.0  # the whole trial, model build included
+    host_peak_bytes: int = 0  # host memory the offloaded parts held at most (0 without the offload levers)
 
 
 def _steps(model_file: ModelFile, plan: Plan, device: Device, steps: int, reading_box: list,
@@ -136,6 +137,7 @@ def run_trial(model_file: ModelFile, plan: Plan, device: Device, steps: int = TR
         return TrialResult(plan, oom=True, oom_message=oom_message, seconds=seconds)
     reading = box[0]
     peak, allocated, batch_peak = reading.peak_bytes, reading.peak_allocated_bytes, reading.batch_peak_bytes
+    host = int(dist.max(reading.host_peak_bytes)[0])
     phases = dict(reading.phase_peaks)
     # what every rank must fit: the largest; the speed of the whole job: the sum (one process: its own)
     names = sorted(phases)
@@ -146,4 +148,4 @@ def run_trial(model_file: ModelFile, plan: Plan, device: Device, steps: int = TR
     tps = dist.sum(tps)[0] if tps is not None else None
     return TrialResult(plan, oom=False, peak_bytes=peak, peak_allocated_bytes=allocated,
                        batch_peak_bytes=batch_peak, phase_peaks=phases, step_seconds=step_s,
-                       tokens_per_s=tps, loss=loss, seconds=seconds)
+                       tokens_per_s=tps, loss=loss, seconds=seconds, host_peak_bytes=host)

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 from ..config.schema import Plan
 from ..dist.group import Dist
 from ..errors import BAD_INPUT, OomtuneError, first_line
+from ..levers import load_model_state, model_state
 from ..memory.devices import Device, is_oom
 from ..step import Training, as_on_cuda, set_weight_decay
 from .checkpoint import KEEP, LAYOUT, save_checkpoint, state_dict_mismatch
@@ -36,7 +37,7 @@ class Checkpointer(Protocol):
 
 def _check_model(path: Path, state: dict[str, Any], t: Training, label: str) -> None:
     """Name the first key that differs, not torch's "Error(s) in loading state_dict for Net:"."""
-    mismatch = state_dict_mismatch(t.module.state_dict(), state["model"])
+    mismatch = state_dict_mismatch(model_state(t.module), state["model"])
     if mismatch:
         raise OomtuneError(f"checkpoint {path} does not match {label}'s model: {mismatch}", BAD_INPUT)
 
@@ -47,12 +48,12 @@ class FileCheckpointer:
     collective = False
 
     def save(self, run_dir: Path, meta: dict[str, Any], rng: dict[str, Any], t: Training, keep: int = KEEP) -> Path:
-        return save_checkpoint(run_dir, {**meta, "model": t.model.state_dict(), "optimizer": t.optimizer.state_dict(),
+        return save_checkpoint(run_dir, {**meta, "model": model_state(t.model), "optimizer": t.optimizer.state_dict(),
                                          "rng": rng}, keep)
 
     def load(self, path: Path, state: dict[str, Any], t: Training, label: str) -> None:
         _check_model(path, state, t, label)
-        t.model.load_state_dict(state["model"])
+        load_model_state(t.model, state["model"])
         t.optimizer.load_state_dict(state["optimizer"])
 
     def rng(self, path: Path, state: dict[str, Any], rank: int) -> dict[str, Any] | None:

@@ -1,0 +1,172 @@
+"""The levers past gradient accumulation, built as a plan says: bf16-true weights, 8-bit AdamW state, NF4 frozen
+weights, the optimizer offloaded to host memory, saved activations offloaded to host memory. `step.build_training`
+and the training step call these, and nothing else builds them, so a trial measures what training runs.
+
+A lever whose library is missing (`missing_library`) is left out of the ladder with a note; a config that asks
+for it is one line naming the extra that brings it."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from ..errors import BAD_INPUT, OomtuneError
+
+EXTRA = "pip install 'oomtune[finetune]'"
+LIBRARY_LEVERS = ("optimizer_8bit", "nf4_frozen_weights")
+
+
+def missing_library(lever: str, device_kind: str) -> str | None:
+    """Why `lever` cannot run on `device_kind` here (the library it needs is not installed), or None."""
+    if lever == "nf4_frozen_weights" and importlib.util.find_spec("torchao") is None:
+        return f"NF4 frozen weights need torchao ({EXTRA})"
+    if lever == "optimizer_8bit" and device_kind == "cuda":
+        from .adamw8bit import library_adamw8bit
+
+        if library_adamw8bit() is None:
+            return f"8-bit AdamW on cuda needs torchao or bitsandbytes ({EXTRA})"
+    return None
+
+
+def check_plan_runs(plan, device_kind: str, has_optimizer_hook: bool, label: str) -> None:
+    """One line, exit 2, for a plan whose levers cannot run here."""
+    for lever in LIBRARY_LEVERS:
+        why = getattr(plan, lever) and missing_library(lever, device_kind)
+        if why:
+            raise OomtuneError(f"plan.{lever}: {why}", BAD_INPUT)
+    if has_optimizer_hook and (plan.optimizer_8bit or plan.offload_optimizer):
+        key = "optimizer_8bit" if plan.optimizer_8bit else "offload_optimizer"
+        raise OomtuneError(f"plan.{key}: {label} defines its own optimizer; the 8-bit and offload levers replace "
+                           "only the default AdamW (remove the key, or the optimizer hook)", BAD_INPUT)
+
+
+def build_model(model_file, plan, device) -> nn.Module:
+    """The model file's model on `device`, its weights as the plan's levers store them.
+
+    bf16-true builds it with bf16 as the default dtype (Lightning's way: no fp32 copy of the weights is ever made).
+    NF4 builds it in host memory, stores the frozen Linear weights in 4 bits there, then moves it to the device,
+    as loading a quantized checkpoint does: the device never holds the unquantized weights."""
+    dtype = _default_dtype(torch.bfloat16) if plan.precision == "bf16-true" else contextlib.nullcontext()
+    if plan.nf4_frozen_weights:
+        with dtype, device.host(), torch.device("cpu"):
+            model = model_file.build()
+            prepare_model(model, plan, model_file.label)
+        relocate(model, device)
+        return model
+    with dtype, device.placement():
+        model = model_file.build()
+    if any(t.device != device.torch_device for t in (*model.parameters(), *model.buffers())):
+        model.to(device.torch_device)  # anything build_model placed explicitly elsewhere (`.to("cuda")`)
+    prepare_model(model, plan, model_file.label)
+    return model
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def relocate(model: nn.Module, device) -> None:
+    """Move a model built in host memory to the device. On cuda, `.to()`; on the simulated devices, whose host and
+    device are both the CPU, a copy of every parameter and buffer made outside `host()`, so the tracker counts
+    it on the device (and the host copy is freed). Tied parameters stay tied."""
+    if device.kind == "cuda":
+        model.to(device.torch_device)
+        return
+    moved: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None:
+                if id(p) not in moved:
+                    moved[id(p)] = nn.Parameter(_copy(p.detach()), requires_grad=p.requires_grad)
+                module._parameters[name] = moved[id(p)]
+        for name, b in list(module._buffers.items()):
+            if b is not None:
+                module._buffers[name] = _copy(b)
+
+
+def _copy(t: torch.Tensor) -> torch.Tensor:
+    """A new tensor with t's values in new storage; a wrapper subclass (NF4) is copied through its inner tensors."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    if is_traceable_wrapper_subclass(t):
+        names, ctx = t.__tensor_flatten__()
+        inner = {n: _copy(getattr(t, n)) for n in names}
+        return type(t).__tensor_unflatten__(inner, ctx, t.size(), t.stride())
+    return t.clone()
+
+
+def prepare_model(model: nn.Module, plan, label: str) -> None:
+    """bf16-true: every floating weight and buffer in bf16. NF4: every frozen Linear weight in 4 bits."""
+    if plan.precision == "bf16-true":
+        model.to(torch.bfloat16)
+    if plan.nf4_frozen_weights:
+        from .nf4 import quantize_frozen
+
+        if quantize_frozen(model) == 0:
+            raise OomtuneError(f"plan.nf4_frozen_weights: {label} has no frozen nn.Linear weight to store in NF4 "
+                               "(it applies to the base layers of a PEFT LoRA model)", BAD_INPUT)
+
+
+def make_optimizer(model_file, params: Sequence[nn.Parameter], lr: float, model: nn.Module, plan, device):
+    """The model file's optimizer, or for the 8-bit / offload levers the default AdamW made so."""
+    if not (plan.optimizer_8bit or plan.offload_optimizer):
+        return model_file.optimizer(params, lr, model)
+    check_plan_runs(plan, device.kind, model_file.has("optimizer"), model_file.label)
+    if plan.optimizer_8bit:
+        from .adamw8bit import BlockwiseAdamW8bit, library_adamw8bit
+
+        cls = library_adamw8bit() if device.kind == "cuda" else BlockwiseAdamW8bit
+    else:
+        cls = torch.optim.AdamW
+
+    def make(ps: list) -> torch.optim.Optimizer:
+        return cls(ps, lr=lr)
+
+    if plan.offload_optimizer:
+        from .offload import HostOffloadOptimizer
+
+        return HostOffloadOptimizer(params, make, device)
+    return make(list(params))
+
+
+def model_state(model: nn.Module) -> dict:
+    """The model's state dict as a checkpoint keeps it: NF4 frozen weights left out (they are rebuilt from the
+    model file, which the trainer seeds alike on every build)."""
+    from .nf4 import is_nf4
+
+    return {k: v for k, v in model.state_dict().items() if not is_nf4(v)}
+
+
+def load_model_state(model: nn.Module, state: dict) -> None:
+    """Load a checkpoint's model state (model_state's): strict, except for the NF4 weights it leaves out."""
+    from .nf4 import is_nf4
+
+    left_out = {k for k, v in model.state_dict().items() if is_nf4(v)}
+    missing, unexpected = model.load_state_dict(state, strict=not left_out)
+    if set(missing) - left_out or unexpected:
+        raise KeyError(f"model state: missing {sorted(set(missing) - left_out)[:1]}, unexpected {unexpected[:1]}")
+
+
+def saved_activations(plan, device) -> contextlib.AbstractContextManager:
+    """Where the forward's saved tensors go: host memory under offload_activations, else nowhere special."""
+    if not plan.offload_activations:
+        return contextlib.nullcontext()
+    from .offload import activations_on_host
+
+    return activations_on_host(device)
+
+
+def gradient_holders(optimizer, model: nn.Module) -> list[torch.Tensor]:
+    """The tensors whose .grad clipping must read: the host copies under offload, else the model's parameters."""
+    holders = getattr(optimizer, "gradient_holders", None)
+    return holders() if holders is not None else list(model.parameters())

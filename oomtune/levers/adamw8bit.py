@@ -1,0 +1,144 @@
+"""AdamW with 8-bit moments.
+
+On cuda the library's own: torchao's `AdamW8bit` (or bitsandbytes' where torchao is missing). Its step is a
+`torch.compile`d kernel, which cannot run under the simulated devices' TorchDispatchMode, so the `cpu` and `fake`
+devices run `BlockwiseAdamW8bit`: the same state layout as torchao's (per moment a byte per element and an fp32
+scale per block of 256; tensors under 4096 elements, or not a whole number of blocks, keep fp32 moments) and
+the same update, in eager ops. Its codes are a dynamic (logarithmic) map of each block's values over the
+block's largest magnitude: 7 bits of magnitude and a sign for the first moment, 8 bits for the second.
+
+Its step works through a parameter in chunks of CHUNK_BLOCKS blocks, so its scratch is bounded (about 30 bytes
+per element of a chunk) however large the parameter, as a fused kernel's is."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+
+BLOCK = 256  # elements per scale (torchao's block_size)
+MIN_QUANT = 4096  # smaller tensors keep fp32 moments (torchao's min_quant_size)
+CHUNK_BLOCKS = 1 << 16  # blocks per chunk of the step: 16M elements
+SIGNED_DECADES, UNSIGNED_DECADES = 6.0, 7.0  # the codes' range below each block's largest magnitude
+LN10 = math.log(10.0)
+
+
+def quantizes(p: torch.Tensor) -> bool:
+    """Does this parameter get 8-bit moments (else fp32)?"""
+    return p.numel() >= MIN_QUANT and p.numel() % BLOCK == 0
+
+
+def quantize(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes uint8 of x's shape, one fp32 scale per block of 256) of a tensor of whole blocks."""
+    blocks = x.reshape(-1, BLOCK).float()
+    scale = blocks.abs().amax(dim=1).clamp_min(1e-30)
+    y = blocks / scale[:, None]
+    if signed:
+        mag = y.abs().clamp_min(10 ** -SIGNED_DECADES).log10_().add_(SIGNED_DECADES).mul_(127 / SIGNED_DECADES)
+        mag.round_().clamp_(0, 127)
+        codes = torch.where(y < 0, mag + 128, mag)
+    else:
+        codes = y.clamp_min(10 ** -UNSIGNED_DECADES).log10_().add_(UNSIGNED_DECADES).mul_(255 / UNSIGNED_DECADES)
+        codes.round_().clamp_(0, 255)
+    return codes.to(torch.uint8).reshape(x.shape), scale
+
+
+def dequantize(codes: torch.Tensor, scale: torch.Tensor, signed: bool) -> torch.Tensor:
+    """fp32 values, blocks of 256 as rows."""
+    c = codes.reshape(-1, BLOCK).float()
+    if signed:
+        negative = c >= 128
+        c = torch.where(negative, c - 128, c)
+        y = c.mul_(LN10 * SIGNED_DECADES / 127).sub_(LN10 * SIGNED_DECADES).exp_()
+        y = torch.where(negative, y.neg(), y)
+    else:
+        y = c.mul_(LN10 * UNSIGNED_DECADES / 255).sub_(LN10 * UNSIGNED_DECADES).exp_()
+    return y.mul_(scale[:, None])
+
+
+class BlockwiseAdamW8bit(torch.optim.Optimizer):
+    """AdamW (decoupled weight decay, bias-corrected moments) whose moments are stored in 8 bits. Defaults are
+    torchao's AdamW8bit's (and torch's AdamW's): betas (0.9, 0.999), eps 1e-8, weight decay 0.01."""
+
+    def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2):
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+
+    def _init_state(self, p: torch.Tensor) -> dict:
+        if not quantizes(p):
+            return {"step": 0, "exp_avg": torch.zeros_like(p, dtype=torch.float32),
+                    "exp_avg_sq": torch.zeros_like(p, dtype=torch.float32)}
+        blocks = p.numel() // BLOCK
+        state = {"step": 0}
+        for name in ("exp_avg", "exp_avg_sq"):  # zero moments: the smallest code, at a zero scale
+            state[f"{name}_codes"] = torch.zeros_like(p, dtype=torch.uint8)
+            state[f"{name}_scale"] = torch.zeros(blocks, dtype=torch.float32, device=p.device)
+        return state
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state.update(self._init_state(p))
+                state["step"] += 1
+                if "exp_avg" in state:
+                    self._update(p.view(1, -1), p.grad.view(1, -1), state["exp_avg"].view(1, -1),
+                                 state["exp_avg_sq"].view(1, -1), group, state["step"])
+                else:
+                    self._step_quantized(p, state, group)
+        return loss
+
+    def _step_quantized(self, p: torch.Tensor, state: dict, group: dict) -> None:
+        rows = p.view(-1, BLOCK)
+        grad = p.grad.view(-1, BLOCK)
+        codes_m, codes_v = state["exp_avg_codes"].view(-1, BLOCK), state["exp_avg_sq_codes"].view(-1, BLOCK)
+        scale_m, scale_v = state["exp_avg_scale"], state["exp_avg_sq_scale"]
+        for a in range(0, rows.shape[0], CHUNK_BLOCKS):
+            b = min(a + CHUNK_BLOCKS, rows.shape[0])
+            m = dequantize(codes_m[a:b], scale_m[a:b], signed=True)
+            v = dequantize(codes_v[a:b], scale_v[a:b], signed=False)
+            self._update(rows[a:b], grad[a:b], m, v, group, state["step"])
+            codes_m[a:b], scale_m[a:b] = quantize(m, signed=True)
+            codes_v[a:b], scale_v[a:b] = quantize(v, signed=False)
+
+    @staticmethod
+    def _update(p: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor, group: dict,
+                step: int) -> None:
+        """One AdamW update of p (any dtype) with fp32 moments m and v, in place."""
+        beta1, beta2 = group["betas"]
+        lr, eps = group["lr"], group["eps"]
+        g = grad.float()
+        m.lerp_(g, 1 - beta1)
+        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        denom = (v / (1 - beta2 ** step)).sqrt_().add_(eps)
+        new = p.float().mul_(1 - lr * group["weight_decay"]).addcdiv_(m, denom, value=-lr / (1 - beta1 ** step))
+        p.copy_(new)
+
+
+def state_bytes_per_parameter(numel: int) -> float:
+    """What BlockwiseAdamW8bit holds per element of a quantized parameter: two moments of a byte each plus their
+    fp32 block scales (before the 512-byte rounding of each storage)."""
+    return 2 * (1 + 4 / BLOCK) if numel >= MIN_QUANT and numel % BLOCK == 0 else 8.0
+
+
+def library_adamw8bit():
+    """The 8-bit AdamW class a CUDA run uses: torchao's, else bitsandbytes'; None where neither is installed."""
+    try:
+        from torchao.optim import AdamW8bit
+
+        return AdamW8bit
+    except ImportError:
+        pass
+    try:
+        import bitsandbytes
+
+        return bitsandbytes.optim.AdamW8bit
+    except ImportError:
+        return None
+

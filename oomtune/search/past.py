@@ -1,0 +1,77 @@
+"""The rungs past accumulation, climbed only where the usual ones (fp32, amp, checkpointing, fsdp) cannot fit
+micro-batch 1 at the target context: each adds one lever to the one before, cheapest first in speed and
+exactness, so the last combines them all (the guides' "combine two or more"):
+
+    bf16-true -> +8bit -> +nf4 (a model with frozen Linear weights) -> +offload -> +offload-activations
+
+A lever the user left out of --levers, one that cannot apply to this model or device, or one whose library is
+missing is skipped, with a note saying why (`PastRungs.skipped`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..levers import missing_library
+from ..memory.breakdown import StaticMemory
+from .ladder import Rung
+
+# lever name -> (plan key, what it is): the order they are added in
+PAST_LEVERS = {
+    "8bit": ("optimizer_8bit", "8-bit AdamW state"),
+    "nf4": ("nf4_frozen_weights", "NF4 frozen weights"),
+    "offload": ("offload_optimizer", "the optimizer offloaded to host memory"),
+    "offload-activations": ("offload_activations", "saved activations offloaded to host memory"),
+}
+
+
+@dataclass
+class PastRungs:
+    rungs: list[Rung] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)  # lever -> why the ladder could not use it
+
+    def notes(self) -> tuple[str, ...]:
+        return tuple(f"no {lever} rung: {why}" for lever, why in self.skipped.items())
+
+
+def past_rungs(device, amp_dtype: str, static: StaticMemory, label: str, has_optimizer_hook: bool,
+               levers: frozenset[str], world_size: int = 1) -> PastRungs:
+    """The rungs past accumulation this model, device and --levers allow (see the module doc)."""
+    out = PastRungs()
+    wanted = [name for name in ("bf16-true", *PAST_LEVERS) if name in levers]
+    if world_size > 1:
+        out.skipped.update(dict.fromkeys(wanted, "the levers past accumulation run on one process (fsdp shards "
+                                                 "instead)"))
+        return out
+    ckpt = static.checkpointing_supported and "checkpointing" in levers
+    fields = {"precision": amp_dtype if "amp" in levers else "fp32", "activation_checkpointing": ckpt}
+    names: list[str] = []
+    if "bf16-true" in levers:
+        if device.supports_bf16():
+            fields["precision"] = "bf16-true"
+            names.append("bf16-true")
+            out.rungs.append(Rung("bf16-true", **fields))
+        else:
+            out.skipped["bf16-true"] = f"{device.name} has no native bf16"
+    for lever, (key, _) in PAST_LEVERS.items():
+        if lever not in levers:
+            continue
+        why = _why_not(lever, fields["precision"], static, label, has_optimizer_hook, device.kind)
+        if why is not None:
+            out.skipped[lever] = why
+            continue
+        fields[key] = True
+        names.append(lever)
+        out.rungs.append(Rung("+".join(names), **fields))
+    return out
+
+
+def _why_not(lever: str, precision: str, static: StaticMemory, label: str, has_optimizer_hook: bool,
+             device_kind: str) -> str | None:
+    key = PAST_LEVERS[lever][0]
+    if key in ("optimizer_8bit", "offload_optimizer") and has_optimizer_hook:
+        return f"{label} defines its own optimizer, and this lever replaces only the default AdamW"
+    if key == "nf4_frozen_weights" and not static.nf4_elements:
+        return f"{label} has no frozen nn.Linear weights (NF4 is for a PEFT LoRA model's base layers)"
+    if key == "offload_optimizer" and precision == "fp16":
+        return "fp16's GradScaler unscales the gradients where they are made; offload runs with bf16 or fp32"
+    return missing_library(key, device_kind)

@@ -1,0 +1,159 @@
+"""The levers past accumulation, part by part: what each stores, by arithmetic a reader can redo, and the cpu device
+(real tensors) against the fake one (no data) on every new rung. Devices: static_memory runs on fake tensors; the
+comparisons run both cpu and fake."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+from torch import nn
+
+from oomtune.config.schema import Plan
+from oomtune.levers.adamw8bit import BLOCK, BlockwiseAdamW8bit, dequantize, quantize
+from oomtune.memory.breakdown import static_memory
+from oomtune.memory.devices import CpuDevice, FakeDevice
+from oomtune.model_file import load_model_file
+from oomtune.search.trial import run_trial
+
+from ..conftest import EXAMPLES, ROOT
+
+needs_torchao = pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="needs torchao")
+needs_hf = pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="needs transformers and peft")
+
+N = 256 * 1024  # elements per weight below: whole 512-byte storages in every dtype, whole blocks for 8-bit and NF4
+
+# two trained Linear weights of N elements, no biases
+TRAINED = '''
+from torch import nn
+import torch
+
+def build_model():
+    return nn.Sequential(nn.Linear(256, 1024, bias=False), nn.Linear(1024, 256, bias=False))
+
+def make_batch(batch_size, context_length, device):
+    return torch.randn(batch_size, 256, device=device), torch.randn(batch_size, 256, device=device)
+
+def loss(model, batch):
+    x, y = batch
+    return ((model(x) - y) ** 2).mean()
+'''
+
+# a frozen Linear of N elements (the NF4 lever's target) and a trained one of N
+FROZEN = TRAINED.replace("return nn.Sequential(", "model = nn.Sequential(").replace(
+    "bias=False))\n", "bias=False))\n    model[0].weight.requires_grad_(False)\n    return model\n", 1)
+
+
+def test_bf16_true_holds_8_bytes_a_parameter_with_adamw(write_model):
+    mf = load_model_file(write_model(TRAINED))
+    fp32, true = static_memory(mf), static_memory(mf, Plan(1, 1, "bf16-true"), "bf16-true")
+    steps = 2 * 512  # AdamW's step count, an fp32 scalar (one 512-byte block) per parameter
+    assert fp32.total_bytes == 16 * 2 * N + steps  # weights 4 + gradients 4 + AdamW's two moments 8
+    assert true.total_bytes == 8 * 2 * N + steps  # all of them in bf16: 2 + 2 + 4
+    assert (true.weights_bytes, true.gradients_bytes, true.optimizer_bytes) == (2 * 2 * N, 2 * 2 * N,
+                                                                                4 * 2 * N + steps)
+
+
+def test_8bit_adamw_state_is_2_bytes_a_parameter_plus_a_scale_per_block(write_model):
+    mf = load_model_file(write_model(TRAINED))
+    s = static_memory(mf, Plan(1, 1, optimizer_8bit=True), "8bit")
+    per_weight = 2 * (N + 4 * N // BLOCK)  # two moments: a byte each, and an fp32 scale per 256 elements
+    assert s.optimizer_bytes == 2 * per_weight  # 2.03 bytes a parameter
+    assert s.optimizer_name == "BlockwiseAdamW8bit" and s.weights_bytes == s.gradients_bytes == 4 * 2 * N
+
+
+@needs_torchao
+def test_nf4_frozen_weights_are_half_a_byte_plus_block_scales(write_model):
+    mf = load_model_file(write_model(FROZEN))
+    plain = static_memory(mf)
+    s = static_memory(mf, Plan(1, 1, nf4_frozen_weights=True), "nf4")
+    assert plain.nf4_elements == N and plain.weights_bytes == 4 * 2 * N
+    # the frozen one: 4 bits an element, an int8 scale per 64, an fp32 factor per 256 scales, a mean, the 16 codes
+    # (each storage 512-byte rounded: the last three are one block each)
+    nf4 = N // 2 + N // 64 + 3 * 512
+    assert s.weights_bytes == nf4 + 4 * N  # + the trained fp32 one
+    assert abs(nf4 / N - 0.52) < 0.01
+    assert s.gradients_bytes == 4 * N  # the trained one only
+
+
+def test_the_offloaded_optimizer_holds_nothing_on_the_device_and_all_of_it_on_the_host(write_model):
+    mf = load_model_file(write_model(TRAINED))
+    s = static_memory(mf, Plan(1, 1, offload_optimizer=True), "offload")
+    assert s.optimizer_bytes == s.gradients_bytes == 0  # the gradients too: moved as backward makes them
+    assert s.weights_bytes == 4 * 2 * N
+    assert s.host_bytes == (4 + 4 + 8) * 2 * N + 2 * 512  # the weights' copy, gradients, AdamW's state and steps
+
+
+def test_offloaded_activations_leave_the_device_and_come_back_for_backward(write_model):
+    """device: cpu. The peak at the end of forward drops by what forward saved; the host holds it meanwhile."""
+    mf = load_model_file(EXAMPLES / "tiny_gpt.py")
+    plain = run_trial(mf, Plan(8, 128), CpuDevice("1GiB"))
+    off = run_trial(mf, Plan(8, 128, offload_activations=True), CpuDevice("1GiB"))
+    assert off.phase_peaks["forward"] < plain.phase_peaks["forward"] / 2
+    assert off.host_peak_bytes > plain.phase_peaks["forward"] - off.phase_peaks["forward"] - (1 << 20)
+    assert plain.host_peak_bytes == 0
+
+
+PLANS = {
+    "bf16-true": Plan(4, 64, "bf16-true", True),
+    "8bit": Plan(4, 64, "bf16-true", True, optimizer_8bit=True),
+    "offload": Plan(4, 64, "bf16-true", True, optimizer_8bit=True, offload_optimizer=True),
+    "offload-activations x2": Plan(4, 64, "bf16-true", True, 2, optimizer_8bit=True, offload_optimizer=True,
+                                   offload_activations=True),
+}
+
+
+@pytest.mark.parametrize("name", PLANS)
+def test_cpu_equals_fake_on_every_new_rung(name):
+    """device: cpu and fake, the tiny GPT: the same step, the same bytes (the issue asks within 1%; it is exact)."""
+    mf = load_model_file(EXAMPLES / "tiny_gpt.py")
+    cpu, fake = run_trial(mf, PLANS[name], CpuDevice("1GiB")), run_trial(mf, PLANS[name], FakeDevice("1GiB"))
+    assert not cpu.oom and cpu.peak_allocated_bytes == fake.peak_allocated_bytes
+    assert cpu.host_peak_bytes == fake.host_peak_bytes
+
+
+@needs_hf
+@needs_torchao
+def test_cpu_equals_fake_for_a_lora_model_with_every_lever():
+    """device: cpu and fake: a PEFT LoRA Llama with NF4 base weights, 8-bit state, both offloads."""
+    mf = load_model_file(ROOT / "tests" / "finetune" / "models" / "hf_llama_lora.py")
+    plan = Plan(2, 64, "bf16-true", True, optimizer_8bit=True, nf4_frozen_weights=True, offload_optimizer=True,
+                offload_activations=True)
+    cpu, fake = run_trial(mf, plan, CpuDevice("1GiB")), run_trial(mf, plan, FakeDevice("1GiB"))
+    assert cpu.peak_allocated_bytes == fake.peak_allocated_bytes and cpu.host_peak_bytes == fake.host_peak_bytes
+    bf16 = run_trial(mf, Plan(2, 64, "bf16", True), CpuDevice("1GiB"))
+    assert cpu.peak_allocated_bytes < bf16.peak_allocated_bytes
+
+
+def test_the_8bit_codes_keep_each_value_within_a_few_percent():
+    torch.manual_seed(0)
+    x = torch.randn(64 * BLOCK) * torch.logspace(-3, 0, 64 * BLOCK)
+    for signed, v in ((True, x), (False, x.abs())):
+        codes, scale = quantize(v, signed)
+        assert codes.dtype == torch.uint8 and codes.shape == v.shape and scale.shape == (64,)
+        back = dequantize(codes, scale, signed).reshape(-1)
+        rel = ((back - v).abs() / v.abs())[v.abs() > 1e-4 * v.abs().max()]
+        assert rel.max() < (0.06 if signed else 0.035)  # half a code step: 10^(6/127/2) and 10^(7/255/2)
+
+
+def test_8bit_adamw_follows_fp32_adamw():
+    """Both fit the same regression from the same start; the 8-bit moments end within noise of fp32's."""
+    def fit(cls) -> list[float]:
+        torch.manual_seed(1)
+        model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 1))  # 16384 and 256 weights: 8-bit
+        opt = cls(model.parameters(), lr=1e-3)
+        x = torch.randn(256, 64)
+        y = x[:, :1] * 2 + x[:, 1:2].sin()
+        losses = []
+        for _ in range(150):
+            loss = ((model(x) - y) ** 2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return losses
+
+    fp32, eight = fit(torch.optim.AdamW), fit(BlockwiseAdamW8bit)
+    assert fp32[0] == eight[0] and eight[-1] < eight[0] * 0.05
+    assert abs(eight[-1] - fp32[-1]) < 0.5 * fp32[-1] + 1e-3
