@@ -56,8 +56,9 @@ class StaticMemory:
         levers = f"with {self.levers}: " if self.levers else ""
         host = f" (and {format_bytes(self.host_bytes)} in host memory)" if self.host_bytes else ""
         return (f"{levers}weights {format_bytes(self.weights_bytes)} + gradients "
-                f"{format_bytes(self.gradients_bytes)} + {self.optimizer_name} state {format_bytes(self.optimizer_bytes)} + the optimizer step's "
-                f"temporaries {format_bytes(self.step_temporaries_bytes)} = {format_bytes(self.floor_bytes)}{host}")
+                f"{format_bytes(self.gradients_bytes)} + {self.optimizer_name} state "
+                f"{format_bytes(self.optimizer_bytes)} + the optimizer step's temporaries "
+                f"{format_bytes(self.step_temporaries_bytes)} = {format_bytes(self.floor_bytes)}{host}")
 
 
 class _Ledger:
