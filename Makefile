@@ -51,6 +51,12 @@ gpu-check:
 bench-estimate: $(STAMP)
 	$(PY) -m bench.bench_estimate
 
+# oomtune estimate on a 7B Llama (fake tensors, batch 8, context 2048): full fine-tuning and LoRA on a 24 GB card,
+# LoRA on a 12 GB card, with the levers past accumulation -> the levers section of bench/RESULTS.md (~10-15 min)
+.PHONY: bench-levers
+bench-levers: $(STAMP)
+	$(PY) -m bench.bench_levers
+
 # tokens/s of `oomtune train` vs a minimal hand-written loop at the same plan on CPU -> the train section of
 # bench/RESULTS.md (with the command that produced it)
 .PHONY: bench-train

@@ -30,12 +30,12 @@ from oomtune.units import parse_budget, utc_now
 from . import report
 from .ours import run_oomtune
 from .peers import oom_recognised, run_accelerate, run_lightning
+from .sections import OTHER_SECTIONS
 from .truth import PeakTable, peak_table, plan_label, time_plans, verify_boundary
 
 ROOT = Path(__file__).resolve().parent.parent
 THREADS = 1  # see RESULTS.md: 2 shared cores; two intra-op threads under contention made a step up to 40x slower
 HEADROOM = 0.0  # "fits" = runs without OOM in the budget, for every contender (justified in RESULTS.md)
-OTHER_SECTIONS = (("train", "bench-train"), ("estimate", "bench-estimate"))
 
 
 @dataclass(frozen=True)
@@ -258,7 +258,7 @@ def run_other_sections(out: Path) -> dict[str, str]:
     """Run `make bench-train` / `make bench-estimate` where they exist; return each one's section as it wrote
     it into `out` (between its markers), or a TODO/failure line. Never a number of ours."""
     sections = {}
-    for name, target in OTHER_SECTIONS:
+    for name, target, _ in OTHER_SECTIONS:
         if not has_make_target(target):
             sections[name] = (f"TODO: this section is missing: the Makefile has no `{target}` target yet, so this "
                               "run did not measure it.")
@@ -300,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # their sections first, into a fresh skeleton (so no stale figure survives), then ours
     args.out.write_text(report.skeleton())
-    others = {name: "TODO: skipped (--no-others)." for name, _ in OTHER_SECTIONS} if args.no_others \
+    others = {name: "TODO: skipped (--no-others)." for name, _, _ in OTHER_SECTIONS} if args.no_others \
         else run_other_sections(args.out)
 
     groups = {key: [bench_case(c) for c in cases] if args.only in (None, key) else []

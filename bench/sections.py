@@ -6,6 +6,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+# the blocks other scripts write: (name, the make target that writes it, its heading in RESULTS.md)
+OTHER_SECTIONS = (("train", "bench-train", "Trainer overhead"), ("estimate", "bench-estimate", "Estimate"),
+                  ("levers", "bench-levers", "Past accumulation: 7B Llama estimates"))
+
 
 def marker(name: str, which: str) -> str:
     return f"<!-- {name}:{which} -->"

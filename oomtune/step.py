@@ -24,7 +24,7 @@ from .config.schema import Plan
 from .dist.group import LOCAL, Dist
 from .dist.wrap import micro_step, sync_gradients, unwrapped, wrap
 from .errors import OomtuneError
-from .levers import build_model, check_plan_runs, gradient_holders, make_optimizer, saved_activations
+from .levers import build_model, cast_inputs, check_plan_runs, gradient_holders, make_optimizer, saved_activations
 from .memory.devices import Device
 from .model_file import Batch, ModelFile
 
@@ -131,7 +131,7 @@ def _accumulate(t: Training, micro_batches: Sequence[Batch]) -> torch.Tensor:
         with micro_step(t.model, t.plan.sharding, last=i == n - 1):
             t.phase("forward")
             with autocast(t), saved_activations(t.plan, t.device):
-                loss = t.model_file.loss(t.model, batch)
+                loss = t.model_file.loss(t.model, cast_inputs(batch, t.plan))
             t.phase("backward")
             of = "loss()" if t.model_file.has("loss") else "the model"
             with t.model_file.user_code(f"the backward pass of {of}"):  # a recompute mismatch, a custom Function
@@ -168,7 +168,7 @@ def eval_loss(t: Training, batches: Sequence[Batch]) -> torch.Tensor:
         total = torch.zeros((), device=t.device.torch_device)
         for batch in batches:
             with autocast(t):
-                total += t.model_file.loss(t.model, batch).float()
+                total += t.model_file.loss(t.model, cast_inputs(batch, t.plan)).float()
         return total
 
     try:

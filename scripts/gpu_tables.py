@@ -75,9 +75,19 @@ def fake_device(budget: str):
         return None, f"n/a: fake device failed: {type(e).__name__}: {e}"
 
 
-def rungs_for(cuda) -> list[tuple[str, str, bool]]:
+def rungs_for(cuda) -> list[tuple[str, dict]]:
+    """(rung, its plan's keys): the usual rungs, then those past accumulation (NF4 needs frozen weights, which the
+    examples have none of: test_gpu.py covers it on a LoRA model)."""
     amp = cuda.amp_dtype()
-    return [("fp32", "fp32", False), ("amp", amp, False), ("checkpointing", amp, True)]
+    usual = [("fp32", {"precision": "fp32"}), ("amp", {"precision": amp}),
+             ("checkpointing", {"precision": amp, "activation_checkpointing": True})]
+    if not cuda.supports_bf16():
+        return usual
+    true = {"precision": "bf16-true", "activation_checkpointing": True}
+    return usual + [("bf16-true", true), ("+8bit", true | {"optimizer_8bit": True}),
+                    ("+offload", true | {"optimizer_8bit": True, "offload_optimizer": True}),
+                    ("+offload-activations", true | {"optimizer_8bit": True, "offload_optimizer": True,
+                                                     "offload_activations": True})]
 
 
 def context_now(torch, gpu: dict, device) -> int | None:
@@ -128,12 +138,12 @@ def memory_table(rep: Report, cuda, deadline: float, gpu: dict, examples=EXAMPLE
     # warm-up: every (model, rung) once at micro-batch 1, so workspaces cuBLAS & co. keep for the process's
     # lifetime exist before measuring; they stay in every real number below (as in any training process)
     for name, mf in models.items():
-        for _, prec, ckpt in rungs:
+        for rung, keys in rungs:
             check_time(deadline)
             try:
-                run_trial(mf, Plan(1, mf.defaults.get("context", 512), prec, ckpt), cuda, steps=1)
+                run_trial(mf, Plan(1, mf.defaults.get("context", 512), **keys), cuda, steps=1)
             except Exception as e:  # noqa: BLE001 - (not the TimeBox) its row below reports it; the table is written
-                rep.problem(f"{name} {prec}{'+ckpt' if ckpt else ''} warm-up: {type(e).__name__}: {str(e)[:80]}")
+                rep.problem(f"{name} {rung} warm-up: {type(e).__name__}: {str(e)[:80]}")
     baseline = cuda.live_bytes()
     context = context_now(torch, gpu, cuda.torch_device)  # after the warm-up: handles and kernels exist now
     rep.data["gpu"] = gpu | {"context_bytes": context}
@@ -148,10 +158,12 @@ def memory_table(rep: Report, cuda, deadline: float, gpu: dict, examples=EXAMPLE
         if stopped:
             break
         b, t = scale * (batch or mf.defaults.get("batch", 32)), mf.defaults.get("context", 512)
-        for rung, prec, ckpt in rungs:
-            plan = Plan(b, t, prec, ckpt)
-            label = f"{prec}{'+ckpt' if ckpt else ''}"
-            row = {"model": name, "rung": rung, "precision": prec, "checkpointing": ckpt, "batch": b, "context": t}
+        for rung, keys in rungs:
+            plan = Plan(b, t, **keys)
+            prec, ckpt = plan.precision, plan.activation_checkpointing
+            label = rung if rung.startswith(("bf16-true", "+")) else f"{prec}{'+ckpt' if ckpt else ''}"
+            row = {"model": name, "rung": rung, "precision": prec, "checkpointing": ckpt, "batch": b, "context": t,
+                   "plan": plan.describe()}
             try:
                 check_time(deadline)
                 live_before = cuda.live_bytes()
@@ -186,7 +198,8 @@ def memory_table(rep: Report, cuda, deadline: float, gpu: dict, examples=EXAMPLE
                                "real_live_before_bytes": live_before,
                                "real_max_allocated_less_live_before_bytes": own,
                                "real_max_reserved_bytes": real.peak_bytes, "real_reserved_plus_context_bytes": on_card,
-                               "real_oom": real.oom,
+                               "real_oom": real.oom, "real_host_peak_bytes": real.host_peak_bytes,
+                               "fake_host_peak_bytes": None if est is None else est.host_peak_bytes,
                                "real_tokens_per_s": real.tokens_per_s, "real_phase_peaks": real.phase_peaks})
     rep.say(md_table(MEMORY_HEADER, rows))
     rep.say("error = (fake - real) / real. The fake tensor peak is compared with the real max allocated less what "

@@ -336,3 +336,40 @@ def test_a_peft_lora_model_probes_trains_and_its_fake_estimate_is_close(tmp_path
     print(f"LoRA Llama {plan.describe()}: cuda allocated peak {real.peak_allocated_bytes}, reserved "
           f"{real.peak_bytes}; fake tensor peak {fake.tensor_peak_bytes}")
     assert 0.9 * fake.tensor_peak_bytes <= real.peak_allocated_bytes <= 1.5 * fake.tensor_peak_bytes + 64 * MiB
+
+
+LEVER_PLANS = {  # the rungs past accumulation, on the tiny GPT (NF4: the LoRA Llama, which has frozen Linears)
+    "bf16-true": ("tiny_gpt", {"precision": "bf16-true", "activation_checkpointing": True}),
+    "8bit": ("tiny_gpt", {"optimizer_8bit": True}),
+    "offload": ("tiny_gpt", {"offload_optimizer": True, "grad_accum_steps": 2}),
+    "offload-activations": ("tiny_gpt", {"offload_activations": True}),
+    "nf4": ("lora", {"precision": "bf16-true", "nf4_frozen_weights": True, "activation_checkpointing": True}),
+}
+
+
+@pytest.mark.parametrize("lever", LEVER_PLANS)
+def test_each_lever_runs_on_cuda_and_the_fake_estimate_is_close(lever, tmp_path):
+    """Each lever on the GPU with the library's own code (torchao's AdamW8bit and NF4; pinned host memory): the
+    trial runs, and the fake device's tensor peak (with the cpu stand-ins) is near the GPU's allocated peak.
+    Prints both, and the host memory each side counted, for make gpu-check's note."""
+    from pathlib import Path
+
+    from oomtune.memory.devices import FakeDevice
+    from oomtune.memory.margin import Margin
+
+    name, keys = LEVER_PLANS[lever]
+    if lever in ("8bit", "nf4"):
+        pytest.importorskip("torchao")
+    if name == "lora":
+        pytest.importorskip("peft")
+        mf = load_model_file(Path(__file__).parent / "finetune" / "models" / "hf_llama_lora.py")
+    else:
+        mf = load_model_file(EXAMPLES / "tiny_gpt.py")
+    plan = Plan(8, 128, **keys)
+    real = run_trial(mf, plan, make_device("cuda", "4GiB"))
+    fake = run_trial(mf, plan, FakeDevice("4GiB", margin=Margin()))
+    print(f"{lever} ({plan.describe()}): cuda allocated peak {real.peak_allocated_bytes}, host {real.host_peak_bytes};"
+          f" fake tensor peak {fake.peak_allocated_bytes}, host {fake.host_peak_bytes}")
+    assert not real.oom, real.oom_message
+    assert 0.8 * fake.peak_allocated_bytes <= real.peak_allocated_bytes <= 1.5 * fake.peak_allocated_bytes + 64 * MiB
+    assert (real.host_peak_bytes > 0) == (fake.host_peak_bytes > 0) == lever.startswith("offload")

@@ -69,13 +69,15 @@ def test_the_memory_table_dry_run_on_the_cpu_device_reads_zero_error():
     assert context is None and not rep.problems, rep.problems  # no NVML numbers off a GPU
     md = "\n".join(rep.md)
     rows = [ln for ln in md.splitlines() if ln.startswith("| mlp_dict")]
-    assert len(rows) == 3  # fp32, amp, checkpointing
+    assert len(rows) == 7  # fp32, amp, checkpointing; past accumulation: bf16-true, +8bit, +offload, +activations
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]
         assert len(cells) == len(t.MEMORY_HEADER)
         assert cells[t.MEMORY_HEADER.index("error")] == "+0.0%", row
     data = rep.data["memory"]["rows"]
     assert all(r["fake_tensor_peak_bytes"] == r["real_max_allocated_less_live_before_bytes"] > 0 for r in data)
+    assert all(r["fake_host_peak_bytes"] == r["real_host_peak_bytes"] for r in data)
+    assert [r["real_host_peak_bytes"] > 0 for r in data] == [False] * 5 + [True] * 2  # the two offload rows
     assert rep.data["memory"]["implied_margin"] is None  # no context without NVML: nothing to fit
 
 

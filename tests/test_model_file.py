@@ -114,10 +114,14 @@ def test_sys_exit_in_the_model_file_is_a_model_file_error(write_model, where, so
 
 
 def test_budget_too_small_for_the_weights_says_what_they_need(write_model):
-    msg = probe_error(write_model(), "--budget", "2KiB")
+    msg = probe_error(write_model(), "--budget", "2KiB", "--levers", "amp,checkpointing,accumulation")
     # 3 Linear(16, x): weights 3 x (1024 + 512 bias blocks) ... the exact figures come from the tracker
     assert "too small for the weights alone: weights " in msg
     assert "+ gradients " in msg and "+ AdamW state " in msg
+    # with the levers past accumulation the floor is what is left with all of them applied, and it says so
+    msg = probe_error(write_model(), "--budget", "2KiB")
+    assert "too small for the weights alone: weights 3.00 KiB + gradients 0 B + BlockwiseAdamW8bit state 0 B" in msg
+    assert msg.endswith("(with bf16-true+8bit+offload+offload-activations; and 14.00 KiB in host memory)")
 
 
 def test_bad_defaults_and_bad_options(write_model):

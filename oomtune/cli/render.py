@@ -87,11 +87,13 @@ def result_json(result, config_path: Path | None) -> dict:
         "fits": cfg is not None,
         "plan": to_dict(cfg.plan) if cfg else None,
         "peak_bytes": cfg.found_by.peak_bytes if cfg else None,
+        "host_peak_bytes": cfg.found_by.host_peak_bytes if cfg else None,
         "tokens_per_s": cfg.found_by.tokens_per_s if cfg else None,
         "budget_bytes": result.budget_bytes,
         "limit_bytes": result.limit_bytes,
         "static": {"weights_bytes": result.static.weights_bytes, "gradients_bytes": result.static.gradients_bytes,
                    "optimizer_bytes": result.static.optimizer_bytes},
+        "levers_not_used": dict(result.past.skipped) if result.past is not None else {},
         "rungs": [{"rung": r.rung.name, "precision": r.rung.precision,
                    "activation_checkpointing": r.rung.activation_checkpointing,
                    "context_length": r.context_length, "micro_batch_size": r.micro_batch_size, "trials": r.trials}
@@ -124,6 +126,9 @@ def render_search(result, out_path: Path | None, as_json: bool, verb: str, extra
             out.print(f"      peak {fmt_bytes(fb.peak_bytes)} of {fmt_bytes(result.limit_bytes)} allowed "
                       f"(budget {fmt_bytes(fb.budget_bytes)}, {fb.headroom:.0%} headroom){tps}; "
                       f"{len(result.records)} trials")
+            if fb.host_peak_bytes:
+                out.print(f"      host memory {fmt_bytes(fb.host_peak_bytes)} for the offloaded parts"
+                          + (" (estimated: check the machine has it free)" if fb.estimated else ""))
             out.print(f"[bold]wrote[/] {out_path}   next: [cyan]oomtune train --config {out_path}[/]")
             note = divisor_note(result)
             if note:
@@ -157,6 +162,8 @@ def breakdown_table(bd, plan, limit_bytes: int | None = None, title: str = "brea
     style = "" if limit_bytes is None else ("green" if bd.peak_bytes <= limit_bytes else "red")
     table.add_row("[bold]peak[/]", f"[bold {style}]{fmt_bytes(bd.peak_bytes)}[/]" if style else
                   f"[bold]{fmt_bytes(bd.peak_bytes)}[/]", "", "")
+    if bd.host_bytes:
+        table.add_row("host memory", fmt_bytes(bd.host_bytes), "", "[dim]offloaded: not in the GPU's peak[/]")
     if limit_bytes is not None:
         table.add_row("allowed", fmt_bytes(limit_bytes), "", "[dim]budget less headroom[/]")
     return table

@@ -189,6 +189,7 @@ class MemoryBreakdown:
     margin: str = "0"  # the margin rule, e.g. 512MiB+5% (see `oomtune estimate --help`)
     margin_bytes: int = 0
     peak_bytes: int = 0  # 0 = derive it
+    host_bytes: int = 0  # apart from all of the above: host memory the offload levers held at most
 
     PARTS = ("parameters", "gradients", "optimizer_state", "autocast_copies", "activations", "temporaries")
 

@@ -157,6 +157,17 @@ def load_model_state(model: nn.Module, state: dict) -> None:
         raise KeyError(f"model state: missing {sorted(set(missing) - left_out)[:1]}, unexpected {unexpected[:1]}")
 
 
+def cast_inputs(batch, plan):
+    """bf16-true: the batch's floating-point tensors in bf16, as the weights are (Lightning's convert_input); token
+    ids and masks stay as they are. Any other plan: the batch itself."""
+    if plan.precision != "bf16-true":
+        return batch
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda x: x.to(torch.bfloat16) if isinstance(x, torch.Tensor) and x.is_floating_point() else x,
+                    batch)
+
+
 def saved_activations(plan, device) -> contextlib.AbstractContextManager:
     """Where the forward's saved tensors go: host memory under offload_activations, else nowhere special."""
     if not plan.offload_activations:

@@ -13,6 +13,7 @@ gradient accumulation works. After the host step the new weights are copied back
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -43,7 +44,16 @@ class HostOffloadOptimizer(torch.optim.Optimizer):
         self._reached: set[nn.Parameter] = set()  # parameters backward gave a gradient since the last zero_grad
         self.inner = make(list(self._host.values()))
         self.defaults = self.inner.defaults
-        self._hooks = [p.register_post_accumulate_grad_hook(self._move_gradient) for p in self._params]
+        # the hook must not hold the optimizer: a tensor's hooks live on its C++ side, where Python's collector
+        # cannot see the cycle (parameter -> hook -> optimizer -> parameter), so it would never be freed
+        me = weakref.ref(self)
+
+        def hook(p: nn.Parameter) -> None:
+            optimizer = me()
+            if optimizer is not None:
+                optimizer._move_gradient(p)
+
+        self._hooks = [p.register_post_accumulate_grad_hook(hook) for p in self._params]
 
     @property
     def param_groups(self) -> list[dict]:

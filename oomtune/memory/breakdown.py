@@ -53,12 +53,12 @@ class StaticMemory:
         return self.total_bytes + self.step_temporaries_bytes
 
     def describe(self) -> str:
-        levers = f"with {self.levers}: " if self.levers else ""
-        host = f" (and {format_bytes(self.host_bytes)} in host memory)" if self.host_bytes else ""
-        return (f"{levers}weights {format_bytes(self.weights_bytes)} + gradients "
-                f"{format_bytes(self.gradients_bytes)} + {self.optimizer_name} state "
-                f"{format_bytes(self.optimizer_bytes)} + the optimizer step's temporaries "
-                f"{format_bytes(self.step_temporaries_bytes)} = {format_bytes(self.floor_bytes)}{host}")
+        extra = [f"with {self.levers}"] if self.levers else []
+        extra += [f"and {format_bytes(self.host_bytes)} in host memory"] if self.host_bytes else []
+        return (f"weights {format_bytes(self.weights_bytes)} + gradients {format_bytes(self.gradients_bytes)} + "
+                f"{self.optimizer_name} state {format_bytes(self.optimizer_bytes)} + the optimizer step's "
+                f"temporaries {format_bytes(self.step_temporaries_bytes)} = {format_bytes(self.floor_bytes)}"
+                + (f" ({'; '.join(extra)})" if extra else ""))
 
 
 class _Ledger:
@@ -217,7 +217,7 @@ def _breakdown(model_file, plan, device, steps, dist, run_trial) -> MemoryBreakd
     margin = margin_of(device)
     return MemoryBreakdown(
         phase=rec.peak_phase, **{f"{k}_bytes": v for k, v in parts.items()}, tensor_peak_bytes=rec.peak_bytes,
-        margin=margin.describe(), margin_bytes=margin.overhead(rec.peak_bytes),
+        margin=margin.describe(), margin_bytes=margin.overhead(rec.peak_bytes), host_bytes=result.host_peak_bytes,
     )
 
 

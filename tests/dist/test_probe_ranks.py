@@ -91,8 +91,9 @@ def test_a_budget_too_small_to_replicate_the_model_makes_the_probe_pick_fsdp(tmp
     mf = load_model_file(model)
     unit = max(sum(p.numel() * p.element_size() for p in b.parameters()) for b in mf.blocks(mf.build()))
     assert abs(result["peak_bytes"] - predicted["peak_bytes"]) <= unit
-    one = run_cli("estimate", model, *args, "--margin", "0", "--sharding", "none", "--out", tmp_path / "one.yaml")
-    assert one.exit_code == 1  # one process cannot fit it: the weights alone are over
+    one = run_cli("estimate", model, *args, "--margin", "0", "--sharding", "none", "--out", tmp_path / "one.yaml",
+                  "--levers", "amp,checkpointing,accumulation")
+    assert one.exit_code == 1  # one process cannot fit it on the classic ladder: the weights alone are over
 
 
 def test_where_torch_cannot_run_fsdp_off_cuda_the_ladder_leaves_that_rung_out_and_says_so(tmp_path, monkeypatch):

@@ -157,3 +157,17 @@ def test_8bit_adamw_follows_fp32_adamw():
     fp32, eight = fit(torch.optim.AdamW), fit(BlockwiseAdamW8bit)
     assert fp32[0] == eight[0] and eight[-1] < eight[0] * 0.05
     assert abs(eight[-1] - fp32[-1]) < 0.5 * fp32[-1] + 1e-3
+
+
+def test_a_trial_with_every_lever_leaves_nothing_alive_on_the_device_or_the_host():
+    """device: cpu. The offloaded optimizer's gradient hooks live on the parameters' C++ side, out of the garbage
+    collector's sight: were they to hold the optimizer, nothing of the trial would ever be freed."""
+    import gc
+
+    mf = load_model_file(EXAMPLES / "mlp_dict.py")
+    device = CpuDevice("1GiB")
+    for _ in range(2):
+        r = run_trial(mf, PLANS["offload-activations x2"], device)
+        gc.collect()
+        assert not r.oom and r.host_peak_bytes > 0
+        assert device.live_bytes() == device.tracker.host_live_bytes == 0

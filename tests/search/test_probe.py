@@ -88,7 +88,9 @@ def test_cli_writes_a_config_that_round_trips_and_json_for_ci(tmp_path):
     assert data["plan"] == {
         "micro_batch_size": cfg.plan.micro_batch_size, "context_length": 64, "precision": cfg.plan.precision,
         "activation_checkpointing": cfg.plan.activation_checkpointing,
-        "grad_accum_steps": cfg.plan.grad_accum_steps, "world_size": 1, "sharding": "none", "global_batch_size": 8,
+        "grad_accum_steps": cfg.plan.grad_accum_steps, "world_size": 1, "sharding": "none",
+        "optimizer_8bit": False, "offload_optimizer": False, "offload_activations": False,
+        "nf4_frozen_weights": False, "global_batch_size": 8,
     }
     assert data["peak_bytes"] == cfg.found_by.peak_bytes <= data["limit_bytes"] == int(8 * MiB * 0.9)
     assert len(data["trials"]) == len(cfg.found_by.trials) == sum(r["trials"] for r in data["rungs"]) + sum(
@@ -100,10 +102,12 @@ def test_cli_writes_a_config_that_round_trips_and_json_for_ci(tmp_path):
 
 def test_cli_table_and_nothing_fits_exit_code(tmp_path):
     """device: cpu. A budget that holds the floor (weights, gradients, AdamW state and its step's temporaries: 5.13
-    MiB) but not one example at context 512 (5.46 MiB): exit 1, the reason, no file."""
+    MiB) but not one example at context 512 (5.46 MiB): exit 1, the reason, no file. The classic ladder (past
+    accumulation, bf16-true fits it: tests/levers)."""
     out = tmp_path / "best.yaml"
+    classic = ("--levers", "amp,checkpointing,accumulation")
     args = ("probe", EXAMPLES / "tiny_gpt.py", "--device", "cpu", "--budget", "5.9MiB", "--context", "512",
-            "--out", out)
+            "--out", out, *classic)
     r = run_cli(*args)
     assert r.exit_code == 1, r.output
     assert "nothing fits in 5.31 MiB" in r.stderr and "AdamW state" in r.stderr
@@ -112,7 +116,7 @@ def test_cli_table_and_nothing_fits_exit_code(tmp_path):
     assert not out.exists()
     report = json.loads(run_cli(*args, "--json").stdout)
     assert report["fits"] is False and report["budget_bytes"] == int(5.9 * MiB)  # what it was given, fits or not
-    under = run_cli("probe", EXAMPLES / "tiny_gpt.py", "--device", "cpu", "--budget", "5.5MiB", "--out", out)
+    under = run_cli("probe", EXAMPLES / "tiny_gpt.py", "--device", "cpu", "--budget", "5.5MiB", "--out", out, *classic)
     assert under.exit_code == 2  # 4.95 MiB allowed: under the floor, the weights alone (and their step) do not fit
     assert "too small for the weights alone" in under.stderr and "temporaries 1.02 MiB = 5.13 MiB" in under.stderr
 
@@ -193,8 +197,10 @@ def test_what_nothing_fitting_says_names_what_happened_and_only_levers_that_appl
     peaks = [run_trial(mf, Plan(1, 1, p), CpuDevice("4GiB")).peak_bytes for p in ("fp32", "bf16")]
     assert max(peaks) < 1.2 * min(peaks)  # alike on both rungs
     peak = max(peaks)
+    classic = ("--levers", "amp,checkpointing,accumulation")  # (past accumulation: tests/levers)
+    # allowed: under 0.9 x either peak; the budget holds it
     over = run_cli("probe", model, "--device", "cpu", "--budget", str(int(peak * 1.5)), "--headroom", "0.5",
-                   "--out", tmp_path / "a.yaml", "--json")  # allowed: under 0.9 x either peak; the budget holds it
+                   "--out", tmp_path / "a.yaml", "--json", *classic)
     assert over.exit_code == 1, over.output
     report = json.loads(over.stdout)
     assert {t["result"] for t in report["trials"] if t["micro_batch_size"] == 1} == {"over-headroom"}  # it ran, but
@@ -205,6 +211,6 @@ def test_what_nothing_fitting_says_names_what_happened_and_only_levers_that_appl
                                "of same-type modules, no gradient_checkpointing_enable); define blocks(model) to add "
                                "it"]
     oom = run_cli("probe", model, "--device", "cpu", "--budget", str(int(peak * 0.5)), "--headroom", "0",
-                  "--out", tmp_path / "b.yaml", "--json")
+                  "--out", tmp_path / "b.yaml", "--json", *classic)
     assert oom.exit_code == 1, oom.output
     assert "runs out of memory on every rung" in json.loads(oom.stdout)["why_nothing_fits"]

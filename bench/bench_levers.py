@@ -1,0 +1,89 @@
+"""`make bench-levers`: `oomtune estimate` on a 7B Llama (built from its config on fake tensors, no weights) at
+batch 8, context 2048, for the fine-tuning cases the levers past accumulation are for: full fine-tuning and LoRA
+on a 24 GB card, LoRA on a 12 GB card. The plan (or why nothing fits), its peak and host memory, the trials and
+the wall time of each go into bench/RESULTS.md between `<!-- levers:begin -->` and `<!-- levers:end -->`.
+
+    .venv/bin/python -m bench.bench_levers [--out bench/RESULTS.md]
+
+Every number written comes from this run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from bench.sections import write_section
+from oomtune.units import format_bytes, utc_now
+
+ROOT = Path(__file__).resolve().parent.parent
+CASES = [  # (what, the command's arguments after `oomtune estimate`)
+    ("full fine-tuning, 24 GB card", ["examples/finetune/llama_7b.py", "--gpu", "rtx4090"]),
+    ("LoRA, 24 GB card", ["examples/finetune/llama_7b_lora.py", "--gpu", "rtx4090"]),
+    ("LoRA, 12 GB card", ["examples/finetune/llama_7b_lora.py", "--gpu", "rtx3060"]),
+]
+
+
+def run_case(args: list[str], out: str) -> tuple[dict, float, list[str]]:
+    command = ["oomtune", "estimate", *args, "--out", out, "--json"]
+    start = time.perf_counter()
+    proc = subprocess.run([str(Path(sys.executable).parent / "oomtune"), *command[1:]], cwd=ROOT,
+                          capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    if proc.returncode not in (0, 1):  # 1 = nothing fits, still a finished ladder
+        raise SystemExit(f"{shlex.join(command)} failed (exit {proc.returncode}): {proc.stderr.strip()[-500:]}")
+    return json.loads(proc.stdout), wall, command
+
+
+def row(what: str, report: dict, wall: float, command: list[str]) -> list[str]:
+    from oomtune.config.schema import Plan
+
+    rungs = " -> ".join(r["rung"] for r in report["rungs"]) or "none (the floor is over the budget)"
+    if report["fits"]:
+        result = Plan(**report["plan"]).describe()
+        peak = format_bytes(report["peak_bytes"])
+        host = format_bytes(report["host_peak_bytes"]) if report["host_peak_bytes"] else "-"
+    else:
+        result, peak, host = f"nothing fits: {report['why_nothing_fits']}", "-", "-"
+    return [what, f"`{shlex.join(command)}`", rungs, result, peak, host, str(len(report["trials"])), f"{wall:.0f}"]
+
+
+def section(rows: list[list[str]]) -> str:
+    import torch
+
+    header = ["case", "command", "rungs climbed", "plan", "peak (margin incl.)", "host memory", "trials",
+              "wall s"]
+    lines = [
+        f"Written by `make bench-levers` (`python -m bench.bench_levers`) on {utc_now()}, torch {torch.__version__}, "
+        "on this machine's CPU: each estimate builds Llama-2-7B's shape (6.7B parameters) on fake tensors, batch 8, "
+        "context 2048 (no shorter context allowed), and climbs the ladder; the wall time is the whole command's.",
+        "",
+        "| " + " | ".join(header) + " |",
+        "|" + "|".join(" --- " for _ in header) + "|",
+        *("| " + " | ".join(cell.replace("|", "/") for cell in r) + " |" for r in rows),
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "RESULTS.md")
+    args = ap.parse_args(argv)
+    rows = []
+    for i, (what, case) in enumerate(CASES):
+        print(f"[{i + 1}/{len(CASES)}] oomtune estimate {' '.join(case)}", file=sys.stderr, flush=True)
+        report, wall, command = run_case(case, f"out/bench/llama_7b_{i}.yaml")
+        rows.append(row(what, report, wall, command))
+        print(f"    {wall:.0f} s: {rows[-1][3][:120]}", file=sys.stderr, flush=True)
+    write_section(args.out, "levers", section(rows), heading="## Past accumulation: 7B Llama estimates")
+    print(f"wrote the levers section of {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

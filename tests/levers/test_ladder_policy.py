@@ -1,0 +1,66 @@
+"""The ladder's policy past accumulation: torch-free against fake memory functions (exact sequences), then the
+probe on the cpu device and --levers through the CLI."""
+
+from __future__ import annotations
+
+import json
+
+from oomtune.config.loading import load_config
+from oomtune.search.ladder import LadderSearch, Measurement, Point, Rung
+
+from ..conftest import EXAMPLES, run_cli
+
+FP32, AMP, CKPT = Rung("fp32", "fp32", False), Rung("amp", "bf16", False), Rung("checkpointing", "bf16", True)
+TRUE = Rung("bf16-true", "bf16-true", True)
+EIGHT = Rung("bf16-true+8bit", "bf16-true", True, optimizer_8bit=True)
+OFFLOAD = Rung("bf16-true+8bit+offload", "bf16-true", True, optimizer_8bit=True, offload_optimizer=True)
+FLOOR = {FP32: 1700, AMP: 1700, CKPT: 1750, TRUE: 800, EIGHT: 500, OFFLOAD: 200}  # weights, grads, state
+PER_TOKEN = {FP32: 4, AMP: 2, CKPT: 1, TRUE: 1, EIGHT: 1, OFFLOAD: 1}
+LIMIT, BUDGET = 1800, 2000
+
+
+def measure(p: Point) -> Measurement:
+    peak = FLOOR[p.rung] + PER_TOKEN[p.rung] * p.micro_batch_size * p.context_length // 8 + 10 * p.grad_accum_steps
+    return Measurement(oom=True) if peak > BUDGET else Measurement(oom=False, peak_bytes=peak)
+
+
+def test_the_rungs_past_accumulation_are_climbed_only_where_the_others_cannot_reach_the_context():
+    s = LadderSearch(measure, LIMIT)
+    r = s.run([FP32, AMP, CKPT], batch=64, context=512, min_context=64, past=[TRUE, EIGHT, OFFLOAD])
+    names = [x.rung.name for x in r.rungs]
+    assert names == ["fp32", "amp", "checkpointing", "bf16-true"]  # bf16-true reaches 512: the climb ends there
+    assert all(x.context_length is None or x.context_length < 512 for x in r.rungs[:3])
+    assert r.rungs[-1].context_length == 512 and r.choice.rung == TRUE
+    assert r.choice.micro_batch_size * r.choice.grad_accum_steps == 64  # the global batch kept
+
+    easy = LadderSearch(measure, LIMIT)  # a context the usual rungs reach: no rung past accumulation is tried
+    r = easy.run([FP32, AMP, CKPT], batch=64, context=64, min_context=64, past=[TRUE, EIGHT, OFFLOAD])
+    assert all(t.point.rung in (FP32, AMP, CKPT) for t in easy.trials)
+
+
+def test_without_accumulation_a_plan_must_fit_the_whole_batch():
+    s = LadderSearch(measure, LIMIT)
+    r = s.run([FP32, AMP, CKPT], batch=64, context=512, min_context=512, past=[TRUE, EIGHT, OFFLOAD],
+              accumulation=False)
+    assert r.choice is None or (r.choice.micro_batch_size, r.choice.grad_accum_steps) == (64, 1)
+    assert all(t.point.grad_accum_steps == 1 for t in s.trials)
+
+
+def test_probe_climbs_past_accumulation_where_fp32_state_alone_is_over_the_budget(tmp_path):
+    """device: cpu. The tiny GPT's fp32 weights + gradients + AdamW state + step temporaries are 5.13 MiB: 5 MiB
+    (4.5 allowed) cannot hold them on any usual rung; bf16-true halves them."""
+    out = tmp_path / "low.yaml"
+    r = run_cli("probe", EXAMPLES / "tiny_gpt.py", "--device", "cpu", "--budget", "5MiB", "--out", out, "--json")
+    assert r.exit_code == 0, r.output
+    report = json.loads(r.stdout)
+    assert [x["rung"] for x in report["rungs"]] == ["fp32", "amp", "checkpointing", "bf16-true"]
+    assert all(t["result"] == "oom" for t in report["trials"] if t["rung"] != "bf16-true")
+    plan = load_config(out).plan
+    assert (plan.precision, plan.global_batch_size) == ("bf16-true", 16)
+    assert "nf4" in report["levers_not_used"] and "frozen" in report["levers_not_used"]["nf4"]
+
+    classic = run_cli("probe", EXAMPLES / "tiny_gpt.py", "--device", "cpu", "--budget", "5MiB", "--levers",
+                      "amp,checkpointing,accumulation", "--out", tmp_path / "classic.yaml")
+    assert classic.exit_code == 2 and "too small for the weights alone" in classic.stderr
+    bad = run_cli("probe", EXAMPLES / "tiny_gpt.py", "--levers", "amp,8-bit", "--out", tmp_path / "x.yaml")
+    assert bad.exit_code == 2 and "--levers 'amp,8-bit': unknown 8-bit" in bad.stderr
