@@ -32,6 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 from ..errors import OomtuneError
+from .tracker import METADATA_OPS
 
 SHADOW = "_oomtune_value"  # the attribute holding a FakeTensor's real copy
 MAX_SHADOW_ELEMENTS = 1 << 22  # larger results are not copied (their values are not read by code that branches)
@@ -182,6 +183,8 @@ class Values(TorchDispatchMode):
         self._stale.discard(key)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in METADATA_OPS:  # a tensor's device (wrapper subclasses ask for it all the time): no values
+            return func(*args, **(kwargs or {}))
         kwargs = kwargs or {}
         try:
             out = func(*args, **kwargs)

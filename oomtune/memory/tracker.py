@@ -24,6 +24,9 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from ..units import format_bytes
 
 BLOCK = 512  # the CUDA caching allocator's smallest rounding unit, bytes
+# ops that read a tensor's metadata and make none; wrapper subclasses (NF4) dispatch `.device` for every use
+METADATA_OPS = frozenset(getattr(torch.ops.prim, name).default for name in ("device", "layout")
+                         if hasattr(torch.ops.prim, name))
 
 # the autograd node running now (None outside the backward pass); without it, recomputation is not told apart
 _current_autograd_node = getattr(torch._C, "_current_autograd_node", lambda: None)
@@ -314,6 +317,8 @@ class MemoryTracker(TorchDispatchMode):
     # -- the hook every op runs through ----------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if func in METADATA_OPS:  # no tensor made
+            return out
         added = 0
         for t in _tensors(out):
             added += self._count(t)
