@@ -20,15 +20,17 @@ EXTRA = "pip install 'oomtune[finetune]'"
 LIBRARY_LEVERS = ("optimizer_8bit", "nf4_frozen_weights")
 
 
-def missing_library(lever: str, device_kind: str) -> str | None:
-    """Why `lever` cannot run on `device_kind` here (the library it needs is not installed), or None."""
-    if lever == "nf4_frozen_weights" and importlib.util.find_spec("torchao") is None:
-        return f"NF4 frozen weights need torchao ({EXTRA})"
-    if lever == "optimizer_8bit" and device_kind == "cuda":
-        from .adamw8bit import library_adamw8bit
+def installed(name: str) -> bool:
+    return importlib.util.find_spec(name) is not None
 
-        if library_adamw8bit() is None:
-            return f"8-bit AdamW on cuda needs torchao or bitsandbytes ({EXTRA})"
+
+def missing_library(lever: str, device_kind: str) -> str | None:
+    """Why `lever` cannot run on `device_kind` here (the library it needs is not installed), or None. The cpu and
+    fake devices run 8-bit AdamW with oomtune's own stand-in, so only cuda needs a library for it."""
+    if lever == "nf4_frozen_weights" and not installed("torchao"):
+        return f"NF4 frozen weights need torchao ({EXTRA})"
+    if lever == "optimizer_8bit" and device_kind == "cuda" and not (installed("torchao") or installed("bitsandbytes")):
+        return f"8-bit AdamW on cuda needs torchao or bitsandbytes ({EXTRA})"
     return None
 
 
@@ -54,7 +56,7 @@ def build_model(model_file, plan, device) -> nn.Module:
     if plan.nf4_frozen_weights:
         with dtype, device.host(), torch.device("cpu"):
             model = model_file.build()
-            prepare_model(model, plan, model_file.label)
+            prepare_model(model, plan, model_file.label, device.computes)
         relocate(model, device)
         return model
     with dtype, device.placement():
@@ -105,14 +107,15 @@ def _copy(t: torch.Tensor) -> torch.Tensor:
     return t.clone()
 
 
-def prepare_model(model: nn.Module, plan, label: str) -> None:
-    """bf16-true: every floating weight and buffer in bf16. NF4: every frozen Linear weight in 4 bits."""
+def prepare_model(model: nn.Module, plan, label: str, computes: bool = True) -> None:
+    """bf16-true: every floating weight and buffer in bf16. NF4: every frozen Linear weight in 4 bits (`computes`
+    False: tensors without values, see nf4.quantize_frozen)."""
     if plan.precision == "bf16-true":
         model.to(torch.bfloat16)
     if plan.nf4_frozen_weights:
         from .nf4 import quantize_frozen
 
-        if quantize_frozen(model) == 0:
+        if quantize_frozen(model, computes) == 0:
             raise OomtuneError(f"plan.nf4_frozen_weights: {label} has no frozen nn.Linear weight to store in NF4 "
                                "(it applies to the base layers of a PEFT LoRA model)", BAD_INPUT)
 

@@ -12,7 +12,6 @@ per element of a chunk) however large the parameter, as a fused kernel's is."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 
 import torch
@@ -21,7 +20,6 @@ BLOCK = 256  # elements per scale (torchao's block_size)
 MIN_QUANT = 4096  # smaller tensors keep fp32 moments (torchao's min_quant_size)
 CHUNK_BLOCKS = 1 << 16  # blocks per chunk of the step: 16M elements
 SIGNED_DECADES, UNSIGNED_DECADES = 6.0, 7.0  # the codes' range below each block's largest magnitude
-LN10 = math.log(10.0)
 
 
 def quantizes(p: torch.Tensor) -> bool:
@@ -29,32 +27,34 @@ def quantizes(p: torch.Tensor) -> bool:
     return p.numel() >= MIN_QUANT and p.numel() % BLOCK == 0
 
 
+def _codebook(signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the 256 values a code stands for, ascending; the midpoints between neighbours) of a block's values over its
+    largest magnitude: logarithmically spaced, so small moments keep their relative precision."""
+    if signed:  # 128 negative magnitudes and 128 positive ones, 1e-6 .. 1
+        mag = torch.pow(10.0, torch.arange(128, dtype=torch.float64) * (SIGNED_DECADES / 127) - SIGNED_DECADES)
+        values = torch.cat([-mag.flip(0), mag])
+    else:  # 1e-7 .. 1
+        values = torch.pow(10.0, torch.arange(256, dtype=torch.float64) * (UNSIGNED_DECADES / 255) - UNSIGNED_DECADES)
+    values = values.float()
+    return values, (values[1:] + values[:-1]) / 2
+
+
+_CODEBOOKS = {signed: _codebook(signed) for signed in (True, False)}
+
+
 def quantize(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(codes uint8 of x's shape, one fp32 scale per block of 256) of a tensor of whole blocks."""
+    """(codes uint8 of x's shape, one fp32 scale per block of 256) of a tensor of whole blocks: each value's nearest
+    code, found among the midpoints (torch.bucketize), as torchao's quantizer does."""
     blocks = x.reshape(-1, BLOCK).float()
     scale = blocks.abs().amax(dim=1).clamp_min(1e-30)
-    y = blocks / scale[:, None]
-    if signed:
-        mag = y.abs().clamp_min(10 ** -SIGNED_DECADES).log10_().add_(SIGNED_DECADES).mul_(127 / SIGNED_DECADES)
-        mag.round_().clamp_(0, 127)
-        codes = torch.where(y < 0, mag + 128, mag)
-    else:
-        codes = y.clamp_min(10 ** -UNSIGNED_DECADES).log10_().add_(UNSIGNED_DECADES).mul_(255 / UNSIGNED_DECADES)
-        codes.round_().clamp_(0, 255)
+    codes = torch.bucketize(blocks / scale[:, None], _CODEBOOKS[signed][1], out_int32=True)
     return codes.to(torch.uint8).reshape(x.shape), scale
 
 
 def dequantize(codes: torch.Tensor, scale: torch.Tensor, signed: bool) -> torch.Tensor:
     """fp32 values, blocks of 256 as rows."""
-    c = codes.reshape(-1, BLOCK).float()
-    if signed:
-        negative = c >= 128
-        c = torch.where(negative, c - 128, c)
-        y = c.mul_(LN10 * SIGNED_DECADES / 127).sub_(LN10 * SIGNED_DECADES).exp_()
-        y = torch.where(negative, y.neg(), y)
-    else:
-        y = c.mul_(LN10 * UNSIGNED_DECADES / 255).sub_(LN10 * UNSIGNED_DECADES).exp_()
-    return y.mul_(scale[:, None])
+    values = _CODEBOOKS[signed][0]
+    return values[codes.reshape(-1, BLOCK).int()].mul_(scale[:, None])
 
 
 class BlockwiseAdamW8bit(torch.optim.Optimizer):

@@ -5,6 +5,7 @@ It runs on every device: on the fake one too (torchao's NF4 works under FakeTens
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 NF4_BLOCK, SCALER_BLOCK = 64, 256  # torchao's defaults (to_nf4)
@@ -29,13 +30,45 @@ def library_to_nf4():
     return to_nf4
 
 
-def quantize_frozen(model: nn.Module) -> int:
-    """Replace each frozen Linear weight by its NF4 form; returns how many were replaced."""
+def quantize_frozen(model: nn.Module, computes: bool = True) -> int:
+    """Replace each frozen Linear weight by its NF4 form, in order; returns how many were replaced.
+
+    Where tensors hold no values (`computes` False: the fake device), torchao's quantizer runs only on the first
+    weight of each shape and dtype, and `nf4_like` makes the others' NF4 tensors without it (its hundreds of ops
+    a weight compute nothing there). The memory is the same: what a quantization stores and its scratch depend on
+    the shape alone, and the scratch's peak for a shape is at its first weight, the one with the most unquantized
+    weights still alive around it (each quantized weight frees its original)."""
     to_nf4 = library_to_nf4()
     layers = frozen_linears(model)
+    seen: set[tuple] = set()
     for m in layers:
-        m.weight = nn.Parameter(to_nf4(m.weight.detach(), NF4_BLOCK, SCALER_BLOCK), requires_grad=False)
+        w = m.weight.detach()
+        key = (tuple(w.shape), w.dtype)
+        quantize = to_nf4 if computes or key not in seen else nf4_like
+        seen.add(key)
+        m.weight = nn.Parameter(quantize(w, NF4_BLOCK, SCALER_BLOCK), requires_grad=False)
+        del w
     return len(layers)
+
+
+def nf4_like(weight: torch.Tensor, block_size: int = NF4_BLOCK, scaler_block_size: int = SCALER_BLOCK):
+    """torchao's NF4Tensor of `weight`'s shape, its tensors made empty: 4 bits an element, an int8 scale per block,
+    an fp32 factor per block of scales, their mean, the 16 NF4 values (what to_nf4 stores)."""
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor, SubclassTensorArgs
+
+    n, device = weight.numel(), weight.device
+    meta = SubclassTensorArgs(weight.size(), weight.stride(), weight.storage_offset(), weight.dtype, device, False)
+    blocks = n // block_size
+    scaler_blocks = blocks // scaler_block_size
+    # as to_nf4 makes it: one factor per block of scales, taken from a (blocks, scaler_block_size) tensor (a single
+    # block keeps that tensor's storage: contiguous() copies only a strided column)
+    factor = torch.empty(scaler_blocks, scaler_block_size, dtype=torch.float32, device=device)[:, 0]
+    factor = factor.view(scaler_blocks).contiguous()
+    return NF4Tensor(meta, block_size, blocks, scaler_block_size,
+                     torch.empty(blocks, dtype=torch.int8, device=device), factor,
+                     torch.empty((), dtype=torch.float32, device=device),
+                     torch.empty(n // 2, dtype=torch.uint8, device=device),
+                     torch.empty(16, dtype=torch.float32, device=device))
 
 
 def is_nf4(t) -> bool:

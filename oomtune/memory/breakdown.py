@@ -90,7 +90,7 @@ def static_memory(model_file: ModelFile, plan: Plan | None = None, levers: str =
         model = model_file.build()
         nf4 = sum(m.weight.numel() for m in frozen_linears(model))
         if plan is not None:
-            prepare_model(model, plan, model_file.label)
+            prepare_model(model, plan, model_file.label, computes=False)
         weights = tracker.live_bytes
         params = [p for p in model.parameters() if p.requires_grad]
         for p in params:

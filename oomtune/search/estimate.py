@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 from ..config.schema import HEADROOM, TRIAL_STEPS, Config, MemoryBreakdown, Plan, TrialRecord
 from ..dist.group import LOCAL, fake_world
 from ..errors import OomtuneError
+from ..memory.advice import levers_that_help, why_nothing_fits
 from ..memory.breakdown import breakdown, static_memory
 from ..memory.cards import find_gpu
 from ..memory.devices import Device, FakeDevice
-from ..memory.levers import levers_that_help, why_nothing_fits
 from ..memory.margin import Margin, parse_margin
 from ..model_file import ModelFile
 from .ladder import LadderResult, Point

@@ -57,6 +57,8 @@ def test_probe_climbs_past_accumulation_where_fp32_state_alone_is_over_the_budge
     assert all(t["result"] == "oom" for t in report["trials"] if t["rung"] != "bf16-true")
     plan = load_config(out).plan
     assert (plan.precision, plan.global_batch_size) == ("bf16-true", 16)
+    check = run_cli("check", "--config", out)  # re-measured on the fake device: the same plan still fits
+    assert check.exit_code == 0, check.output
     assert "nf4" in report["levers_not_used"] and "frozen" in report["levers_not_used"]["nf4"]
 
     classic = run_cli("probe", EXAMPLES / "tiny_gpt.py", "--device", "cpu", "--budget", "5MiB", "--levers",
@@ -64,3 +66,56 @@ def test_probe_climbs_past_accumulation_where_fp32_state_alone_is_over_the_budge
     assert classic.exit_code == 2 and "too small for the weights alone" in classic.stderr
     bad = run_cli("probe", EXAMPLES / "tiny_gpt.py", "--levers", "amp,8-bit", "--out", tmp_path / "x.yaml")
     assert bad.exit_code == 2 and "--levers 'amp,8-bit': unknown 8-bit" in bad.stderr
+
+
+def test_a_missing_library_skips_its_rung_with_a_note_and_a_config_that_needs_it_is_one_line(tmp_path, monkeypatch,
+                                                                                          write_model):
+    """device: cpu. As if torchao were not installed: the LoRA-like model's NF4 rung is left out with a note naming
+    the extra, and a config asking for NF4 weights stops with one line and exit 2 before any file is written."""
+    import oomtune.levers as levers
+
+    monkeypatch.setattr(levers, "installed", lambda name: name != "torchao")
+    assert levers.missing_library("nf4_frozen_weights", "cpu") == \
+        "NF4 frozen weights need torchao (pip install 'oomtune[finetune]')"
+    assert levers.missing_library("optimizer_8bit", "cpu") is None  # the cpu device's own stand-in
+    model = write_model(FROZEN_MODEL)
+    r = run_cli("probe", model, "--device", "cpu", "--budget", "3MiB", "--context", "1", "--batch", "8",
+                "--out", tmp_path / "p.yaml", "--json")
+    report = json.loads(r.stdout)
+    assert report["levers_not_used"]["nf4"] == "NF4 frozen weights need torchao (pip install 'oomtune[finetune]')"
+    assert "nf4" not in " ".join(x["rung"] for x in report["rungs"])
+    cfg = tmp_path / "nf4.yaml"
+    cfg.write_text(f"model: {model}\nplan:\n  micro_batch_size: 2\n  context_length: 1\n  nf4_frozen_weights: true\n")
+    t = run_cli("train", "--config", cfg, "--device", "cpu", "--steps", "2", "--run-dir", tmp_path / "run")
+    assert t.exit_code == 2 and t.stderr.strip().splitlines()[-1] == (
+        "error: plan.nf4_frozen_weights: NF4 frozen weights need torchao (pip install 'oomtune[finetune]')")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_model_files_own_optimizer_is_kept_and_the_8bit_and_offload_rungs_say_why_they_are_left_out(tmp_path,
+                                                                                                   write_model):
+    model = write_model(FROZEN_MODEL + "\ndef optimizer(params, lr):\n    return torch.optim.SGD(params, lr=lr)\n")
+    r = run_cli("probe", model, "--device", "cpu", "--budget", "3MiB", "--context", "1", "--batch", "8",
+                "--out", tmp_path / "p.yaml", "--json")
+    why = json.loads(r.stdout)["levers_not_used"]
+    assert why["8bit"] == why["offload"] == ("model.py defines its own optimizer, and this lever replaces only the "
+                                             "default AdamW")
+
+
+# weights, gradients and AdamW state of 2 x 128 x 128 fp32 weights: 1 MiB; half of them frozen (NF4's target)
+FROZEN_MODEL = """
+import torch
+from torch import nn
+
+def build_model():
+    model = nn.Sequential(nn.Linear(128, 128, bias=False), nn.Linear(128, 128, bias=False))
+    model[0].weight.requires_grad_(False)
+    return model
+
+def make_batch(batch_size, context_length, device):
+    return torch.randn(batch_size, 128, device=device), torch.randn(batch_size, 128, device=device)
+
+def loss(model, batch):
+    x, y = batch
+    return ((model(x) - y) ** 2).mean()
+"""

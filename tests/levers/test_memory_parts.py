@@ -171,3 +171,56 @@ def test_a_trial_with_every_lever_leaves_nothing_alive_on_the_device_or_the_host
         gc.collect()
         assert not r.oom and r.host_peak_bytes > 0
         assert device.live_bytes() == device.tracker.host_live_bytes == 0
+
+
+@needs_torchao
+def test_the_fake_devices_nf4_tensor_stores_what_torchaos_quantizer_stores():
+    """The fake device builds NF4 weights without running the quantizer (nothing to compute on fake tensors): the
+    same tensor subclass, the same inner tensors, shapes and dtypes as torchao's to_nf4 of real values."""
+    from oomtune.levers.nf4 import library_to_nf4, nf4_like
+
+    for shape in ((384, 512), (256, 64)):  # several blocks of scales, and one (whose factor keeps a bigger storage)
+        weight = torch.randn(*shape)
+        real, like = library_to_nf4()(weight, 64, 256), nf4_like(weight)
+        check_alike(real, like)
+
+
+def check_alike(real, like):
+    assert type(like) is type(real) and like.shape == real.shape and like.dtype == real.dtype
+    names, ctx = real.__tensor_flatten__()
+    like_names, like_ctx = like.__tensor_flatten__()
+    assert names == like_names and {k: ctx[k] for k in ("block_size", "n_blocks", "scaler_block_size")} == \
+        {k: like_ctx[k] for k in ("block_size", "n_blocks", "scaler_block_size")}
+    for name in names:
+        a, b = getattr(real, name), getattr(like, name)
+        assert (a.shape, a.dtype, a.untyped_storage().nbytes()) == (b.shape, b.dtype, b.untyped_storage().nbytes())
+
+
+SAME_SHAPES = '''
+import torch
+from torch import nn
+
+def build_model():
+    frozen = [nn.Linear(128, 128, bias=False) for _ in range(3)] + [nn.Linear(128, 256, bias=False)]
+    for m in frozen:
+        m.weight.requires_grad_(False)
+    return nn.Sequential(*frozen, nn.Linear(256, 128))
+
+def make_batch(batch_size, context_length, device):
+    return torch.randn(batch_size, 128, device=device), torch.randn(batch_size, 128, device=device)
+
+def loss(model, batch):
+    x, y = batch
+    return ((model(x) - y) ** 2).mean()
+'''
+
+
+@needs_torchao
+def test_nf4_weights_of_one_shape_cost_the_fake_device_one_quantization_and_the_same_bytes(write_model):
+    """device: cpu and fake. Four frozen Linears of two shapes: the fake device runs torchao's quantizer on the first
+    of each shape only, and its device and host peaks are the cpu device's (which quantizes all four) to the byte."""
+    mf = load_model_file(write_model(SAME_SHAPES))
+    plan = Plan(4, 1, nf4_frozen_weights=True)
+    cpu, fake = run_trial(mf, plan, CpuDevice("1GiB")), run_trial(mf, plan, FakeDevice("1GiB"))
+    assert cpu.host_peak_bytes > 0 and cpu.peak_allocated_bytes > 0
+    assert (cpu.peak_allocated_bytes, cpu.host_peak_bytes) == (fake.peak_allocated_bytes, fake.host_peak_bytes)

@@ -101,3 +101,39 @@ def test_each_lever_trains_and_resumes(lever, tmp_path):
         assert again[HALF:] == pytest.approx(ref[HALF:], rel=0.05)
     else:
         assert again[HALF:] == ref[HALF:]
+
+
+def test_an_out_of_memory_fallback_keeps_every_lever_and_the_loss_falls(tmp_path):
+    """A budget between the peaks of micro-batch 8 and 4 (with 8-bit state and both offloads): the first step runs
+    out, the trainer halves the micro-batch (x2 accumulation: the same global batch), writes the plan back with
+    its levers, and trains on."""
+    from oomtune.config.loading import load_config
+    from oomtune.config.schema import Plan
+    from oomtune.memory.devices import CpuDevice
+    from oomtune.model_file import load_model_file
+    from oomtune.search.trial import run_trial
+
+    torch.set_num_threads(1)
+    (tmp_path / "model.py").write_text(MODEL)
+    keys = {"optimizer_8bit": True, "offload_optimizer": True, "offload_activations": True}
+    mf = load_model_file(tmp_path / "model.py")
+    big, small = (run_trial(mf, Plan(b, 8, grad_accum_steps=8 // b, **keys), CpuDevice("1GiB")).peak_bytes
+                  for b in (8, 4))
+    assert small < big
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({"model": "model.py", "plan": {"micro_batch_size": 8, "context_length": 8, **keys},
+                                   "train": {"steps": STEPS, "lr": 0.01, "min_lr": 0.001, "warmup_steps": 3,
+                                             "eval_interval": STEPS, "eval_steps": 2, "log_every_n_steps": 1,
+                                             "checkpoint_interval": STEPS, "run_dir": "run"}}))
+    cwd = Path.cwd()
+    os.chdir(tmp_path)
+    try:
+        result = train(cfg, device="cpu", budget=str((big + small) // 2))
+    finally:
+        os.chdir(cwd)
+    assert [f.step for f in result.fallbacks] == [1]
+    plan = load_config(cfg).plan
+    assert (plan.micro_batch_size, plan.grad_accum_steps, plan.global_batch_size) == (4, 2, 8)
+    assert plan.optimizer_8bit and plan.offload_optimizer and plan.offload_activations
+    losses = [r["loss"] for r in metrics(tmp_path / "run")]
+    assert len(losses) == STEPS and sum(losses[-5:]) < 0.9 * sum(losses[:5])
