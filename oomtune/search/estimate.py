@@ -85,7 +85,7 @@ def _estimate(model_file, device, targets, headroom, steps, objective, amp, on_s
     rungs = ladder_rungs(device, amp, static.checkpointing_supported, world, sharding, levers)
     past = past_rungs(device, rungs[-1].precision, static, model_file.label, model_file.has("optimizer"), levers,
                       world)
-    floor = floor_static(model_file, static, past, device.margin.tensor_budget(limit), sharded_by)
+    floor = floor_static(model_file, static, past, device.margin.tensor_budget(limit), sharded_by)  # margin out
     if device.margin.total(floor.floor_bytes // sharded_by) > limit:
         # nothing can fit: skip the ladder (every trial would run out) and explain with the smallest plan
         search = ProbeResult(LadderResult((), None, ()), [], static, targets, limit, None, world_size=world,
@@ -93,7 +93,7 @@ def _estimate(model_file, device, targets, headroom, steps, objective, amp, on_s
     else:
         search = probe(model_file, device, targets, headroom=headroom, steps=steps, objective=objective, amp=amp,
                        command="estimate", on_start=on_start, on_trial=on_trial, dist=dist, sharding=sharding,
-                       levers=levers)
+                       levers=levers, statics=(static, floor))
     if search.config is not None:
         plan = search.config.plan
         bd = breakdown(model_file, plan, device, steps, dist)

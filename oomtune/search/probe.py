@@ -128,23 +128,25 @@ def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: 
           steps: int = TRIAL_STEPS, objective: Objective = "fit", amp: str = "auto", command: str = "probe",
           on_start: Callable[[Point], None] | None = None,
           on_trial: Callable[[TrialRecord], None] | None = None, dist: Dist = LOCAL,
-          sharding: str | None = None, levers: frozenset[str] = frozenset(LEVERS)) -> ProbeResult:
+          sharding: str | None = None, levers: frozenset[str] = frozenset(LEVERS),
+          statics: tuple[StaticMemory, StaticMemory] | None = None) -> ProbeResult:
     """Climb the ladder with real trials on `device`; every trial runs the training step itself.
 
     On several ranks (`dist`) every rank calls this: each trial runs on all of them, and they agree on its result
     (see run_trial), so every rank climbs the same ladder; the target batch is global (B / ranks per rank). The
-    budget is the smallest of the ranks' (each GPU's own free memory), so they probe alike."""
+    budget is the smallest of the ranks' (each GPU's own free memory), so they probe alike. `statics`: the model's
+    static memory and floor (floor_static), where the caller measured them already (estimate)."""
     check_search_options(headroom, steps, objective, amp)
     world = dist.world_size
     check_ranks_batch(targets, world)
     device.lower_budget(int(dist.min(device.budget_bytes)[0]))  # one process: its own
     limit = int(device.budget_bytes * (1 - headroom))
-    static = static_memory(model_file)
+    static = statics[0] if statics else static_memory(model_file)
     sharded_by, no_fsdp = fsdp_reach(device, world, sharding)
     rungs = ladder_rungs(device, amp, static.checkpointing_supported, world, sharding, levers)
     past = past_rungs(device, rungs[-1].precision, static, model_file.label, model_file.has("optimizer"), levers,
                       world)
-    floor = floor_static(model_file, static, past, limit, sharded_by)
+    floor = statics[1] if statics else floor_static(model_file, static, past, limit, sharded_by)
     check_static_fits(floor, device, limit, headroom, sharded_by)
     notes = measurement_notes(model_file, static, device)
 
