@@ -338,12 +338,12 @@ def test_a_peft_lora_model_probes_trains_and_its_fake_estimate_is_close(tmp_path
     assert 0.9 * fake.tensor_peak_bytes <= real.peak_allocated_bytes <= 1.5 * fake.tensor_peak_bytes + 64 * MiB
 
 
-LEVER_PLANS = {  # the rungs past accumulation, on the tiny GPT (NF4: the LoRA Llama, which has frozen Linears)
+LEVER_PLANS = {  # the rungs past accumulation, on the tiny GPT (NF4: tests/levers/models' LoRA Llama)
     "bf16-true": ("tiny_gpt", {"precision": "bf16-true", "activation_checkpointing": True}),
     "8bit": ("tiny_gpt", {"optimizer_8bit": True}),
     "offload": ("tiny_gpt", {"offload_optimizer": True, "grad_accum_steps": 2}),
     "offload-activations": ("tiny_gpt", {"offload_activations": True}),
-    "nf4": ("lora", {"precision": "bf16-true", "nf4_frozen_weights": True, "activation_checkpointing": True}),
+    "nf4": ("qlora", {"precision": "bf16-true", "nf4_frozen_weights": True, "activation_checkpointing": True}),
 }
 
 
@@ -360,9 +360,9 @@ def test_each_lever_runs_on_cuda_and_the_fake_estimate_is_close(lever, tmp_path)
     name, keys = LEVER_PLANS[lever]
     if lever in ("8bit", "nf4"):
         pytest.importorskip("torchao")
-    if name == "lora":
+    if name == "qlora":
         pytest.importorskip("peft")
-        mf = load_model_file(Path(__file__).parent / "finetune" / "models" / "hf_llama_lora.py")
+        mf = load_model_file(Path(__file__).parent / "levers" / "models" / "hf_llama_qlora.py")
     else:
         mf = load_model_file(EXAMPLES / "tiny_gpt.py")
     plan = Plan(8, 128, **keys)

@@ -12,9 +12,21 @@ NF4_BLOCK, SCALER_BLOCK = 64, 256  # torchao's defaults (to_nf4)
 
 
 def frozen_linears(model: nn.Module) -> list[nn.Linear]:
-    """The Linear layers whose weight is frozen and can be stored in NF4 (whole blocks of 64 and of 256 scalers)."""
+    """The Linear layers whose weight is frozen and can be stored in NF4 (whole blocks of 64 and of 256 scalers),
+    but not a Hugging Face model's output head: QLoRA keeps it as it is (bitsandbytes' and torchtune's QLoRA
+    both do), and dequantizing a vocabulary-sized matrix holds ~16 bytes an element of scratch in backward."""
+    head = _output_head(model)
     return [m for m in model.modules()
-            if isinstance(m, nn.Linear) and not m.weight.requires_grad and _blocks_fit(m.weight.numel())]
+            if isinstance(m, nn.Linear) and m is not head and not m.weight.requires_grad
+            and _blocks_fit(m.weight.numel())]
+
+
+def _output_head(model: nn.Module) -> nn.Module | None:
+    get = getattr(model, "get_output_embeddings", None)  # transformers' models (and PEFT's, which forward it)
+    try:
+        return get() if callable(get) else None
+    except (AttributeError, NotImplementedError, TypeError):
+        return None
 
 
 def _blocks_fit(numel: int) -> bool:
@@ -52,23 +64,24 @@ def quantize_frozen(model: nn.Module, computes: bool = True) -> int:
 
 
 def nf4_like(weight: torch.Tensor, block_size: int = NF4_BLOCK, scaler_block_size: int = SCALER_BLOCK):
-    """torchao's NF4Tensor of `weight`'s shape, its tensors made empty: 4 bits an element, an int8 scale per block,
-    an fp32 factor per block of scales, their mean, the 16 NF4 values (what to_nf4 stores)."""
+    """torchao's NF4Tensor of `weight`'s shape, its tensors made empty as to_nf4 would store them: 4 bits an element,
+    an int8 scale per block; in the weight's own dtype, a factor per block of scales, their mean and the 16 NF4
+    values."""
     from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor, SubclassTensorArgs
 
-    n, device = weight.numel(), weight.device
-    meta = SubclassTensorArgs(weight.size(), weight.stride(), weight.storage_offset(), weight.dtype, device, False)
+    n, device, dtype = weight.numel(), weight.device, weight.dtype
+    meta = SubclassTensorArgs(weight.size(), weight.stride(), weight.storage_offset(), dtype, device, False)
     blocks = n // block_size
     scaler_blocks = blocks // scaler_block_size
     # as to_nf4 makes it: one factor per block of scales, taken from a (blocks, scaler_block_size) tensor (a single
     # block keeps that tensor's storage: contiguous() copies only a strided column)
-    factor = torch.empty(scaler_blocks, scaler_block_size, dtype=torch.float32, device=device)[:, 0]
+    factor = torch.empty(scaler_blocks, scaler_block_size, dtype=dtype, device=device)[:, 0]
     factor = factor.view(scaler_blocks).contiguous()
     return NF4Tensor(meta, block_size, blocks, scaler_block_size,
                      torch.empty(blocks, dtype=torch.int8, device=device), factor,
-                     torch.empty((), dtype=torch.float32, device=device),
+                     torch.empty((), dtype=dtype, device=device),
                      torch.empty(n // 2, dtype=torch.uint8, device=device),
-                     torch.empty(16, dtype=torch.float32, device=device))
+                     torch.empty(16, dtype=dtype, device=device))
 
 
 def is_nf4(t) -> bool:

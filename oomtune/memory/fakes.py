@@ -34,6 +34,11 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 from ..errors import OomtuneError
 from .tracker import METADATA_OPS
 
+_aten = torch.ops.aten
+UNINITIALIZED = frozenset(op for op in (_aten.empty.memory_format, _aten.empty_strided.default,
+                                        _aten.empty_like.default, _aten.new_empty.default,
+                                        _aten.new_empty_strided.default))
+
 SHADOW = "_oomtune_value"  # the attribute holding a FakeTensor's real copy
 MAX_SHADOW_ELEMENTS = 1 << 22  # larger results are not copied (their values are not read by code that branches)
 _LOCAL_SCALAR = torch.ops.aten._local_scalar_dense.default
@@ -193,8 +198,8 @@ class Values(TorchDispatchMode):
         except DynamicOutputShapeException:
             return self._shaped_by_values(func, args, kwargs)
         outs = _out_tensors(out)
-        if outs is None or any(t.numel() > MAX_SHADOW_ELEMENTS for t in outs):
-            known = None
+        if outs is None or func in UNINITIALIZED or any(t.numel() > MAX_SHADOW_ELEMENTS for t in outs):
+            known = None  # (an empty tensor's values are whatever the memory held: not known)
         else:
             known = self._all_known(args, kwargs)
             if known is False and any(t.dtype.is_floating_point or t.dtype.is_complex for t in outs):

@@ -116,10 +116,15 @@ def test_cpu_equals_fake_on_every_new_rung(name):
 @needs_hf
 @needs_torchao
 def test_cpu_equals_fake_for_a_lora_model_with_every_lever():
-    """device: cpu and fake: a PEFT LoRA Llama with NF4 base weights, 8-bit state, both offloads."""
-    mf = load_model_file(ROOT / "tests" / "finetune" / "models" / "hf_llama_lora.py")
+    """device: cpu and fake: a PEFT LoRA Llama with NF4 base weights (14 projections), 8-bit state, both offloads."""
+    from oomtune.levers.nf4 import frozen_linears
+
+    mf = load_model_file(ROOT / "tests" / "levers" / "models" / "hf_llama_qlora.py")
+    model = mf.build()
+    assert len(frozen_linears(model)) == 14 and model.get_output_embeddings() not in frozen_linears(model)
     plan = Plan(2, 64, "bf16-true", True, optimizer_8bit=True, nf4_frozen_weights=True, offload_optimizer=True,
                 offload_activations=True)
+    run_trial(mf, plan, CpuDevice("1GiB"))  # the first in a process makes a 4 KiB cache inside the step, once
     cpu, fake = run_trial(mf, plan, CpuDevice("1GiB")), run_trial(mf, plan, FakeDevice("1GiB"))
     assert cpu.peak_allocated_bytes == fake.peak_allocated_bytes and cpu.host_peak_bytes == fake.host_peak_bytes
     bf16 = run_trial(mf, Plan(2, 64, "bf16", True), CpuDevice("1GiB"))
@@ -179,8 +184,8 @@ def test_the_fake_devices_nf4_tensor_stores_what_torchaos_quantizer_stores():
     same tensor subclass, the same inner tensors, shapes and dtypes as torchao's to_nf4 of real values."""
     from oomtune.levers.nf4 import library_to_nf4, nf4_like
 
-    for shape in ((384, 512), (256, 64)):  # several blocks of scales, and one (whose factor keeps a bigger storage)
-        weight = torch.randn(*shape)
+    for shape, dtype in (((384, 512), torch.float32), ((256, 64), torch.float32), ((256, 128), torch.bfloat16)):
+        weight = torch.randn(*shape, dtype=dtype)  # several blocks of scales; one (its factor keeps a bigger storage)
         real, like = library_to_nf4()(weight, 64, 256), nf4_like(weight)
         check_alike(real, like)
 
