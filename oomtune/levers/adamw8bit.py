@@ -121,12 +121,6 @@ class BlockwiseAdamW8bit(torch.optim.Optimizer):
         p.copy_(new)
 
 
-def state_bytes_per_parameter(numel: int) -> float:
-    """What BlockwiseAdamW8bit holds per element of a quantized parameter: two moments of a byte each plus their
-    fp32 block scales (before the 512-byte rounding of each storage)."""
-    return 2 * (1 + 4 / BLOCK) if numel >= MIN_QUANT and numel % BLOCK == 0 else 8.0
-
-
 def library_adamw8bit():
     """The 8-bit AdamW class a CUDA run uses: torchao's, else bitsandbytes'; None where neither is installed."""
     try:

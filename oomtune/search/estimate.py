@@ -19,8 +19,8 @@ from ..memory.margin import Margin, parse_margin
 from ..model_file import ModelFile
 from .ladder import LadderResult, Point
 from .options import LEVERS, check_estimate_options, check_headroom, check_steps, check_world, resolve_targets
-from .past import PastRungs, past_rungs
-from .probe import ProbeResult, floor_static, fsdp_reach, ladder_rungs, no_fsdp_note, plan_of, probe
+from .past import PastRungs
+from .probe import ProbeResult, all_rungs, fsdp_reach, ladder_rungs, no_fsdp_note, plan_of, probe
 from .trial import computing_where_needed
 
 
@@ -82,10 +82,8 @@ def _estimate(model_file, device, targets, headroom, steps, objective, amp, on_s
     limit = int(device.budget_bytes * (1 - headroom))
     static = static_memory(model_file)
     sharded_by, no_fsdp = fsdp_reach(device, world, sharding)
-    rungs = ladder_rungs(device, amp, static.checkpointing_supported, world, sharding, levers)
-    past = past_rungs(device, rungs[-1].precision, static, model_file.label, model_file.has("optimizer"), levers,
-                      world)
-    floor = floor_static(model_file, static, past, device.margin.tensor_budget(limit), sharded_by)  # margin out
+    _, past, floor = all_rungs(model_file, device, amp, static, world, sharding, levers,
+                               device.margin.tensor_budget(limit), sharded_by)  # the limit less the margin
     if device.margin.total(floor.floor_bytes // sharded_by) > limit:
         # nothing can fit: skip the ladder (every trial would run out) and explain with the smallest plan
         search = ProbeResult(LadderResult((), None, ()), [], static, targets, limit, None, world_size=world,

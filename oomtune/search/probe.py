@@ -143,10 +143,8 @@ def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: 
     limit = int(device.budget_bytes * (1 - headroom))
     static = statics[0] if statics else static_memory(model_file)
     sharded_by, no_fsdp = fsdp_reach(device, world, sharding)
-    rungs = ladder_rungs(device, amp, static.checkpointing_supported, world, sharding, levers)
-    past = past_rungs(device, rungs[-1].precision, static, model_file.label, model_file.has("optimizer"), levers,
-                      world)
-    floor = statics[1] if statics else floor_static(model_file, static, past, limit, sharded_by)
+    rungs, past, floor = all_rungs(model_file, device, amp, static, world, sharding, levers, limit, sharded_by,
+                                   statics[1] if statics else None)
     check_static_fits(floor, device, limit, headroom, sharded_by)
     notes = measurement_notes(model_file, static, device)
 
@@ -196,6 +194,17 @@ def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: 
     config = Config(model=str(model_file.path), plan=plan, found_by=found)
     return ProbeResult(ladder, records, static, targets, limit, config, world_size=world, notes=notes,
                        budget_bytes=device.budget_bytes, past=past)
+
+
+def all_rungs(model_file: ModelFile, device: Device, amp: str, static: StaticMemory, world: int,
+              sharding: str | None, levers: frozenset[str], limit: int, sharded_by: int,
+              floor: StaticMemory | None = None) -> tuple[list[Rung], PastRungs, StaticMemory]:
+    """The usual rungs, those past accumulation, and the floor the budget is checked against (`floor`: measured
+    already)."""
+    rungs = ladder_rungs(device, amp, static.checkpointing_supported, world, sharding, levers)
+    past = past_rungs(device, rungs[-1].precision, static, model_file.label, model_file.has("optimizer"), levers,
+                      world)
+    return rungs, past, floor or floor_static(model_file, static, past, limit, sharded_by)
 
 
 def floor_static(model_file: ModelFile, static: StaticMemory, past: PastRungs, limit: int,
