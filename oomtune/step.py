@@ -159,6 +159,41 @@ def train_step(t: Training, micro_batches: Sequence[Batch]) -> torch.Tensor:
     return total / n
 
 
+def make_optimizer_state(t: Training) -> torch.Tensor | None:
+    """Make the optimizer state the first step makes, without a forward and backward: every trained parameter
+    gets a zero gradient (handed to an offloading optimizer as backward's hooks hand it), the optimizer steps once
+    (or only makes its state, where it can: the 8-bit one), and zero_grad frees the gradients. On the fake device,
+    where no value is computed, a trial that starts from it sees the steady state's peak in its first step: one
+    step, not two. It assumes backward reaches every trained parameter; the caller checks (every_gradient_made).
+    Returns a zero loss, as train_step returns a 0-dim loss (the caller holds it through the next step); None
+    (nothing done) where that would not be the first step's state: the model file's own optimizer (it may
+    need a closure, or keep no state for a zero gradient) or lazy parameters not yet materialized."""
+    params = [p for p in t.module.parameters() if p.requires_grad]
+    if t.model_file.has("optimizer") or any(nn.parameter.is_lazy(p) for p in params):
+        return None
+    t.phase("optimizer")
+    make_state = getattr(t.optimizer, "make_state", None)
+    if make_state is not None:  # its state's tensors without an update: the update's scratch is the next step's
+        make_state()
+    else:
+        with torch.no_grad():
+            for p in params:
+                p.grad = torch.zeros_like(p)
+        if hasattr(t.optimizer, "take_gradients"):
+            t.optimizer.take_gradients()
+        t.optimizer.step()
+        t.optimizer.zero_grad(set_to_none=True)
+    if t.scaler.is_enabled():  # fp16: the scale and growth tracker the first step's scale() makes
+        t.scaler.scale(torch.zeros((), device=t.device.torch_device))
+    return torch.zeros((), device=t.device.torch_device)
+
+
+def every_gradient_made(t: Training) -> bool:
+    """At the optimizer step: did backward give every trained parameter a gradient (under offload: to the host)?"""
+    trained = sum(p.requires_grad for p in t.module.parameters())
+    return sum(h.grad is not None for h in gradient_holders(t.optimizer, t.model)) >= trained
+
+
 @torch.no_grad()
 def eval_loss(t: Training, batches: Sequence[Batch]) -> torch.Tensor:
     """Mean loss over `batches` without building a graph (same autocast as training)."""

@@ -57,6 +57,13 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, signed: bool) -> torch.
     return values[codes.reshape(-1, BLOCK).int()].mul_(scale[:, None])
 
 
+def _store(codes: torch.Tensor, scale: torch.Tensor, moment: torch.Tensor, signed: bool) -> None:
+    """Quantize `moment` into its codes and scales, in place."""
+    new_codes, new_scale = quantize(moment, signed)
+    codes.copy_(new_codes)
+    scale.copy_(new_scale)
+
+
 class BlockwiseAdamW8bit(torch.optim.Optimizer):
     """AdamW (decoupled weight decay, bias-corrected moments) whose moments are stored in 8 bits. Defaults are
     torchao's AdamW8bit's (and torch's AdamW's): betas (0.9, 0.999), eps 1e-8, weight decay 0.01."""
@@ -75,6 +82,13 @@ class BlockwiseAdamW8bit(torch.optim.Optimizer):
             state[f"{name}_codes"] = torch.zeros_like(p, dtype=torch.uint8)
             state[f"{name}_scale"] = torch.zeros(blocks, dtype=torch.float32, device=p.device)
         return state
+
+    def make_state(self) -> None:
+        """The state a first step makes for every parameter, without the step (zero moments)."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                if not self.state[p]:
+                    self.state[p].update(self._init_state(p))
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -99,13 +113,16 @@ class BlockwiseAdamW8bit(torch.optim.Optimizer):
         grad = p.grad.view(-1, BLOCK)
         codes_m, codes_v = state["exp_avg_codes"].view(-1, BLOCK), state["exp_avg_sq_codes"].view(-1, BLOCK)
         scale_m, scale_v = state["exp_avg_scale"], state["exp_avg_sq_scale"]
-        for a in range(0, rows.shape[0], CHUNK_BLOCKS):
-            b = min(a + CHUNK_BLOCKS, rows.shape[0])
-            m = dequantize(codes_m[a:b], scale_m[a:b], signed=True)
-            v = dequantize(codes_v[a:b], scale_v[a:b], signed=False)
-            self._update(rows[a:b], grad[a:b], m, v, group, state["step"])
-            codes_m[a:b], scale_m[a:b] = quantize(m, signed=True)
-            codes_v[a:b], scale_v[a:b] = quantize(v, signed=False)
+        n = rows.shape[0]
+        for a in range(0, n, CHUNK_BLOCKS):
+            b = min(a + CHUNK_BLOCKS, n)
+            part = (lambda x: x) if b - a == n else (lambda x, a=a, b=b: x[a:b])  # one chunk: no slicing
+            m = dequantize(part(codes_m), part(scale_m), signed=True)
+            v = dequantize(part(codes_v), part(scale_v), signed=False)
+            self._update(part(rows), part(grad), m, v, group, state["step"])
+            _store(part(codes_m), part(scale_m), m, signed=True)
+            _store(part(codes_v), part(scale_v), v, signed=False)
+            del m, v  # before the next chunk's: the step's scratch is one chunk's
 
     @staticmethod
     def _update(p: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor, group: dict,

@@ -72,6 +72,19 @@ class HostOffloadOptimizer(torch.optim.Optimizer):
                 self._reached.add(p)
         p.grad = None  # the device's copy is freed now, as backward goes on
 
+    @property
+    def make_state(self) -> Callable[[], None] | None:
+        """The host optimizer's make_state (its state without a step, on the host), where it has one."""
+        make = getattr(self.inner, "make_state", None)
+        if make is None:
+            return None
+
+        def on_host() -> None:
+            with self._device.host():
+                make()
+
+        return on_host
+
     def take_gradients(self) -> None:
         """Move every gradient the device holds now to the host (what the backward hook does as each is made)."""
         for p in self._params:

@@ -196,12 +196,19 @@ def breakdown(model_file: ModelFile, plan: Plan, device: TrackedDevice, steps: i
     if not isinstance(device, TrackedDevice):
         raise OomtuneError(f"a memory breakdown needs the fake or cpu device, not {device.kind}")
     with ranks_for(plan, device, dist) as d:
-        return _breakdown(model_file, plan, device, steps, d, run_trial)
+        result, bd = recorded_trial(model_file, plan, device, steps, d, run_trial, lift_budget=True)
+    if bd is None:  # only the host itself can run out now
+        raise OomtuneError(f"the breakdown run of {plan.describe()} ran out of host memory: {result.oom_message}")
+    return bd
 
 
-def _breakdown(model_file, plan, device, steps, dist, run_trial) -> MemoryBreakdown:
+def recorded_trial(model_file, plan, device, steps, dist, run_trial, lift_budget: bool = False) -> tuple:
+    """`run_trial` with a Recorder on the device's tracker: (the trial's result, the breakdown of its peak, or
+    None where it ran out). `lift_budget`: measure a plan that does not fit, too."""
     tracker = device.tracker
-    budget, tracker.budget_bytes = tracker.budget_bytes, None  # the breakdown of a plan that does not fit, too
+    budget = tracker.budget_bytes
+    if lift_budget:
+        tracker.budget_bytes = None
     rec = Recorder(tracker)
     rec.on_op = _tag_autocast_copies
     tracker.recorder = rec
@@ -211,11 +218,11 @@ def _breakdown(model_file, plan, device, steps, dist, run_trial) -> MemoryBreakd
     finally:
         tracker.recorder = None
         tracker.budget_bytes = budget
-    if result.oom:  # only the host itself can run out now
-        raise OomtuneError(f"the breakdown run of {plan.describe()} ran out of host memory: {result.oom_message}")
+    if result.oom:
+        return result, None
     parts = _classify(rec)
     margin = margin_of(device)
-    return MemoryBreakdown(
+    return result, MemoryBreakdown(
         phase=rec.peak_phase, **{f"{k}_bytes": v for k, v in parts.items()}, tensor_peak_bytes=rec.peak_bytes,
         margin=margin.describe(), margin_bytes=margin.overhead(rec.peak_bytes), host_bytes=result.host_peak_bytes,
     )

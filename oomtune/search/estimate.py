@@ -12,7 +12,7 @@ from ..config.schema import HEADROOM, TRIAL_STEPS, Config, MemoryBreakdown, Plan
 from ..dist.group import LOCAL, fake_world
 from ..errors import OomtuneError
 from ..memory.advice import levers_that_help, why_nothing_fits
-from ..memory.breakdown import breakdown, static_memory
+from ..memory.breakdown import breakdown, recorded_trial, static_memory
 from ..memory.cards import find_gpu
 from ..memory.devices import Device, FakeDevice
 from ..memory.margin import Margin, parse_margin
@@ -21,7 +21,7 @@ from .ladder import LadderResult, Point
 from .options import LEVERS, check_estimate_options, check_headroom, check_steps, check_world, resolve_targets
 from .past import PastRungs
 from .probe import ProbeResult, all_rungs, fsdp_reach, ladder_rungs, no_fsdp_note, plan_of, probe
-from .trial import computing_where_needed
+from .trial import TrialResult, computing_where_needed, run_trial
 
 
 @dataclass
@@ -35,6 +35,20 @@ class EstimateResult:
     @property
     def config(self) -> Config | None:
         return self.search.config
+
+
+class RecordingTrials:
+    """The probe's trials, each with a Recorder on the tracker: the chosen plan's breakdown is that of the trial
+    that chose it, not of a trial run again for it."""
+
+    def __init__(self):
+        self.breakdowns: dict[Plan, MemoryBreakdown] = {}
+
+    def __call__(self, model_file: ModelFile, plan: Plan, device: FakeDevice, steps: int, dist) -> TrialResult:
+        result, bd = recorded_trial(model_file, plan, device, steps, dist, run_trial)
+        if bd is not None:
+            self.breakdowns[plan] = bd
+        return result
 
 
 def make_fake_device(budget: str | None, gpu: str | None, margin: str | None) -> FakeDevice:
@@ -80,6 +94,7 @@ def _estimate(model_file, device, targets, headroom, steps, objective, amp, on_s
               sharding, levers) -> EstimateResult:
     world = dist.world_size
     limit = int(device.budget_bytes * (1 - headroom))
+    recording = RecordingTrials()
     static = static_memory(model_file)
     sharded_by, no_fsdp = fsdp_reach(device, world, sharding)
     _, past, floor = all_rungs(model_file, device, amp, static, world, sharding, levers,
@@ -91,10 +106,10 @@ def _estimate(model_file, device, targets, headroom, steps, objective, amp, on_s
     else:
         search = probe(model_file, device, targets, headroom=headroom, steps=steps, objective=objective, amp=amp,
                        command="estimate", on_start=on_start, on_trial=on_trial, dist=dist, sharding=sharding,
-                       levers=levers, statics=(static, floor))
+                       levers=levers, statics=(static, floor), trial=recording)
     if search.config is not None:
         plan = search.config.plan
-        bd = breakdown(model_file, plan, device, steps, dist)
+        bd = recording.breakdowns.get(plan) or breakdown(model_file, plan, device, steps, dist)
         found_by = dataclasses.replace(search.config.found_by, breakdown=bd)
         search.config = dataclasses.replace(search.config, found_by=found_by)
         return EstimateResult(search, device.margin, bd, plan)

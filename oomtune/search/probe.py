@@ -20,7 +20,7 @@ from ..units import format_bytes, utc_now
 from .ladder import LadderResult, LadderSearch, Measurement, Objective, Point, Rung, Trial, largest_divisor_at_most
 from .options import LEVERS, Targets, check_search_options
 from .past import PastRungs, past_rungs
-from .trial import computing_where_needed, run_trial
+from .trial import TrialResult, computing_where_needed, run_trial
 
 
 def fsdp_reach(device: Device, world: int, sharding: str | None) -> tuple[int, str | None]:
@@ -129,13 +129,15 @@ def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: 
           on_start: Callable[[Point], None] | None = None,
           on_trial: Callable[[TrialRecord], None] | None = None, dist: Dist = LOCAL,
           sharding: str | None = None, levers: frozenset[str] = frozenset(LEVERS),
-          statics: tuple[StaticMemory, StaticMemory] | None = None) -> ProbeResult:
+          statics: tuple[StaticMemory, StaticMemory] | None = None,
+          trial: Callable[..., TrialResult] = run_trial) -> ProbeResult:
     """Climb the ladder with real trials on `device`; every trial runs the training step itself.
 
     On several ranks (`dist`) every rank calls this: each trial runs on all of them, and they agree on its result
     (see run_trial), so every rank climbs the same ladder; the target batch is global (B / ranks per rank). The
     budget is the smallest of the ranks' (each GPU's own free memory), so they probe alike. `statics`: the model's
-    static memory and floor (floor_static), where the caller measured them already (estimate)."""
+    static memory and floor (floor_static), where the caller measured them already (estimate). `trial`: what runs
+    one (run_trial's arguments and result; estimate's records each trial's breakdown as it runs)."""
     check_search_options(headroom, steps, objective, amp)
     world = dist.world_size
     check_ranks_batch(targets, world)
@@ -154,7 +156,7 @@ def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: 
     def measure(point: Point) -> Measurement:
         if on_start:
             on_start(point)
-        r = run_trial(model_file, plan_of(point, world), device, steps=steps, dist=dist)
+        r = trial(model_file, plan_of(point, world), device, steps=steps, dist=dist)
         seconds[point], host[point] = r.seconds, r.host_peak_bytes
         return Measurement(oom=r.oom, peak_bytes=r.peak_bytes, tokens_per_s=r.tokens_per_s,
                            batch_peak_bytes=r.batch_peak_bytes)

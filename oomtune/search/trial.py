@@ -14,7 +14,7 @@ from ..errors import ModelFileError, first_line
 from ..memory.devices import Device, FakeDevice, is_oom
 from ..memory.fakes import NeedsValues
 from ..model_file import ModelFile
-from ..step import Training, build_training, train_step
+from ..step import Training, build_training, every_gradient_made, make_optimizer_state, train_step
 
 T = TypeVar("T")
 
@@ -44,20 +44,30 @@ class TrialResult:
 
 
 def _steps(model_file: ModelFile, plan: Plan, device: Device, steps: int, reading_box: list,
-           observe: Callable[[Training, str], None] | None = None, dist: Dist = LOCAL) -> tuple:
+           observe: Callable[[Training, str], None] | None = None, dist: Dist = LOCAL, prime: bool = False) -> tuple:
+    """(step seconds, tokens/s, the first loss, whether a primed trial saw every gradient). `prime`: make the
+    optimizer state without a first step (make_optimizer_state), where the device computes no values."""
     train_defaults = TrainConfig()  # the trial runs the step the trainer will run, clipping included
+    missed: list[bool] = []  # primed: a step in which backward gave some trained parameter no gradient
     with device.measure() as reading:
         reading_box.append(reading)
         t = build_training(model_file, plan, device, lr=train_defaults.lr,
                            clip_grad_norm=train_defaults.clip_grad_norm, dist=dist)
-        t.on_phase = lambda phase: device.mark(reading, phase)
-        if observe is not None:
-            def on_phase(phase: str) -> None:
-                device.mark(reading, phase)
-                observe(t, phase)  # noqa: F821  (a closure cell: `del t` below empties it, breaking the cycle)
+        loss, primed = None, False
 
-            t.on_phase = on_phase
+        def on_phase(phase: str) -> None:
+            device.mark(reading, phase)
+            if observe is not None:
+                observe(t, phase)  # noqa: F821  (a closure cell: `del t` below empties it, breaking the cycle)
+            if primed and phase == "optimizer" and not every_gradient_made(t):  # noqa: F821
+                missed.append(True)  # the primed state holds some a real first step would not have made
+
+        t.on_phase = on_phase
         micro = min(plan.grad_accum_steps, ACCUM_IN_TRIAL)
+        if prime and steps > 1:
+            loss = make_optimizer_state(t)  # the fake device: the first step's state, without the step
+            primed = loss is not None
+            steps -= primed
         timings: list[float] = []
         first_loss = None
         scaled = device.computes and t.scaler.is_enabled()  # (the fake device takes every step: see fakes.Values)
@@ -87,7 +97,7 @@ def _steps(model_file: ModelFile, plan: Plan, device: Device, steps: int, readin
     step_s = sum(timed) / len(timed)
     tokens = plan.micro_batch_size * plan.context_length * micro
     # no speed where nothing was computed (the fake device times only Python) or where it is not the GPU's
-    return step_s, tokens / step_s if step_s > 0 and device.measures_speed else None, first_loss
+    return step_s, tokens / step_s if step_s > 0 and device.measures_speed else None, first_loss, not missed
 
 
 def computing_where_needed(device: Device, label: str, run: Callable[[], T]) -> tuple[T, tuple[str, ...]]:
@@ -120,7 +130,11 @@ def run_trial(model_file: ModelFile, plan: Plan, device: Device, steps: int = TR
     oom_message = None
     agreed = False
     try:
-        step_s, tps, loss = _steps(model_file, plan, device, steps, box, observe, dist)
+        step_s, tps, loss, complete = _steps(model_file, plan, device, steps, box, observe, dist, not device.computes)
+        if not complete:  # primed state a real first step would not have made: measure both steps instead
+            box.clear()
+            device.release()
+            step_s, tps, loss, _ = _steps(model_file, plan, device, steps, box, observe, dist)
     except Exception as e:
         if not is_oom(e):
             raise

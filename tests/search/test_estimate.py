@@ -128,6 +128,8 @@ def test_estimate_on_fake_climbs_the_same_ladder_as_probe_on_cpu(write_model):
     assert fb.command == "estimate" and fb.estimated is True and fb.device == "fake"
     assert fb.peak_bytes == on_cpu.config.found_by.peak_bytes == fb.breakdown.peak_bytes
     assert fb.breakdown == est.breakdown and est.breakdown_plan == est.config.plan
+    # recorded during the trial that chose the plan: the breakdown of that plan run again on its own
+    assert est.breakdown == breakdown(mf, est.config.plan, FakeDevice("300KiB", margin=NO_MARGIN))
 
 
 def test_estimate_cli_writes_an_estimated_config_with_the_breakdown(write_model, tmp_path):
