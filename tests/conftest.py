@@ -37,6 +37,16 @@ def make_batch(batch_size, context_length, device):
 
 
 @pytest.fixture(autouse=True)
+def settled():
+    """What lives before a test (the libraries, earlier tests' fixtures) is left out of the garbage collections
+    after each of its trials, as a search does for itself (oomtune.search.trial.settle_objects): with transformers
+    imported, a full collection costs ~0.3 s, and the suite runs hundreds of trials."""
+    from oomtune.search.trial import settle_objects
+
+    settle_objects()
+
+
+@pytest.fixture(autouse=True)
 def one_thread():
     """torch on one thread in every test (a 2-core machine shared by two pytest workers; OMP_NUM_THREADS=1 in
     `make test` does the same for the processes the tests start)."""
