@@ -13,10 +13,12 @@ DEMO_DIR ?= out/demo
 
 .PHONY: demo test lint bench gpu-check clean bench-estimate
 
+# --no-compile: pip would byte-compile every module of torch, transformers & co. (half the install's time); Python
+# compiles the few hundred the tests import on first use and caches them
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q --no-compile "$(TORCH)"
+	$(PY) -m pip install -q --no-compile -e ".[dev]"
 	touch $(STAMP)
 
 demo: $(STAMP)
