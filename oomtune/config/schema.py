@@ -165,10 +165,11 @@ class TrialRecord:
     result: Literal["fits", "oom", "over-headroom"]
     peak_bytes: int | None = None  # the largest over the ranks
     tokens_per_s: float | None = None
-    seconds: float = 0.0
+    seconds: float = 0.0  # the whole trial
     world_size: int = 1
     sharding: Sharding = "none"
     host_peak_bytes: int | None = None  # host memory the plan's offloaded parts held at most (offload rungs)
+    build_seconds: float = 0.0  # of `seconds`: building the model, its wrappers and its optimizer
 
 
 @dataclass(frozen=True)

@@ -82,7 +82,7 @@ def plan_of(point: Point, world_size: int = 1) -> Plan:
                 offload_optimizer=r.offload_optimizer, offload_activations=r.offload_activations)
 
 
-def _record(trial: Trial, seconds: float, world_size: int = 1, host: int = 0) -> TrialRecord:
+def _record(trial: Trial, seconds: float, world_size: int = 1, host: int = 0, build: float = 0.0) -> TrialRecord:
     p, m = trial.point, trial.measurement
     return TrialRecord(rung=p.rung.name, stage=trial.stage, micro_batch_size=p.micro_batch_size,
                        context_length=p.context_length, grad_accum_steps=p.grad_accum_steps,
@@ -90,7 +90,7 @@ def _record(trial: Trial, seconds: float, world_size: int = 1, host: int = 0) ->
                        result=trial.result, peak_bytes=m.peak_bytes,
                        tokens_per_s=round(m.tokens_per_s, 1) if m.tokens_per_s else None,
                        seconds=round(seconds, 3), world_size=world_size, sharding=p.rung.sharding,
-                       host_peak_bytes=host or None)
+                       host_peak_bytes=host or None, build_seconds=round(build, 3))
 
 
 def why_nothing_fits(ladder: LadderResult, targets: Targets, static: StaticMemory, limit: int, world: int) -> str:
@@ -153,19 +153,21 @@ def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: 
 
     seconds: dict[Point, float] = {}
     host: dict[Point, int] = {}
+    build: dict[Point, float] = {}
 
     def measure(point: Point) -> Measurement:
         if on_start:
             on_start(point)
         r = trial(model_file, plan_of(point, world), device, steps=steps, dist=dist)
-        seconds[point], host[point] = r.seconds, r.host_peak_bytes
+        seconds[point], host[point], build[point] = r.seconds, r.host_peak_bytes, r.build_seconds
         return Measurement(oom=r.oom, peak_bytes=r.peak_bytes, tokens_per_s=r.tokens_per_s,
                            batch_peak_bytes=r.batch_peak_bytes)
 
     records: list[TrialRecord] = []
 
     def collect(trial: Trial) -> None:
-        records.append(_record(trial, seconds.get(trial.point, 0.0), world, host.get(trial.point, 0)))
+        records.append(_record(trial, seconds.get(trial.point, 0.0), world, host.get(trial.point, 0),
+                               build.get(trial.point, 0.0)))
         if on_trial:
             on_trial(records[-1])
 

@@ -42,18 +42,22 @@ class TrialResult:
     loss: float | None = None
     seconds: float = 0.0  # the whole trial, model build included
     host_peak_bytes: int = 0  # host memory the offloaded parts held at most (0 without the offload levers)
+    build_seconds: float = 0.0  # of `seconds`: build_training (the model, its wrappers, its optimizer)
 
 
-def _steps(model_file: ModelFile, plan: Plan, device: Device, steps: int, reading_box: list,
+def _steps(model_file: ModelFile, plan: Plan, device: Device, steps: int, reading_box: list, built: list,
            observe: Callable[[Training, str], None] | None = None, dist: Dist = LOCAL, prime: bool = False) -> tuple:
-    """(step seconds, tokens/s, the first loss, whether a primed trial saw every gradient). `prime`: make the
+    """(step seconds, tokens/s, the first loss, whether a primed trial saw every gradient); the build's seconds
+    go into `built` as soon as it is done (a step that runs out of memory still has them). `prime`: make the
     optimizer state without a first step (make_optimizer_state), where the device computes no values."""
     train_defaults = TrainConfig()  # the trial runs the step the trainer will run, clipping included
     missed: list[bool] = []  # primed: a step in which backward gave some trained parameter no gradient
     with device.measure() as reading:
         reading_box.append(reading)
+        start = time.perf_counter()
         t = build_training(model_file, plan, device, lr=train_defaults.lr,
                            clip_grad_norm=train_defaults.clip_grad_norm, dist=dist)
+        built.append(time.perf_counter() - start)
         loss, primed = None, False
 
         def on_phase(phase: str) -> None:
@@ -140,13 +144,15 @@ def run_trial(model_file: ModelFile, plan: Plan, device: Device, steps: int = TR
     start = time.perf_counter()
     box: list = []
     oom_message = None
+    built: list[float] = []  # the build's seconds (none where the build itself ran out of memory)
     agreed = False
     try:
-        step_s, tps, loss, complete = _steps(model_file, plan, device, steps, box, observe, dist, not device.computes)
+        step_s, tps, loss, complete = _steps(model_file, plan, device, steps, box, built, observe, dist,
+                                             not device.computes)
         if not complete:  # primed state a real first step would not have made: measure both steps instead
             box.clear()
             device.release()
-            step_s, tps, loss, _ = _steps(model_file, plan, device, steps, box, observe, dist)
+            step_s, tps, loss, _ = _steps(model_file, plan, device, steps, box, built, observe, dist)
     except Exception as e:
         if not is_oom(e):
             raise
@@ -159,8 +165,9 @@ def run_trial(model_file: ModelFile, plan: Plan, device: Device, steps: int = TR
         except RanksOutOfMemory as e:
             oom_message = oom_message or first_line(e)
     seconds = time.perf_counter() - start
+    build_s = sum(built)  # (both builds where the trial ran twice)
     if oom_message is not None:
-        return TrialResult(plan, oom=True, oom_message=oom_message, seconds=seconds)
+        return TrialResult(plan, oom=True, oom_message=oom_message, seconds=seconds, build_seconds=build_s)
     reading = box[0]
     peak, allocated, batch_peak = reading.peak_bytes, reading.peak_allocated_bytes, reading.batch_peak_bytes
     host = int(dist.max(reading.host_peak_bytes)[0])
@@ -174,4 +181,5 @@ def run_trial(model_file: ModelFile, plan: Plan, device: Device, steps: int = TR
     tps = dist.sum(tps)[0] if tps is not None else None
     return TrialResult(plan, oom=False, peak_bytes=peak, peak_allocated_bytes=allocated,
                        batch_peak_bytes=batch_peak, phase_peaks=phases, step_seconds=step_s,
-                       tokens_per_s=tps, loss=loss, seconds=seconds, host_peak_bytes=host)
+                       tokens_per_s=tps, loss=loss, seconds=seconds, host_peak_bytes=host,
+                       build_seconds=build_s)

@@ -96,6 +96,9 @@ def test_cli_writes_a_config_that_round_trips_and_json_for_ci(tmp_path):
     assert len(data["trials"]) == len(cfg.found_by.trials) == sum(r["trials"] for r in data["rungs"]) + sum(
         1 for t in data["trials"] if t["grad_accum_steps"] > 1)
     assert {t["result"] for t in data["trials"]} <= {"fits", "oom", "over-headroom"}
+    # what each trial's seconds went on: building the model (and its optimizer), then the steps
+    assert all(0 < t["build_seconds"] < t["seconds"] for t in data["trials"])
+    assert [t.build_seconds for t in cfg.found_by.trials] == [t["build_seconds"] for t in data["trials"]]
     assert cfg.model_path(out).resolve() == (EXAMPLES / "conv_net.py").resolve()
     assert cfg.found_by.device == "cpu" and cfg.found_by.estimated is False
 
