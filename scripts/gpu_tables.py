@@ -12,7 +12,8 @@ EXAMPLES = ("tiny_gpt", "mlp_dict", "conv_net")
 PLAN_SCALES = (8, 64)  # the table's fixed plans: scale x DEFAULTS batch, DEFAULTS context (64: a few GiB)
 PROBE_BUDGET, PROBE_BATCH = "4GiB", 4096
 MEMORY_HEADER = ["model", "rung", "batch x ctx", "fake (tensors)", "real max allocated", "less live before", "error",
-                 "real max reserved", "fake + margin", "real reserved + context", "error", "real tok/s"]
+                 "real max reserved", "fake allocator model", "error", "fake + margin", "real reserved + context",
+                 "error", "real tok/s"]
 
 
 class TimeBox(BaseException):
@@ -186,24 +187,29 @@ def memory_table(rep: Report, cuda, deadline: float, gpu: dict, examples=EXAMPLE
             fake_t = None if est is None or est.oom else est.peak_allocated_bytes  # tensors only
             fake_m = None if est is None or est.oom else est.peak_bytes  # + the margin
             fake_txt = fake_missing or ("OOM" if est.oom else fb(fake_t))
+            modelled = None if est is None or est.oom else est.modelled_reserved_bytes  # the allocator model
             # the fake device starts from nothing; the real peak includes what was live before (workspaces)
             own = real.peak_allocated_bytes - live_before if real.peak_allocated_bytes is not None else None
             # the margin stands for the CUDA context too, so its yardstick is reserved + context
             on_card = real.peak_bytes + context if real.peak_bytes is not None and context is not None else None
             rows.append([name, label, f"{b}x{t}", fake_txt, fb(real.peak_allocated_bytes), fb(own), pct(fake_t, own),
-                         fb(real.peak_bytes), fake_missing or fb(fake_m), fb(on_card), pct(fake_m, on_card),
+                         fb(real.peak_bytes), fake_missing or fb(modelled), pct(modelled, real.peak_bytes),
+                         fake_missing or fb(fake_m), fb(on_card), pct(fake_m, on_card),
                          "OOM" if real.oom else f"{real.tokens_per_s:,.0f}" if real.tokens_per_s else "-"])
             data.append(row | {"fake_tensor_peak_bytes": fake_t, "fake_peak_with_margin_bytes": fake_m,
                                "fake_missing": fake_missing, "real_max_allocated_bytes": real.peak_allocated_bytes,
                                "real_live_before_bytes": live_before,
                                "real_max_allocated_less_live_before_bytes": own,
-                               "real_max_reserved_bytes": real.peak_bytes, "real_reserved_plus_context_bytes": on_card,
+                               "real_max_reserved_bytes": real.peak_bytes, "fake_modelled_reserved_bytes": modelled,
+                               "real_reserved_plus_context_bytes": on_card,
                                "real_oom": real.oom, "real_host_peak_bytes": real.host_peak_bytes,
                                "fake_host_peak_bytes": None if est is None else est.host_peak_bytes,
                                "real_tokens_per_s": real.tokens_per_s, "real_phase_peaks": real.phase_peaks})
     rep.say(md_table(MEMORY_HEADER, rows))
     rep.say("error = (fake - real) / real. The fake tensor peak is compared with the real max allocated less what "
-            "was live just before that trial (workspaces kept across trials). The fake margin stands for the "
+            "was live just before that trial (workspaces kept across trials). The allocator model (the CUDA caching "
+            "allocator's rules replayed over the fake trial's storages) is compared with the real max reserved. "
+            "The fake margin stands for the "
             "allocator's rounding and the CUDA context, so it is compared with the real reserved peak plus the "
             "context (n/a without NVML).")
     points = [(r["fake_tensor_peak_bytes"], r["real_reserved_plus_context_bytes"]) for r in data

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -22,8 +21,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..errors import OomtuneError
 from ..units import format_bytes, parse_budget
+from .allocator import CachingAllocatorModel
 from .fakes import real_code_paths
-from .tracker import MemoryTracker
+from .tracker import MemoryTracker, system_memory
 
 DEVICE_KINDS = ("auto", "cuda", "cpu", "fake")
 
@@ -38,6 +38,7 @@ class Reading:
     phase_peaks: dict[str, int] = field(default_factory=dict)  # allocated peak per phase: setup, forward, ...
     phase: str = "setup"  # the phase running now
     host_peak_bytes: int = 0  # host memory held at most by what the offload levers moved there
+    modelled_reserved_bytes: int | None = None  # simulated devices: the CUDA caching allocator model's peak
 
     @property
     def batch_peak_bytes(self) -> int | None:
@@ -48,18 +49,6 @@ class Reading:
         if not grows:
             return None
         return max(grows) + (self.peak_bytes - self.peak_allocated_bytes)
-
-
-def _system_memory() -> tuple[int, int]:
-    """(total, available) bytes of host RAM."""
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    available = total
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    available = int(line.split()[1]) * 1024
-    return total, available
 
 
 class Device:
@@ -95,12 +84,18 @@ class Device:
         reading = Reading()
         self._reset_peak()
         self.host_ledger().reset_host_peak()
+        allocator = self._model_allocator()
         try:
             with self._accounting():
                 yield reading
         finally:
             self.mark(reading, None)
             reading.host_peak_bytes = self.host_ledger().host_peak_bytes
+            reading.modelled_reserved_bytes = allocator.peak_reserved_bytes if allocator is not None else None
+
+    def _model_allocator(self) -> CachingAllocatorModel | None:
+        """A fresh model of the CUDA caching allocator, fed this measurement's storages (simulated devices)."""
+        return None
 
     def host_ledger(self) -> MemoryTracker:
         """The tracker that counts host-resident storages (`host()`)."""
@@ -177,6 +172,10 @@ class TrackedDevice(Device):
     def _accounting(self) -> contextlib.AbstractContextManager:
         return self.tracker
 
+    def _model_allocator(self) -> CachingAllocatorModel:
+        self.tracker.allocator = CachingAllocatorModel()
+        return self.tracker.allocator
+
     def host_ledger(self) -> MemoryTracker:
         return self.tracker
 
@@ -203,7 +202,7 @@ class TrackedDevice(Device):
 
 class CpuDevice(TrackedDevice):
     def __init__(self, budget: str | None = None):
-        total, available = _system_memory()
+        total, available = system_memory()
         budget_bytes = parse_budget(budget, total) if budget else available
         super().__init__("cpu", torch.device("cpu"), budget_bytes, total)
         self.tracker.host_budget_bytes = available  # offloaded tensors share the machine's RAM with the rest

@@ -14,6 +14,7 @@ when the last tensor or view using it dies.
 from __future__ import annotations
 
 import contextlib
+import os
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -173,6 +174,18 @@ class Recorder:
         return end is None or rec.died is None or rec.died > end
 
 
+def system_memory() -> tuple[int, int]:
+    """(total, available) bytes of host RAM."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    available = total
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+    return total, available
+
+
 class MemoryTracker(TorchDispatchMode):
     """Live and peak bytes of tensor storages, with an optional budget that raises a CUDA-shaped OOM."""
 
@@ -193,6 +206,7 @@ class MemoryTracker(TorchDispatchMode):
         self.host_budget_bytes: int | None = None  # the machine's RAM, where the host can run out
         self._host_sizes: dict[int, int] = {}
         self._hosting = 0
+        self.allocator = None  # a CachingAllocatorModel fed every device storage's birth and death, where set
 
     @contextlib.contextmanager
     def hosting(self) -> Iterator[None]:
@@ -237,6 +251,9 @@ class MemoryTracker(TorchDispatchMode):
             self._sizes[key] = size
         else:
             return 0
+        if self.allocator is not None:  # (a resize: the old block freed, a new one taken)
+            self.allocator.free(key)
+            self.allocator.malloc(key, size)
         if self.recorder is not None:  # a resize is the old size dying and the new one being born
             tags = set()
             if old is not None:
@@ -286,6 +303,8 @@ class MemoryTracker(TorchDispatchMode):
     def _release(self, key: int) -> None:
         self.host_live_bytes -= self._host_sizes.pop(key, 0)
         self.live_bytes -= self._sizes.pop(key, 0)
+        if self.allocator is not None:
+            self.allocator.free(key)
         if self.recorder is not None:
             self.recorder.died(key)
 

@@ -43,6 +43,7 @@ class TrialResult:
     seconds: float = 0.0  # the whole trial, model build included
     host_peak_bytes: int = 0  # host memory the offloaded parts held at most (0 without the offload levers)
     build_seconds: float = 0.0  # of `seconds`: build_training (the model, its wrappers, its optimizer)
+    modelled_reserved_bytes: int | None = None  # simulated devices: what the CUDA caching allocator would reserve
 
 
 def _steps(model_file: ModelFile, plan: Plan, device: Device, steps: int, reading_box: list, built: list,
@@ -182,4 +183,4 @@ def run_trial(model_file: ModelFile, plan: Plan, device: Device, steps: int = TR
     return TrialResult(plan, oom=False, peak_bytes=peak, peak_allocated_bytes=allocated,
                        batch_peak_bytes=batch_peak, phase_peaks=phases, step_seconds=step_s,
                        tokens_per_s=tps, loss=loss, seconds=seconds, host_peak_bytes=host,
-                       build_seconds=build_s)
+                       build_seconds=build_s, modelled_reserved_bytes=reading.modelled_reserved_bytes)
