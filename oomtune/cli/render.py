@@ -162,6 +162,10 @@ def breakdown_table(bd, plan, limit_bytes: int | None = None, title: str = "brea
     style = "" if limit_bytes is None else ("green" if bd.peak_bytes <= limit_bytes else "red")
     table.add_row("[bold]peak[/]", f"[bold {style}]{fmt_bytes(bd.peak_bytes)}[/]" if style else
                   f"[bold]{fmt_bytes(bd.peak_bytes)}[/]", "", "")
+    if bd.modelled_reserved_bytes:
+        over = bd.modelled_reserved_bytes / peak - 1
+        table.add_row("allocator model", fmt_bytes(bd.modelled_reserved_bytes), f"{over:+.0%}",
+                      "[dim]what CUDA's caching allocator would reserve for these tensors (not in the peak)[/]")
     if bd.host_bytes:
         table.add_row("host memory", fmt_bytes(bd.host_bytes), "", "[dim]offloaded: not in the GPU's peak[/]")
     if limit_bytes is not None:

@@ -191,6 +191,9 @@ class MemoryBreakdown:
     margin_bytes: int = 0
     peak_bytes: int = 0  # 0 = derive it
     host_bytes: int = 0  # apart from all of the above: host memory the offload levers held at most
+    # the CUDA caching allocator model's reserved peak over the same run (memory/allocator.py): reported, not in
+    # peak_bytes (the margin still stands for the allocator); None in configs written before it
+    modelled_reserved_bytes: int | None = None
 
     PARTS = ("parameters", "gradients", "optimizer_state", "autocast_copies", "activations", "temporaries")
 

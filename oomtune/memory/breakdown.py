@@ -225,6 +225,7 @@ def recorded_trial(model_file, plan, device, steps, dist, run_trial, lift_budget
     return result, MemoryBreakdown(
         phase=rec.peak_phase, **{f"{k}_bytes": v for k, v in parts.items()}, tensor_peak_bytes=rec.peak_bytes,
         margin=margin.describe(), margin_bytes=margin.overhead(rec.peak_bytes), host_bytes=result.host_peak_bytes,
+        modelled_reserved_bytes=result.modelled_reserved_bytes,
     )
 
 

@@ -76,6 +76,7 @@ def test_the_breakdown_adds_up_to_the_trial_peak(tiny_gpt, plan):
     assert bd.margin_bytes == margin.overhead(bd.tensor_peak_bytes)
     assert bd.peak_bytes == bd.tensor_peak_bytes + bd.margin_bytes == trial.peak_bytes
     assert bd.phase in ("forward", "backward", "optimizer")
+    assert bd.modelled_reserved_bytes >= bd.tensor_peak_bytes  # the allocator model: reported beside the peak
     # the parts are the right things: weights are the model's, autocast copies exist only under autocast
     static = static_memory(tiny_gpt)
     assert bd.parameters_bytes == static.weights_bytes
@@ -148,6 +149,7 @@ def test_estimate_cli_writes_an_estimated_config_with_the_breakdown(write_model,
     config = load_config(out)  # strict loading reads the new field back
     assert config.found_by.estimated is True
     assert config.found_by.breakdown.tensor_peak_bytes == bd["tensor_peak_bytes"]
+    assert config.found_by.breakdown.modelled_reserved_bytes == bd["modelled_reserved_bytes"] > 0  # round trip
     assert config.plan.global_batch_size == 8
     # the table form shows the breakdown and the margin separately
     r = run_cli("estimate", model, "--budget", "400KiB", "--margin", "16KiB+5%", "--out", out)
