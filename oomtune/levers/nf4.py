@@ -1,24 +1,41 @@
 """4-bit frozen weights (QLoRA): the weight of every nn.Linear that is not trained (PEFT LoRA's base layers) stored
 as torchao's NF4Tensor (4 bits an element in blocks of 64, each block's scale in 8 bits, those in blocks of 256),
 dequantized per use by torchao's linear_nf4 (the F.linear of an NF4 weight). A trained weight is never quantized.
-It runs on every device: on the fake one too (torchao's NF4 works under FakeTensorMode)."""
+It runs on every device: on the fake one too (torchao's NF4 works under FakeTensorMode).
+
+transformers' Conv1D (GPT-2's projections: x @ W + b, W stored (in, out)) is a Linear with its weight transposed:
+its weight is stored as the Linear's (out, in) in NF4 and its forward becomes F.linear, as bitsandbytes'
+4-bit loading in transformers treats it."""
 
 from __future__ import annotations
 
+import types
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 NF4_BLOCK, SCALER_BLOCK = 64, 256  # torchao's defaults (to_nf4)
 
 
-def frozen_linears(model: nn.Module) -> list[nn.Linear]:
-    """The Linear layers whose weight is frozen and can be stored in NF4 (whole blocks of 64 and of 256 scalers),
-    but not a Hugging Face model's output head: QLoRA keeps it as it is (bitsandbytes' and torchtune's QLoRA
-    both do), and dequantizing a vocabulary-sized matrix holds ~16 bytes an element of scratch in backward."""
+def frozen_linears(model: nn.Module) -> list[nn.Module]:
+    """The Linear (and Conv1D) layers whose weight is frozen and can be stored in NF4 (whole blocks of 64 and of 256
+    scalers), but not a Hugging Face model's output head: QLoRA keeps it as it is (bitsandbytes' and torchtune's
+    QLoRA both do), and dequantizing a vocabulary-sized matrix holds ~16 bytes an element of scratch in backward."""
     head = _output_head(model)
     return [m for m in model.modules()
-            if isinstance(m, nn.Linear) and m is not head and not m.weight.requires_grad
+            if (isinstance(m, nn.Linear) or is_conv1d(m)) and m is not head and not m.weight.requires_grad
             and _blocks_fit(m.weight.numel())]
+
+
+def is_conv1d(m: nn.Module) -> bool:
+    """transformers' Conv1D (GPT-2, GPT-Neo's relatives): a Linear whose weight is stored transposed, (in, out)."""
+    return type(m).__name__ == "Conv1D" and hasattr(m, "nf") and getattr(m, "weight", None) is not None
+
+
+def _as_linear(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A Conv1D's forward once its weight is the Linear's (out, in): the same x @ W + b."""
+    return F.linear(x, self.weight, self.bias)
 
 
 def _output_head(model: nn.Module) -> nn.Module | None:
@@ -54,11 +71,14 @@ def quantize_frozen(model: nn.Module, computes: bool = True) -> int:
     layers = frozen_linears(model)
     seen: set[tuple] = set()
     for m in layers:
-        w = m.weight.detach()
+        conv1d = is_conv1d(m)
+        w = m.weight.detach().t().contiguous() if conv1d else m.weight.detach()  # a Conv1D's: the Linear's layout
         key = (tuple(w.shape), w.dtype)
         quantize = to_nf4 if computes or key not in seen else nf4_like
         seen.add(key)
         m.weight = nn.Parameter(quantize(w, NF4_BLOCK, SCALER_BLOCK), requires_grad=False)
+        if conv1d:
+            m.forward = types.MethodType(_as_linear, m)
         del w
     return len(layers)
 

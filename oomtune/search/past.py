@@ -71,7 +71,7 @@ def _why_not(lever: str, precision: str, static: StaticMemory, label: str, has_o
     if key in ("optimizer_8bit", "offload_optimizer") and has_optimizer_hook:
         return f"{label} defines its own optimizer, and this lever replaces only the default AdamW"
     if key == "nf4_frozen_weights" and not static.nf4_elements:
-        return f"{label} has no frozen nn.Linear weights (NF4 is for a PEFT LoRA model's base layers)"
+        return f"{label} has no frozen nn.Linear (or Conv1D) weights (NF4 is for a PEFT LoRA model's base layers)"
     if key == "offload_optimizer" and precision == "fp16":
         return "fp16's GradScaler unscales the gradients where they are made; offload runs with bf16 or fp32"
     return missing_library(key, device_kind)
