@@ -116,8 +116,8 @@ def prepare_model(model: nn.Module, plan, label: str, computes: bool = True) -> 
         from .nf4 import quantize_frozen
 
         if quantize_frozen(model, computes) == 0:
-            raise OomtuneError(f"plan.nf4_frozen_weights: {label} has no frozen nn.Linear (or Conv1D) weight to store in NF4 "
-                               "(it applies to the base layers of a PEFT LoRA model)", BAD_INPUT)
+            raise OomtuneError(f"plan.nf4_frozen_weights: {label} has no frozen nn.Linear (or Conv1D) weight to "
+                               "store in NF4 (it applies to the base layers of a PEFT LoRA model)", BAD_INPUT)
 
 
 def make_optimizer(model_file, params: Sequence[nn.Parameter], lr: float, model: nn.Module, plan, device):
