@@ -176,11 +176,12 @@ def make_optimizer_state(t: Training) -> torch.Tensor | None:
     if make_state is not None:  # its state's tensors without an update: the update's scratch is the next step's
         make_state()
     else:
+        offload = getattr(t.optimizer, "take_gradient", None)
         with torch.no_grad():
             for p in params:
                 p.grad = torch.zeros_like(p)
-        if hasattr(t.optimizer, "take_gradients"):
-            t.optimizer.take_gradients()
+                if offload is not None:  # to the host at once, as backward's hook moves each as it is made
+                    offload(p)
         t.optimizer.step()
         t.optimizer.zero_grad(set_to_none=True)
     if t.scaler.is_enabled():  # fp16: the scale and growth tracker the first step's scale() makes

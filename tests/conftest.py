@@ -39,11 +39,13 @@ def make_batch(batch_size, context_length, device):
 @pytest.fixture(autouse=True)
 def settled():
     """What lives before a test (the libraries, earlier tests' fixtures) is left out of the garbage collections
-    after each of its trials, as a search does for itself (oomtune.search.trial.settle_objects): with transformers
-    imported, a full collection costs ~0.3 s, and the suite runs hundreds of trials."""
-    from oomtune.search.trial import settle_objects
+    after each of its trials, as a search does for itself (oomtune.search.trial.settled_objects): with transformers
+    imported, a full collection costs ~0.3 s, and the suite runs hundreds of trials. They are collected as usual
+    again after the test."""
+    from oomtune.search.trial import settled_objects
 
-    settle_objects()
+    with settled_objects():
+        yield
 
 
 @pytest.fixture(autouse=True)

@@ -9,8 +9,6 @@ its weight is stored as the Linear's (out, in) in NF4 and its forward becomes F.
 
 from __future__ import annotations
 
-import types
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -36,6 +34,18 @@ def is_conv1d(m: nn.Module) -> bool:
 def _as_linear(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """A Conv1D's forward once its weight is the Linear's (out, in): the same x @ W + b."""
     return F.linear(x, self.weight, self.bias)
+
+
+def _as_linear_class(cls: type) -> type:
+    """The subclass of a Conv1D class whose forward is F.linear, made once per class and kept as this module's
+    attribute (so a pickled model finds it). Swapping the class, not binding a forward on the instance, makes no
+    reference cycle: the model is freed as soon as it is dropped."""
+    name = f"{cls.__name__}AsLinearNF4"
+    made = globals().get(name)
+    if made is None or made.__bases__ != (cls,):
+        made = type(name, (cls,), {"forward": _as_linear, "__module__": __name__, "__qualname__": name})
+        globals()[name] = made
+    return made
 
 
 def _output_head(model: nn.Module) -> nn.Module | None:
@@ -78,7 +88,7 @@ def quantize_frozen(model: nn.Module, computes: bool = True) -> int:
         seen.add(key)
         m.weight = nn.Parameter(quantize(w, NF4_BLOCK, SCALER_BLOCK), requires_grad=False)
         if conv1d:
-            m.forward = types.MethodType(_as_linear, m)
+            m.__class__ = _as_linear_class(type(m))
         del w
     return len(layers)
 

@@ -51,7 +51,7 @@ class HostOffloadOptimizer(torch.optim.Optimizer):
         def hook(p: nn.Parameter) -> None:
             optimizer = me()
             if optimizer is not None:
-                optimizer._move_gradient(p)
+                optimizer.take_gradient(p)
 
         self._hooks = [p.register_post_accumulate_grad_hook(hook) for p in self._params]
 
@@ -63,7 +63,8 @@ class HostOffloadOptimizer(torch.optim.Optimizer):
     def state(self):
         return self.inner.state
 
-    def _move_gradient(self, p: nn.Parameter) -> None:
+    def take_gradient(self, p: nn.Parameter) -> None:
+        """Add p's gradient into its host gradient and free the device's (what backward's hook does for each)."""
         with self._device.host():
             if p in self._reached:  # the next micro-step of an accumulated step
                 self._grad[p].add_(p.grad.to(self._grad[p].device))
@@ -89,7 +90,7 @@ class HostOffloadOptimizer(torch.optim.Optimizer):
         """Move every gradient the device holds now to the host (what the backward hook does as each is made)."""
         for p in self._params:
             if p.grad is not None:
-                self._move_gradient(p)
+                self.take_gradient(p)
 
     def gradient_holders(self) -> list[torch.Tensor]:
         """The tensors whose .grad is this step's gradient (clipping reads these): the host copies, their .grad

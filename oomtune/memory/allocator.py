@@ -102,6 +102,17 @@ class CachingAllocatorModel:
         self.allocated_bytes += block.size
         self.peak_allocated_bytes = max(self.peak_allocated_bytes, self.allocated_bytes)
 
+    def resize(self, key: object, nbytes: int) -> None:
+        """`key`'s storage now holds `nbytes` (new, or resized in place as FSDP does): the new block is taken
+        before the old one is freed, as a resize copies from the old into the new."""
+        if key not in self._handed:
+            self.malloc(key, nbytes)
+            return
+        old = self._handed.pop(key)
+        self.malloc(key, nbytes)
+        self._handed["resized", key] = old
+        self.free(("resized", key))
+
     def free(self, key: object) -> None:
         block = self._handed.pop(key, None)
         if block is None:

@@ -209,12 +209,12 @@ def recorded_trial(model_file, plan, device, steps, dist, run_trial, lift_budget
     budget = tracker.budget_bytes
     if lift_budget:
         tracker.budget_bytes = None
-    rec = Recorder(tracker)
-    rec.on_op = _tag_autocast_copies
-    tracker.recorder = rec
-    try:
-        result = run_trial(model_file, plan, device, steps, observe=lambda t, phase: _observe(rec, t, phase),
-                           dist=dist)
+    tracker.recorder = Recorder(tracker)
+    tracker.recorder.on_op = _tag_autocast_copies
+    try:  # (the trial may restart the recorder: a rerun trial is recorded anew)
+        result = run_trial(model_file, plan, device, steps,
+                           observe=lambda t, phase: _observe(tracker.recorder, t, phase), dist=dist)
+        rec = tracker.recorder
     finally:
         tracker.recorder = None
         tracker.budget_bytes = budget

@@ -91,7 +91,8 @@ class Device:
         finally:
             self.mark(reading, None)
             reading.host_peak_bytes = self.host_ledger().host_peak_bytes
-            reading.modelled_reserved_bytes = allocator.peak_reserved_bytes if allocator is not None else None
+            if allocator is not None:  # a simulated device's: its peak read, the model detached from the tracker
+                reading.modelled_reserved_bytes, self.tracker.allocator = allocator.peak_reserved_bytes, None
 
     def _model_allocator(self) -> CachingAllocatorModel | None:
         """A fresh model of the CUDA caching allocator, fed this measurement's storages (simulated devices)."""
@@ -173,8 +174,11 @@ class TrackedDevice(Device):
         return self.tracker
 
     def _model_allocator(self) -> CachingAllocatorModel:
-        self.tracker.allocator = CachingAllocatorModel()
-        return self.tracker.allocator
+        model = CachingAllocatorModel()
+        for key, size in self.tracker._sizes.items():  # what is alive already holds blocks too
+            model.malloc(key, size)
+        self.tracker.allocator = model
+        return model
 
     def host_ledger(self) -> MemoryTracker:
         return self.tracker

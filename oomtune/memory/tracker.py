@@ -113,6 +113,12 @@ class Recorder:
             self.born(key, size)
             self._live[key].tags.add("preexisting")
 
+    def restarted(self, tracker: MemoryTracker) -> Recorder:
+        """A new Recorder on `tracker` with this one's op hook: the run it recorded is discarded."""
+        new = Recorder(tracker)
+        new.on_op = self.on_op
+        return new
+
     # -- what the tracker tells it ------------------------------------------------------------------
     def span_kind(self) -> str:
         """forward: the whole forward phase; recompute: grad-enabled work inside the autograd engine during
@@ -251,9 +257,8 @@ class MemoryTracker(TorchDispatchMode):
             self._sizes[key] = size
         else:
             return 0
-        if self.allocator is not None:  # (a resize: the old block freed, a new one taken)
-            self.allocator.free(key)
-            self.allocator.malloc(key, size)
+        if self.allocator is not None:
+            self.allocator.resize(key, size)  # new: a block taken; resized: the new one, then the old one freed
         if self.recorder is not None:  # a resize is the old size dying and the new one being born
             tags = set()
             if old is not None:

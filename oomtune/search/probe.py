@@ -20,7 +20,7 @@ from ..units import format_bytes, utc_now
 from .ladder import LadderResult, LadderSearch, Measurement, Objective, Point, Rung, Trial, largest_divisor_at_most
 from .options import LEVERS, Targets, check_search_options
 from .past import PastRungs, past_rungs
-from .trial import TrialResult, computing_where_needed, run_trial, settle_objects
+from .trial import TrialResult, computing_where_needed, run_trial, settled_objects
 
 
 def fsdp_reach(device: Device, world: int, sharding: str | None) -> tuple[int, str | None]:
@@ -141,7 +141,6 @@ def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: 
     check_search_options(headroom, steps, objective, amp)
     world = dist.world_size
     check_ranks_batch(targets, world)
-    settle_objects()  # each trial's garbage collection walks only what trials made
     device.lower_budget(int(dist.min(device.budget_bytes)[0]))  # one process: its own
     limit = int(device.budget_bytes * (1 - headroom))
     static = statics[0] if statics else static_memory(model_file)
@@ -177,7 +176,8 @@ def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: 
         return search.run(rungs, targets.batch // world, targets.context, targets.min_context, objective,
                           past=past.rungs, accumulation="accumulation" in levers)
 
-    ladder, computed = computing_where_needed(device, model_file.label, climb)
+    with settled_objects():  # each trial's garbage collection walks only what the trials made
+        ladder, computed = computing_where_needed(device, model_file.label, climb)
     climbed_past = len(ladder.rungs) > len(rungs)
     notes += computed + (past.notes() if climbed_past or ladder.choice is None else ())
     if ladder.choice is None:

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -106,15 +107,29 @@ def _steps(model_file: ModelFile, plan: Plan, device: Device, steps: int, readin
     return step_s, tokens / step_s if step_s > 0 and device.measures_speed else None, first_loss, not missed
 
 
-def settle_objects() -> None:
-    """Collect garbage once, then move every object alive now out of later collections' walks (gc.freeze). A search
-    calls it before its first trial: what lives then (the imported libraries - torch alone is ~170k objects,
-    transformers doubles it - the model file's module, the caller's state) lives to the end of the search, and the
-    full collection after each trial (Device.release) then walks only what was made since (0.1-0.3 s a trial
-    less). An object alive now that later becomes part of a garbage cycle is never collected: the trainer, which
-    must free a failed plan's model, does not call it."""
+@contextlib.contextmanager
+def settled_objects() -> Iterator[None]:
+    """Inside, the objects alive on entry are left out of garbage collections (gc.freeze after one collection),
+    and on exit they are collected as before (gc.unfreeze). A search runs inside it: what lives when it starts (the
+    imported libraries - torch alone is ~170k objects, transformers doubles it - the model file's module, the
+    caller's state) lives to its end, and the full collection after each trial (Device.release) then walks only
+    what was made since (0.1-0.3 s a trial less). A garbage cycle through an object frozen here waits for the
+    exit. The trainer, which must free a failed plan's model at once, does not use it. Nested, only the outermost
+    freezes and unfreezes."""
+    if _SETTLED:
+        yield
+        return
     gc.collect()
     gc.freeze()
+    _SETTLED.append(True)
+    try:
+        yield
+    finally:
+        _SETTLED.clear()
+        gc.unfreeze()
+
+
+_SETTLED: list[bool] = []  # inside settled_objects
 
 
 def computing_where_needed(device: Device, label: str, run: Callable[[], T]) -> tuple[T, tuple[str, ...]]:
@@ -153,6 +168,9 @@ def run_trial(model_file: ModelFile, plan: Plan, device: Device, steps: int = TR
         if not complete:  # primed state a real first step would not have made: measure both steps instead
             box.clear()
             device.release()
+            tracker = getattr(device, "tracker", None)
+            if tracker is not None and tracker.recorder is not None:  # a breakdown's: the rerun's storages only
+                tracker.recorder = tracker.recorder.restarted(tracker)
             step_s, tps, loss, _ = _steps(model_file, plan, device, steps, box, built, observe, dist)
     except Exception as e:
         if not is_oom(e):

@@ -92,6 +92,16 @@ def test_at_capacity_the_cached_free_segments_are_given_back_before_running_out(
     assert a.reserved_bytes == 24 * MiB
 
 
+def test_a_resize_takes_the_new_block_before_it_frees_the_old_one():
+    a = CachingAllocatorModel()
+    a.malloc("w", 12 * MiB)  # a 12 MiB segment, all of it used
+    a.resize("w", 14 * MiB)  # the copy needs both: a 14 MiB segment while the 12 MiB one still holds the data
+    assert (a.allocated_bytes, a.reserved_bytes, a.peak_allocated_bytes) == (14 * MiB, 26 * MiB, 26 * MiB)
+    a.resize("w", 0)  # FSDP frees a gathered parameter this way
+    a.resize("w", 12 * MiB)  # and gathers it again: the cached 12 MiB segment serves it
+    assert (a.allocated_bytes, a.reserved_bytes) == (12 * MiB, 26 * MiB)
+
+
 def test_zero_bytes_and_unknown_keys_change_nothing():
     a = CachingAllocatorModel()
     a.malloc("empty", 0)

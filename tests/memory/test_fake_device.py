@@ -92,6 +92,8 @@ def test_the_fake_device_makes_the_first_steps_state_without_it_unless_backward_
         forwards, fake = count_forwards(mf, plan, FakeDevice("1GiB", margin=Margin()))
         assert (cpu_forwards, forwards) == (2, fake_forwards), mf.label
         assert fake.peak_allocated_bytes == cpu.peak_allocated_bytes, mf.label
+        # a breakdown records the trial it keeps: the rerun, not the discarded primed run
+        assert breakdown(mf, plan, FakeDevice("1GiB", margin=Margin())) == breakdown(mf, plan, CpuDevice("1GiB"))
 
 
 def test_fp16_with_gradscaler_runs_on_fake_and_matches_cpu(model_files):
