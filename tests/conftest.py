@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import textwrap
 from pathlib import Path
@@ -36,16 +37,21 @@ def make_batch(batch_size, context_length, device):
 '''
 
 
-@pytest.fixture(autouse=True)
-def settled():
-    """What lives before a test (the libraries, earlier tests' fixtures) is left out of the garbage collections
-    after each of its trials, as a search does for itself (oomtune.search.trial.settled_objects): with transformers
-    imported, a full collection costs ~0.3 s, and the suite runs hundreds of trials. They are collected as usual
-    again after the test."""
-    from oomtune.search.trial import settled_objects
+@pytest.fixture(autouse=True, scope="module")
+def unfrozen_after_the_file():
+    """What the tests of a file froze (below) is collected as usual again once the file is done."""
+    yield
+    gc.unfreeze()
 
-    with settled_objects():
-        yield
+
+@pytest.fixture(autouse=True)
+def settled(unfrozen_after_the_file):
+    """What lives before a test (the libraries, the file's earlier tests' objects) is left out of the garbage
+    collections after each of its trials, as a search does for itself (oomtune.search.trial.settled_objects): with
+    transformers imported, a full collection costs ~0.3 s, and the suite runs hundreds of trials. Garbage is
+    collected first, so none is frozen; a cycle through a frozen object waits for the end of the file."""
+    gc.collect()
+    gc.freeze()
 
 
 @pytest.fixture(autouse=True)
