@@ -37,19 +37,22 @@ def make_batch(batch_size, context_length, device):
 '''
 
 
-@pytest.fixture(autouse=True, scope="module")
-def unfrozen_after_the_file():
-    """What the tests of a file froze (below) is collected as usual again once the file is done."""
-    yield
-    gc.unfreeze()
+@pytest.fixture(autouse=True, scope="session")
+def settled_session():
+    """The whole session inside oomtune.search.trial.settled_objects, so a probe run by a test does not unfreeze
+    what the tests froze (below) when it ends."""
+    from oomtune.search.trial import settled_objects
+
+    with settled_objects():
+        yield
 
 
 @pytest.fixture(autouse=True)
-def settled(unfrozen_after_the_file):
-    """What lives before a test (the libraries, the file's earlier tests' objects) is left out of the garbage
-    collections after each of its trials, as a search does for itself (oomtune.search.trial.settled_objects): with
-    transformers imported, a full collection costs ~0.3 s, and the suite runs hundreds of trials. Garbage is
-    collected first, so none is frozen; a cycle through a frozen object waits for the end of the file."""
+def settled(settled_session):
+    """What lives before a test (the libraries, earlier tests' objects) is left out of the garbage collections
+    after each of its trials, as a search does for itself: with transformers imported, a full collection costs
+    ~0.3 s, and the suite runs hundreds of trials. Garbage is collected first, so none is frozen; a cycle through
+    a frozen object is only collected when the session ends (test processes only: a search unfreezes on exit)."""
     gc.collect()
     gc.freeze()
 
