@@ -19,7 +19,8 @@ import torch
 
 from oomtune.config.schema import Plan
 from oomtune.errors import OomtuneError
-from oomtune.memory.devices import CudaDevice, make_device
+from oomtune.memory.cuda import CudaDevice
+from oomtune.memory.devices import make_device
 from oomtune.model_file import load_model_file
 from oomtune.search.options import Targets
 from oomtune.search.probe import probe

@@ -20,11 +20,13 @@ def check(
     budget: Annotated[str | None, budget_option("the config's found_by.budget_bytes", "Memory to fit in")] = None,
     device: Annotated[str, device_option("fake (default: no GPU, estimated) | cpu (real compute, simulated memory) | "
                                          "cuda (the real GPU).")] = "fake",
+    gpu: Annotated[str | None, typer.Option("--gpu", help="fake / cpu: account like this card (default: the card the "
+                                            "config was found with, found_by.card).")] = None,
     headroom: Annotated[float | None, typer.Option(help="Fraction of the budget kept free (default: the "
                                                    "config's).")] = None,
-    margin: Annotated[str | None, typer.Option("--margin", help="fake device only. Default: the margin the config "
+    margin: Annotated[str | None, typer.Option("--margin", help="fake / cpu. Default: the margin the config "
                                                "was estimated with; for a config probed on a GPU 512MiB+5%; for one "
-                                               "probed on cpu 0.")] = None,
+                                               "probed on cpu 0 (with a card: the card's).")] = None,
     steps: Annotated[int, typer.Option(help="Optimizer steps to run (2: optimizer state exists).")] = TRIAL_STEPS,
     as_json: JsonOpt = False,
     debug: DebugOpt = False,
@@ -41,7 +43,7 @@ def check(
         config = load_config(config_path)
         model_file = load_model_file(config.model_path(config_path))
         result = run_check(config, model_file, device_kind=device, budget=budget, headroom=headroom,
-                           margin=margin, steps=steps)
+                           margin=margin, steps=steps, gpu=gpu)
         if as_json:
             print(json.dumps(check_json(result), indent=2))
         else:

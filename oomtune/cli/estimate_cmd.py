@@ -16,6 +16,7 @@ from .options import (
     AmpOpt,
     BatchOpt,
     DebugOpt,
+    GpuOpt,
     HeadroomOpt,
     JsonOpt,
     LeversOpt,
@@ -29,8 +30,6 @@ from .options import (
 from .probe_cmd import write_found
 from .render import breakdown_table, print_levers, render_search, render_what_if, trial_progress
 
-GpuOpt = Annotated[str | None, typer.Option("--gpu", help="A card from the table: t4, rtx3060, rtx3090, rtx4090, l4, "
-                                            "a10, a100-40, a100-80, h100, h200 (memory; bf16 support).")]
 EstimateContextOpt = Annotated[int | None, typer.Option("--context", "-t", help="Target context length T (with "
                                                         "--micro-batch: the plan's context). Default: DEFAULTS, "
                                                         "else 512.")]
@@ -50,6 +49,12 @@ ShardingOpt = Annotated[str | None, typer.Option("--sharding", help="none | ddp 
                                                  "ddp rungs, then an fsdp rung, on several ranks).")]
 
 
+def card_line(device, gpu: str | None) -> str:
+    """Which card's rules the estimate follows, and the margin it adds: said even when nobody chose the card."""
+    assumed = "" if gpu else " - assumed, as no --gpu was given (--gpu NAME for your card's)"
+    return f"card profile: {device.card_text()}{assumed}; margin: {device.margin.text()}"
+
+
 def _ladder(model: Path, model_file, batch, context, min_context, budget, gpu, margin, options: dict,
             world_size: int, sharding: str | None, out_path: Path, as_json: bool) -> None:
     from ..config.writing import to_dict
@@ -64,16 +69,18 @@ def _ladder(model: Path, model_file, batch, context, min_context, budget, gpu, m
             err.print(f"[yellow]note:[/] {escape(note)}")
         ranks = f" x {world_size} ranks" if world_size > 1 else ""
         err.print(f"estimating [bold]{model_file.label}[/] for {device.name}{ranks}, budget "
-                  f"{fmt_bytes(device.budget_bytes)} (fake tensors: nothing runs on a GPU; margin "
-                  f"{device.margin.describe()}): batch {targets.batch}, context {targets.context}"
+                  f"{fmt_bytes(device.budget_bytes)} (fake tensors: nothing runs on a GPU): batch {targets.batch}, "
+                  f"context {targets.context}"
                   + (f" (min {targets.min_context})" if targets.min_context < targets.context else ""))
+        err.print(f"  {escape(card_line(device, gpu))}")
     with trial_progress(not as_json) as (on_start, on_trial):
         result = estimate(model_file, device, targets, on_start=on_start, on_trial=on_trial, world_size=world_size,
                           sharding=sharding, **options)
     kept = write_found(result.config, out_path, model,
                        header=f"written by `oomtune estimate {model}`: predicted on fake tensors, never measured on a "
                               "GPU (check it with `oomtune probe` there) - edit `train:` freely")
-    extra = {"estimated": True, "margin": device.margin.describe(), "breakdown": to_dict(result.breakdown),
+    extra = {"estimated": True, "margin": device.margin.describe(), "card": card_line(device, gpu),
+             "breakdown": to_dict(result.breakdown),
              "breakdown_plan": to_dict(result.breakdown_plan), "levers": result.levers}
 
     def details():
@@ -119,7 +126,6 @@ def estimate(
     """
     with user_errors(debug):
         from ..config.output import check_out
-        from ..memory.margin import parse_margin
         from ..model_file import load_model_file
         from ..search.estimate import make_fake_device, no_bf16_note, what_if, what_if_plan
         from ..search.options import check_estimate_options, check_what_if_options, check_world, parse_levers
@@ -139,7 +145,7 @@ def estimate(
             return
         plan = what_if_plan(model_file, micro_batch, context, precision, checkpointing, grad_accum, world_size,
                             sharding)
-        device = make_fake_device(budget, gpu, margin) if (budget or gpu) else None
-        result = what_if(model_file, plan, device, device.margin if device else parse_margin(margin),
-                         headroom=headroom, steps=steps)
+        bounded = bool(budget or gpu)
+        device = make_fake_device(budget if bounded else str(1 << 50), gpu, margin)
+        result = what_if(model_file, plan, device, bounded=bounded, headroom=headroom, steps=steps)
         render_what_if(result, plan, no_bf16_note(device, plan.precision), as_json)

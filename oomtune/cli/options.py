@@ -30,10 +30,13 @@ LeversOpt = Annotated[str | None, typer.Option(
 OutOpt = Annotated[Path, typer.Option("--out", "-o", help="Where to write the config.")]
 JsonOpt = Annotated[bool, typer.Option("--json/--no-json", help="Print the result as JSON (for CI).")]
 DebugOpt = Annotated[bool, typer.Option("--debug/--no-debug", help="Show full tracebacks instead of one-line errors.")]
+GpuOpt = Annotated[str | None, typer.Option(
+    "--gpu", help="Account like this CUDA card (simulated devices: fake, cpu): its memory, CUDA autocast's policy, the "
+    "attention kernel it would pick, its CUDA context, cuBLAS workspaces and caching allocator. One of t4, rtx3060, "
+    "rtx3090, rtx4090, l4, a10, a100-40, a100-80, h100, h200, generic.")]
 MarginOpt = Annotated[str | None, typer.Option(
-    "--margin", help="Added to the tensor peak for what a real GPU needs beyond tensors: a fixed part (CUDA "
-    "context, cuBLAS/cuDNN workspaces) + a percentage of the peak (allocator rounding, fragmentation). Default "
-    "512MiB+5%; 0 turns it off.")]
+    "--margin", help="A flat rule instead of the card's own margin (its CUDA context, cuBLAS workspaces and caching "
+    "allocator, modelled): a fixed part + a percentage of the tensor peak, e.g. 512MiB+5%; 0 turns it off.")]
 
 # -- launching ranks with torchrun (probe, train): these never reach the workers ------------------------
 NprocOpt = Annotated[int | None, typer.Option("--nproc-per-node", help="Ranks (processes, one per GPU) on this "

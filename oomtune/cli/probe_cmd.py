@@ -18,6 +18,7 @@ from .options import (
     ContextOpt,
     DebugOpt,
     DistTimeoutOpt,
+    GpuOpt,
     HeadroomOpt,
     JsonOpt,
     LeversOpt,
@@ -58,7 +59,8 @@ def probe(
     device: Annotated[str, device_option("auto | cuda | cpu | fake (cpu simulates a GPU's memory limit with a "
                                          "tensor-level tracker; fake does the same on fake tensors, computing "
                                          "nothing).")] = "auto",
-    budget: Annotated[str | None, budget_option("the GPU's free memory; cpu: available RAM")] = None,
+    budget: Annotated[str | None, budget_option("the GPU's free memory; cpu: available RAM; fake: --gpu's")] = None,
+    gpu: GpuOpt = None,
     headroom: HeadroomOpt = HEADROOM,
     steps: StepsOpt = TRIAL_STEPS,
     objective: ObjectiveOpt = "fit",
@@ -100,12 +102,13 @@ def probe(
             launch.check()
             check_ranks_batch(targets, launch.world_size)
             run(launch, ["probe", str(model), *flags(batch=batch, context=context, min_context=min_context,
-                                                     device=device, budget=budget, headroom=headroom, steps=steps,
+                                                     device=device, budget=budget, gpu=gpu, headroom=headroom,
+                                                     steps=steps,
                                                      objective=objective, amp=amp, levers=levers, out=out_path,
                                                      json=as_json,
                                                      dist_timeout=dist_timeout, debug=debug)])
             return
-        dev, dist = probe_on_ranks(device, budget, dist_timeout, rank is not None)
+        dev, dist = probe_on_ranks(device, budget, dist_timeout, rank is not None, gpu)
         options = {"headroom": headroom, "steps": steps, "objective": objective, "amp": amp, "dist": dist,
                    "levers": allowed}
         if rank not in (None, 0):  # every rank probes; rank 0 reports and writes the config

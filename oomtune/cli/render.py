@@ -157,12 +157,20 @@ def breakdown_table(bd, plan, limit_bytes: int | None = None, title: str = "brea
         table.add_row(PART_LABELS[name], fmt_bytes(n), f"{n / peak:.0%}", f"[dim]{PART_HELP[name]}[/]")
     table.add_section()
     table.add_row("[bold]tensor peak[/]", f"[bold]{fmt_bytes(bd.tensor_peak_bytes)}[/]", "", "[dim]the parts' sum[/]")
-    table.add_row(f"+ margin {bd.margin}", fmt_bytes(bd.margin_bytes), "",
-                  "[dim]CUDA context, workspaces, allocator rounding (--margin)[/]")
+    card = bd.margin.startswith("card:")
+    if card:  # the card's margin, line by line
+        allocator = bd.margin_bytes - bd.context_bytes - bd.workspace_bytes
+        for label, n, what in (("+ CUDA context", bd.context_bytes, "outside PyTorch's allocator (the card's)"),
+                               ("+ cuBLAS workspaces", bd.workspace_bytes, "one per handle: forward's, backward's"),
+                               ("+ caching allocator", allocator, "rounding and cached blocks, as modelled")):
+            table.add_row(label, fmt_bytes(n), f"{n / peak:+.0%}", f"[dim]{what}[/]")
+    else:
+        table.add_row(f"+ margin {bd.margin}", fmt_bytes(bd.margin_bytes), "",
+                      "[dim]CUDA context, workspaces, allocator rounding (--margin)[/]")
     style = "" if limit_bytes is None else ("green" if bd.peak_bytes <= limit_bytes else "red")
     table.add_row("[bold]peak[/]", f"[bold {style}]{fmt_bytes(bd.peak_bytes)}[/]" if style else
                   f"[bold]{fmt_bytes(bd.peak_bytes)}[/]", "", "")
-    if bd.modelled_reserved_bytes:
+    if bd.modelled_reserved_bytes and not card:
         over = bd.modelled_reserved_bytes / peak - 1
         table.add_row("allocator model", fmt_bytes(bd.modelled_reserved_bytes), f"{over:+.0%}",
                       "[dim]what CUDA's caching allocator would reserve for these tensors (not in the peak)[/]")

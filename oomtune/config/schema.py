@@ -191,9 +191,11 @@ class MemoryBreakdown:
     margin_bytes: int = 0
     peak_bytes: int = 0  # 0 = derive it
     host_bytes: int = 0  # apart from all of the above: host memory the offload levers held at most
-    # the CUDA caching allocator model's reserved peak over the same run (memory/allocator.py): reported, not in
-    # peak_bytes (the margin still stands for the allocator); None in configs written before it
+    # the CUDA caching allocator model's reserved peak over the same run (memory/allocator.py), cuBLAS workspaces
+    # included where a card profile seeded them; with a card's margin peak_bytes is context + this
     modelled_reserved_bytes: int | None = None
+    context_bytes: int = 0  # of margin_bytes: the card's CUDA context (card margins only)
+    workspace_bytes: int = 0  # of margin_bytes: its cuBLAS workspaces; the rest of it is the caching allocator's
 
     PARTS = ("parameters", "gradients", "optimizer_state", "autocast_copies", "activations", "temporaries")
 
@@ -236,6 +238,7 @@ class FoundBy:
     trials: tuple[TrialRecord, ...] = ()
     notes: tuple[str, ...] = ()  # how it was measured, where that is not what one would assume (eager, computed)
     host_peak_bytes: int | None = None  # host memory the plan's offloaded parts need (offload levers only)
+    card: str | None = None  # the card profile (--gpu) a simulated device accounted by; None: CPU semantics, or cuda
 
     def __post_init__(self):
         if self.budget_bytes <= 0:  # `check` re-measures against it

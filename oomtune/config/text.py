@@ -39,6 +39,7 @@ COMMENTS = {
     "found_by.breakdown": "what the peak is made of; the parts sum to tensor_peak_bytes",
     "found_by.host_peak_bytes": "host RAM the offloaded parts held at most (estimate: check your machine has it)",
     "found_by.notes": "how the plan was measured, where that is not what one would assume",
+    "found_by.card": "the card's rules a simulated device accounted by (--gpu): autocast, attention, allocator",
     "found_by.breakdown.phase": "the step's phase at the peak: forward | backward | optimizer",
     "found_by.breakdown.margin": "added for what tensors do not show on a GPU: CUDA context, workspaces, allocator",
     "found_by.breakdown.peak_bytes": "tensor_peak_bytes + margin_bytes",

@@ -109,7 +109,11 @@ class CachingAllocatorModel:
             self.malloc(key, nbytes)
             return
         old = self._handed.pop(key)
-        self.malloc(key, nbytes)
+        try:
+            self.malloc(key, nbytes)
+        except OutOfMemory:
+            self._handed[key] = old  # the storage keeps its block
+            raise
         self._handed["resized", key] = old
         self.free(("resized", key))
 
@@ -124,6 +128,10 @@ class CachingAllocatorModel:
                 self._take(neighbour)
                 self._merge(block, neighbour)
         self._cache(block)
+
+    def reset_peak(self) -> None:
+        """torch.cuda.reset_peak_memory_stats()."""
+        self.peak_reserved_bytes, self.peak_allocated_bytes = self.reserved_bytes, self.allocated_bytes
 
     def empty_cache(self) -> None:
         """torch.cuda.empty_cache(): every segment that is entirely free is given back."""

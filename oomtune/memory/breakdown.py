@@ -21,9 +21,8 @@ from ..errors import OomtuneError
 from ..model_file import ModelFile, is_compiled
 from ..step import as_on_cuda
 from ..units import format_bytes
-from .devices import Device, FakeDevice, TrackedDevice
+from .devices import FakeDevice, TrackedDevice
 from .fakes import real_code_paths
-from .margin import Margin
 from .tracker import MemoryTracker, Recorder
 
 
@@ -181,11 +180,6 @@ def _classify(rec: Recorder) -> dict[str, int]:
     return parts
 
 
-def margin_of(device: Device) -> Margin:
-    """The fake device's margin; the cpu device adds none."""
-    return device.margin if isinstance(device, FakeDevice) else Margin()
-
-
 def breakdown(model_file: ModelFile, plan: Plan, device: TrackedDevice, steps: int = TRIAL_STEPS,
               dist: Dist = LOCAL) -> MemoryBreakdown:
     """Run `plan` once on `device` (fake or cpu) with its budget lifted, recording every storage, and sort
@@ -221,11 +215,13 @@ def recorded_trial(model_file, plan, device, steps, dist, run_trial, lift_budget
     if result.oom:
         return result, None
     parts = _classify(rec)
-    margin = margin_of(device)
+    margin = device.margin
+    lines = margin.fixed_lines()
     return result, MemoryBreakdown(
         phase=rec.peak_phase, **{f"{k}_bytes": v for k, v in parts.items()}, tensor_peak_bytes=rec.peak_bytes,
-        margin=margin.describe(), margin_bytes=margin.overhead(rec.peak_bytes), host_bytes=result.host_peak_bytes,
-        modelled_reserved_bytes=result.modelled_reserved_bytes,
+        margin=margin.describe(), margin_bytes=margin.overhead(rec.peak_bytes, result.modelled_reserved_bytes),
+        host_bytes=result.host_peak_bytes, modelled_reserved_bytes=result.modelled_reserved_bytes,
+        context_bytes=lines.get("context", 0), workspace_bytes=lines.get("workspaces", 0),
     )
 
 

@@ -1,9 +1,19 @@
-"""The memory of common cards, for `--gpu NAME` (estimate, check). No torch here.
+"""Card profiles, for `--gpu NAME`: a card's memory, its compute capability and its fixed costs. No torch here.
 
-Memory is the total the driver reports (nvidia-smi's "MiB" column), the most a process could ever get.
-The CUDA context, cuBLAS/cuDNN workspaces and the caching allocator's rounding come out of it: that is
-the margin's job (margin.py), not the table's. Cards ship in variants (PCIe/SXM, ECC on/off) that differ by a
-few hundred MiB; for an exact figure pass `--budget` with what `nvidia-smi --query-gpu=memory.total` says."""
+Memory is the total the driver reports (nvidia-smi's "MiB" column), the most a process could ever get. What a
+training process needs beyond its tensors comes out of it (margin.CardMargin):
+
+- the CUDA context (driver state and loaded kernels), outside PyTorch's allocator. No documented rule gives its
+  size: a card's figure is what `make gpu-check` measured on it (`context_bytes`); a card not measured yet is
+  assumed to need ASSUMED_CONTEXT, and the estimate says so.
+- cuBLAS workspaces, allocated through PyTorch's caching allocator: one per (cuBLAS handle, stream), of PyTorch's
+  default size for the card's compute capability (cublas_workspace_bytes), and one handle per thread that runs
+  matrix products: the one running the forward and the autograd engine's thread running the backward
+  (WORKSPACE_HANDLES). cuBLASLt shares the cuBLAS workspace (PyTorch's default, TORCH_CUBLASLT_UNIFIED_WORKSPACE).
+- the caching allocator's rounding and cached blocks: modelled per trial (allocator.py).
+
+Cards ship in variants (PCIe/SXM, ECC on/off) that differ by a few hundred MiB; for an exact figure pass `--budget`
+with what `nvidia-smi --query-gpu=memory.total` says."""
 
 from __future__ import annotations
 
@@ -12,29 +22,63 @@ from dataclasses import dataclass
 
 from ..errors import OomtuneError
 
-MiB = 1024**2
+KiB, MiB = 1024, 1024**2
+ASSUMED_CONTEXT = 512 * MiB  # a card's CUDA context until gpu-check measured it (the old flat margin's fixed part)
+WORKSPACE_HANDLES = 2  # cuBLAS handles are per thread: the forward's and the autograd engine's device thread
 
 
 @dataclass(frozen=True)
 class GpuSpec:
     name: str
-    memory_bytes: int  # total as the driver reports it
-    bf16: bool  # Ampere (sm80) and newer; without it `--amp auto` means fp16 + GradScaler
+    memory_bytes: int | None  # total as the driver reports it (None: the generic profile, which has a --budget)
+    compute_capability: tuple[int, int]
     aliases: tuple[str, ...] = ()
+    context_bytes: int | None = None  # the CUDA context make gpu-check measured on this card (None: not yet)
+
+    @property
+    def bf16(self) -> bool:
+        """Native bf16: Ampere (sm80) and newer; without it `--amp auto` means fp16 + GradScaler."""
+        return self.compute_capability >= (8, 0)
+
+    @property
+    def sm(self) -> str:
+        return "sm{}{}".format(*self.compute_capability)
+
+    @property
+    def context(self) -> int:
+        return ASSUMED_CONTEXT if self.context_bytes is None else self.context_bytes
+
+    @property
+    def workspace_bytes(self) -> int:
+        """All the cuBLAS workspaces a training step makes on this card."""
+        return WORKSPACE_HANDLES * cublas_workspace_bytes(self.compute_capability)
+
+
+def cublas_workspace_bytes(compute_capability: tuple[int, int]) -> int:
+    """PyTorch's default cuBLAS workspace for one handle and stream (at/cuda/CublasHandlePool.cpp, no
+    CUBLAS_WORKSPACE_CONFIG): 32 MiB on Hopper and Blackwell (sm9x, sm10x, sm12x), else ":4096:2:16:8", two
+    4096 KiB chunks and eight 16 KiB ones."""
+    if compute_capability[0] in (9, 10, 12):
+        return 4096 * 8 * KiB
+    return 4096 * KiB * 2 + 16 * KiB * 8
 
 
 GPUS: tuple[GpuSpec, ...] = (
-    GpuSpec("Tesla T4", 15360 * MiB, False, ("t4",)),
-    GpuSpec("GeForce RTX 3060", 12288 * MiB, True, ("rtx3060", "3060")),
-    GpuSpec("GeForce RTX 3090", 24576 * MiB, True, ("rtx3090", "3090")),
-    GpuSpec("GeForce RTX 4090", 24564 * MiB, True, ("rtx4090", "4090")),
-    GpuSpec("L4", 23034 * MiB, True, ("l4",)),
-    GpuSpec("A10", 23028 * MiB, True, ("a10", "a10g")),
-    GpuSpec("A100 40GB", 40960 * MiB, True, ("a100-40", "a100-40gb", "a100")),
-    GpuSpec("A100 80GB", 81920 * MiB, True, ("a100-80", "a100-80gb")),
-    GpuSpec("H100 80GB", 81559 * MiB, True, ("h100", "h100-80", "h100-80gb")),
-    GpuSpec("H200", 143771 * MiB, True, ("h200", "h200-141gb")),
+    GpuSpec("Tesla T4", 15360 * MiB, (7, 5), ("t4",)),
+    GpuSpec("GeForce RTX 3060", 12288 * MiB, (8, 6), ("rtx3060", "3060")),
+    GpuSpec("GeForce RTX 3090", 24576 * MiB, (8, 6), ("rtx3090", "3090")),
+    GpuSpec("GeForce RTX 4090", 24564 * MiB, (8, 9), ("rtx4090", "4090")),
+    GpuSpec("L4", 23034 * MiB, (8, 9), ("l4",)),
+    GpuSpec("A10", 23028 * MiB, (8, 6), ("a10", "a10g")),
+    GpuSpec("A100 40GB", 40960 * MiB, (8, 0), ("a100-40", "a100-40gb", "a100")),
+    GpuSpec("A100 80GB", 81920 * MiB, (8, 0), ("a100-80", "a100-80gb")),
+    GpuSpec("H100 80GB", 81559 * MiB, (9, 0), ("h100", "h100-80", "h100-80gb")),
+    GpuSpec("H200", 143771 * MiB, (9, 0), ("h200", "h200-141gb")),
 )
+
+# `estimate --budget` without --gpu: a card of that memory with Ampere's rules (bf16, flash attention, PyTorch's
+# sm80 cuBLAS workspace). It is named wherever an estimate made with it is shown.
+GENERIC = GpuSpec("a generic sm80 card", None, (8, 0), ("generic",))
 
 
 def _key(name: str) -> str:
@@ -42,11 +86,10 @@ def _key(name: str) -> str:
 
 
 def find_gpu(name: str) -> GpuSpec:
-    """`--gpu` lookup, forgiving about case, spaces and dashes: 'A100-80', 'rtx 4090', 'NVIDIA H100'."""
+    """`--gpu` lookup, forgiving about case, spaces and dashes: 'A100-80', 'rtx 4090', 'NVIDIA H100', 'generic'."""
     k = _key(name)
-    for spec in GPUS:
+    for spec in (*GPUS, GENERIC):
         if k in {_key(spec.name), *(_key(a) for a in spec.aliases)}:
             return spec
-    known = ", ".join(spec.aliases[0] for spec in GPUS)
+    known = ", ".join(spec.aliases[0] for spec in (*GPUS, GENERIC))
     raise OomtuneError(f"--gpu {name!r}: not in the table ({known}); pass --budget with the card's memory instead")
-

@@ -5,6 +5,8 @@
 | cpu    | real CPU  | MemoryTracker (tensor storages, 512-byte rounding)    | the tracker, CUDA-shaped       |
 | fake   | none      | the same MemoryTracker, on FakeTensors (no data)      | the tracker, CUDA-shaped       |
 
+A card profile (`--gpu NAME`) makes cpu and fake account like that CUDA card (TrackedDevice).
+
 Everything else (building the model, the training step) is identical across devices: a device only
 decides where tensors live and how the peak is read.
 """
@@ -22,7 +24,11 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from ..errors import OomtuneError
 from ..units import format_bytes, parse_budget
 from .allocator import CachingAllocatorModel
+from .cards import WORKSPACE_HANDLES, GpuSpec
+from .cuda_attention import cuda_attention
+from .cuda_autocast import cuda_autocast
 from .fakes import real_code_paths
+from .margin import AnyMargin, CardMargin, Margin, parse_margin
 from .tracker import MemoryTracker, system_memory
 
 DEVICE_KINDS = ("auto", "cuda", "cpu", "fake")
@@ -59,7 +65,9 @@ class Device:
     torch_device: torch.device
     budget_bytes: int
     capacity_bytes: int | None = None
+    card: GpuSpec | None = None  # the CUDA card a simulated device accounts like (--gpu); cuda is a card itself
     computes: bool = True  # False where tensors hold no values (the fake device): losses cannot be read
+    primes: bool = False  # trials make the first step's optimizer state without the step (FakeDevice.primes)
 
     @property
     def measures_speed(self) -> bool:
@@ -91,8 +99,8 @@ class Device:
         finally:
             self.mark(reading, None)
             reading.host_peak_bytes = self.host_ledger().host_peak_bytes
-            if allocator is not None:  # a simulated device's: its peak read, the model detached from the tracker
-                reading.modelled_reserved_bytes, self.tracker.allocator = allocator.peak_reserved_bytes, None
+            if allocator is not None:  # a simulated device's: the model detached from the tracker
+                self.tracker.allocator = None
 
     def _model_allocator(self) -> CachingAllocatorModel | None:
         """A fresh model of the CUDA caching allocator, fed this measurement's storages (simulated devices)."""
@@ -115,6 +123,9 @@ class Device:
         """Close the running phase (record its peak) and start `phase`."""
         self.synchronize()
         allocated, reserved = self._read_peak()
+        modelled = self._read_modelled_peak()
+        if modelled is not None:
+            reading.modelled_reserved_bytes = max(reading.modelled_reserved_bytes or 0, modelled)
         reading.phase_peaks[reading.phase] = max(reading.phase_peaks.get(reading.phase, 0), allocated)
         reading.peak_allocated_bytes = max(reading.peak_allocated_bytes, allocated)
         reading.peak_bytes = max(reading.peak_bytes, reserved)
@@ -131,6 +142,10 @@ class Device:
 
     def _reset_peak(self) -> None:
         raise NotImplementedError
+
+    def _read_modelled_peak(self) -> int | None:
+        """The caching allocator model's reserved peak since the last reset (simulated devices, inside measure())."""
+        return None
 
     def live_bytes(self) -> int:
         raise NotImplementedError
@@ -161,22 +176,49 @@ class Device:
 
 
 class TrackedDevice(Device):
-    """Simulated memory: a MemoryTracker enforces the budget the way the CUDA allocator would."""
+    """Simulated memory: a MemoryTracker enforces the budget the way the CUDA allocator would.
 
-    def __init__(self, kind: str, torch_device: torch.device, budget_bytes: int, capacity_bytes: int | None):
+    With a card profile (`card`, `--gpu NAME`) it accounts like that CUDA card: CUDA autocast's policy
+    (cuda_autocast.py), the SDPA kernel the card would pick (cuda_attention.py), and, unless a flat `margin` is
+    given, the card's margin (margin.CardMargin: context + the caching allocator model, which runs out of memory
+    where the card's allocator would). Without one it accounts CPU semantics, and `margin` (default none) is added
+    to the tensor peak."""
+
+    def __init__(self, kind: str, torch_device: torch.device, budget_bytes: int, capacity_bytes: int | None,
+                 card: GpuSpec | None = None, margin: AnyMargin | None = None):
         self.kind = kind
         self.torch_device = torch_device
         self.budget_bytes = budget_bytes
         self.capacity_bytes = capacity_bytes
-        self.tracker = MemoryTracker(budget_bytes, kind=kind)  # one accountant for the device's lifetime
+        self.card = card
+        self.margin = margin if margin is not None else (CardMargin(card) if card is not None else Margin())
+        self.tracker = MemoryTracker(kind=kind)  # one accountant for the device's lifetime
+        self.tracker.budget_bytes = self.tensor_budget(budget_bytes)
+        if self.tracker.budget_bytes <= 0:
+            raise OomtuneError(f"budget {format_bytes(budget_bytes)} is not more than the margin "
+                               f"{self.margin.text()} a GPU needs beyond tensors (estimate and check take --margin)")
+
+    def supports_bf16(self) -> bool:
+        return self.card is None or self.card.bf16
 
     def _accounting(self) -> contextlib.AbstractContextManager:
-        return self.tracker
+        if self.card is None:
+            return self.tracker
+        stack = contextlib.ExitStack()
+        stack.enter_context(cuda_autocast())
+        stack.enter_context(cuda_attention(self.card))
+        stack.enter_context(self.tracker)
+        return stack
 
     def _model_allocator(self) -> CachingAllocatorModel:
-        model = CachingAllocatorModel()
+        lifted = self.tracker.budget_bytes is None  # a breakdown measures a plan that does not fit, too
+        model = CachingAllocatorModel(None if lifted else self.margin.allocator_capacity(self.budget_bytes))
+        if isinstance(self.margin, CardMargin):  # the cuBLAS workspaces outlive trials: blocks before any tensor's
+            for i in range(WORKSPACE_HANDLES):
+                model.malloc(("cublas workspace", i), self.card.workspace_bytes // WORKSPACE_HANDLES)
         for key, size in self.tracker._sizes.items():  # what is alive already holds blocks too
             model.malloc(key, size)
+        model.reset_peak()
         self.tracker.allocator = model
         return model
 
@@ -184,10 +226,16 @@ class TrackedDevice(Device):
         return self.tracker
 
     def _read_peak(self) -> tuple[int, int]:
-        return self.tracker.peak_bytes, self.tracker.peak_bytes
+        return self.tracker.peak_bytes, self.margin.total(self.tracker.peak_bytes, self._read_modelled_peak())
+
+    def _read_modelled_peak(self) -> int | None:
+        model = self.tracker.allocator
+        return model.peak_reserved_bytes if model is not None else None
 
     def _reset_peak(self) -> None:
         self.tracker.reset_peak()
+        if self.tracker.allocator is not None:
+            self.tracker.allocator.reset_peak()
 
     def live_bytes(self) -> int:
         return self.tracker.live_bytes
@@ -200,17 +248,22 @@ class TrackedDevice(Device):
         self.tracker.budget_bytes = self.tensor_budget(self.budget_bytes)
 
     def tensor_budget(self, budget_bytes: int) -> int:
-        """The tensor bytes a budget leaves: all of it (the fake device keeps its margin outside the tensors)."""
-        return budget_bytes
+        """The tensor bytes a budget leaves once the margin is taken out."""
+        return self.margin.tensor_budget(budget_bytes)
+
+    def card_text(self) -> str:
+        """Which card's rules it accounts by, for the user."""
+        return "CPU semantics (no card profile)" if self.card is None else f"{self.card.name} ({self.card.sm})"
 
 
 class CpuDevice(TrackedDevice):
-    def __init__(self, budget: str | None = None):
+    def __init__(self, budget: str | None = None, card: GpuSpec | None = None, margin: AnyMargin | None = None):
         total, available = system_memory()
         budget_bytes = parse_budget(budget, total) if budget else available
-        super().__init__("cpu", torch.device("cpu"), budget_bytes, total)
+        super().__init__("cpu", torch.device("cpu"), budget_bytes, total, card, margin)
         self.tracker.host_budget_bytes = available  # offloaded tensors share the machine's RAM with the rest
-        self.name = f"cpu (simulated memory, budget {format_bytes(budget_bytes)})"
+        like = f", accounting as {self.card_text()}" if card is not None else ""
+        self.name = f"cpu (simulated memory, budget {format_bytes(budget_bytes)}{like})"
 
 
 class FakeDevice(TrackedDevice):
@@ -221,39 +274,34 @@ class FakeDevice(TrackedDevice):
     `fakes.real_code_paths` makes them take real tensors' code path (`.to()` in build_model, masks' values).
     Where a shape depends on values it lacks, `compute_instead` measures on real tensors from then on.
 
-    It stands in for a GPU of `budget` bytes: the peak it reports is the tensor peak plus `margin` (what a
-    real GPU needs beyond tensors, see margin.Margin); its OOM fires when that total passes the budget."""
+    It stands in for a GPU of `budget` bytes (default: the card's memory): the peak it reports is the tensor peak
+    plus the margin (the card's own, or a flat `margin`; without a card, the default flat rule), and its OOM fires
+    where that passes the budget."""
 
     kind = "fake"
     computes = False
 
-    def __init__(self, budget: str | None = None, *, gpu=None, margin=None):
-        from .margin import parse_margin
-
+    def __init__(self, budget: str | None = None, *, gpu: GpuSpec | None = None, margin: AnyMargin | None = None):
         capacity = gpu.memory_bytes if gpu is not None else None
         if budget is None and capacity is None:
-            raise OomtuneError("--device fake has no memory of its own: give --budget (e.g. --budget 24GiB), "
-                               "or estimate for a named card: oomtune estimate MODEL --gpu NAME")
+            raise OomtuneError("--device fake has no memory of its own: give --budget (e.g. --budget 24GiB) or a "
+                               "card, --gpu NAME (e.g. --gpu a100-80)")
         budget_bytes = parse_budget(budget, capacity) if budget else capacity
-        self.margin = margin if margin is not None else parse_margin(None)
-        super().__init__("fake", torch.device("cpu"), budget_bytes, capacity)
-        self.tracker.budget_bytes = self.tensor_budget(budget_bytes)
-        if self.tracker.budget_bytes <= 0:
-            raise OomtuneError(f"budget {format_bytes(budget_bytes)} is not more than the margin "
-                               f"{self.margin.describe()} a GPU needs beyond tensors (estimate and check take "
-                               "--margin)")
-        self._bf16 = gpu.bf16 if gpu is not None else True
+        if margin is None and gpu is None:
+            margin = parse_margin(None)
+        super().__init__("fake", torch.device("cpu"), budget_bytes, capacity, gpu, margin)
         self.name = f"{gpu.name} (estimated)" if gpu is not None else "fake (estimated)"
-
-    def supports_bf16(self) -> bool:
-        return self._bf16
 
     @property
     def measures_speed(self) -> bool:
         return False  # it stands in for a GPU: the cpu's speed (after compute_instead) says nothing of the GPU's
 
-    def tensor_budget(self, budget_bytes: int) -> int:
-        return self.margin.tensor_budget(budget_bytes)
+    @property
+    def primes(self) -> bool:
+        """A trial makes the first step's optimizer state without that step (step.make_optimizer_state): the same
+        tensor peak for one forward and backward less. Not where the caching allocator model decides the peak (a
+        card's margin): what it reserves depends on every allocation before, the first step's included."""
+        return not self.computes and not isinstance(self.margin, CardMargin)
 
     def compute_instead(self) -> None:
         """Measure on real tensors from now on: the same tracker, budget and margin, the step computed on the cpu.
@@ -262,104 +310,12 @@ class FakeDevice(TrackedDevice):
 
     def _accounting(self) -> contextlib.AbstractContextManager:
         if self.computes:
-            return self.tracker
+            return super()._accounting()
         stack = contextlib.ExitStack()  # a fresh FakeTensorMode per measured stretch; the tracker innermost
         stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
         stack.enter_context(real_code_paths())  # .to() swaps, values of masks, libraries' tracing checks
-        stack.enter_context(self.tracker)
+        stack.enter_context(super()._accounting())
         return stack
-
-    def _read_peak(self) -> tuple[int, int]:
-        return self.tracker.peak_bytes, self.margin.total(self.tracker.peak_bytes)
-
-
-class CudaDevice(Device):
-    """The real GPU. A budget below the card's free memory is enforced by capping the caching allocator."""
-
-    kind = "cuda"
-
-    def __init__(self, budget: str | None = None, index: int | None = None):
-        if not torch.cuda.is_available():
-            raise OomtuneError("--device cuda: no CUDA GPU is visible to PyTorch (try --device cpu)")
-        index = torch.cuda.current_device() if index is None else index
-        self.torch_device = torch.device("cuda", index)
-        torch.cuda.set_device(self.torch_device)
-        props = torch.cuda.get_device_properties(index)
-        self.name = props.name
-        self.capacity_bytes = props.total_memory
-        self._bf16 = bool(torch.version.hip) or props.major >= 8  # native bf16; older cards only emulate it
-        # cudaMemGetInfo creates this process's CUDA context first, so the free memory read below already
-        # excludes it (the context and kernels live outside the caching allocator and outside any cap)
-        cuda_free, device_total = torch.cuda.mem_get_info(index)
-        nvml_free = _nvml_free_bytes(props)
-        self.free_source = "nvml" if nvml_free is not None else "cudaMemGetInfo"
-        # NVML's index is not torch's (CUDA_VISIBLE_DEVICES), so the GPU is matched by PCI address / UUID;
-        # min(): under MIG NVML reports the whole card while cudaMemGetInfo reports this slice
-        free = cuda_free if nvml_free is None else min(nvml_free, cuda_free)
-        free += torch.cuda.memory_reserved(index)  # what our allocator already holds is ours to reuse
-        self.free_bytes = free
-        self.budget_bytes = parse_budget(budget, self.capacity_bytes) if budget else free
-        if self.budget_bytes > free:
-            raise OomtuneError(
-                f"--budget {format_bytes(self.budget_bytes)} is more than the {format_bytes(free)} free on "
-                f"{self.name} (other processes hold the rest; see `oomtune gpus`)"
-            )
-        # the cap applies to what the caching allocator reserves (past it, allocation raises an OOM) and is a
-        # fraction of a total: cudaMemGetInfo's in older torch, totalGlobalMem in newer. The two agree in practice;
-        # dividing by the larger keeps the cap at or under the budget either way
-        self._total = max(device_total, props.total_memory)
-        self._cap()
-        self._host = MemoryTracker(kind="host")  # counts the pinned host tensors the offload levers make
-
-    def host_ledger(self) -> MemoryTracker:
-        return self._host
-
-    def host(self) -> contextlib.AbstractContextManager:
-        stack = contextlib.ExitStack()  # the ledger sees only the work done inside
-        stack.enter_context(self._host)
-        stack.enter_context(self._host.hosting())
-        return stack
-
-    @property
-    def pin_memory(self) -> bool:
-        return True
-
-    def _cap(self) -> None:
-        torch.cuda.set_per_process_memory_fraction(min(1.0, self.budget_bytes / self._total), self.torch_device)
-
-    def lower_budget(self, budget_bytes: int) -> None:
-        super().lower_budget(budget_bytes)
-        self._cap()
-
-    def supports_bf16(self) -> bool:
-        # not torch.cuda.is_bf16_supported(): by default it also says yes where bf16 is only emulated (slow)
-        return self._bf16
-
-    def _read_peak(self) -> tuple[int, int]:
-        return (torch.cuda.max_memory_allocated(self.torch_device),
-                torch.cuda.max_memory_reserved(self.torch_device))
-
-    def _reset_peak(self) -> None:
-        torch.cuda.reset_peak_memory_stats(self.torch_device)
-
-    def live_bytes(self) -> int:
-        return torch.cuda.memory_allocated(self.torch_device)
-
-    def release(self) -> None:
-        gc.collect()
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.torch_device)
-
-    def synchronize(self) -> None:
-        torch.cuda.synchronize(self.torch_device)
-
-
-def _nvml_free_bytes(props) -> int | None:
-    """NVML's free bytes for the GPU behind torch device properties `props` (None where NVML cannot say)."""
-    from . import nvml
-
-    gpu = nvml.gpu_of(props)
-    return None if gpu is None else gpu.free_bytes
 
 
 def resolve_kind(kind: str) -> str:
@@ -369,15 +325,20 @@ def resolve_kind(kind: str) -> str:
     return kind
 
 
-def make_device(kind: str = "auto", budget: str | None = None) -> Device:
-    """A device of `kind` (auto: see resolve_kind) under `budget`."""
+def make_device(kind: str = "auto", budget: str | None = None, card: GpuSpec | None = None) -> Device:
+    """A device of `kind` (auto: see resolve_kind) under `budget`; a simulated one accounting like `card`."""
     kind = resolve_kind(kind)
     if kind == "cuda":
+        if card is not None:
+            raise OomtuneError(f"--gpu {card.aliases[0]} is for the simulated devices (--device cpu or fake): on cuda "
+                               "the card is the one you have")
+        from .cuda import CudaDevice
+
         return CudaDevice(budget)
     if kind == "cpu":
-        return CpuDevice(budget)
+        return CpuDevice(budget, card)
     if kind == "fake":
-        return FakeDevice(budget)
+        return FakeDevice(budget, gpu=card)
     raise OomtuneError(f"--device {kind!r}: expected one of {', '.join(DEVICE_KINDS)}")
 
 

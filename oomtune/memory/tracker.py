@@ -23,6 +23,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 from ..units import format_bytes
+from .allocator import OutOfMemory
 
 BLOCK = 512  # the CUDA caching allocator's smallest rounding unit, bytes
 # ops that read a tensor's metadata and make none; wrapper subclasses (NF4) dispatch `.device` for every use
@@ -49,6 +50,28 @@ def _tracked_resize(storage: torch.UntypedStorage, size: int):
     return out
 
 
+@contextlib.contextmanager
+def untracked() -> Iterator[None]:
+    """The active trackers count nothing made inside: values computed a way the device being simulated would not
+    (memory/cuda_attention.py), whose tensors are then `adopted` at the sizes that device's kernel allocates."""
+    paused = list(_ACTIVE)
+    for tracker in paused:
+        tracker._paused += 1
+    try:
+        yield
+    finally:
+        for tracker in paused:
+            tracker._paused -= 1
+
+
+def adopt(*tensors) -> None:
+    """Count tensors made inside `untracked()` from now on, in every active tracker (an OOM where they pass one's
+    budget)."""
+    for tracker in list(_ACTIVE):
+        added = tracker.track(*tensors)
+        tracker._check_budget(added)
+
+
 def rounded(nbytes: int) -> int:
     return (nbytes + BLOCK - 1) // BLOCK * BLOCK
 
@@ -65,13 +88,13 @@ def _tensors(obj) -> Iterable[torch.Tensor]:
             yield from _tensors(o)
 
 
-def simulated_oom_message(tried: int, budget: int, in_use: int, kind: str) -> str:
+def simulated_oom_message(tried: int, budget: int, in_use: int, kind: str, why: str = "") -> str:
     """CUDA's wording, so code that recognises a CUDA OOM by its message (Lightning, Accelerate) does."""
     free = max(0, budget - in_use)
     return (
         f"CUDA out of memory. Tried to allocate {format_bytes(tried)}. GPU 0 has a total capacity of "
         f"{format_bytes(budget)} of which {format_bytes(free)} is free. Of the allocated memory "
-        f"{format_bytes(in_use)} is allocated by PyTorch. (Simulated by oomtune's {kind} device.)"
+        f"{format_bytes(in_use)} is allocated by PyTorch.{why} (Simulated by oomtune's {kind} device.)"
     )
 
 
@@ -213,6 +236,7 @@ class MemoryTracker(TorchDispatchMode):
         self._host_sizes: dict[int, int] = {}
         self._hosting = 0
         self.allocator = None  # a CachingAllocatorModel fed every device storage's birth and death, where set
+        self._paused = 0  # inside untracked(): ops run uncounted
 
     @contextlib.contextmanager
     def hosting(self) -> Iterator[None]:
@@ -257,8 +281,6 @@ class MemoryTracker(TorchDispatchMode):
             self._sizes[key] = size
         else:
             return 0
-        if self.allocator is not None:
-            self.allocator.resize(key, size)  # new: a block taken; resized: the new one, then the old one freed
         if self.recorder is not None:  # a resize is the old size dying and the new one being born
             tags = set()
             if old is not None:
@@ -270,7 +292,19 @@ class MemoryTracker(TorchDispatchMode):
         self.live_bytes += delta
         if self.live_bytes > self.peak_bytes:
             self.peak_bytes = self.live_bytes
+        if self.allocator is not None:  # last: the counts above stand whether or not the model can serve it
+            self._allocate(key, size, delta)
         return max(delta, 0)
+
+    def _allocate(self, key: int, size: int, delta: int) -> None:
+        """Feed the allocator model (new: a block taken; resized: the new one, then the old one freed); where its
+        capacity cannot hold the block, the CUDA-shaped OOM (the storage dies with the failed op and is freed)."""
+        try:
+            self.allocator.resize(key, size)
+        except OutOfMemory as e:
+            raise torch.cuda.OutOfMemoryError(simulated_oom_message(
+                size, self.allocator.capacity_bytes, self.allocator.reserved_bytes, self.kind,
+                f" The caching allocator (as modelled) {e}.")) from None
 
     def _account_host(self, st: torch.UntypedStorage, key: int, size: int) -> int:
         old = self._host_sizes.get(key)
@@ -341,17 +375,18 @@ class MemoryTracker(TorchDispatchMode):
     # -- the hook every op runs through ----------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func in METADATA_OPS:  # no tensor made
+        if func in METADATA_OPS or self._paused:  # no tensor made, or none to count
             return out
         added = 0
         for t in _tensors(out):
             added += self._count(t)
         if self.recorder is not None and self.recorder.on_op is not None:
             self.recorder.on_op(self.recorder, func, args, out)
-        if added and self.budget_bytes is not None and self.live_bytes > self.budget_bytes:
-            in_use = self.live_bytes - added
-            # `out` is dropped with this frame, so the op's outputs are freed as the error unwinds
-            raise torch.cuda.OutOfMemoryError(
-                simulated_oom_message(added, self.budget_bytes, in_use, self.kind)
-            )
+        self._check_budget(added)  # `out` is dropped with this frame: the op's outputs are freed as the error unwinds
         return out
+
+    def _check_budget(self, added: int) -> None:
+        """The CUDA-shaped OOM where the bytes just counted took the live total past the budget."""
+        if added and self.budget_bytes is not None and self.live_bytes > self.budget_bytes:
+            raise torch.cuda.OutOfMemoryError(
+                simulated_oom_message(added, self.budget_bytes, self.live_bytes - added, self.kind))

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 from ..config.schema import HEADROOM, TRIAL_STEPS, Config, MemoryBreakdown, Plan
 from ..errors import OomtuneError
 from ..memory.breakdown import breakdown, breakdown_difference, static_memory
-from ..memory.cards import find_gpu
+from ..memory.cards import GpuSpec, find_gpu
 from ..memory.devices import CpuDevice, Device, FakeDevice, TrackedDevice, make_device
-from ..memory.margin import Margin, parse_margin
+from ..memory.margin import AnyMargin, Margin, parse_margin
 from ..model_file import ModelFile, eager_note
 from ..units import parse_budget
 from .options import check_headroom, check_steps
@@ -40,26 +40,48 @@ class CheckResult:
         return breakdown_difference(self.old, self.new) if self.old is not None and self.new is not None else None
 
 
-def check_margin(config: Config, margin: str | None) -> Margin:
-    """--margin, else the margin the config was estimated with, else the default where the config's peak was
-    a real GPU's, else none (a cpu probe's peak is tensors only: compare like with like)."""
+def check_margin(config: Config, margin: str | None, card: GpuSpec | None) -> AnyMargin | None:
+    """--margin, else the margin the config was estimated with (a card's: that of the card checked against, None),
+    else the card's (None), else the default where the config's peak was a real GPU's, else none (a cpu probe's
+    peak is tensors only: compare like with like)."""
     if margin is not None:
         return parse_margin(margin)
     fb = config.found_by
-    if fb is not None and fb.breakdown is not None:
+    if fb is not None and fb.breakdown is not None and not fb.breakdown.margin.startswith("card:"):
         return parse_margin(fb.breakdown.margin)
+    if card is not None:
+        return None
     if fb is not None and fb.device == "cuda":
         return parse_margin(None)
     return Margin()
 
 
+def card_of(config: Config, gpu: str | None) -> GpuSpec | None:
+    """--gpu, else the card the config was found with (found_by.card; in configs from before it, the estimated
+    card's name)."""
+    if gpu is not None:
+        return find_gpu(gpu)
+    fb = config.found_by
+    if fb is None:
+        return None
+    if fb.card is not None:
+        return find_gpu(fb.card)
+    if fb.device == "fake" and fb.gpu_name:
+        try:
+            return find_gpu(fb.gpu_name.removesuffix(" (estimated)"))
+        except OomtuneError:
+            return None
+    return None
+
+
 def check(config: Config, model_file: ModelFile, *, device_kind: str = "fake", budget: str | None = None,
-          headroom: float | None = None, margin: str | None = None, steps: int = TRIAL_STEPS) -> CheckResult:
+          headroom: float | None = None, margin: str | None = None, steps: int = TRIAL_STEPS,
+          gpu: str | None = None) -> CheckResult:
     """Re-measure the config's plan and say whether it still fits the config's budget (or --budget)."""
     if device_kind not in CHECK_DEVICES:
         raise OomtuneError(f"--device {device_kind!r}: expected one of {', '.join(CHECK_DEVICES)}")
-    if margin is not None and device_kind != "fake":  # cpu counts tensors only, cuda measures the real thing
-        raise OomtuneError(f"--margin applies to --device fake only (the {device_kind} device does not add one)")
+    if margin is not None and device_kind == "cuda":  # it measures the real thing
+        raise OomtuneError("--margin applies to the simulated devices (--device fake or cpu), not cuda")
     check_steps(steps)
     fb = config.found_by
     if headroom is not None:
@@ -69,23 +91,20 @@ def check(config: Config, model_file: ModelFile, *, device_kind: str = "fake", b
         check_headroom(headroom, "the config's found_by.headroom")
     else:
         headroom = HEADROOM
-    spec = None
-    if fb is not None and fb.gpu_name:
-        try:
-            spec = find_gpu(fb.gpu_name.removesuffix(" (estimated)"))
-        except OomtuneError:
-            spec = None
+    if gpu is not None and device_kind == "cuda":
+        raise OomtuneError(f"--gpu {gpu} is for the simulated devices (--device fake or cpu): cuda is the card itself")
+    spec = card_of(config, gpu) if device_kind != "cuda" else None
     if budget is None:
         if fb is None:
             raise OomtuneError("the config has no found_by section to take the budget from: give --budget")
         budget_bytes = fb.budget_bytes
     else:
-        budget_bytes = parse_budget(budget, spec.memory_bytes if spec else None)
+        budget_bytes = parse_budget(budget, spec.memory_bytes if spec is not None else None)
     clamped_from = None
     if device_kind == "fake":
-        device: Device = FakeDevice(str(budget_bytes), gpu=spec, margin=check_margin(config, margin))
+        device: Device = FakeDevice(str(budget_bytes), gpu=spec, margin=check_margin(config, margin, spec))
     elif device_kind == "cpu":
-        device = CpuDevice(str(budget_bytes))
+        device = CpuDevice(str(budget_bytes), card=spec, margin=check_margin(config, margin, spec))
     else:
         device, clamped_from = _cuda_device(budget_bytes, clamp=budget is None)
         budget_bytes = device.budget_bytes

@@ -13,9 +13,9 @@ from ..dist.group import LOCAL, fake_world
 from ..errors import OomtuneError
 from ..memory.advice import levers_that_help, why_nothing_fits
 from ..memory.breakdown import breakdown, recorded_trial, static_memory
-from ..memory.cards import find_gpu
+from ..memory.cards import GENERIC, find_gpu
 from ..memory.devices import Device, FakeDevice
-from ..memory.margin import Margin, parse_margin
+from ..memory.margin import AnyMargin, parse_margin
 from ..model_file import ModelFile
 from .ladder import LadderResult, Point
 from .options import LEVERS, check_estimate_options, check_headroom, check_steps, check_world, resolve_targets
@@ -27,7 +27,7 @@ from .trial import TrialResult, computing_where_needed, run_trial
 @dataclass
 class EstimateResult:
     search: object  # probe.ProbeResult: the ladder, its trials and the config (None when nothing fits)
-    margin: Margin
+    margin: AnyMargin
     breakdown: MemoryBreakdown  # of the chosen plan, or of the smallest plan when nothing fits
     breakdown_plan: Plan
     levers: list[str] = field(default_factory=list)
@@ -52,11 +52,12 @@ class RecordingTrials:
 
 
 def make_fake_device(budget: str | None, gpu: str | None, margin: str | None) -> FakeDevice:
-    """--budget / --gpu / --margin -> the fake device that stands in for that GPU."""
+    """--budget / --gpu / --margin -> the fake device that stands in for that GPU: without --gpu, a card of the
+    budget's memory with the generic profile's rules (cards.GENERIC); without --margin, the card's own margin."""
     spec = find_gpu(gpu) if gpu else None
-    if budget is None and spec is None:
+    if budget is None and (spec is None or spec.memory_bytes is None):
         raise OomtuneError("say how much memory to fit in: --budget 24GiB or --gpu NAME (e.g. --gpu a100-80)")
-    return FakeDevice(budget, gpu=spec, margin=parse_margin(margin))
+    return FakeDevice(budget, gpu=spec or GENERIC, margin=parse_margin(margin) if margin is not None else None)
 
 
 def smallest_plan(device: Device, targets, amp: str, checkpointing_supported: bool, world_size: int = 1,
@@ -138,18 +139,15 @@ class WhatIf:
         return None if self.limit_bytes is None else self.breakdown.peak_bytes <= self.limit_bytes
 
 
-def what_if(model_file: ModelFile, plan: Plan, device: FakeDevice | None, margin: Margin, *, headroom: float = HEADROOM,
-            steps: int = TRIAL_STEPS) -> WhatIf:
-    """The breakdown of one plan; with a device (a budget), the verdict and levers too."""
+def what_if(model_file: ModelFile, plan: Plan, device: FakeDevice, *, bounded: bool = True,
+            headroom: float = HEADROOM, steps: int = TRIAL_STEPS) -> WhatIf:
+    """The breakdown of one plan; where the device's budget is the user's (`bounded`), the verdict and levers too."""
     check_headroom(headroom)
     check_steps(steps)
-    if device is None:  # no budget: the breakdown alone (it lifts any budget anyway)
-        unbounded = FakeDevice(str(1 << 50), margin=margin)
-        bd, computed = computing_where_needed(unbounded, model_file.label,
-                                              lambda: breakdown(model_file, plan, unbounded, steps))
+    bd, computed = computing_where_needed(device, model_file.label, lambda: breakdown(model_file, plan, device, steps))
+    if not bounded:  # no budget given: the breakdown alone (it lifts the device's budget anyway)
         return WhatIf(plan, bd, None, None, headroom, notes=computed)
     limit = int(device.budget_bytes * (1 - headroom))
-    bd, computed = computing_where_needed(device, model_file.label, lambda: breakdown(model_file, plan, device, steps))
     lev: tuple[str, ...] = ()
     if bd.peak_bytes > limit:
         static = static_memory(model_file)

@@ -14,6 +14,7 @@ from ..dist.group import LOCAL, Dist, init
 from ..dist.wrap import fsdp_unsupported
 from ..errors import BAD_INPUT, OomtuneError
 from ..memory.breakdown import StaticMemory, static_memory
+from ..memory.cards import find_gpu
 from ..memory.devices import Device, make_device, resolve_kind
 from ..model_file import ModelFile, eager_note
 from ..units import format_bytes, utc_now
@@ -195,6 +196,7 @@ def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: 
         torch_version=str(torch.__version__), cuda_version=torch.version.cuda, oomtune_version=__version__,
         date=utc_now(), trials=tuple(records), notes=notes,
         host_peak_bytes=host.get(Point(c.rung, c.micro_batch_size, c.context_length, c.grad_accum_steps)) or None,
+        card=device.card.aliases[0] if device.card is not None else None,
     )
     config = Config(model=str(model_file.path), plan=plan, found_by=found)
     return ProbeResult(ladder, records, static, targets, limit, config, world_size=world, notes=notes,
@@ -267,8 +269,11 @@ def check_ranks_batch(targets: Targets, world_size: int) -> None:
                            "shared out evenly")
 
 
-def probe_on_ranks(kind: str, budget: str | None, dist_timeout: float, launched: bool) -> tuple[Device, Dist]:
-    """The device a probe runs on, and its ranks: a worker torchrun started joins the others (on cuda this picks
-    its own GPU, before the device is made); one process has LOCAL."""
+def probe_on_ranks(kind: str, budget: str | None, dist_timeout: float, launched: bool,
+                   gpu: str | None = None) -> tuple[Device, Dist]:
+    """The device a probe runs on (with `gpu`, a simulated one accounting like that card), and its ranks: a worker
+    torchrun started joins the others (on cuda this picks its own GPU, before the device is made); one process has
+    LOCAL."""
+    card = find_gpu(gpu) if gpu else None
     dist = init(resolve_kind(kind), "ddp", dist_timeout) if launched else LOCAL
-    return make_device(kind, budget), dist
+    return make_device(kind, budget, card), dist

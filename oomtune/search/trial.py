@@ -164,7 +164,7 @@ def run_trial(model_file: ModelFile, plan: Plan, device: Device, steps: int = TR
     agreed = False
     try:
         step_s, tps, loss, complete = _steps(model_file, plan, device, steps, box, built, observe, dist,
-                                             not device.computes)
+                                             device.primes)
         if not complete:  # primed state a real first step would not have made: measure both steps instead
             box.clear()
             device.release()

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from oomtune.memory import devices, nvml
+from oomtune.memory import cuda, nvml
 
 from ..conftest import run_cli
 
@@ -229,10 +229,10 @@ def test_free_bytes_is_none_without_a_driver(fake_nvml):
 def test_the_cuda_device_asks_nvml_for_its_own_gpu_by_torch_device_properties(fake_nvml):
     fake_nvml(two_gpus())
     props = SimpleNamespace(pci_domain_id=0, pci_bus_id=0x3B, pci_device_id=0, uuid="not-a-known-uuid")
-    assert devices._nvml_free_bytes(props) == 16 * GiB - 256 * MiB
+    assert cuda._nvml_free_bytes(props) == 16 * GiB - 256 * MiB
     older_torch = SimpleNamespace(uuid="aaaa")  # no pci_* attributes: the uuid decides
-    assert devices._nvml_free_bytes(older_torch) == 39 * GiB
-    assert devices._nvml_free_bytes(SimpleNamespace()) is None
+    assert cuda._nvml_free_bytes(older_torch) == 39 * GiB
+    assert cuda._nvml_free_bytes(SimpleNamespace()) is None
 
 
 def test_cuda_version_text():

@@ -1,0 +1,229 @@
+"""`scaled_dot_product_attention` on the cpu and fake devices as a CUDA card would run it: the same backend, and the
+memory that backend keeps.
+
+On CUDA, SDPA picks a kernel at run time (aten/src/ATen/native/transformers/cuda/sdp_utils.cpp, in PyTorch's default
+priority order: flash, then memory-efficient, then math) from the inputs' dtype, shapes, strides, mask, dropout and
+the card's compute capability (`choose_backend`). The three keep very different memory for backward:
+
+- flash saves the output and a (B, H, T) fp32 logsumexp; its backward allocates softmax_d (B, H, T128) fp32 and
+  dq_accum (B, T128, H, D32) fp32 besides the gradients;
+- efficient saves the output, a (B, H, T32) fp32 logsumexp and the mask (as a float tensor); its backward allocates
+  delta (B, H, T) fp32 and, for fp16/bf16, a (B, H, T, D) fp32 accumulator for grad_q;
+- math saves softmax(QK^T), (B, H, T, T), and whatever else its ops save (fp16/bf16 inputs computed in fp32).
+
+(T128, T32: T rounded up to a multiple of 128, 32; D32: the head dim rounded up to 32, 256 past 192; from the
+kernels' allocations in attention.cu / attention_backward.cu and flash-attention's mha_bwd.)
+
+The math backend is PyTorch's own composite (`_scaled_dot_product_attention_math`), run as is. For flash and
+efficient, `_FusedAttention` computes the values the CPU's way without counting them (tracker.untracked), then
+counts exactly what the CUDA kernel allocates: the output, its logsumexp, the gradients and the scratch.
+cuDNN attention (which PyTorch prefers on sm90/sm100 with cuDNN newer than 9.15) keeps the output and a
+(B, H, T, 1) fp32 statistic, as flash does: it is taken as flash.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .cards import GpuSpec
+from .tracker import adopt, untracked
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class Call:
+    """The arguments of one SDPA call, as the backend choice sees them."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    mask: torch.Tensor | None = None
+    dropout: float = 0.0
+    causal: bool = False
+    scale: float | None = None
+    gqa: bool = False
+
+    @property
+    def needs_grad(self) -> bool:
+        return torch.is_grad_enabled() and any(t.requires_grad for t in (self.q, self.k, self.v))
+
+
+def _in(cc: tuple[int, int], lo: tuple[int, int], hi: tuple[int, int]) -> bool:
+    return lo <= cc <= hi
+
+
+def _dense_ok(c: Call, gqa_ok: bool) -> bool:
+    """The checks flash and efficient share: 4-d inputs, non-empty sequences, unit last stride, one batch size,
+    heads equal (or grouped, with enable_gqa)."""
+    q, k, v = c.q, c.k, c.v
+    if not (q.dim() == k.dim() == v.dim() == 4):
+        return False
+    if 0 in (q.shape[2], k.shape[2], v.shape[2]) or any(t.stride(-1) != 1 for t in (q, k, v)):
+        return False
+    if not (q.shape[0] == k.shape[0] == v.shape[0]):
+        return False
+    hq, hk, hv = q.shape[1], k.shape[1], v.shape[1]
+    if hq == hk == hv:
+        return True
+    return gqa_ok and c.gqa and hk == hv and hq % hk == 0
+
+
+def can_use_flash(card: GpuSpec, c: Call) -> bool:
+    cc, d = card.compute_capability, c.q.shape[-1]
+    if c.mask is not None or not _dense_ok(c, gqa_ok=True):
+        return False
+    if not (c.q.shape[-1] == c.k.shape[-1] == c.v.shape[-1] and d <= 256):
+        return False
+    if not _in(cc, (8, 0), (12, 1)) or c.q.dtype not in _HALF:
+        return False
+    if c.needs_grad and (_in(cc, (8, 6), (8, 9)) or _in(cc, (12, 0), (12, 1))):
+        if not (d <= 192 or (c.dropout == 0 and d > 224)):  # flash's backward refuses these head dims there
+            return False
+    return not (c.causal and c.q.shape[2] != c.k.shape[2])
+
+
+def gemm_alignment(cc: tuple[int, int], half: bool) -> int:
+    """minimum_gemm_alignment: elements the head dims must be a multiple of for the efficient kernel."""
+    tensor_cores = cc >= (8, 0) or (cc >= (7, 0) and half)
+    n = 4 if cc >= (8, 0) else 1
+    return max(n, 128 // (16 if half else 32)) if tensor_cores else n
+
+
+def can_use_efficient(card: GpuSpec, c: Call) -> bool:
+    cc = card.compute_capability
+    if not _in(cc, (5, 0), (12, 1)) or not _dense_ok(c, gqa_ok=True):
+        return False
+    dtypes = (torch.float16, torch.float32, torch.bfloat16) if cc >= (8, 0) else (torch.float16, torch.float32)
+    if c.q.dtype not in dtypes:
+        return False
+    a = gemm_alignment(cc, c.q.dtype in _HALF)
+    dq, dv = c.q.shape[-1], c.v.shape[-1]
+    if dq != c.k.shape[-1] or dq % a or dv % a:
+        return False
+    return cc < (8, 0) or all(t.storage_offset() % a == 0 for t in (c.q, c.k, c.v))
+
+
+def choose_backend(card: GpuSpec, c: Call) -> str:
+    """flash | efficient | math, as PyTorch's select_sdp_backend would pick on `card` (default priority order)."""
+    if can_use_flash(card, c):
+        return "flash"
+    if can_use_efficient(card, c):
+        return "efficient"
+    return "math"
+
+
+def _round(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def _lse_shape(backend: str, q: torch.Tensor, needs_grad: bool) -> tuple[int, ...]:
+    b, h, t = q.shape[0], q.shape[1], q.shape[2]
+    if backend == "flash":
+        return (b, h, t)
+    return (b, h, _round(t, 32) if needs_grad else 0)
+
+
+def _scratch(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> list[torch.Tensor]:
+    """What the backward kernel allocates besides the gradients, for the length of the kernel."""
+    b, h, t, d = q.shape
+    f32 = {"dtype": torch.float32, "device": q.device}
+    if backend == "flash":
+        d_round = _round(d, 32) if d <= 192 else 256
+        out = [torch.empty(b, h, _round(t, 128), **f32), torch.empty(b, _round(t, 128), h, d_round, **f32)]
+        if k.shape[1] != h:  # grouped heads: dk, dv made for every query head, then summed per group
+            out += [torch.empty(b, k.shape[2], h, k.shape[-1], dtype=k.dtype, device=k.device),
+                    torch.empty(b, v.shape[2], h, v.shape[-1], dtype=v.dtype, device=v.device)]
+        return out
+    out = [torch.empty(b, h, t, **f32)]
+    if q.dtype in _HALF:
+        out.append(torch.empty(b, h, t, d, **f32))
+    return out
+
+
+def _math(c: Call) -> torch.Tensor:
+    return torch.ops.aten._scaled_dot_product_attention_math(
+        c.q, c.k, c.v, c.mask, c.dropout, c.causal, None, scale=c.scale, enable_gqa=c.gqa)[0]
+
+
+class _FusedAttention(torch.autograd.Function):
+    """A flash or efficient kernel's memory with the CPU's values: see the module doc. It holds tensors only through
+    save_for_backward, so saved-tensor hooks (the offload-activations lever) see all of them."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, backend: str, options: tuple, needs_grad: bool):
+        ctx.backend, ctx.options = backend, options  # (dropout, causal, scale, gqa)
+        ctx.rng = torch.get_rng_state() if options[0] else None
+        with untracked():
+            out = _math(Call(q, k, v, mask, *options)).detach()
+        adopt(out)
+        lse = torch.empty(_lse_shape(backend, q, needs_grad), dtype=torch.float32, device=q.device)
+        # the output's storage last, returned as a tensor of its own: checkpointing's recomputation packs a tensor
+        # that aliases the output last, and compares the saved tensors in order
+        ctx.save_for_backward(q, k, v, mask, lse, out)
+        return out.detach()
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, mask, _, _ = ctx.saved_tensors  # (lse, out: kept for their memory)
+        scratch = _scratch(ctx.backend, q, k, v)
+        with untracked(), torch.enable_grad(), torch.random.fork_rng(devices=[], enabled=ctx.rng is not None):
+            if ctx.rng is not None:
+                torch.set_rng_state(ctx.rng)  # the forward's dropout mask again
+            ins = [t.detach().requires_grad_(t.requires_grad) if t is not None else None for t in (q, k, v, mask)]
+            wanted = [t for t in ins if t is not None and t.requires_grad]
+            out = _math(Call(*ins, *ctx.options))
+            grads = iter(torch.autograd.grad(out, wanted, dout) if wanted else ())
+        result = [next(grads) if t is not None and t.requires_grad else None for t in ins]
+        adopt(*[g for g in result if g is not None])
+        del scratch
+        return (*result, None, None, None)
+
+
+def _efficient_mask(c: Call) -> torch.Tensor | None:
+    """The mask as the efficient kernel takes it: a boolean one as an additive float mask of q's dtype, and the
+    last dim padded to a multiple of 16 (preprocess_mask), both new tensors."""
+    mask = c.mask
+    if mask is None:
+        return None
+    if mask.dtype == torch.bool:
+        zero, ninf = (torch.full((), x, dtype=c.q.dtype, device=mask.device) for x in (0.0, -math.inf))
+        mask = torch.where(mask, zero, ninf)
+    last = mask.shape[-1]
+    if last % 16:
+        mask = F.pad(mask, (0, _round(last, 16) - last))[..., :last]
+    return mask
+
+
+def attention(card: GpuSpec, c: Call) -> torch.Tensor:
+    """SDPA on `card`'s backend (CUDA autocast's cast of the inputs done by the caller)."""
+    backend = choose_backend(card, c)
+    if backend == "math":
+        return _math(c)
+    mask = _efficient_mask(c) if backend == "efficient" else None
+    return _FusedAttention.apply(c.q, c.k, c.v, mask, backend, (c.dropout, c.causal, c.scale, c.gqa), c.needs_grad)
+
+
+@contextlib.contextmanager
+def cuda_attention(card: GpuSpec) -> Iterator[None]:
+    """Inside, aten::scaled_dot_product_attention on cpu tensors (fake ones too) runs as on `card`. The kernel is
+    registered on the AutogradCPU key: below autocast (CUDA autocast casts q, k, v first, cuda_autocast.py), above
+    autograd (its own backward), and reached from every caller, checkpointing's recomputation included."""
+    def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False):
+        return attention(card, Call(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa))
+
+    lib = torch.library.Library("aten", "IMPL")
+    with warnings.catch_warnings():  # "Overriding a previously registered kernel": that is the point
+        warnings.simplefilter("ignore")
+        lib.impl("scaled_dot_product_attention", sdpa, "AutogradCPU")
+    try:
+        yield
+    finally:
+        lib._destroy()

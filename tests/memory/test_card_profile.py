@@ -1,0 +1,116 @@
+"""A card profile (--gpu) on the simulated devices: cpu and fake account like that CUDA card, and agree to the byte.
+Devices: cpu and fake."""
+
+import pytest
+
+from oomtune.config.schema import Plan
+from oomtune.memory.cards import GENERIC, MiB, cublas_workspace_bytes, find_gpu
+from oomtune.memory.devices import CpuDevice, FakeDevice
+from oomtune.memory.margin import CardMargin, Margin, parse_margin
+from oomtune.model_file import load_model_file
+from oomtune.search.trial import run_trial
+
+from ..conftest import EXAMPLES
+
+H100, T4 = find_gpu("h100"), find_gpu("t4")
+PLANS = {"fp32": Plan(2, 32, "fp32"), "fp16": Plan(2, 32, "fp16"),
+         "fp16+ckpt": Plan(2, 32, "fp16", activation_checkpointing=True)}
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model_file(EXAMPLES / "tiny_gpt.py")
+
+
+@pytest.mark.parametrize("plan", PLANS)
+@pytest.mark.parametrize("card", ["h100", "t4"])
+def test_cpu_and_fake_with_a_card_agree_to_the_byte(tiny, card, plan):
+    spec = find_gpu(card)
+    cpu = run_trial(tiny, PLANS[plan], CpuDevice("4GiB", card=spec))
+    fake = run_trial(tiny, PLANS[plan], FakeDevice("4GiB", gpu=spec))
+    assert not cpu.oom and not fake.oom
+    assert (fake.peak_bytes, fake.peak_allocated_bytes, fake.modelled_reserved_bytes) == \
+        (cpu.peak_bytes, cpu.peak_allocated_bytes, cpu.modelled_reserved_bytes)
+    # the peak is the card's: its CUDA context plus what its caching allocator reserves, workspaces included
+    assert cpu.peak_bytes == spec.context + cpu.modelled_reserved_bytes
+    assert cpu.modelled_reserved_bytes >= cpu.peak_allocated_bytes + spec.workspace_bytes
+
+
+ATTENTION = """
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.out = nn.Linear(64, 192), nn.Linear(64, 64)
+
+    def forward(self, x, y):
+        b, t, _ = x.shape
+        q, k, v = (z.transpose(1, 2) for z in self.qkv(x).view(b, t, 3, 4, 16).unbind(2))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, 64)
+        return F.mse_loss(self.out(a).float(), y)
+
+
+def build_model():
+    return Net()
+
+
+def make_batch(batch_size, context_length, device):
+    return (torch.randn(batch_size, context_length, 64, device=device),
+            torch.randn(batch_size, context_length, 64, device=device))
+"""
+
+
+def test_the_card_decides_the_attention_kernel_and_so_the_saved_activations(write_model):
+    """bf16 on an H100 runs flash attention, which keeps the output and a logsumexp; a T4 has neither flash nor
+    bf16 in its efficient kernel, so the math backend runs, and keeps the (B, H, T, T) softmax (in fp32)."""
+    mf = load_model_file(write_model(ATTENTION))
+    b, t = 2, 256
+    plan = Plan(b, t, "bf16")
+    peak = {name: run_trial(mf, plan, CpuDevice("4GiB", card=card, margin=Margin())).peak_allocated_bytes
+            for name, card in (("h100", H100), ("t4", T4))}
+    assert peak["t4"] - peak["h100"] >= b * 4 * t * t * 4
+
+
+def test_the_allocator_model_runs_out_where_the_tensors_alone_would_fit(tiny):
+    """A budget the tensors fit in, but not the card's context + the reserved blocks: out of memory, as on the card."""
+    plan = PLANS["fp32"]
+    ok = run_trial(tiny, plan, FakeDevice("4GiB", gpu=H100))
+    tensors_only = H100.context + H100.workspace_bytes + ok.peak_allocated_bytes
+    assert tensors_only < ok.peak_bytes  # the allocator's rounding and segments cost something
+    tight = run_trial(tiny, plan, FakeDevice(str(tensors_only), gpu=H100))
+    assert tight.oom and "caching allocator (as modelled)" in tight.oom_message
+    assert not run_trial(tiny, plan, FakeDevice(str(ok.peak_bytes), gpu=H100)).oom
+
+
+def test_pytorchs_default_cublas_workspace_per_compute_capability():
+    assert cublas_workspace_bytes((9, 0)) == cublas_workspace_bytes((12, 0)) == 32 * MiB
+    assert cublas_workspace_bytes((8, 0)) == cublas_workspace_bytes((7, 5)) == 8 * MiB + 128 * 1024
+    assert H100.workspace_bytes == 2 * 32 * MiB  # one per handle: the forward's thread, the backward's
+
+
+def test_a_card_margin_is_recorded_and_read_back():
+    m = CardMargin(H100)
+    assert m.describe() == "card:h100" and parse_margin("card:h100") == m
+    assert m.fixed_lines() == {"context": H100.context, "workspaces": H100.workspace_bytes}
+    assert m.overhead(100, reserved_bytes=100 + H100.workspace_bytes + 4096) == H100.context + H100.workspace_bytes \
+        + 4096
+    assert "assumed" in m.text()  # no card's context has been measured yet: the estimate says so
+
+
+def test_a_flat_margin_still_overrides_and_the_card_still_decides_kernels(tiny):
+    plan = PLANS["fp16"]
+    flat = run_trial(tiny, plan, FakeDevice("4GiB", gpu=T4, margin=Margin()))
+    assert flat.peak_bytes == flat.peak_allocated_bytes
+    carded = run_trial(tiny, plan, FakeDevice("4GiB", gpu=T4))
+    assert carded.peak_allocated_bytes == flat.peak_allocated_bytes and carded.peak_bytes > flat.peak_bytes
+
+
+def test_the_generic_card_needs_a_budget_and_says_what_it_is():
+    with pytest.raises(Exception, match="--budget"):
+        FakeDevice(gpu=GENERIC)
+    dev = FakeDevice("24GiB", gpu=GENERIC)
+    assert dev.card_text() == "a generic sm80 card (sm80)" and dev.supports_bf16()

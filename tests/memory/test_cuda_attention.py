@@ -1,0 +1,125 @@
+"""SDPA as a CUDA card runs it, on the cpu device (memory/cuda_attention.py): the backend PyTorch's sdp_utils would
+pick, the values and gradients PyTorch's own SDPA computes, and the memory the chosen kernel keeps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from oomtune.memory.cards import find_gpu
+from oomtune.memory.cuda_attention import Call, choose_backend, cuda_attention, gemm_alignment
+from oomtune.memory.tracker import MemoryTracker, rounded
+
+H100, RTX4090, A100, T4 = (find_gpu(n) for n in ("h100", "rtx4090", "a100-80", "t4"))
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+
+
+def qkv(b=2, h=4, t=64, d=64, dtype=BF16, kv_heads=None, tk=None, grad=True):
+    """(B, H, T, D) views of a (B, T, H, D) projection, as a transformer makes them."""
+    def one(heads, steps):
+        return torch.randn(b, steps, heads, d, dtype=dtype).transpose(1, 2).requires_grad_(grad)
+    return one(h, t), one(kv_heads or h, tk or t), one(kv_heads or h, tk or t)
+
+
+def call(q, k, v, **kw) -> Call:
+    return Call(q, k, v, **kw)
+
+
+@pytest.mark.parametrize(("card", "kw", "inputs", "want"), [
+    (A100, {"causal": True}, {}, "flash"),  # bf16, no mask: flash
+    (H100, {}, {"dtype": FP16, "d": 128}, "flash"),
+    (A100, {}, {"dtype": FP32}, "efficient"),  # flash is fp16/bf16 only; efficient takes fp32 on sm80
+    (T4, {}, {"dtype": FP16}, "efficient"),  # no flash below sm80
+    (T4, {}, {"dtype": BF16}, "math"),  # nor bf16 in the efficient kernel below sm80
+    (A100, {"mask": torch.zeros(64, 64, dtype=BF16)}, {}, "efficient"),  # flash takes no mask
+    (A100, {}, {"d": 320}, "efficient"),  # flash: head dim at most 256
+    (A100, {}, {"d": 66, "dtype": FP32}, "math"),  # efficient: fp32 head dim a multiple of 4 on sm80 (66 is not)
+    (A100, {"causal": True}, {"tk": 32}, "efficient"),  # flash: causal only with as many keys as queries
+    (RTX4090, {}, {"d": 200}, "efficient"),  # sm89 training: flash refuses head dims in (192, 224]
+    (RTX4090, {}, {"d": 200, "grad": False}, "flash"),  # ... but not without a backward
+    (H100, {}, {"d": 200}, "flash"),  # sm90 has no such rule
+    (A100, {"gqa": True}, {"kv_heads": 2}, "flash"),  # grouped query heads with enable_gqa
+    (A100, {}, {"kv_heads": 2}, "math"),  # ... without it the heads must be equal
+])
+def test_the_backend_is_the_one_sdp_utils_picks(card, kw, inputs, want):
+    assert choose_backend(card, call(*qkv(**inputs), **kw)) == want
+
+
+def test_the_efficient_kernels_alignment_follows_minimum_gemm_alignment():
+    assert gemm_alignment((8, 0), half=True) == 8 and gemm_alignment((8, 0), half=False) == 4
+    assert gemm_alignment((7, 5), half=True) == 8 and gemm_alignment((7, 5), half=False) == 1
+    assert gemm_alignment((6, 1), half=True) == 1
+
+
+def test_3d_inputs_run_the_math_backend():
+    q = torch.randn(4, 16, 8, dtype=FP16)
+    assert choose_backend(A100, call(q, q, q)) == "math"
+
+
+@pytest.mark.parametrize(("card", "dtype", "mask"), [(A100, BF16, False), (A100, FP32, True), (T4, FP32, True),
+                                                     (T4, BF16, False)])
+def test_values_and_gradients_are_pytorchs_own(card, dtype, mask):
+    """flash, efficient (a bool mask), efficient and math: the same output and gradients as F.sdpa on the cpu (bf16:
+    within bf16's rounding, as the CPU's kernel and the math backend round at different steps)."""
+    torch.manual_seed(0)
+    q, k, v = qkv(t=16, d=8, dtype=dtype)
+    m = torch.rand(16, 16) > 0.3 if mask else None
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=m, is_causal=not mask)
+    ref_grads = torch.autograd.grad(ref.float().square().sum(), (q, k, v))
+    with cuda_attention(card):
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=m, is_causal=not mask)
+        grads = torch.autograd.grad(out.float().square().sum(), (q, k, v))
+    tol = {"atol": 5e-2, "rtol": 2e-2} if dtype != FP32 else {"atol": 1e-5, "rtol": 1e-4}
+    torch.testing.assert_close(out, ref, **tol)
+    for g, r in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(g, r, **tol)
+
+
+def _saved_bytes(card, q, k, v, **kw) -> int:
+    """Bytes the forward leaves alive besides its inputs (what it saved for backward, and the output)."""
+    with cuda_attention(card), MemoryTracker() as tracker:
+        out = F.scaled_dot_product_attention(q, k, v, **kw)
+        live = tracker.live_bytes
+    del out
+    return live
+
+
+def test_flash_keeps_the_output_and_its_logsumexp_and_math_the_attention_matrix():
+    b, h, t, d = 2, 4, 64, 64
+    q, k, v = qkv(b, h, t, d)
+    out = rounded(b * h * t * d * 2)
+    assert _saved_bytes(A100, q, k, v, is_causal=True) == out + rounded(b * h * t * 4)  # + (B, H, T) fp32
+    q60, k60, v60 = qkv(b, h, 60, d)  # efficient: (B, H, T32) fp32, and a copy of the mask padded to 16 columns
+    assert _saved_bytes(A100, q60, k60, v60, attn_mask=torch.zeros(60, 60, dtype=BF16)) == \
+        rounded(b * h * 60 * d * 2) + rounded(b * h * 64 * 4) + rounded(60 * 64 * 2)
+    math_saved = _saved_bytes(T4, q, k, v, is_causal=True)  # bf16 on sm75: math, computed in fp32
+    assert math_saved > out + b * h * t * t * 4  # at least the (B, H, T, T) fp32 softmax
+
+
+def test_the_backward_holds_flashs_scratch():
+    b, h, t, d = 1, 2, 100, 40
+    q, k, v = qkv(b, h, t, d)
+    with cuda_attention(A100), MemoryTracker() as tracker:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        before = tracker.live_bytes
+        tracker.reset_peak()
+        grads = torch.autograd.grad(out.float().sum(), (q, k, v))
+        extra = tracker.peak_bytes - before
+    scratch = rounded(b * h * 128 * 4) + rounded(b * 128 * h * 64 * 4)  # softmax_d (B,H,T128), dq_accum (B,T128,H,D32)
+    assert extra >= scratch + 3 * rounded(b * h * t * d * 2)  # and dq, dk, dv
+    del grads
+
+
+def test_checkpointing_recomputes_through_the_same_kernel():
+    lin = torch.nn.Linear(16, 48)
+
+    def block(x):
+        q, k, v = (t.transpose(1, 2) for t in lin(x).view(2, 8, 3, 2, 8).unbind(2))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True).float().sum()
+
+    x = torch.randn(2, 8, 16, requires_grad=True)
+    with cuda_attention(A100), torch.autocast("cpu", dtype=BF16):
+        checkpoint(block, x, use_reentrant=False).backward()  # a different kernel in the recompute raises
+    assert x.grad is not None and torch.isfinite(x.grad).all()
