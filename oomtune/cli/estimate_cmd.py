@@ -51,7 +51,7 @@ ShardingOpt = Annotated[str | None, typer.Option("--sharding", help="none | ddp 
 
 def card_line(device, gpu: str | None) -> str:
     """Which card's rules the estimate follows, and the margin it adds: said even when nobody chose the card."""
-    assumed = "" if gpu else " - assumed, as no --gpu was given (--gpu NAME for your card's)"
+    assumed = "" if gpu else ", assumed (no --gpu: give yours)"
     return f"card profile: {device.card_text()}{assumed}; margin: {device.margin.text()}"
 
 

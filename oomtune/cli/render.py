@@ -163,7 +163,7 @@ def breakdown_table(bd, plan, limit_bytes: int | None = None, title: str = "brea
         for label, n, what in (("+ CUDA context", bd.context_bytes, "outside PyTorch's allocator (the card's)"),
                                ("+ cuBLAS workspaces", bd.workspace_bytes, "one per handle: forward's, backward's"),
                                ("+ caching allocator", allocator, "rounding and cached blocks, as modelled")):
-            table.add_row(label, fmt_bytes(n), f"{n / peak:+.0%}", f"[dim]{what}[/]")
+            table.add_row(label, fmt_bytes(n), "", f"[dim]{what}[/]")
     else:
         table.add_row(f"+ margin {bd.margin}", fmt_bytes(bd.margin_bytes), "",
                       "[dim]CUDA context, workspaces, allocator rounding (--margin)[/]")

@@ -23,10 +23,7 @@ cuDNN attention (which PyTorch prefers on sm90/sm100 with cuDNN newer than 9.15)
 
 from __future__ import annotations
 
-import contextlib
 import math
-import warnings
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -209,21 +206,3 @@ def attention(card: GpuSpec, c: Call) -> torch.Tensor:
         return _math(c)
     mask = _efficient_mask(c) if backend == "efficient" else None
     return _FusedAttention.apply(c.q, c.k, c.v, mask, backend, (c.dropout, c.causal, c.scale, c.gqa), c.needs_grad)
-
-
-@contextlib.contextmanager
-def cuda_attention(card: GpuSpec) -> Iterator[None]:
-    """Inside, aten::scaled_dot_product_attention on cpu tensors (fake ones too) runs as on `card`. The kernel is
-    registered on the AutogradCPU key: below autocast (CUDA autocast casts q, k, v first, cuda_autocast.py), above
-    autograd (its own backward), and reached from every caller, checkpointing's recomputation included."""
-    def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False):
-        return attention(card, Call(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa))
-
-    lib = torch.library.Library("aten", "IMPL")
-    with warnings.catch_warnings():  # "Overriding a previously registered kernel": that is the point
-        warnings.simplefilter("ignore")
-        lib.impl("scaled_dot_product_attention", sdpa, "AutogradCPU")
-    try:
-        yield
-    finally:
-        lib._destroy()

@@ -26,6 +26,8 @@ from collections.abc import Iterator
 import torch
 from torch._C import DispatchKey, DispatchKeySet
 
+from .tracker import adopt, untracked
+
 LISTS_FROM = "2.13.0"
 
 LOWER_PRECISION = (
@@ -139,9 +141,41 @@ def _kernel(name: str, policy: str, casts: _Casts):
                         args = (*args[:dtype_at], torch.float32, *args[dtype_at + 1:])
                 elif kwargs.get("dtype") is None:
                     kwargs = {**kwargs, "dtype": torch.float32}
+                if name in _HALF_TO_FLOAT and args[0].dtype == torch.float16:
+                    dtype = args[dtype_at] if len(args) > dtype_at else kwargs.get("dtype")
+                    if dtype == torch.float32:  # CUDA's fused kernel: no fp32 copy of the input
+                        return _HalfToFloat.apply(args[0], args[1], name == "log_softmax.int")
             return op(*args, **kwargs)
 
     return kernel
+
+
+_HALF_TO_FLOAT = ("softmax.int", "log_softmax.int")
+
+
+class _HalfToFloat(torch.autograd.Function):
+    """softmax / log_softmax of an fp16 tensor into fp32 as CUDA runs it (aten/native/SoftMax.cpp): one kernel that
+    reads fp16 and writes fp32, `_softmax(x, dim, half_to_float=True)`, where the CPU first makes an fp32 copy of
+    the input (and its backward an fp32 gradient before the fp16 one). The values are the CPU's; what is counted
+    is the CUDA kernel's: the fp32 output (saved for backward), and in backward the fp16 gradient alone."""
+
+    @staticmethod
+    def forward(ctx, x, dim: int, log: bool):
+        with untracked():
+            out = (torch.ops.aten._log_softmax if log else torch.ops.aten._softmax)(x.float(), dim, False)
+        adopt(out)
+        ctx.dim, ctx.log = dim, log
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (out,) = ctx.saved_tensors
+        backward = torch.ops.aten._log_softmax_backward_data if ctx.log else torch.ops.aten._softmax_backward_data
+        with untracked():
+            grad_in = backward(grad, out, ctx.dim, torch.float32).to(torch.float16)
+        adopt(grad_in)
+        return grad_in, None, None
 
 
 @contextlib.contextmanager

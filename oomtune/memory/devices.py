@@ -25,8 +25,8 @@ from ..errors import OomtuneError
 from ..units import format_bytes, parse_budget
 from .allocator import CachingAllocatorModel
 from .cards import WORKSPACE_HANDLES, GpuSpec
-from .cuda_attention import cuda_attention
 from .cuda_autocast import cuda_autocast
+from .cuda_kernels import cuda_kernels
 from .fakes import real_code_paths
 from .margin import AnyMargin, CardMargin, Margin, parse_margin
 from .tracker import MemoryTracker, system_memory
@@ -179,10 +179,10 @@ class TrackedDevice(Device):
     """Simulated memory: a MemoryTracker enforces the budget the way the CUDA allocator would.
 
     With a card profile (`card`, `--gpu NAME`) it accounts like that CUDA card: CUDA autocast's policy
-    (cuda_autocast.py), the SDPA kernel the card would pick (cuda_attention.py), and, unless a flat `margin` is
-    given, the card's margin (margin.CardMargin: context + the caching allocator model, which runs out of memory
-    where the card's allocator would). Without one it accounts CPU semantics, and `margin` (default none) is added
-    to the tensor peak."""
+    (cuda_autocast.py), the SDPA and dropout kernels the card would run (cuda_kernels.py), and, unless a flat
+    `margin` is given, the card's margin (margin.CardMargin: context + the caching allocator model, which runs out
+    of memory where the card's allocator would). Without one it accounts CPU semantics, and `margin` (default none)
+    is added to the tensor peak."""
 
     def __init__(self, kind: str, torch_device: torch.device, budget_bytes: int, capacity_bytes: int | None,
                  card: GpuSpec | None = None, margin: AnyMargin | None = None):
@@ -206,7 +206,7 @@ class TrackedDevice(Device):
             return self.tracker
         stack = contextlib.ExitStack()
         stack.enter_context(cuda_autocast())
-        stack.enter_context(cuda_attention(self.card))
+        stack.enter_context(cuda_kernels(self.card))
         stack.enter_context(self.tracker)
         return stack
 

@@ -100,8 +100,8 @@ class CardMargin:
 
     def text(self) -> str:
         assumed = " (assumed: not yet measured on this card)" if self.card.context_bytes is None else ""
-        return (f"{self.card.name} ({self.card.sm}): CUDA context {format_bytes(self.card.context)}{assumed}, cuBLAS "
-                f"workspaces {format_bytes(self.card.workspace_bytes)}, caching allocator modelled")
+        return (f"CUDA context {format_bytes(self.card.context)}{assumed} + cuBLAS workspaces "
+                f"{format_bytes(self.card.workspace_bytes)} + the caching allocator, modelled")
 
 
 AnyMargin = Margin | CardMargin

@@ -1,5 +1,6 @@
-"""SDPA as a CUDA card runs it, on the cpu device (memory/cuda_attention.py): the backend PyTorch's sdp_utils would
-pick, the values and gradients PyTorch's own SDPA computes, and the memory the chosen kernel keeps."""
+"""SDPA and dropout as a CUDA card runs them, on the cpu device (memory/cuda_attention.py, cuda_kernels.py): the
+backend PyTorch's sdp_utils would pick, the values and gradients PyTorch's own ops compute, and the memory the
+chosen kernel keeps."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from oomtune.memory.cards import find_gpu
-from oomtune.memory.cuda_attention import Call, choose_backend, cuda_attention, gemm_alignment
+from oomtune.memory.cuda_attention import Call, choose_backend, gemm_alignment
+from oomtune.memory.cuda_kernels import cuda_kernels
 from oomtune.memory.tracker import MemoryTracker, rounded
 
 H100, RTX4090, A100, T4 = (find_gpu(n) for n in ("h100", "rtx4090", "a100-80", "t4"))
@@ -68,7 +70,7 @@ def test_values_and_gradients_are_pytorchs_own(card, dtype, mask):
     m = torch.rand(16, 16) > 0.3 if mask else None
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=m, is_causal=not mask)
     ref_grads = torch.autograd.grad(ref.float().square().sum(), (q, k, v))
-    with cuda_attention(card):
+    with cuda_kernels(card):
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=m, is_causal=not mask)
         grads = torch.autograd.grad(out.float().square().sum(), (q, k, v))
     tol = {"atol": 5e-2, "rtol": 2e-2} if dtype != FP32 else {"atol": 1e-5, "rtol": 1e-4}
@@ -79,7 +81,7 @@ def test_values_and_gradients_are_pytorchs_own(card, dtype, mask):
 
 def _saved_bytes(card, q, k, v, **kw) -> int:
     """Bytes the forward leaves alive besides its inputs (what it saved for backward, and the output)."""
-    with cuda_attention(card), MemoryTracker() as tracker:
+    with cuda_kernels(card), MemoryTracker() as tracker:
         out = F.scaled_dot_product_attention(q, k, v, **kw)
         live = tracker.live_bytes
     del out
@@ -101,7 +103,7 @@ def test_flash_keeps_the_output_and_its_logsumexp_and_math_the_attention_matrix(
 def test_the_backward_holds_flashs_scratch():
     b, h, t, d = 1, 2, 100, 40
     q, k, v = qkv(b, h, t, d)
-    with cuda_attention(A100), MemoryTracker() as tracker:
+    with cuda_kernels(A100), MemoryTracker() as tracker:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         before = tracker.live_bytes
         tracker.reset_peak()
@@ -120,6 +122,25 @@ def test_checkpointing_recomputes_through_the_same_kernel():
         return F.scaled_dot_product_attention(q, k, v, is_causal=True).float().sum()
 
     x = torch.randn(2, 8, 16, requires_grad=True)
-    with cuda_attention(A100), torch.autocast("cpu", dtype=BF16):
+    with cuda_kernels(A100), torch.autocast("cpu", dtype=BF16):
         checkpoint(block, x, use_reentrant=False).backward()  # a different kernel in the recompute raises
     assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+def test_dropout_keeps_cudas_bool_mask_not_the_cpus_float_noise():
+    x = torch.randn(64, 256, requires_grad=True)
+    with MemoryTracker() as tracker:
+        y = F.dropout(x, 0.1)
+        cpu_kept = tracker.live_bytes
+    with cuda_kernels(A100), MemoryTracker() as tracker:
+        z = F.dropout(x, 0.1)
+        cuda_kept = tracker.live_bytes
+    assert cpu_kept == 2 * rounded(64 * 256 * 4)  # output + fp32 noise
+    assert cuda_kept == rounded(64 * 256 * 4) + rounded(64 * 256)  # output + bool mask
+    kept = (z != 0).float().mean().item()
+    assert 0.85 < kept < 0.95 and torch.allclose(z[z != 0], x[z != 0] / 0.9)  # the same op: scaled by 1/(1-p)
+    z.sum().backward()
+    assert torch.equal(x.grad, (z != 0).float() / 0.9)
+    del y
+    with cuda_kernels(A100):
+        assert F.dropout(x, 0.1, training=False) is x

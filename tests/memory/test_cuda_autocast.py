@@ -12,6 +12,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from oomtune.memory.cuda_autocast import BANNED, LISTS_FROM, POLICIES, cuda_autocast, overload
+from oomtune.memory.tracker import MemoryTracker, Recorder
 
 
 def _samples(t):
@@ -159,3 +160,46 @@ def test_binary_cross_entropy_is_refused_as_cuda_autocast_refuses_it():
     x = torch.rand(4)
     with cuda_autocast(), torch.autocast("cpu", dtype=torch.float16), pytest.raises(RuntimeError, match="unsafe"):
         F.binary_cross_entropy(x, x)
+
+
+def _births(fn, args) -> list[int]:
+    """The bytes of each storage `fn` makes, in order, as the memory tracker counts them."""
+    with MemoryTracker() as tracker:
+        tracker.recorder = Recorder(tracker)
+        fn(*args)
+        return [r.nbytes for r in tracker.recorder.records]
+
+
+COMPOSITES = {  # functions whose ops decompose below the autocast key: each piece meets the policy on its own
+    "cross_entropy": lambda x, m, v, p: F.cross_entropy(x, torch.zeros(4, dtype=torch.long, device=x.device)),
+    "cross_entropy, soft labels, smoothing": lambda x, m, v, p: F.cross_entropy(x, p, label_smoothing=0.1),
+    "layer_norm with an affine": lambda x, m, v, p: F.layer_norm(x, (8,), v, v),
+    "softmax then matmul": lambda x, m, v, p: F.softmax(x, -1) @ m,
+    "gelu of a linear": lambda x, m, v, p: F.gelu(F.linear(x, m, v)),
+    "normalize": lambda x, m, v, p: F.normalize(x, dim=-1),
+}
+
+
+@pytest.mark.parametrize("name", COMPOSITES)
+def test_composite_functions_make_the_same_tensors_as_on_cuda(name):
+    """The storages each makes, in order, as PyTorch's own CUDA autocast makes them. cross_entropy on CUDA: log_softmax
+    in fp16 (its dtype is given, so autocast keeps it), then nll_loss in fp32; softmax of fp16 into fp32: one fused
+    kernel, no fp32 copy of the input (the CPU makes one).
+    (No tensor requires grad and none is sliced: a fake cuda tensor can do neither in a build without CUDA.)"""
+    fn, low = COMPOSITES[name], torch.float16
+
+    def inputs(device):
+        return (torch.randn(4, 8, device=device).to(low), torch.randn(8, 8, device=device),
+                torch.randn(8, device=device), torch.rand(4, 8, device=device))
+
+    with FakeTensorMode():
+        args = inputs("cuda")
+        torch.set_autocast_enabled("cuda", True)
+        try:
+            cuda = _births(fn, args)
+        finally:
+            torch.set_autocast_enabled("cuda", False)
+            torch.clear_autocast_cache()
+    with cuda_autocast(), torch.autocast("cpu", dtype=low):
+        emulated = _births(fn, inputs("cpu"))
+    assert emulated == cuda
