@@ -54,6 +54,12 @@ gpu-check:
 bench-estimate: $(STAMP)
 	$(PY) -m bench.bench_estimate
 
+# the estimate without and with a card's CUDA rules: per rung for the examples and GPT-2 small, and BERT-large's saved
+# activations op by op under CPU and CUDA autocast accounting -> the autocast section of bench/RESULTS.md (~1 min)
+.PHONY: bench-autocast
+bench-autocast: $(STAMP)
+	$(PY) -m bench.bench_autocast
+
 # oomtune estimate on a 7B Llama (fake tensors, batch 8, context 2048): full fine-tuning and LoRA on a 24 GB card,
 # LoRA on a 12 GB card, with the levers past accumulation -> the levers section of bench/RESULTS.md (~10-15 min)
 .PHONY: bench-levers

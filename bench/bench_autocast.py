@@ -1,7 +1,9 @@
-"""`make bench-autocast`: what BERT-large's forward saves for backward at sequence length 512, op by op, under CPU
-semantics and under a CUDA card's (CUDA autocast's policy and the attention kernel the card would pick), fp32 and
-fp16 autocast, on fake tensors; and the whole trial's breakdown of each. Writes the `autocast` block of
-bench/RESULTS.md; docs/cuda-estimate.md explains the numbers.
+"""`make bench-autocast`: the estimate with and without a card's CUDA rules. (1) Per rung, for the examples and GPT-2
+small: the fake device's peak under CPU rules with the flat default margin, against the card's rules and its own
+margin. (2) What BERT-large's forward saves for backward at sequence length 512, op by op, under CPU rules and the
+card's (CUDA autocast's policy, the attention and dropout kernels the card would run), fp32 and fp16 autocast; and
+the whole trial's breakdown of each. Writes the `autocast` block of bench/RESULTS.md; docs/cuda-estimate.md
+explains the numbers.
 
     .venv/bin/python -m bench.bench_autocast [--out bench/RESULTS.md] [--batch 8] [--card a100-80]
 
@@ -129,20 +131,71 @@ def measure(batch: int, card_name: str) -> list[dict]:
     return rows
 
 
+RUNG_MODELS = ("examples/tiny_gpt.py", "examples/mlp_dict.py", "examples/conv_net.py", "bench/models/gpt2_small.py")
+RUNGS = (("fp32", "fp32", False), ("amp", "amp", False), ("amp + ckpt", "amp", True))
+
+
+def per_rung(card_name: str) -> list[dict]:
+    """Each model at its DEFAULTS batch and context, each rung, on the fake device: CPU rules + the flat default
+    margin (no card: what the estimate did before), and the card's rules + its margin."""
+    from oomtune.config.schema import Plan
+    from oomtune.memory.cards import find_gpu
+    from oomtune.memory.devices import FakeDevice
+    from oomtune.model_file import load_model_file
+    from oomtune.search.trial import run_trial
+
+    card = find_gpu(card_name)
+    rows = []
+    for path in RUNG_MODELS:
+        mf = load_model_file(ROOT / path)
+        b, t = mf.defaults["batch"], mf.defaults["context"]
+        for rung, precision, ckpt in RUNGS:
+            amp = "bf16" if card.bf16 else "fp16"
+            plan = Plan(b, t, amp if precision == "amp" else precision, ckpt)
+            start = time.perf_counter()
+            cpu = run_trial(mf, plan, FakeDevice("1TiB"))
+            cuda = run_trial(mf, plan, FakeDevice("1TiB", gpu=card))
+            rows.append({"model": Path(path).stem, "plan": plan, "rung": rung, "cpu": cpu, "card": cuda,
+                         "seconds": time.perf_counter() - start})
+            print(f"  {Path(path).stem} {rung}: {cpu.peak_bytes / MiB:,.0f} -> {cuda.peak_bytes / MiB:,.0f} MiB",
+                  file=sys.stderr)
+    return rows
+
+
+def rung_section(rows: list[dict], card_name: str) -> str:
+    from oomtune.memory.cards import find_gpu
+    from oomtune.memory.margin import parse_margin
+
+    card, flat = find_gpu(card_name), parse_margin(None)
+    lines = [f"### The estimate per rung, without and with {card.name}'s CUDA rules", "",
+             f"Fake device, each model at its DEFAULTS batch and context. Without: CPU rules (CPU autocast, the "
+             f"CPU's SDPA and dropout) and the flat margin {flat.describe()} (the estimate before card profiles). "
+             f"With: the card's rules and its own margin ({parse_margin(f'card:{card.aliases[0]}').text()}). "
+             "MiB; tensors is the tensor peak, peak what the estimate compares with the budget.", "",
+             "| model | batch x ctx | rung | tensors, CPU rules | tensors, card rules | peak, before | peak, card "
+             "| change |", "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        cpu, cuda, p = r["cpu"], r["card"], r["plan"]
+        lines.append(f"| {r['model']} | {p.micro_batch_size}x{p.context_length} | {r['rung']} ({p.precision}) | "
+                     f"{cpu.peak_allocated_bytes / MiB:,.1f} | {cuda.peak_allocated_bytes / MiB:,.1f} | "
+                     f"{cpu.peak_bytes / MiB:,.1f} | {cuda.peak_bytes / MiB:,.1f} | "
+                     f"{(cuda.peak_bytes - cpu.peak_bytes) / cpu.peak_bytes * 100:+.1f}% |")
+    return "\n".join(lines)
+
+
 def section(rows: list[dict], command: str, batch: int) -> str:
     mib = lambda n: f"{n / MiB:,.1f}"  # noqa: E731
     heads = [f"{r['precision']}, {r['accounting']}" for r in rows]
     lines = [
         "### CPU against CUDA autocast accounting: BERT-large at sequence length 512",
         "",
-        f"Command (from the repository root): `{command}`  ",
-        f"Machine: {os.cpu_count()} CPU cores, torch {torch.__version__}, no GPU; {utc_now()}. Fake tensors, "
+        "Fake tensors, "
         f"margin 0 (tensors only), a micro-batch of {batch} sequences, AdamW, dropout 0.1 (training mode); "
         "transformers' default SDPA attention, and its eager attention where the column says so.",
         "",
         "What one forward saves for backward, by the autograd node that saves it and the dtype saved (MiB; each "
-        "storage counted once; weights left out, their autocast copies on a line of their own; lines under 0.1 MiB left "
-        "out):",
+        "storage counted once; weights left out, their autocast copies on a line of their own; lines under 0.1 MiB "
+        "left out):",
         "",
         "| saved by | dtype | " + " | ".join(heads) + " |",
         "| --- | --- |" + " ---: |" * len(rows),
@@ -171,8 +224,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--card", default="a100-80")
     args = ap.parse_args(argv)
     command = shlex.join(["python", "-m", "bench.bench_autocast", "--batch", str(args.batch), "--card", args.card])
+    rungs = per_rung(args.card)
     rows = measure(args.batch, args.card)
-    write_section(args.out, "autocast", section(rows, command, args.batch), "## CUDA-faithful estimate")
+    head = (f"Command (from the repository root): `{command}`  \nMachine: {os.cpu_count()} CPU cores, torch "
+            f"{torch.__version__}, no GPU; {utc_now()}.")
+    body = "\n\n".join((head, rung_section(rungs, args.card), section(rows, command, args.batch)))
+    write_section(args.out, "autocast", body, "## CUDA-faithful estimate")
     print(f"wrote the autocast block of {args.out}", file=sys.stderr)
     return 0
 

@@ -11,9 +11,10 @@ ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ("tiny_gpt", "mlp_dict", "conv_net")
 PLAN_SCALES = (8, 64)  # the table's fixed plans: scale x DEFAULTS batch, DEFAULTS context (64: a few GiB)
 PROBE_BUDGET, PROBE_BATCH = "4GiB", 4096
-MEMORY_HEADER = ["model", "rung", "batch x ctx", "fake (tensors)", "real max allocated", "less live before", "error",
-                 "real max reserved", "fake allocator model", "error", "fake + margin", "real reserved + context",
-                 "error", "real tok/s"]
+MEMORY_HEADER = ["model", "rung", "batch x ctx", "fake tensors, CPU rules", "fake tensors, card rules",
+                 "real max allocated", "less live before", "error", "fake reserved (allocator model)",
+                 "real max reserved", "error", "fake peak (context + reserved)", "real reserved + context", "error",
+                 "real tok/s"]
 
 
 class TimeBox(BaseException):
@@ -66,14 +67,28 @@ def check_time(deadline: float) -> None:
 
 # -- 2. fake vs real ---------------------------------------------------------------------------------
 
-def fake_device(budget: str):
-    """The fake device, or why it could not be made (reported in its column, not raised)."""
-    from oomtune.memory import devices
+def fake_device(budget: str, card=None, margin=None):
+    """The fake device accounting like `card` (None: CPU rules), or why it could not be made (reported in its column,
+    not raised)."""
+    from oomtune.memory.devices import FakeDevice
 
     try:
-        return devices.make_device("fake", budget), None
+        return FakeDevice(budget, gpu=card, margin=margin), None
     except Exception as e:  # noqa: BLE001 - any failure to make it is reported in the column, not raised
         return None, f"n/a: fake device failed: {type(e).__name__}: {e}"
+
+
+def card_of(device):
+    """The card whose rules the fake device follows: the real GPU's (its entry in the card table, or a profile made
+    from its name, memory and compute capability), or a stand-in device's own card."""
+    if device.kind != "cuda":
+        return device.card
+    import torch
+
+    from oomtune.memory.cards import card_for
+
+    props = torch.cuda.get_device_properties(device.torch_device)
+    return card_for(props.name, props.total_memory, (props.major, props.minor))
 
 
 def rungs_for(cuda) -> list[tuple[str, dict]]:
@@ -133,7 +148,11 @@ def memory_table(rep: Report, cuda, deadline: float, gpu: dict, examples=EXAMPLE
 
     rep.say(f"## fake estimate vs real memory (fixed plans: {' and '.join(map(str, scales))} x each model's "
             "DEFAULTS batch)")
-    fake, fake_missing = fake_device("1TiB")
+    from oomtune.memory.margin import Margin
+
+    card = card_of(cuda)
+    fake, fake_missing = fake_device("1TiB", card)
+    cpu_rules, _ = fake_device("1TiB", None, Margin())
     rungs = rungs_for(cuda)
     models = {name: load_model_file(ROOT / "examples" / f"{name}.py") for name in examples}
     # warm-up: every (model, rung) once at micro-batch 1, so workspaces cuBLAS & co. keep for the process's
@@ -148,10 +167,16 @@ def memory_table(rep: Report, cuda, deadline: float, gpu: dict, examples=EXAMPLE
     baseline = cuda.live_bytes()
     context = context_now(torch, gpu, cuda.torch_device)  # after the warm-up: handles and kernels exist now
     rep.data["gpu"] = gpu | {"context_bytes": context}
-    rep.say(f"live before each trial (kept across trials: cuBLAS workspaces etc.): {fb(baseline)}; "
-            f"this process's CUDA context after the warm-up (NVML used - used before - reserved): "
-            f"{fb(context) if context is not None else 'n/a (no NVML)'}; "
-            f"fake margin: {fake.margin.describe() if fake is not None else 'n/a'}")
+    ws = card.workspace_bytes if card is not None else None
+    rep.data["fixed_costs"] = {"card": card.name if card else None, "live_after_warm_up_bytes": baseline,
+                               "predicted_workspace_bytes": ws, "context_bytes": context,
+                               "assumed_context_bytes": card.context if card else None}
+    rep.say(f"live before each trial (kept across trials: cuBLAS workspaces etc.): {fb(baseline)}, against "
+            f"{fb(ws) if ws is not None else 'n/a'} of cuBLAS workspaces the card profile predicts; this process's "
+            f"CUDA context after the warm-up (NVML used - used before - reserved): "
+            f"{fb(context) if context is not None else 'n/a (no NVML)'}, against "
+            f"{fb(card.context) if card else 'n/a'} the profile assumes; the fake device follows "
+            f"{fake.card_text() if fake is not None else 'n/a'}, margin {fake.margin.text() if fake else 'n/a'}")
     rows, data = [], []
     stopped = False
     plans = [(name, mf, scale) for scale in scales for name, mf in models.items()]
@@ -170,6 +195,7 @@ def memory_table(rep: Report, cuda, deadline: float, gpu: dict, examples=EXAMPLE
                 live_before = cuda.live_bytes()
                 real = run_trial(mf, plan, cuda, steps=2)
                 est = run_trial(mf, plan, fake, steps=2) if fake is not None else None
+                cpu_est = run_trial(mf, plan, cpu_rules, steps=2) if cpu_rules is not None else None
             except TimeBox:
                 rep.problem("time box hit in the memory table")
                 rows.append([name, label, f"{b}x{t}", "time box"] + [""] * (len(MEMORY_HEADER) - 4))
@@ -185,33 +211,37 @@ def memory_table(rep: Report, cuda, deadline: float, gpu: dict, examples=EXAMPLE
             if real.oom:
                 rep.problem(f"{name} {label}: real OOM")
             fake_t = None if est is None or est.oom else est.peak_allocated_bytes  # tensors only
-            fake_m = None if est is None or est.oom else est.peak_bytes  # + the margin
+            cpu_t = None if cpu_est is None or cpu_est.oom else cpu_est.peak_allocated_bytes  # CPU rules, tensors
+            fake_m = None if est is None or est.oom else est.peak_bytes  # context + modelled reserved
             fake_txt = fake_missing or ("OOM" if est.oom else fb(fake_t))
             modelled = None if est is None or est.oom else est.modelled_reserved_bytes  # the allocator model
             # the fake device starts from nothing; the real peak includes what was live before (workspaces)
             own = real.peak_allocated_bytes - live_before if real.peak_allocated_bytes is not None else None
-            # the margin stands for the CUDA context too, so its yardstick is reserved + context
-            on_card = real.peak_bytes + context if real.peak_bytes is not None and context is not None else None
-            rows.append([name, label, f"{b}x{t}", fake_txt, fb(real.peak_allocated_bytes), fb(own), pct(fake_t, own),
-                         fb(real.peak_bytes), fake_missing or fb(modelled), pct(modelled, real.peak_bytes),
+            # a stand-in device's own peak holds its card's context: its reserved is its allocator model's
+            reserved = real.peak_bytes if cuda.kind == "cuda" else real.modelled_reserved_bytes
+            on_card = reserved + context if reserved is not None and context is not None else None
+            rows.append([name, label, f"{b}x{t}", fb(cpu_t), fake_txt, fb(real.peak_allocated_bytes), fb(own),
+                         pct(fake_t, own), fake_missing or fb(modelled), fb(reserved), pct(modelled, reserved),
                          fake_missing or fb(fake_m), fb(on_card), pct(fake_m, on_card),
                          "OOM" if real.oom else f"{real.tokens_per_s:,.0f}" if real.tokens_per_s else "-"])
             data.append(row | {"fake_tensor_peak_bytes": fake_t, "fake_peak_with_margin_bytes": fake_m,
+                               "fake_cpu_rules_tensor_peak_bytes": cpu_t,
                                "fake_missing": fake_missing, "real_max_allocated_bytes": real.peak_allocated_bytes,
                                "real_live_before_bytes": live_before,
                                "real_max_allocated_less_live_before_bytes": own,
-                               "real_max_reserved_bytes": real.peak_bytes, "fake_modelled_reserved_bytes": modelled,
+                               "real_max_reserved_bytes": reserved, "fake_modelled_reserved_bytes": modelled,
                                "real_reserved_plus_context_bytes": on_card,
                                "real_oom": real.oom, "real_host_peak_bytes": real.host_peak_bytes,
                                "fake_host_peak_bytes": None if est is None else est.host_peak_bytes,
                                "real_tokens_per_s": real.tokens_per_s, "real_phase_peaks": real.phase_peaks})
     rep.say(md_table(MEMORY_HEADER, rows))
-    rep.say("error = (fake - real) / real. The fake tensor peak is compared with the real max allocated less what "
-            "was live just before that trial (workspaces kept across trials). The allocator model (the CUDA caching "
-            "allocator's rules replayed over the fake trial's storages) is compared with the real max reserved. "
-            "The fake margin stands for the "
-            "allocator's rounding and the CUDA context, so it is compared with the real reserved peak plus the "
-            "context (n/a without NVML).")
+    rep.say("error = (fake - real) / real. The fake device follows the card's rules (CUDA autocast, its SDPA and "
+            "dropout kernels); the CPU-rules column is the same fake trial without them, for comparison. The fake "
+            "tensor peak is compared with the real max allocated less what was live just before that trial "
+            "(workspaces kept across trials). The allocator model (the caching allocator's rules replayed over the "
+            "fake trial's storages, seeded with the predicted cuBLAS workspaces) is compared with the real max "
+            "reserved, and the fake peak (the profile's context + that) with the real reserved peak plus the "
+            "measured context (n/a without NVML).")
     points = [(r["fake_tensor_peak_bytes"], r["real_reserved_plus_context_bytes"]) for r in data
               if r.get("fake_tensor_peak_bytes") and r.get("real_reserved_plus_context_bytes") and not r["real_oom"]]
     fit = implied_margin(points)
@@ -219,7 +249,7 @@ def memory_table(rep: Report, cuda, deadline: float, gpu: dict, examples=EXAMPLE
         worst = max((c - t) - (fit[0] + fit[1] * t) for t, c in points)
         rep.say(f"margin these {len(points)} rows imply (least squares, card - tensors = fixed + pct x tensors): "
                 f"{fb(int(fit[0]))} + {fit[1] * 100:.1f}%; the worst row is {fb(int(worst))} above that line "
-                f"(default --margin: 512MiB+5%)")
+                f"(the card's own margin is the context plus the allocator model, per trial)")
     rep.data["memory"] = {"baseline_allocated_bytes": baseline, "fake_missing": fake_missing, "rows": data,
                           "implied_margin": {"fixed_bytes": int(fit[0]), "pct": fit[1],
                                              "points": len(points)} if fit else None}
@@ -232,6 +262,8 @@ def probe_table(rep: Report, deadline: float, context: int | None, make_real=Non
                 budget: str = PROBE_BUDGET, batch: int = PROBE_BATCH) -> None:
     """The probe on the real GPU (`make_real(budget)` -> the device; a test dry-runs it on another) next to the
     fake device's plan for the same targets."""
+    import dataclasses
+
     from oomtune.memory.devices import make_device
     from oomtune.model_file import load_model_file
     from oomtune.search.options import Targets
@@ -243,6 +275,8 @@ def probe_table(rep: Report, deadline: float, context: int | None, make_real=Non
     # whole card whose margin includes the context: give it the context on top, so both mean the same memory
     make_real = make_real or (lambda b: make_device("cuda", b))
     fake_budget = f"{parse_budget(budget) + (context or 0)}B"
+    card = card_of(make_real(budget))  # its rules, with the context this process measured (0 where unknown)
+    card = dataclasses.replace(card, context_bytes=context or 0) if card is not None else None
     rep.say(f"## the probe on the real GPU (budget {budget}, headroom 10%, target batch {batch})")
     rep.say(f"the fake device gets {fb(parse_budget(fake_budget))}: the budget plus this process's CUDA context "
             f"({fb(context) if context is not None else 'unknown without NVML: not added'})")
@@ -257,7 +291,7 @@ def probe_table(rep: Report, deadline: float, context: int | None, make_real=Non
             start = time.perf_counter()
             real = probe(mf, cuda, targets)
             real_s = time.perf_counter() - start
-            fake, fake_missing = fake_device(fake_budget)
+            fake, fake_missing = fake_device(fake_budget, card)
             est, est_s = None, None
             if fake is not None:
                 check_time(deadline)

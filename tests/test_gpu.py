@@ -333,10 +333,42 @@ def test_a_peft_lora_model_probes_trains_and_its_fake_estimate_is_close(tmp_path
 
     plan = load_config(tmp_path / "best.yaml").plan
     real = run_trial(mf, plan, make_device("cuda", "4GiB"))
-    fake = breakdown(mf, plan, FakeDevice("4GiB", margin=Margin()))
+    fake = breakdown(mf, plan, FakeDevice("4GiB", gpu=this_card(), margin=Margin()))
     print(f"LoRA Llama {plan.describe()}: cuda allocated peak {real.peak_allocated_bytes}, reserved "
           f"{real.peak_bytes}; fake tensor peak {fake.tensor_peak_bytes}")
     assert 0.9 * fake.tensor_peak_bytes <= real.peak_allocated_bytes <= 1.5 * fake.tensor_peak_bytes + 64 * MiB
+
+
+def this_card():
+    """The card profile of the GPU these tests run on (the table's entry, or one made from what the driver says)."""
+    import torch
+
+    from oomtune.memory.cards import card_for
+
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return card_for(props.name, props.total_memory, (props.major, props.minor))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_the_card_profile_predicts_this_cards_peaks(precision):
+    """The fake device with this card's profile (CUDA autocast, its SDPA kernel, the caching allocator model seeded
+    with the predicted cuBLAS workspaces) against the real trial: tensors against max allocated (less what was live
+    before), the allocator model against max reserved. Prints all four for make gpu-check's note."""
+    from oomtune.memory.devices import FakeDevice
+
+    mf = load_model_file(EXAMPLES / "tiny_gpt.py")
+    plan = Plan(16, 256, precision)
+    cuda = make_device("cuda", "4GiB")
+    run_trial(mf, plan, cuda)  # the workspaces exist from here on, as in any training process
+    before = cuda.live_bytes()
+    real = run_trial(mf, plan, cuda)
+    fake = run_trial(mf, plan, FakeDevice("4GiB", gpu=this_card()))
+    own = real.peak_allocated_bytes - before
+    print(f"{precision} {plan.describe()}: real allocated {own} (+{before} live before), reserved {real.peak_bytes}; "
+          f"fake tensors {fake.peak_allocated_bytes}, modelled reserved {fake.modelled_reserved_bytes} "
+          f"({this_card().workspace_bytes} of it the predicted workspaces)")
+    assert fake.peak_allocated_bytes == pytest.approx(own, rel=0.1)
+    assert fake.modelled_reserved_bytes == pytest.approx(real.peak_bytes, rel=0.2)
 
 
 LEVER_PLANS = {  # the rungs past accumulation, on the tiny GPT (NF4: tests/levers/models' LoRA Llama)
@@ -368,7 +400,7 @@ def test_each_lever_runs_on_cuda_and_the_fake_estimate_is_close(lever, tmp_path)
         mf = load_model_file(EXAMPLES / "tiny_gpt.py")
     plan = Plan(8, 128, **keys)
     real = run_trial(mf, plan, make_device("cuda", "4GiB"))
-    fake = run_trial(mf, plan, FakeDevice("4GiB", margin=Margin()))
+    fake = run_trial(mf, plan, FakeDevice("4GiB", gpu=this_card(), margin=Margin()))
     print(f"{lever} ({plan.describe()}): cuda allocated peak {real.peak_allocated_bytes}, host {real.host_peak_bytes};"
           f" fake tensor peak {fake.peak_allocated_bytes}, host {fake.host_peak_bytes}")
     assert not real.oom, real.oom_message

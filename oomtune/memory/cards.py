@@ -81,6 +81,18 @@ GPUS: tuple[GpuSpec, ...] = (
 GENERIC = GpuSpec("a generic sm80 card", None, (8, 0), ("generic",))
 
 
+def card_for(name: str, memory_bytes: int, compute_capability: tuple[int, int]) -> GpuSpec:
+    """The profile of a card the driver names: the table's where it knows the name (and the compute capability
+    matches), else one made from what the driver reports."""
+    try:
+        spec = find_gpu(name)
+    except OomtuneError:
+        spec = None
+    if spec is not None and spec.compute_capability == compute_capability:
+        return spec
+    return GpuSpec(name, memory_bytes, compute_capability, (_key(name),))
+
+
 def _key(name: str) -> str:
     return re.sub(r"[^a-z0-9]", "", name.lower()).removeprefix("nvidia").removeprefix("geforce").removeprefix("tesla")
 
