@@ -5,7 +5,7 @@ Runs with the machine's own python3 and the repository on the path; installs not
 Needs torch. Uses pytest (the gpu tests) and nvidia-ml-py (NVML) when present and says so when not;
 PyYAML, typer and rich are not needed.
 
-  1. the `gpu` tests (tests/test_gpu.py), in a subprocess, time-boxed
+  1. the `gpu` tests (tests/test_gpu.py, tests/test_gpu_estimates.py), in a subprocess, time-boxed
   2. fake estimate vs real memory: every example model x rung (fp32, amp, checkpointing) at two fixed plans
      (8 and 64 x the model file's DEFAULTS batch, at its DEFAULTS context): the fake device's tensor peak against
      the real max_memory_allocated less what was live before the trial, and its peak with the margin against the
@@ -67,7 +67,8 @@ def run_gpu_tests(rep: Report, timeout_s: float, out_dir: str | None) -> None:
         rep.say(f"missing for this python: {', '.join(missing)}; the gpu tests that need them skip (named below), "
                 "so the tests count as incomplete")
         rep.data["missing_modules"] = missing
-    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rs", "-p", "no:cacheprovider", "tests/test_gpu.py"]
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rs", "-p", "no:cacheprovider", "tests/test_gpu.py",
+           "tests/test_gpu_estimates.py"]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     start = time.perf_counter()
     try:

@@ -200,7 +200,7 @@ def _efficient_mask(c: Call) -> torch.Tensor | None:
 
 
 def attention(card: GpuSpec, c: Call) -> torch.Tensor:
-    """SDPA on `card`'s backend (CUDA autocast's cast of the inputs done by the caller)."""
+    """SDPA on `card`'s backend (inputs as CUDA autocast, where it runs, cast them already: cuda_autocast.py)."""
     backend = choose_backend(card, c)
     if backend == "math":
         return _math(c)

@@ -19,6 +19,7 @@ import torch
 from ..config.loading import from_dict, load_config
 from ..config.schema import Config, Plan, TrainConfig
 from ..errors import BAD_INPUT, ConfigError, ModelFileError, OomtuneError, first_line
+from ..memory.cards import find_gpu
 from ..memory.devices import Device, make_device, resolve_kind
 from ..model_file import ModelFile, load_model_file
 from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, older_intact
@@ -176,10 +177,11 @@ def device_kind(config: Config, kind: str | None) -> str:
 
 def resolve_device(config: Config, kind: str | None, budget: str | None) -> Device:
     """Train where the probe ran unless told otherwise; on the simulated cpu device also in the budget it
-    probed (the memory the plan was found for). On cuda the default budget is the card's free memory (of the
-    GPU torch.cuda.set_device chose: one per rank)."""
+    probed, accounting like the card it probed as (the memory the plan was found for). On cuda the default budget
+    is the card's free memory (of the GPU torch.cuda.set_device chose: one per rank)."""
     kind = device_kind(config, kind)
     found = config.found_by
-    if budget is None and kind == "cpu" and found is not None and found.device == "cpu":
+    probed_here = kind == "cpu" and found is not None and found.device == "cpu"
+    if budget is None and probed_here:
         budget = str(found.budget_bytes)
-    return make_device(kind, budget)
+    return make_device(kind, budget, find_gpu(found.card) if probed_here and found.card else None)
