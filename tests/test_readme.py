@@ -47,8 +47,8 @@ def test_every_oomtune_command_in_the_readme_runs_as_written(tmp_path, monkeypat
     print("skipped (they need a GPU):", skipped)
     # the quickstart's probe is `make demo`'s: its 12 MiB must push tiny_gpt past fp32, or the demo shows no ladder
     demo = load_config(tmp_path / "best.yaml")
-    assert [t.rung for t in demo.found_by.trials][:2] == ["fp32", "fp32"]  # the target, then micro-batch 1
-    assert demo.found_by.trials[0].result != "fits"
+    fp32 = [t for t in demo.found_by.trials if t.rung == "fp32"]
+    assert fp32 and not any(t.micro_batch_size >= 16 and t.result == "fits" for t in fp32)  # fp32 does not hold 16
     assert (demo.plan.precision, demo.plan.global_batch_size) == ("bf16", 16)
     assert all("--device cuda" in c or "--nproc-per-node" in c for c in skipped)  # nothing else may skip
     assert len(skipped) <= 2

@@ -37,6 +37,9 @@ from .options import (
 from .ranks import flags
 from .render import render_search, trial_progress
 
+PriorOpt = Annotated[bool, typer.Option("--prior/--no-prior", help="Estimate on fake tensors first, then certify "
+                                        "each rung's boundary on the device (two trials a rung where the estimate "
+                                        "is right; the search where it is off). --no-prior: the search alone.")]
 ObjectiveOpt = Annotated[str, typer.Option(help="fit: the first rung that fits; throughput: the fastest fitting rung "
                                            "(measures them all).")]
 
@@ -64,6 +67,7 @@ def probe(
     headroom: HeadroomOpt = HEADROOM,
     steps: StepsOpt = TRIAL_STEPS,
     objective: ObjectiveOpt = "fit",
+    prior: PriorOpt = True,
     amp: AmpOpt = "auto",
     levers: LeversOpt = None,
     out_path: OutOpt = Path("best.yaml"),
@@ -105,12 +109,13 @@ def probe(
                                                      device=device, budget=budget, gpu=gpu, headroom=headroom,
                                                      steps=steps,
                                                      objective=objective, amp=amp, levers=levers, out=out_path,
+                                                     no_prior=not prior,
                                                      json=as_json,
                                                      dist_timeout=dist_timeout, debug=debug)])
             return
         dev, dist = probe_on_ranks(device, budget, dist_timeout, rank is not None, gpu)
         options = {"headroom": headroom, "steps": steps, "objective": objective, "amp": amp, "dist": dist,
-                   "levers": allowed}
+                   "levers": allowed, "prior": prior}
         if rank not in (None, 0):  # every rank probes; rank 0 reports and writes the config
             if run_probe(model_file, dev, targets, **options).config is None:
                 raise typer.Exit(1)

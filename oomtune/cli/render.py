@@ -103,7 +103,19 @@ def result_json(result, config_path: Path | None) -> dict:
         "why_nothing_fits": result.why_nothing_fits,
         "divisor_note": divisor_note(result),
         "notes": list(result.notes),
+        "prior": result.prior.to_json() if result.prior is not None else None,
     }
+
+
+def prior_text(prior) -> str:
+    """How the probe's trials were chosen: certified from a fake pre-estimate (its cost apart), or why not."""
+    if prior is None:
+        return ""
+    if prior.missing is not None:
+        return f" (no prior: {prior.missing})"
+    off = f"; prior off, searched instead: {', '.join(prior.fell_back)}" if prior.fell_back else ""
+    return (f" on the device, certified from an estimate on fake tensors ({prior.trials} fake trials, "
+            f"{prior.seconds:.1f} s){off}")
 
 
 def render_search(result, out_path: Path | None, as_json: bool, verb: str, extra_json: dict | None = None,
@@ -125,7 +137,7 @@ def render_search(result, out_path: Path | None, as_json: bool, verb: str, extra
             out.print(f"[bold green]plan:[/] {result.config.plan.describe()}")
             out.print(f"      peak {fmt_bytes(fb.peak_bytes)} of {fmt_bytes(result.limit_bytes)} allowed "
                       f"(budget {fmt_bytes(fb.budget_bytes)}, {fb.headroom:.0%} headroom){tps}; "
-                      f"{len(result.records)} trials")
+                      f"{len(result.records)} trials{prior_text(result.prior)}")
             if fb.host_peak_bytes:
                 out.print(f"      host memory {fmt_bytes(fb.host_peak_bytes)} for the offloaded parts"
                           + (" (estimated: check the machine has it free)" if fb.estimated else ""))

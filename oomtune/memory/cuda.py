@@ -9,6 +9,7 @@ import torch
 
 from ..errors import OomtuneError
 from ..units import format_bytes, parse_budget
+from .cards import GpuSpec, card_for
 from .devices import Device
 from .tracker import MemoryTracker
 
@@ -50,6 +51,11 @@ class CudaDevice(Device):
         self._total = max(device_total, props.total_memory)
         self._cap()
         self._host = MemoryTracker(kind="host")  # counts the pinned host tensors the offload levers make
+
+    def profile(self) -> GpuSpec:
+        """This card's profile: the card table's entry for its name, or one made from what the driver reports."""
+        props = torch.cuda.get_device_properties(self.torch_device)
+        return card_for(props.name, props.total_memory, (props.major, props.minor))
 
     def host_ledger(self) -> MemoryTracker:
         return self._host

@@ -18,9 +18,11 @@ from ..memory.cards import find_gpu
 from ..memory.devices import Device, make_device, resolve_kind
 from ..model_file import ModelFile, eager_note
 from ..units import format_bytes, utc_now
+from .certify import CertifyingSearch
 from .ladder import LadderResult, LadderSearch, Measurement, Objective, Point, Rung, Trial, largest_divisor_at_most
 from .options import LEVERS, Targets, check_search_options
 from .past import PastRungs, past_rungs
+from .prior import PriorReport, run_prior
 from .trial import TrialResult, computing_where_needed, run_trial, settled_objects
 
 
@@ -68,6 +70,7 @@ class ProbeResult:
     budget_bytes: int | None = None  # what the search was given (limit_bytes is this less the headroom)
     notes: tuple[str, ...] = ()  # what the ladder left out, and why
     past: PastRungs | None = None  # the rungs past accumulation it could climb, and the levers it could not use
+    prior: PriorReport | None = None  # the fake pre-estimate the rungs were certified from (None: none was tried)
 
     @property
     def trials_per_rung(self) -> dict[str, int]:
@@ -125,20 +128,51 @@ def check_static_fits(static: StaticMemory, device: Device, limit_bytes: int, he
         )
 
 
+class _Trials:
+    """The probe's trials on its device: each point run (`run(point) -> TrialResult`), recorded as a TrialRecord,
+    and told to the callbacks."""
+
+    def __init__(self, run: Callable[[Point], TrialResult], world: int, on_start: Callable[[Point], None] | None,
+                 on_trial: Callable[[TrialRecord], None] | None):
+        self.run, self.world, self.on_start, self.on_trial = run, world, on_start, on_trial
+        self.records: list[TrialRecord] = []
+        self.seconds: dict[Point, float] = {}
+        self.host: dict[Point, int] = {}
+        self.build: dict[Point, float] = {}
+
+    def measure(self, point: Point) -> Measurement:
+        if self.on_start:
+            self.on_start(point)
+        r = self.run(point)
+        self.seconds[point], self.host[point], self.build[point] = r.seconds, r.host_peak_bytes, r.build_seconds
+        return Measurement(oom=r.oom, peak_bytes=r.peak_bytes, tokens_per_s=r.tokens_per_s,
+                           batch_peak_bytes=r.batch_peak_bytes)
+
+    def collect(self, trial: Trial) -> None:
+        p = trial.point
+        self.records.append(_record(trial, self.seconds.get(p, 0.0), self.world, self.host.get(p, 0),
+                                    self.build.get(p, 0.0)))
+        if self.on_trial:
+            self.on_trial(self.records[-1])
+
+
 def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: float = HEADROOM,
           steps: int = TRIAL_STEPS, objective: Objective = "fit", amp: str = "auto", command: str = "probe",
           on_start: Callable[[Point], None] | None = None,
           on_trial: Callable[[TrialRecord], None] | None = None, dist: Dist = LOCAL,
           sharding: str | None = None, levers: frozenset[str] = frozenset(LEVERS),
           statics: tuple[StaticMemory, StaticMemory] | None = None,
-          trial: Callable[..., TrialResult] = run_trial) -> ProbeResult:
+          trial: Callable[..., TrialResult] = run_trial, prior: bool = True) -> ProbeResult:
     """Climb the ladder with real trials on `device`; every trial runs the training step itself.
 
     On several ranks (`dist`) every rank calls this: each trial runs on all of them, and they agree on its result
     (see run_trial), so every rank climbs the same ladder; the target batch is global (B / ranks per rank). The
     budget is the smallest of the ranks' (each GPU's own free memory), so they probe alike. `statics`: the model's
     static memory and floor (floor_static), where the caller measured them already (estimate). `trial`: what runs
-    one (run_trial's arguments and result; estimate's records each trial's breakdown as it runs)."""
+    one (run_trial's arguments and result; estimate's records each trial's breakdown as it runs).
+
+    `prior`: on one process, on a device other than the fake one, run the same ladder on the fake device first and
+    certify each rung from it (certify.py, prior.py): two device trials a rung where the prior is right."""
     check_search_options(headroom, steps, objective, amp)
     world = dist.world_size
     check_ranks_batch(targets, world)
@@ -150,32 +184,24 @@ def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: 
                                    statics[1] if statics else None)
     check_static_fits(floor, device, limit, headroom, sharded_by)
     notes = measurement_notes(model_file, static, device)
+    report = run_prior(lambda fake: probe(model_file, fake, targets, headroom=headroom, steps=steps,
+                                          objective=objective, amp=amp, command="estimate", levers=levers,
+                                          statics=(static, floor), prior=False), device, model_file.label) \
+        if prior and world == 1 and device.kind != "fake" else None
 
-    seconds: dict[Point, float] = {}
-    host: dict[Point, int] = {}
-    build: dict[Point, float] = {}
-
-    def measure(point: Point) -> Measurement:
-        if on_start:
-            on_start(point)
-        r = trial(model_file, plan_of(point, world), device, steps=steps, dist=dist)
-        seconds[point], host[point], build[point] = r.seconds, r.host_peak_bytes, r.build_seconds
-        return Measurement(oom=r.oom, peak_bytes=r.peak_bytes, tokens_per_s=r.tokens_per_s,
-                           batch_peak_bytes=r.batch_peak_bytes)
-
-    records: list[TrialRecord] = []
-
-    def collect(trial: Trial) -> None:
-        records.append(_record(trial, seconds.get(trial.point, 0.0), world, host.get(trial.point, 0),
-                               build.get(trial.point, 0.0)))
-        if on_trial:
-            on_trial(records[-1])
+    trials = _Trials(lambda point: trial(model_file, plan_of(point, world), device, steps=steps, dist=dist), world,
+                     on_start, on_trial)
+    records, host = trials.records, trials.host
 
     def climb() -> LadderResult:
         records.clear()
-        search = LadderSearch(measure, limit, on_trial=collect)
-        return search.run(rungs, targets.batch // world, targets.context, targets.min_context, objective,
-                          past=past.rungs, accumulation="accumulation" in levers)
+        search = (CertifyingSearch(trials.measure, limit, report.priors, on_trial=trials.collect)
+                  if report and report.priors else LadderSearch(trials.measure, limit, on_trial=trials.collect))
+        ladder = search.run(rungs, targets.batch // world, targets.context, targets.min_context, objective,
+                            past=past.rungs, accumulation="accumulation" in levers)
+        if isinstance(search, CertifyingSearch):
+            report.fell_back = tuple(search.fell_back)
+        return ladder
 
     with settled_objects():  # each trial's garbage collection walks only what the trials made
         ladder, computed = computing_where_needed(device, model_file.label, climb)
@@ -185,22 +211,20 @@ def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: 
         why = why_nothing_fits(ladder, targets, floor if climbed_past else static, limit, world) + \
             no_fsdp_note(no_fsdp)
         return ProbeResult(ladder, records, static, targets, limit, None, why, world, device.budget_bytes, notes,
-                           past=past)
+                           past=past, prior=report)
     c = ladder.choice
-    plan = plan_of(Point(c.rung, c.micro_batch_size, c.context_length, c.grad_accum_steps), world)
+    chosen = Point(c.rung, c.micro_batch_size, c.context_length, c.grad_accum_steps)
     found = FoundBy(
         command=command, estimated=device.kind == "fake", device=device.kind, gpu_name=device.name,
         budget_bytes=device.budget_bytes, headroom=headroom, objective=objective,
         target_batch=targets.batch, target_context=targets.context, min_context=targets.min_context,
         peak_bytes=c.peak_bytes or 0, tokens_per_s=round(c.tokens_per_s, 1) if c.tokens_per_s else None,
         torch_version=str(torch.__version__), cuda_version=torch.version.cuda, oomtune_version=__version__,
-        date=utc_now(), trials=tuple(records), notes=notes,
-        host_peak_bytes=host.get(Point(c.rung, c.micro_batch_size, c.context_length, c.grad_accum_steps)) or None,
-        card=device.card.aliases[0] if device.card is not None else None,
-    )
-    config = Config(model=str(model_file.path), plan=plan, found_by=found)
+        date=utc_now(), trials=tuple(records), notes=notes, host_peak_bytes=host.get(chosen) or None,
+        card=device.card.aliases[0] if device.card is not None else None)
+    config = Config(model=str(model_file.path), plan=plan_of(chosen, world), found_by=found)
     return ProbeResult(ladder, records, static, targets, limit, config, world_size=world, notes=notes,
-                       budget_bytes=device.budget_bytes, past=past)
+                       budget_bytes=device.budget_bytes, past=past, prior=report)
 
 
 def all_rungs(model_file: ModelFile, device: Device, amp: str, static: StaticMemory, world: int,

@@ -115,10 +115,11 @@ def test_a_breakdown_that_does_not_add_up_is_rejected_and_old_configs_load_witho
 # -- estimate ------------------------------------------------------------------------------------
 
 def test_estimate_on_fake_climbs_the_same_ladder_as_probe_on_cpu(write_model):
-    """Same accountant: with no margin, the fake device's ladder is the cpu device's, trial for trial."""
+    """Same accountant: with no margin, the fake device's ladder is the cpu device's, trial for trial (the probe's
+    own search: no prior, which would be this very estimate)."""
     mf = load_model_file(write_model(WIDE_MODEL.format(width=32)))
     targets = resolve_targets(mf, None, None, None)
-    on_cpu = probe(mf, CpuDevice("300KiB"), targets)
+    on_cpu = probe(mf, CpuDevice("300KiB"), targets, prior=False)
     est = estimate(mf, FakeDevice("300KiB", margin=NO_MARGIN), targets)
     seen = lambda records: [(r.rung, r.micro_batch_size, r.context_length, r.grad_accum_steps, r.result,  # noqa: E731
                              r.peak_bytes) for r in records]

@@ -203,7 +203,7 @@ def test_what_nothing_fitting_says_names_what_happened_and_only_levers_that_appl
     classic = ("--levers", "amp,checkpointing,accumulation")  # (past accumulation: tests/levers)
     # allowed: under 0.9 x either peak; the budget holds it
     over = run_cli("probe", model, "--device", "cpu", "--budget", str(int(peak * 1.5)), "--headroom", "0.5",
-                   "--out", tmp_path / "a.yaml", "--json", *classic)
+                   "--out", tmp_path / "a.yaml", "--json", "--no-prior", *classic)
     assert over.exit_code == 1, over.output
     report = json.loads(over.stdout)
     assert {t["result"] for t in report["trials"] if t["micro_batch_size"] == 1} == {"over-headroom"}  # it ran, but

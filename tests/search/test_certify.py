@@ -1,0 +1,106 @@
+"""The probe that starts from the estimate (search/certify.py), torch-free: the exact sizes it tries against a
+device whose memory is a line in the micro-batch, with a prior that is right, off by a constant, off by a
+proportion, and wrong enough to fall back."""
+
+from __future__ import annotations
+
+import pytest
+
+from oomtune.search.certify import CertifyingSearch, RungPrior
+from oomtune.search.ladder import LadderSearch, Measurement, Point, Rung
+
+FP32 = Rung("fp32", "fp32", False)
+LIMIT, BUDGET = 1000, 1100  # a trial fits at a peak <= LIMIT; past BUDGET it runs out of memory
+
+
+def fake_peak(b: int) -> int:
+    return 100 + 10 * b  # the estimate's line: micro-batch 90 fits the limit exactly, 91 does not
+
+
+def prior(context: int = 64) -> RungPrior:
+    """What the estimate measured on the way to 90 (the sizes its own search ran)."""
+    return RungPrior(context, 90, tuple((b, fake_peak(b)) for b in (1, 16, 90, 91)))
+
+
+def device(peak, context_cap: int = 64):
+    """measure(): the device's peak as a function of the micro-batch; micro-batch 1 runs out past context_cap."""
+    def measure(point: Point) -> Measurement:
+        if point.context_length > context_cap:
+            return Measurement(oom=True)
+        p = peak(point.micro_batch_size)
+        return Measurement(oom=True) if p > BUDGET else Measurement(oom=False, peak_bytes=p)
+    return measure
+
+
+def run(peak, rung_prior: RungPrior | None, batch: int = 256, context: int = 64, min_context: int = 64,
+        context_cap: int = 64):
+    search = CertifyingSearch(device(peak, context_cap), LIMIT, {FP32: rung_prior} if rung_prior else {})
+    result = search.search_rung(FP32, batch, context, min_context)
+    tried = [(t.point.micro_batch_size, t.point.context_length, t.stage, t.result) for t in search.trials]
+    return result, tried, search.fell_back
+
+
+def test_a_right_prior_is_certified_in_two_trials():
+    result, tried, fell_back = run(fake_peak, prior())
+    assert tried == [(90, 64, "prior", "fits"), (91, 64, "verify", "over-headroom")]
+    assert (result.context_length, result.micro_batch_size, result.trials, fell_back) == (64, 90, 2, [])
+
+
+def test_a_prior_off_by_a_constant_is_corrected_from_the_measured_point():
+    """The device adds 50 bytes the estimate cannot see: 90 goes over, its offset predicts 85 exactly."""
+    result, tried, _ = run(lambda b: fake_peak(b) + 50, prior())
+    assert tried == [(90, 64, "prior", "over-headroom"), (85, 64, "corrected", "fits"),
+                     (86, 64, "verify", "over-headroom")]
+    assert result.micro_batch_size == 85
+
+
+def test_a_prior_off_by_a_proportion_is_corrected_with_a_line_through_two_offsets():
+    """20% more than the estimate: 90 runs out of memory outright, leaving no peak, so the next size assumes the
+    prior as far off as it may be (25%: 70), which fits, and so does 71; the line through the offsets at 70 and 71 is
+    the device's own, and predicts 73 exactly."""
+    result, tried, fell_back = run(lambda b: fake_peak(b) * 6 // 5, prior())
+    assert tried == [(90, 64, "prior", "oom"), (70, 64, "corrected", "fits"), (71, 64, "verify", "fits"),
+                     (73, 64, "corrected", "fits"), (74, 64, "verify", "over-headroom")]
+    assert (result.micro_batch_size, fell_back) == (73, [])
+    assert max(b for b in range(1, 257) if fake_peak(b) * 6 // 5 <= LIMIT) == 73  # the truth
+
+
+def test_a_prior_wrong_enough_falls_back_to_the_search_which_keeps_what_ran():
+    """60% over the estimate: 90 runs out of memory, and so does 70, where a prior 25% off would have fit: not a
+    shifted line but another shape of memory. The rung is searched as without a prior, knowing those two trials,
+    and finds the truth."""
+    peak = lambda b: fake_peak(b) * 8 // 5  # noqa: E731
+    result, tried, fell_back = run(peak, prior())
+    assert tried[:2] == [(90, 64, "prior", "oom"), (70, 64, "corrected", "oom")] and fell_back == ["fp32"]
+    assert {t[2] for t in tried[2:]} <= {"target", "context", "batch", "verify"}  # the search's own stages
+    assert len({t[:2] for t in tried}) == len(tried)  # no size ran twice
+    assert result.micro_batch_size == max(b for b in range(1, 257) if peak(b) <= LIMIT) == 52
+    plain = LadderSearch(device(peak), LIMIT)
+    assert plain.search_rung(FP32, 256, 64, 64).micro_batch_size == 52
+
+
+def test_a_first_peak_far_off_falls_back_at_once():
+    """The device's first peak 40% under the estimate's: the prior is not describing this device."""
+    result, tried, fell_back = run(lambda b: fake_peak(b) * 3 // 5, prior())
+    assert tried[0] == (90, 64, "prior", "fits") and fell_back == ["fp32"]
+    assert result.micro_batch_size == 156
+
+
+def test_a_prior_that_cut_the_context_is_certified_by_the_next_context_not_fitting():
+    """The estimate found context 48 (of 64, at least 16): micro-batch 1 at 52, the next the search could pick, must
+    not fit; then the batch at 48 as before."""
+    result, tried, _ = run(fake_peak, prior(context=48), context=64, min_context=16, context_cap=48)
+    assert tried == [(1, 52, "prior", "oom"), (90, 48, "prior", "fits"), (91, 48, "verify", "over-headroom")]
+    assert (result.context_length, result.micro_batch_size) == (48, 90)
+
+
+def test_a_prior_that_fits_nothing_is_certified_by_one_trial():
+    result, tried, _ = run(fake_peak, RungPrior(None, None), context_cap=0)
+    assert tried == [(1, 64, "prior", "oom")] and not result.found
+
+
+@pytest.mark.parametrize("target", [90, 60])
+def test_the_target_batch_needs_no_next_size(target):
+    """A prior of the whole target batch (here capped by it): it fits, and there is no larger size to try."""
+    result, tried, _ = run(fake_peak, RungPrior(64, target, prior().peaks), batch=target)
+    assert tried == [(target, 64, "prior", "fits")] and result.micro_batch_size == target
