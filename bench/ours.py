@@ -8,9 +8,11 @@ from collections import Counter
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 
+import oomtune.search.prior
 import oomtune.search.probe
 import oomtune.search.trial
-from oomtune.memory.devices import CpuDevice
+from oomtune.memory.devices import CpuDevice, FakeDevice
+from oomtune.memory.margin import Margin
 from oomtune.model_file import ModelFile
 from oomtune.search.options import resolve_targets
 from oomtune.search.probe import ProbeResult, probe
@@ -26,7 +28,8 @@ def counting_steps() -> Iterator[Counter]:
     step = oomtune.search.trial.train_step
 
     def counted(t, micro_batches):
-        counts[(t.plan.precision, t.plan.activation_checkpointing, t.plan.grad_accum_steps > 1)] += 1
+        if t.device.kind != "fake":  # the prior's estimate runs on the fake device: not the device's steps
+            counts[(t.plan.precision, t.plan.activation_checkpointing, t.plan.grad_accum_steps > 1)] += 1
         return step(t, micro_batches)
 
     oomtune.search.trial.train_step = counted
@@ -79,15 +82,31 @@ class OursResult:
         return sum(t.seconds for t in self.probe.records if t.rung == name and t.grad_accum_steps == 1)
 
 
+@contextlib.contextmanager
+def hidden_from_the_prior() -> Iterator[None]:
+    """The prior's fake device without the cpu device's margin: the margin stands for memory the estimate cannot
+    see (a fixed part and a proportion), which the probe's certification must correct for. Restored on exit."""
+    make = oomtune.search.prior.prior_device
+    oomtune.search.prior.prior_device = lambda device: FakeDevice(f"{device.budget_bytes}B", margin=Margin())
+    try:
+        yield
+    finally:
+        oomtune.search.prior.prior_device = make
+
+
 def run_oomtune(model_file: ModelFile, batch: int, context: int, budget: str, objective: str = "fit",
-                headroom: float = 0.0, rungs: Collection[str] | None = None) -> OursResult:
-    """`oomtune probe MODEL --device cpu --budget BUDGET --batch B --context T --headroom H --objective O`,
-    on the rungs named in `rungs` only (None: the whole ladder; see `only_rungs`)."""
-    device = CpuDevice(budget)
+                headroom: float = 0.0, rungs: Collection[str] | None = None, prior: bool = False,
+                hidden: Margin | None = None) -> OursResult:
+    """`oomtune probe MODEL --device cpu --budget BUDGET --batch B --context T --headroom H --objective O
+    [--no-prior]`, on the rungs named in `rungs` only (None: the whole ladder; see `only_rungs`). `hidden`: memory
+    the cpu device counts on top of its tensors (its margin) and the prior's estimate does not see."""
+    device = CpuDevice(budget, margin=hidden)
     targets = resolve_targets(model_file, batch, context, None)
-    with counting_steps() as counts, only_rungs(rungs):
+    hiding = hidden_from_the_prior() if hidden is not None else contextlib.nullcontext()
+    with counting_steps() as counts, only_rungs(rungs), hiding:
         start = time.perf_counter()
-        result = probe(model_file, device, targets, headroom=headroom, steps=STEPS_PER_TRIAL, objective=objective)
+        result = probe(model_file, device, targets, headroom=headroom, steps=STEPS_PER_TRIAL, objective=objective,
+                       prior=prior)
         seconds = time.perf_counter() - start
     steps = {}
     for r in result.ladder.rungs:

@@ -120,7 +120,8 @@ def bench_budget(case: Case, mf, table: PeakTable, budget: str) -> dict:
     out["truth_boundary_verified"] = verify_boundary(mf, table, "fp32", budget)
 
     log(f"{case.name} B={case.batch} {budget}: oomtune " + ("(fit, throughput)" if case.ladder else "(fp32 rung)"))
-    fit = run_oomtune(mf, case.batch, case.context, budget, "fit", HEADROOM, rungs=None if case.ladder else ["fp32"])
+    only = None if case.ladder else ["fp32"]
+    fit = run_oomtune(mf, case.batch, case.context, budget, "fit", HEADROOM, rungs=only)
     thr = run_oomtune(mf, case.batch, case.context, budget, "throughput", HEADROOM) if case.ladder else None
     fp32 = fit.rung("fp32")
     out["first_line"] = first_line(fit.probe, table, truth)
@@ -137,6 +138,11 @@ def bench_budget(case: Case, mf, table: PeakTable, budget: str) -> dict:
         rows.append(_peer_row(run_lightning(mf, case.context, budget, mode), truth, table, limit))
     rows.append({"contender": "exhaustive", "trials": case.batch, "steps": table.search_steps["fp32"],
                  "seconds": round(table.search_seconds("fp32"), 2), "found": truth, "ratio": 1.0})
+    log(f"{case.name} B={case.batch} {budget}: oomtune from the estimate (prior)")
+    out["prior"] = prior_runs(mf, case, budget, fit, only)
+    row = out["prior"]["fp32"]
+    rows.insert(1, {"contender": "oomtune-prior", **row, "ratio": _ratio(row["found"], truth),
+                    "seconds": round(row["seconds_rung"] + (row["prior"] or {}).get("fake_seconds", 0), 2)})
     out["batch_search"] = rows
 
     # cpu (oomtune's trials) against fake (the table): every fitting trial's peak, to the byte
@@ -159,6 +165,47 @@ def bench_budget(case: Case, mf, table: PeakTable, budget: str) -> dict:
                                 "trials": len(thr.probe.records), "steps": thr.steps,
                                 "seconds": round(thr.seconds, 2),
                                 "candidates": [_plan_json(p) for _, p in table.fitting_plans(limit)]}
+    return out
+
+
+# what the cpu device counts on top of its tensors, unseen by the prior's estimate: a fixed part and a proportion
+HIDDEN = ((512 << 10, 0.05), (2 << 20, 0.10))
+
+
+def _probe_summary(run, rung: str | None = None) -> dict:
+    """Device trials (all, and per searched rung), answers per rung, seconds (the prior's estimate included), and
+    what the prior cost and did; `rung`: that rung's row (trials, steps, seconds, found) for the batch tables."""
+    p = run.probe
+    rungs = {r.rung.name: r.micro_batch_size for r in p.ladder.rungs}
+    out = {"device_trials": len(p.records), "rungs_searched": len(p.ladder.rungs),
+           "trials_per_rung": round(len(p.records) / max(len(p.ladder.rungs), 1), 2), "answers": rungs,
+           "seconds": round(run.seconds, 2), "plan": _plan_json(p.config.plan if p.config else None),
+           "prior": p.prior.to_json() if p.prior is not None else None}
+    if rung is not None:
+        r = run.rung(rung)
+        out |= {"trials": r.trials, "steps": run.steps_per_rung[rung], "found": r.micro_batch_size,
+                "attempts": [[t.micro_batch_size, t.result == "fits"] for t in p.records
+                             if t.rung == rung and t.grad_accum_steps == 1],
+                "stages": [t.stage for t in p.records if t.rung == rung and t.grad_accum_steps == 1]}
+    return out
+
+
+def prior_runs(mf, case: Case, budget: str, no_prior, only) -> dict:
+    """oomtune with the prior next to without it (`no_prior`, already run); on the realistic cases, both again on a
+    cpu device with memory the estimate cannot see (HIDDEN)."""
+    from oomtune.memory.margin import Margin
+
+    with_prior = run_oomtune(mf, case.batch, case.context, budget, "fit", HEADROOM, rungs=only, prior=True)
+    out = {"fp32": _probe_summary(with_prior, "fp32") | {"seconds_rung": round(with_prior.rung_seconds("fp32"), 2)},
+           "with": _probe_summary(with_prior), "without": _probe_summary(no_prior), "hidden": []}
+    if case.ladder:
+        return out
+    for fixed, pct in HIDDEN:
+        hidden = Margin(fixed, pct)
+        runs = [run_oomtune(mf, case.batch, case.context, budget, "fit", HEADROOM, rungs=only, prior=p,
+                            hidden=hidden) for p in (False, True)]
+        out["hidden"].append({"hidden": hidden.describe(), "without": _probe_summary(runs[0]),
+                              "with": _probe_summary(runs[1])})
     return out
 
 

@@ -6,10 +6,15 @@ priority order: flash, then memory-efficient, then math) from the inputs' dtype,
 the card's compute capability (`choose_backend`). The three keep very different memory for backward:
 
 - flash saves the output and a (B, H, T) fp32 logsumexp; its backward allocates softmax_d (B, H, T128) fp32 and
-  dq_accum (B, T128, H, D32) fp32 besides the gradients;
-- efficient saves the output, a (B, H, T32) fp32 logsumexp and the mask (as a float tensor); its backward allocates
-  delta (B, H, T) fp32 and, for fp16/bf16, a (B, H, T, D) fp32 accumulator for grad_q;
+  dq_accum (B, T128, H, D32) fp32 besides the gradients; a head dim that is not a multiple of 8 is padded (copies
+  of q, k, v, an output and gradients stored padded);
+- efficient saves the output, a (B, H, T32) fp32 logsumexp and the mask (a float tensor of q's dtype; copied with
+  its last dim padded to 8 where its strides are not aligned to 8); its backward allocates delta (B, H, T) fp32 and
+  a (B, H, T, D) fp32 accumulator for grad_q (kernel_backward.h's kNeedsAccumGradQ: fp16/bf16, or keys split
+  across blocks, sm70 and newer);
 - math saves softmax(QK^T), (B, H, T, T), and whatever else its ops save (fp16/bf16 inputs computed in fp32).
+
+torch.backends.cuda's switches (sdpa_kernel) turn backends off as on CUDA.
 
 (T128, T32: T rounded up to a multiple of 128, 32; D32: the head dim rounded up to 32, 256 past 192; from the
 kernels' allocations in attention.cu / attention_backward.cu and flash-attention's mha_bwd.)
@@ -17,8 +22,9 @@ kernels' allocations in attention.cu / attention_backward.cu and flash-attention
 The math backend is PyTorch's own composite (`_scaled_dot_product_attention_math`), run as is. For flash and
 efficient, `_FusedAttention` computes the values the CPU's way without counting them (tracker.untracked), then
 counts exactly what the CUDA kernel allocates: the output, its logsumexp, the gradients and the scratch.
-cuDNN attention (which PyTorch prefers on sm90/sm100 with cuDNN newer than 9.15) keeps the output and a
-(B, H, T, 1) fp32 statistic, as flash does: it is taken as flash.
+cuDNN attention (which PyTorch prefers on sm90/sm100 with cuDNN newer than 9.15, a version the user's install
+decides) is never chosen: where it would run, flash keeps what it keeps (the output and a (B, H, T, 1) fp32
+statistic); where flash is refused (a mask), the efficient kernel is taken.
 """
 
 from __future__ import annotations
@@ -58,12 +64,14 @@ def _in(cc: tuple[int, int], lo: tuple[int, int], hi: tuple[int, int]) -> bool:
 
 
 def _dense_ok(c: Call, gqa_ok: bool) -> bool:
-    """The checks flash and efficient share: 4-d inputs, non-empty sequences, unit last stride, one batch size,
-    heads equal (or grouped, with enable_gqa)."""
+    """The checks flash and efficient share: 4-d inputs, non-empty sequences, unit last stride (the mask's too, on a
+    GPU), one batch size, heads equal (or grouped, with enable_gqa)."""
     q, k, v = c.q, c.k, c.v
     if not (q.dim() == k.dim() == v.dim() == 4):
         return False
     if 0 in (q.shape[2], k.shape[2], v.shape[2]) or any(t.stride(-1) != 1 for t in (q, k, v)):
+        return False
+    if c.mask is not None and c.mask.shape[-1] > 1 and c.mask.stride(-1) != 1:
         return False
     if not (q.shape[0] == k.shape[0] == v.shape[0]):
         return False
@@ -75,7 +83,7 @@ def _dense_ok(c: Call, gqa_ok: bool) -> bool:
 
 def can_use_flash(card: GpuSpec, c: Call) -> bool:
     cc, d = card.compute_capability, c.q.shape[-1]
-    if c.mask is not None or not _dense_ok(c, gqa_ok=True):
+    if not torch.backends.cuda.flash_sdp_enabled() or c.mask is not None or not _dense_ok(c, gqa_ok=True):
         return False
     if not (c.q.shape[-1] == c.k.shape[-1] == c.v.shape[-1] and d <= 256):
         return False
@@ -96,7 +104,8 @@ def gemm_alignment(cc: tuple[int, int], half: bool) -> int:
 
 def can_use_efficient(card: GpuSpec, c: Call) -> bool:
     cc = card.compute_capability
-    if not _in(cc, (5, 0), (12, 1)) or not _dense_ok(c, gqa_ok=True):
+    if not torch.backends.cuda.mem_efficient_sdp_enabled() or not _in(cc, (5, 0), (12, 1)) \
+            or not _dense_ok(c, gqa_ok=True):
         return False
     dtypes = (torch.float16, torch.float32, torch.bfloat16) if cc >= (8, 0) else (torch.float16, torch.float32)
     if c.q.dtype not in dtypes:
@@ -109,11 +118,15 @@ def can_use_efficient(card: GpuSpec, c: Call) -> bool:
 
 
 def choose_backend(card: GpuSpec, c: Call) -> str:
-    """flash | efficient | math, as PyTorch's select_sdp_backend would pick on `card` (default priority order)."""
+    """flash | efficient | math, as PyTorch's select_sdp_backend would pick on `card` (default priority order; the
+    backends torch.backends.cuda's switches, sdpa_kernel, turned off are skipped as on CUDA)."""
     if can_use_flash(card, c):
         return "flash"
     if can_use_efficient(card, c):
         return "efficient"
+    if not torch.backends.cuda.math_sdp_enabled():
+        raise RuntimeError("No available kernel. Aborting execution. (as CUDA would say on "
+                           f"{card.name}: the math backend is turned off and no fused one takes these inputs)")
     return "math"
 
 
@@ -128,8 +141,11 @@ def _lse_shape(backend: str, q: torch.Tensor, needs_grad: bool) -> tuple[int, ..
     return (b, h, _round(t, 32) if needs_grad else 0)
 
 
-def _scratch(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> list[torch.Tensor]:
-    """What the backward kernel allocates besides the gradients, for the length of the kernel."""
+def _scratch(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             split_keys: bool) -> list[torch.Tensor]:
+    """What the backward kernel allocates besides the gradients, for the length of the kernel. `split_keys`: the
+    efficient kernel accumulates grad_q in fp32 (kNeedsAccumGradQ: fp16/bf16 outputs, or keys split across blocks,
+    which sm70 and newer do)."""
     b, h, t, d = q.shape
     f32 = {"dtype": torch.float32, "device": q.device}
     if backend == "flash":
@@ -140,37 +156,51 @@ def _scratch(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) ->
                     torch.empty(b, v.shape[2], h, v.shape[-1], dtype=v.dtype, device=v.device)]
         return out
     out = [torch.empty(b, h, t, **f32)]
-    if q.dtype in _HALF:
+    if q.dtype in _HALF or split_keys:
         out.append(torch.empty(b, h, t, d, **f32))
     return out
 
 
 def _math(c: Call) -> torch.Tensor:
+    gqa = {"enable_gqa": True} if c.gqa else {}  # (a keyword torch 2.4's math backend has not got)
     return torch.ops.aten._scaled_dot_product_attention_math(
-        c.q, c.k, c.v, c.mask, c.dropout, c.causal, None, scale=c.scale, enable_gqa=c.gqa)[0]
+        c.q, c.k, c.v, c.mask, c.dropout, c.causal, None, scale=c.scale, **gqa)[0]
+
+
+def _padded(t: torch.Tensor) -> torch.Tensor:
+    """The flash kernel's copy of q, k, v or the output gradient with the head dim padded to a multiple of 8."""
+    return F.pad(t, (0, _round(t.shape[-1], 8) - t.shape[-1]))
 
 
 class _FusedAttention(torch.autograd.Function):
     """A flash or efficient kernel's memory with the CPU's values: see the module doc. It holds tensors only through
-    save_for_backward, so saved-tensor hooks (the offload-activations lever) see all of them."""
+    save_for_backward, so saved-tensor hooks (the offload-activations lever) see all of them. Flash pads a head dim
+    that is not a multiple of 8: padded copies of q, k, v for the kernel's length, an output and gradients stored
+    padded (what is returned is their unpadded view)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, backend: str, options: tuple, needs_grad: bool):
-        ctx.backend, ctx.options = backend, options  # (dropout, causal, scale, gqa)
+    def forward(ctx, q, k, v, mask, backend: str, options: tuple, needs_grad: bool, split_keys: bool):
+        ctx.backend, ctx.options, ctx.split_keys = backend, options, split_keys  # options: (dropout, causal, ...)
         ctx.rng = torch.get_rng_state() if options[0] else None
+        pad = backend == "flash" and q.shape[-1] % 8 != 0
+        copies = [_padded(t) for t in (q, k, v)] if pad else []  # the kernel's inputs, freed once it returns
         with untracked():
             out = _math(Call(q, k, v, mask, *options)).detach()
-        adopt(out)
+            stored = _padded(out) if pad else out
+        adopt(stored)
         lse = torch.empty(_lse_shape(backend, q, needs_grad), dtype=torch.float32, device=q.device)
+        del copies
         # the output's storage last, returned as a tensor of its own: checkpointing's recomputation packs a tensor
         # that aliases the output last, and compares the saved tensors in order
-        ctx.save_for_backward(q, k, v, mask, lse, out)
-        return out.detach()
+        ctx.save_for_backward(q, k, v, mask, lse, stored)
+        return stored[..., :out.shape[-1]].detach()
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, mask, _, _ = ctx.saved_tensors  # (lse, out: kept for their memory)
-        scratch = _scratch(ctx.backend, q, k, v)
+        pad = ctx.backend == "flash" and q.shape[-1] % 8 != 0
+        scratch = _scratch(ctx.backend, q, k, v, ctx.split_keys)
+        scratch += [_padded(t) for t in (q, k, v, dout)] if pad else []
         with untracked(), torch.enable_grad(), torch.random.fork_rng(devices=[], enabled=ctx.rng is not None):
             if ctx.rng is not None:
                 torch.set_rng_state(ctx.rng)  # the forward's dropout mask again
@@ -178,24 +208,27 @@ class _FusedAttention(torch.autograd.Function):
             wanted = [t for t in ins if t is not None and t.requires_grad]
             out = _math(Call(*ins, *ctx.options))
             grads = iter(torch.autograd.grad(out, wanted, dout) if wanted else ())
-        result = [next(grads) if t is not None and t.requires_grad else None for t in ins]
-        adopt(*[g for g in result if g is not None])
+            result = [next(grads) if t is not None and t.requires_grad else None for t in ins]
+            stored = [_padded(g) if pad and g is not None and i < 3 else g for i, g in enumerate(result)]
+        adopt(*[g for g in stored if g is not None])
         del scratch
-        return (*result, None, None, None)
+        result = [None if g is None else g[..., :r.shape[-1]] for g, r in zip(stored, result, strict=True)]
+        return (*result, None, None, None, None)
 
 
 def _efficient_mask(c: Call) -> torch.Tensor | None:
-    """The mask as the efficient kernel takes it: a boolean one as an additive float mask of q's dtype, and the
-    last dim padded to a multiple of 16 (preprocess_mask), both new tensors."""
+    """The mask as the efficient kernel takes it (preprocess_mask): a boolean one as an additive float mask of q's
+    dtype, a new tensor; one whose strides are not aligned to 8 elements (or whose last stride is not 1) copied with
+    the last dim padded to a multiple of 8, of which a view of the unpadded part is used."""
     mask = c.mask
     if mask is None:
         return None
     if mask.dtype == torch.bool:
         zero, ninf = (torch.full((), x, dtype=c.q.dtype, device=mask.device) for x in (0.0, -math.inf))
         mask = torch.where(mask, zero, ninf)
-    last = mask.shape[-1]
-    if last % 16:
-        mask = F.pad(mask, (0, _round(last, 16) - last))[..., :last]
+    if mask.stride(-1) != 1 or any(s % 8 for s in mask.stride()[:-1]):
+        last = mask.shape[-1]
+        mask = F.pad(mask, (0, _round(last, 8) - last))[..., :last]
     return mask
 
 
@@ -205,4 +238,5 @@ def attention(card: GpuSpec, c: Call) -> torch.Tensor:
     if backend == "math":
         return _math(c)
     mask = _efficient_mask(c) if backend == "efficient" else None
-    return _FusedAttention.apply(c.q, c.k, c.v, mask, backend, (c.dropout, c.causal, c.scale, c.gqa), c.needs_grad)
+    return _FusedAttention.apply(c.q, c.k, c.v, mask, backend, (c.dropout, c.causal, c.scale, c.gqa), c.needs_grad,
+                                 card.compute_capability >= (7, 0))

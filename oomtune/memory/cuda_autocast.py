@@ -8,7 +8,8 @@ Inside `cuda_autocast()` the AutocastCPU dispatch key runs CUDA's policy instead
 casts that CUDA's lists do not is made a fallthrough (left alone, as on CUDA). Nothing changes outside.
 
 The kernels run where CUDA's do, above autograd, so a cast is recorded by autograd and the cast tensor is what a
-backward saves. Lower-precision casts of fp32 leaf tensors that require grad (the weights) are cached until the
+backward saves. (softmax of fp16 into fp32 then runs as CUDA's one fused kernel: cuda_kernels.py.) Lower-precision
+casts of fp32 leaf tensors that require grad (the weights) are cached until the
 outermost autocast region exits, as CUDA's cached_cast does: those are the "autocast weight copies".
 
 The lists are PyTorch's CUDA lists (AT_FORALL_LOWER_PRECISION_FP, AT_FORALL_FP32, AT_FORALL_FP32_SET_OPT_DTYPE,
@@ -25,8 +26,6 @@ from collections.abc import Iterator
 
 import torch
 from torch._C import DispatchKey, DispatchKeySet
-
-from .tracker import adopt, untracked
 
 LISTS_FROM = "2.13.0"
 
@@ -101,6 +100,14 @@ class _Casts:
         return x.to(to)
 
 
+def _exists(name: str) -> bool:
+    try:
+        overload(name)
+    except AttributeError:
+        return False
+    return True
+
+
 def _eligible(x) -> bool:
     return isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != torch.float64 \
         and x.device.type == "cpu"
@@ -141,41 +148,9 @@ def _kernel(name: str, policy: str, casts: _Casts):
                         args = (*args[:dtype_at], torch.float32, *args[dtype_at + 1:])
                 elif kwargs.get("dtype") is None:
                     kwargs = {**kwargs, "dtype": torch.float32}
-                if name in _HALF_TO_FLOAT and args[0].dtype == torch.float16:
-                    dtype = args[dtype_at] if len(args) > dtype_at else kwargs.get("dtype")
-                    if dtype == torch.float32:  # CUDA's fused kernel: no fp32 copy of the input
-                        return _HalfToFloat.apply(args[0], args[1], name == "log_softmax.int")
             return op(*args, **kwargs)
 
     return kernel
-
-
-_HALF_TO_FLOAT = ("softmax.int", "log_softmax.int")
-
-
-class _HalfToFloat(torch.autograd.Function):
-    """softmax / log_softmax of an fp16 tensor into fp32 as CUDA runs it (aten/native/SoftMax.cpp): one kernel that
-    reads fp16 and writes fp32, `_softmax(x, dim, half_to_float=True)`, where the CPU first makes an fp32 copy of
-    the input (and its backward an fp32 gradient before the fp16 one). The values are the CPU's; what is counted
-    is the CUDA kernel's: the fp32 output (saved for backward), and in backward the fp16 gradient alone."""
-
-    @staticmethod
-    def forward(ctx, x, dim: int, log: bool):
-        with untracked():
-            out = (torch.ops.aten._log_softmax if log else torch.ops.aten._softmax)(x.float(), dim, False)
-        adopt(out)
-        ctx.dim, ctx.log = dim, log
-        ctx.save_for_backward(out)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        (out,) = ctx.saved_tensors
-        backward = torch.ops.aten._log_softmax_backward_data if ctx.log else torch.ops.aten._softmax_backward_data
-        with untracked():
-            grad_in = backward(grad, out, ctx.dim, torch.float32).to(torch.float16)
-        adopt(grad_in)
-        return grad_in, None, None
 
 
 @contextlib.contextmanager
@@ -189,16 +164,17 @@ def cuda_autocast() -> Iterator[None]:
         clear()
         casts.clear()
 
-    with warnings.catch_warnings():  # "Overriding a previously registered kernel": that is the point
-        warnings.simplefilter("ignore")
-        for name, policy in POLICIES.items():
-            lib.impl(name, _kernel(name, policy, casts), "AutocastCPU")
-        cpu_only = {r.removeprefix("aten::") for r in torch._C._dispatch_get_registrations_for_dispatch_key(
-            "AutocastCPU") if r.startswith("aten::")} - set(POLICIES)
-        for name in sorted(cpu_only):
-            lib.impl(name, torch.library.fallthrough_kernel, "AutocastCPU")
-    torch.clear_autocast_cache = clear_both  # torch.autocast.__exit__ calls it when the outermost region exits
     try:
+        with warnings.catch_warnings():  # "Overriding a previously registered kernel": that is the point
+            warnings.simplefilter("ignore")
+            for name, policy in POLICIES.items():
+                if _exists(name):  # (an op an older torch has not got: nothing to cast)
+                    lib.impl(name, _kernel(name, policy, casts), "AutocastCPU")
+            cpu_only = {r.removeprefix("aten::") for r in torch._C._dispatch_get_registrations_for_dispatch_key(
+                "AutocastCPU") if r.startswith("aten::")} - set(POLICIES)
+            for name in sorted(cpu_only):
+                lib.impl(name, torch.library.fallthrough_kernel, "AutocastCPU")
+        torch.clear_autocast_cache = clear_both  # torch.autocast.__exit__ calls it when the outermost region exits
         yield
     finally:
         torch.clear_autocast_cache = clear

@@ -1,11 +1,14 @@
 """The kernels a CUDA card runs where the CPU runs others that keep different memory, on the cpu and fake devices.
 
-Two ops choose their kernel by device, in code the simulated devices would otherwise follow the CPU's way through:
+Three ops choose their kernel by device, in code the simulated devices would otherwise follow the CPU's way through:
 
 - scaled_dot_product_attention: a flash, memory-efficient or math kernel, by the card's rules (cuda_attention.py);
 - dropout: on CUDA the fused `native_dropout`, whose backward keeps a bool mask (1 byte an element); on the CPU
   `input * noise`, which keeps a float noise tensor of the input's dtype (4 bytes an element in fp32). PyTorch's
-  at::dropout takes the fused kernel for CUDA inputs with 0 < p < 1 (is_fused_kernel_acceptable).
+  at::dropout takes the fused kernel for CUDA inputs with 0 < p < 1 (is_fused_kernel_acceptable);
+- softmax and log_softmax of an fp16 tensor into fp32 (autocast's fp32 softmax of fp16 scores, or dtype=float32
+  given): on CUDA one kernel that reads fp16 and writes fp32; on the CPU an fp32 copy of the input first
+  (aten/native/SoftMax.cpp).
 
 Both are registered on the AutogradCPU dispatch key while `cuda_kernels(card)` is active: below autocast (CUDA
 autocast's casts come first, cuda_autocast.py), above autograd (their own backward), and reached from every caller,
@@ -21,6 +24,7 @@ import torch
 
 from .cards import GpuSpec
 from .cuda_attention import Call, attention
+from .tracker import adopt, untracked
 
 
 def _dropout(x: torch.Tensor, p: float, train: bool) -> torch.Tensor:
@@ -32,6 +36,42 @@ def _dropout(x: torch.Tensor, p: float, train: bool) -> torch.Tensor:
     return x * torch.zeros((), dtype=x.dtype, device=x.device)  # p = 1: the unfused way, all zeros
 
 
+class _HalfToFloat(torch.autograd.Function):
+    """softmax / log_softmax of an fp16 tensor into fp32 as CUDA runs it (aten/native/SoftMax.cpp): one kernel that
+    reads fp16 and writes fp32, `_softmax(x, dim, half_to_float=True)`, where the CPU first makes an fp32 copy of
+    the input (and its backward an fp32 gradient before the fp16 one). The values are the CPU's; what is counted
+    is the CUDA kernel's: the fp32 output (saved for backward), and in backward the fp16 gradient alone."""
+
+    @staticmethod
+    def forward(ctx, x, dim: int, log: bool):
+        with untracked():
+            out = (torch.ops.aten._log_softmax if log else torch.ops.aten._softmax)(x.float(), dim, False)
+        adopt(out)
+        ctx.dim, ctx.log = dim, log
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (out,) = ctx.saved_tensors
+        backward = torch.ops.aten._log_softmax_backward_data if ctx.log else torch.ops.aten._softmax_backward_data
+        with untracked():
+            grad_in = backward(grad, out, ctx.dim, torch.float32).to(torch.float16)
+        adopt(grad_in)
+        return grad_in, None, None
+
+
+def _softmax(log: bool):
+    """softmax.int / log_softmax.int as at::softmax runs them: fp16 into fp32 on a CUDA tensor as one fused kernel
+    (_HalfToFloat); otherwise the input in the output dtype, then the op (the composite's own way)."""
+    def kernel(x: torch.Tensor, dim: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        if x.dtype == torch.float16 and dtype == torch.float32:
+            return _HalfToFloat.apply(x, dim, log)
+        x = x if dtype is None else x.to(dtype)
+        return (torch.ops.aten._log_softmax if log else torch.ops.aten._softmax)(x, dim, False)
+    return kernel
+
+
 @contextlib.contextmanager
 def cuda_kernels(card: GpuSpec) -> Iterator[None]:
     """Inside, SDPA and dropout on cpu tensors (fake ones too) run as on `card` (see the module doc)."""
@@ -39,11 +79,13 @@ def cuda_kernels(card: GpuSpec) -> Iterator[None]:
         return attention(card, Call(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa))
 
     lib = torch.library.Library("aten", "IMPL")
-    with warnings.catch_warnings():  # "Overriding a previously registered kernel": that is the point
-        warnings.simplefilter("ignore")
-        lib.impl("scaled_dot_product_attention", sdpa, "AutogradCPU")
-        lib.impl("dropout", _dropout, "AutogradCPU")
     try:
+        with warnings.catch_warnings():  # "Overriding a previously registered kernel": that is the point
+            warnings.simplefilter("ignore")
+            lib.impl("scaled_dot_product_attention", sdpa, "AutogradCPU")
+            lib.impl("dropout", _dropout, "AutogradCPU")
+            lib.impl("softmax.int", _softmax(log=False), "AutogradCPU")
+            lib.impl("log_softmax.int", _softmax(log=True), "AutogradCPU")
         yield
     finally:
         lib._destroy()

@@ -23,13 +23,13 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..errors import OomtuneError
 from ..units import format_bytes, parse_budget
-from .allocator import CachingAllocatorModel
-from .cards import WORKSPACE_HANDLES, GpuSpec
+from .allocator import CachingAllocatorModel, OutOfMemory
+from .cards import GpuSpec
 from .cuda_autocast import cuda_autocast
 from .cuda_kernels import cuda_kernels
 from .fakes import real_code_paths
 from .margin import AnyMargin, CardMargin, Margin, parse_margin
-from .tracker import MemoryTracker, system_memory
+from .tracker import MemoryTracker, simulated_oom_message, system_memory
 
 DEVICE_KINDS = ("auto", "cuda", "cpu", "fake")
 
@@ -190,13 +190,15 @@ class TrackedDevice(Device):
         self.torch_device = torch_device
         self.budget_bytes = budget_bytes
         self.capacity_bytes = capacity_bytes
-        self.card = card
+        if isinstance(margin, CardMargin) and card is not None and margin.card != card:
+            raise OomtuneError(f"--margin {margin.describe()} is another card's margin than --gpu {card.aliases[0]}'s")
+        self.card = margin.card if isinstance(margin, CardMargin) else card
         self.margin = margin if margin is not None else (CardMargin(card) if card is not None else Margin())
         self.tracker = MemoryTracker(kind=kind)  # one accountant for the device's lifetime
         self.tracker.budget_bytes = self.tensor_budget(budget_bytes)
         if self.tracker.budget_bytes <= 0:
-            raise OomtuneError(f"budget {format_bytes(budget_bytes)} is not more than the margin "
-                               f"{self.margin.text()} a GPU needs beyond tensors (estimate and check take --margin)")
+            raise OomtuneError(f"budget {format_bytes(budget_bytes)} is not more than what a GPU needs beyond tensors "
+                               f"({self.margin.text()}): give a larger --budget")
 
     def supports_bf16(self) -> bool:
         return self.card is None or self.card.bf16
@@ -204,20 +206,22 @@ class TrackedDevice(Device):
     def _accounting(self) -> contextlib.AbstractContextManager:
         if self.card is None:
             return self.tracker
-        stack = contextlib.ExitStack()
-        stack.enter_context(cuda_autocast())
-        stack.enter_context(cuda_kernels(self.card))
-        stack.enter_context(self.tracker)
-        return stack
+        with contextlib.ExitStack() as stack:  # (what was entered is exited if a later one fails)
+            stack.enter_context(cuda_autocast())
+            stack.enter_context(cuda_kernels(self.card))
+            stack.enter_context(self.tracker)
+            return stack.pop_all()
 
     def _model_allocator(self) -> CachingAllocatorModel:
         lifted = self.tracker.budget_bytes is None  # a breakdown measures a plan that does not fit, too
         model = CachingAllocatorModel(None if lifted else self.margin.allocator_capacity(self.budget_bytes))
-        if isinstance(self.margin, CardMargin):  # the cuBLAS workspaces outlive trials: blocks before any tensor's
-            for i in range(WORKSPACE_HANDLES):
-                model.malloc(("cublas workspace", i), self.card.workspace_bytes // WORKSPACE_HANDLES)
-        for key, size in self.tracker._sizes.items():  # what is alive already holds blocks too
-            model.malloc(key, size)
+        self.margin.seed(model)  # the budget check made room for it
+        try:
+            for key, size in self.tracker._sizes.items():  # what is alive already holds blocks too
+                model.malloc(key, size)
+        except OutOfMemory as e:  # what lives already does not fit: the trial runs out of memory at once
+            raise torch.cuda.OutOfMemoryError(simulated_oom_message(
+                size, model.capacity_bytes, model.reserved_bytes, self.kind, f" {e}.")) from None
         model.reset_peak()
         self.tracker.allocator = model
         return model
@@ -258,8 +262,11 @@ class TrackedDevice(Device):
 
 class CpuDevice(TrackedDevice):
     def __init__(self, budget: str | None = None, card: GpuSpec | None = None, margin: AnyMargin | None = None):
+        """The budget: --budget (a percentage of the card's memory with a card, else of the RAM); without it the
+        card's memory, or else the available RAM."""
         total, available = system_memory()
-        budget_bytes = parse_budget(budget, total) if budget else available
+        card_memory = card.memory_bytes if card is not None else None
+        budget_bytes = parse_budget(budget, card_memory or total) if budget else (card_memory or available)
         super().__init__("cpu", torch.device("cpu"), budget_bytes, total, card, margin)
         self.tracker.host_budget_bytes = available  # offloaded tensors share the machine's RAM with the rest
         like = f", accounting as {self.card_text()}" if card is not None else ""
@@ -311,11 +318,11 @@ class FakeDevice(TrackedDevice):
     def _accounting(self) -> contextlib.AbstractContextManager:
         if self.computes:
             return super()._accounting()
-        stack = contextlib.ExitStack()  # a fresh FakeTensorMode per measured stretch; the tracker innermost
-        stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
-        stack.enter_context(real_code_paths())  # .to() swaps, values of masks, libraries' tracing checks
-        stack.enter_context(super()._accounting())
-        return stack
+        with contextlib.ExitStack() as stack:  # a fresh FakeTensorMode per measured stretch; the tracker innermost
+            stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+            stack.enter_context(real_code_paths())  # .to() swaps, values of masks, libraries' tracing checks
+            stack.enter_context(super()._accounting())
+            return stack.pop_all()
 
 
 def resolve_kind(kind: str) -> str:

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 from ..errors import OomtuneError
 from ..units import format_bytes, parse_budget
-from .cards import GpuSpec, find_gpu
+from .allocator import CachingAllocatorModel
+from .cards import WORKSPACE_HANDLES, GpuSpec, find_gpu
 
 DEFAULT_MARGIN = "512MiB+5%"
 
@@ -51,6 +52,9 @@ class Margin:
         """What the allocator model may reserve before it runs out (None: the tracker's budget decides)."""
         return None
 
+    def seed(self, model: CachingAllocatorModel) -> None:
+        """Put in the allocator model what lives there before any tensor (a flat rule: nothing)."""
+
     def text(self) -> str:
         return self.describe()
 
@@ -79,17 +83,30 @@ class CardMargin:
     def overhead(self, tensor_bytes: int, reserved_bytes: int | None = None) -> int:
         """Without the allocator model's reserved peak (a floor, before any trial): the fixed costs alone."""
         if reserved_bytes is None:
-            return self.card.context + self.card.workspace_bytes
-        return self.card.context + max(reserved_bytes - tensor_bytes, self.card.workspace_bytes)
+            return self.card.context + self.seeded_bytes
+        return self.card.context + max(reserved_bytes - tensor_bytes, self.seeded_bytes)
 
     def total(self, tensor_bytes: int, reserved_bytes: int | None = None) -> int:
         return tensor_bytes + self.overhead(tensor_bytes, reserved_bytes)
 
     def tensor_budget(self, budget_bytes: int) -> int:
-        return max(0, budget_bytes - self.card.context - self.card.workspace_bytes)
+        """Tensor bytes at the most: the budget less the context and the segments the workspaces reserve."""
+        return max(0, budget_bytes - self.card.context - self.seeded_bytes)
 
     def allocator_capacity(self, budget_bytes: int) -> int:
         return budget_bytes - self.card.context
+
+    def seed(self, model: CachingAllocatorModel) -> None:
+        """The cuBLAS workspaces, one block per handle, before any tensor (they outlive trials on a real card)."""
+        for i in range(WORKSPACE_HANDLES):
+            model.malloc(("cublas workspace", i), self.card.workspace_bytes // WORKSPACE_HANDLES)
+
+    @property
+    def seeded_bytes(self) -> int:
+        """What the allocator reserves for the workspaces alone (an 8.125 MiB one takes a 20 MiB segment)."""
+        model = CachingAllocatorModel()
+        self.seed(model)
+        return model.reserved_bytes
 
     def fixed_lines(self) -> dict[str, int]:
         return {"context": self.card.context, "workspaces": self.card.workspace_bytes}

@@ -3,12 +3,13 @@ say whether it still fits the config's budget, with the breakdown against the on
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from ..config.schema import HEADROOM, TRIAL_STEPS, Config, MemoryBreakdown, Plan
 from ..errors import OomtuneError
 from ..memory.breakdown import breakdown, breakdown_difference, static_memory
-from ..memory.cards import GpuSpec, find_gpu
+from ..memory.cards import GENERIC, GpuSpec, find_gpu
 from ..memory.devices import CpuDevice, Device, FakeDevice, TrackedDevice, make_device
 from ..memory.margin import AnyMargin, Margin, parse_margin
 from ..model_file import ModelFile, eager_note
@@ -58,7 +59,8 @@ def check_margin(config: Config, margin: str | None, card: GpuSpec | None) -> An
 
 def card_of(config: Config, gpu: str | None) -> GpuSpec | None:
     """--gpu, else the card the config was found with (found_by.card; in configs from before it, the estimated
-    card's name)."""
+    card's name). A config probed on a real GPU: that card's rules (the table's, by name, else the generic ones)
+    without a context, as its budget was the memory free once its own context existed."""
     if gpu is not None:
         return find_gpu(gpu)
     fb = config.found_by
@@ -66,12 +68,13 @@ def card_of(config: Config, gpu: str | None) -> GpuSpec | None:
         return None
     if fb.card is not None:
         return find_gpu(fb.card)
-    if fb.device == "fake" and fb.gpu_name:
-        try:
-            return find_gpu(fb.gpu_name.removesuffix(" (estimated)"))
-        except OomtuneError:
-            return None
-    return None
+    if fb.device not in ("fake", "cuda") or not fb.gpu_name:
+        return None
+    try:
+        card = find_gpu(fb.gpu_name.removesuffix(" (estimated)"))
+    except OomtuneError:
+        card = GENERIC if fb.device == "cuda" else None
+    return dataclasses.replace(card, context_bytes=0) if fb.device == "cuda" else card
 
 
 def check(config: Config, model_file: ModelFile, *, device_kind: str = "fake", budget: str | None = None,

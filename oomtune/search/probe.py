@@ -14,7 +14,7 @@ from ..dist.group import LOCAL, Dist, init
 from ..dist.wrap import fsdp_unsupported
 from ..errors import BAD_INPUT, OomtuneError
 from ..memory.breakdown import StaticMemory, static_memory
-from ..memory.cards import find_gpu
+from ..memory.cards import GENERIC, find_gpu
 from ..memory.devices import Device, make_device, resolve_kind
 from ..model_file import ModelFile, eager_note
 from ..units import format_bytes, utc_now
@@ -298,6 +298,7 @@ def probe_on_ranks(kind: str, budget: str | None, dist_timeout: float, launched:
     """The device a probe runs on (with `gpu`, a simulated one accounting like that card), and its ranks: a worker
     torchrun started joins the others (on cuda this picks its own GPU, before the device is made); one process has
     LOCAL."""
-    card = find_gpu(gpu) if gpu else None
-    dist = init(resolve_kind(kind), "ddp", dist_timeout) if launched else LOCAL
+    kind = resolve_kind(kind)
+    card = find_gpu(gpu) if gpu else (GENERIC if kind == "fake" else None)  # fake stands in for a card: estimate's
+    dist = init(kind, "ddp", dist_timeout) if launched else LOCAL
     return make_device(kind, budget, card), dist

@@ -114,3 +114,27 @@ def test_the_generic_card_needs_a_budget_and_says_what_it_is():
         FakeDevice(gpu=GENERIC)
     dev = FakeDevice("24GiB", gpu=GENERIC)
     assert dev.card_text() == "a generic sm80 card (sm80)" and dev.supports_bf16()
+
+
+def test_a_budget_too_small_for_the_context_and_the_workspaces_segments_is_one_line():
+    """The T4's two 8.125 MiB workspaces take a 20 MiB segment: a budget that holds their bytes but not the segment
+    is refused when the device is made, not by an error from inside the allocator model."""
+    from oomtune.errors import OomtuneError
+
+    with pytest.raises(OomtuneError, match="give a larger --budget"):
+        CpuDevice(str(T4.context + 20 * MiB), card=T4)
+    assert CpuDevice(str(T4.context + 20 * MiB + 512), card=T4).tracker.budget_bytes == 512
+
+
+def test_a_card_margin_names_the_card_or_agrees_with_it():
+    from oomtune.errors import OomtuneError
+
+    dev = CpuDevice("1GiB", margin=CardMargin(T4))
+    assert dev.card == T4 and dev.margin.card == T4
+    with pytest.raises(OomtuneError, match="another card's margin"):
+        FakeDevice("1GiB", gpu=T4, margin=CardMargin(H100))
+
+
+def test_with_a_card_the_cpu_devices_budget_is_the_cards_memory():
+    assert CpuDevice(card=T4).budget_bytes == FakeDevice(gpu=T4).budget_bytes == T4.memory_bytes
+    assert CpuDevice("50%", card=T4).budget_bytes == T4.memory_bytes // 2

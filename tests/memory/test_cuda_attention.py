@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from oomtune.memory.cards import find_gpu
+from oomtune.memory.cards import GpuSpec, find_gpu
 from oomtune.memory.cuda_attention import Call, choose_backend, gemm_alignment
 from oomtune.memory.cuda_kernels import cuda_kernels
 from oomtune.memory.tracker import MemoryTracker, rounded
@@ -144,3 +144,49 @@ def test_dropout_keeps_cudas_bool_mask_not_the_cpus_float_noise():
     del y
     with cuda_kernels(A100):
         assert F.dropout(x, 0.1, training=False) is x
+
+
+def test_the_switches_of_sdpa_kernel_turn_backends_off_as_on_cuda():
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, k, v = qkv()
+    with sdpa_kernel(SDPBackend.MATH):
+        assert choose_backend(A100, call(q, k, v)) == "math"
+    with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+        assert choose_backend(A100, call(q, k, v)) == "efficient"
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION), pytest.raises(RuntimeError, match="No available kernel"):
+        choose_backend(A100, call(q, k, v, mask=torch.zeros(64, 64, dtype=BF16)))
+
+
+def test_a_mask_whose_last_stride_is_not_1_needs_the_math_backend():
+    q, k, v = qkv()
+    mask = torch.zeros(64, 64, dtype=BF16).t()  # a transposed view: last stride 64
+    assert choose_backend(A100, call(q, k, v, mask=mask)) == "math"
+    assert choose_backend(A100, call(q, k, v, mask=mask.contiguous())) == "efficient"
+
+
+def test_the_efficient_backward_accumulates_grad_q_in_fp32_from_sm70_for_fp32_too():
+    def backward_extra(card):
+        q, k, v = qkv(1, 2, 64, 16, dtype=FP32)
+        with cuda_kernels(card), MemoryTracker() as tracker:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=torch.zeros(64, 64))
+            before = tracker.live_bytes
+            tracker.reset_peak()
+            grads = torch.autograd.grad(out.sum(), (q, k, v))
+            return tracker.peak_bytes - before, grads
+
+    on_a100, _ = backward_extra(A100)  # split keys: a (B, H, T, D) fp32 accumulator
+    on_maxwell, _ = backward_extra(GpuSpec("a Maxwell card", None, (5, 2)))  # sm52: keys not split
+    assert on_a100 - on_maxwell == rounded(1 * 2 * 64 * 16 * 4)
+
+
+def test_flash_pads_a_head_dim_that_is_not_a_multiple_of_8():
+    b, h, t = 1, 2, 64
+    q, k, v = qkv(b, h, t, 12)  # padded to 16
+    assert _saved_bytes(A100, q, k, v, is_causal=True) == rounded(b * h * t * 16 * 2) + rounded(b * h * t * 4)
+    with cuda_kernels(A100):
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        grads = torch.autograd.grad(out.float().sum(), (q, k, v))
+    assert out.shape[-1] == 12 and all(g.shape == t_.shape for g, t_ in zip(grads, (q, k, v), strict=True))
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(out, ref, atol=5e-2, rtol=2e-2)

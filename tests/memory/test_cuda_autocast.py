@@ -11,7 +11,9 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from oomtune.memory.cards import find_gpu
 from oomtune.memory.cuda_autocast import BANNED, LISTS_FROM, POLICIES, cuda_autocast, overload
+from oomtune.memory.cuda_kernels import cuda_kernels
 from oomtune.memory.tracker import MemoryTracker, Recorder
 
 
@@ -162,6 +164,9 @@ def test_binary_cross_entropy_is_refused_as_cuda_autocast_refuses_it():
         F.binary_cross_entropy(x, x)
 
 
+A100 = find_gpu("a100-80")
+
+
 def _births(fn, args) -> list[int]:
     """The bytes of each storage `fn` makes, in order, as the memory tracker counts them."""
     with MemoryTracker() as tracker:
@@ -200,6 +205,23 @@ def test_composite_functions_make_the_same_tensors_as_on_cuda(name):
         finally:
             torch.set_autocast_enabled("cuda", False)
             torch.clear_autocast_cache()
-    with cuda_autocast(), torch.autocast("cpu", dtype=low):
+    with cuda_autocast(), cuda_kernels(A100), torch.autocast("cpu", dtype=low):  # (as a card's device runs them)
         emulated = _births(fn, inputs("cpu"))
     assert emulated == cuda
+
+
+def test_fp16_softmax_into_fp32_is_one_fused_kernel_with_or_without_autocast():
+    """F.softmax(x, dtype=torch.float32) of an fp16 x: CUDA reads fp16 and writes fp32 in one kernel; the CPU would
+    make an fp32 copy of x first."""
+    def run(x):
+        return F.softmax(x, -1, dtype=torch.float32), F.log_softmax(x, -1, dtype=torch.float32)
+
+    with FakeTensorMode():
+        cuda = _births(run, (torch.randn(64, 256, device="cuda", dtype=torch.float16),))
+    x = torch.randn(64, 256, dtype=torch.float16, requires_grad=True)
+    with cuda_kernels(A100):
+        assert _births(run, (x,)) == cuda == [64 * 256 * 4] * 2
+        out = F.softmax(x, -1, dtype=torch.float32)
+    torch.testing.assert_close(out, F.softmax(x.float(), -1))
+    out.square().sum().backward()
+    assert x.grad.dtype == torch.float16

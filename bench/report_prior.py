@@ -1,0 +1,97 @@
+"""The bench's section on the probe that starts from the estimate: device trials per searched rung and wall seconds,
+with and without the prior, next to Lightning's binsearch and Accelerate; and the cases with memory the estimate
+cannot see. Tables only; docs/benchmarks.md says what they show."""
+
+from __future__ import annotations
+
+from statistics import mean
+
+from .report_format import SMALL, _cases, _row, _table
+
+LARGE = "large_cases"
+
+
+def _same(a: dict, b: dict) -> str:
+    return "yes" if a["answers"] == b["answers"] and a["plan"] == b["plan"] else "**no**"
+
+
+def _prior(r: dict) -> str:
+    p = r["prior"]
+    if p is None or not p["used"]:
+        return "-" if p is None else f"none: {p['why_not']}"
+    back = f", fell back: {', '.join(p['fell_back_rungs'])}" if p["fell_back_rungs"] else ""
+    return f"{p['fake_trials']} fake / {p['fake_seconds']:.1f} s{back}"
+
+
+def per_case(data: dict) -> str:
+    rows = []
+    for c, b in _cases(data, SMALL, LARGE):
+        w, o = b["prior"]["with"], b["prior"]["without"]
+        rows.append([c["model"], b["budget"], b["batch"], o["device_trials"], w["device_trials"],
+                     w["rungs_searched"], f"{o['trials_per_rung']:.2f}", f"{w['trials_per_rung']:.2f}",
+                     f"{o['seconds']:.1f}", f"{w['seconds']:.1f}", _prior(w), _same(w, o)])
+    return _table(["model", "budget", "target", "device trials, no prior", "device trials, prior", "rungs",
+                   "per rung, no prior", "per rung, prior", "seconds, no prior", "seconds, prior (estimate incl.)",
+                   "the estimate", "same answers"], rows)
+
+
+def summary(data: dict) -> str:
+    rows = []
+    for group, title in ((SMALL, "small batches, full ladder"), (LARGE, "realistic batch sizes, fp32 rung")):
+        cases = list(_cases(data, group))
+        if not cases:
+            continue
+        w = [b["prior"]["with"] for _, b in cases]
+        o = [b["prior"]["without"] for _, b in cases]
+        bins = [_row(b, "lightning-binsearch")["trials"] for _, b in cases]
+        acc = [_row(b, "accelerate")["trials"] for _, b in cases]
+        same = sum(_same(a, b) == "yes" for a, b in zip(w, o, strict=True))
+        rows.append([title, len(cases), f"{mean(r['trials_per_rung'] for r in o):.2f}",
+                     f"{mean(r['trials_per_rung'] for r in w):.2f}", f"{max(r['trials_per_rung'] for r in w):.2f}",
+                     f"{mean(bins):.1f}", f"{mean(acc):.1f}", f"{sum(r['seconds'] for r in o):.1f}",
+                     f"{sum(r['seconds'] for r in w):.1f}", same,
+                     sum(bool(r["prior"] and r["prior"]["fell_back_rungs"]) for r in w)])
+    return _table(["cases", "n", "device trials per searched rung, no prior", "with the prior (mean)",
+                   "with the prior (worst case)", "binsearch trials (fp32 search)", "Accelerate trials",
+                   "seconds, no prior (sum)", "seconds, prior (sum, estimate incl.)", "same answers",
+                   "cases with a rung that fell back"], rows)
+
+
+def third(data: dict) -> str:
+    rows = []
+    for c, b in _cases(data, LARGE):
+        ours, bins = _row(b, "oomtune-prior"), _row(b, "lightning-binsearch")
+        rows.append([c["model"], b["budget"], ours["trials"], bins["trials"], f"{bins['trials'] / 3:.1f}",
+                     "yes" if ours["trials"] <= bins["trials"] / 3 else "no"])
+    return _table(["model", "budget", "oomtune from the estimate: fp32 trials", "binsearch trials", "a third",
+                   "at most a third"], rows) if rows else ""
+
+
+def hidden(data: dict) -> str:
+    rows = []
+    for c, b in _cases(data, LARGE):
+        for h in b["prior"]["hidden"]:
+            w, o = h["with"], h["without"]
+            rows.append([c["model"], b["budget"], h["hidden"], o["answers"].get("fp32"), w["answers"].get("fp32"),
+                         o["device_trials"], w["device_trials"], f"{o['seconds']:.1f}", f"{w['seconds']:.1f}",
+                         _prior(w), _same(w, o)])
+    return _table(["model", "budget", "hidden (fixed + share of the tensors)", "fp32 max, no prior",
+                   "fp32 max, prior", "device trials, no prior", "device trials, prior", "seconds, no prior",
+                   "seconds, prior", "the estimate", "same answers"], rows) if rows else ""
+
+
+def prior_section(data: dict) -> str:
+    if not any("prior" in b for _, b in _cases(data, SMALL, LARGE)):
+        return "Not run.\n"
+    return "\n".join([
+        "`oomtune probe` runs the ladder on the fake device first, accounting as the cpu device does, then certifies "
+        "each rung on the cpu device (the predicted micro-batch fits, the next does not), corrects a miss, and falls "
+        "back to the search where the estimate is off by more than 25%. `--no-prior` is the search alone. Device "
+        "trials count the trials on the cpu device (accumulation verifies included); the seconds are the whole "
+        "probe's, the estimate's included.\n",
+        "### Summary\n", summary(data), "### Per case\n", per_case(data),
+        "### Realistic batch sizes: against a third of Lightning binsearch's trials\n", third(data),
+        "### Memory the estimate cannot see\n",
+        "The cpu device counts a fixed part plus a share of the tensor peak on top of its tensors (its margin); the "
+        "estimate does not, so every prediction misses by that much and the certification must correct it. The "
+        "answers are compared with the search's on the same device.\n", hidden(data)])
