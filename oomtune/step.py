@@ -58,9 +58,10 @@ class Training:
 
 def build_training(model_file: ModelFile, plan: Plan, device: Device, lr: float,
                    clip_grad_norm: float | None = None, weight_decay: float | None = None,
-                   dist: Dist = LOCAL) -> Training:
+                   dist: Dist = LOCAL, model: nn.Module | None = None) -> Training:
     """Build the model on the device, wrap its blocks for checkpointing, wrap it for the plan's sharding (DDP or
-    FSDP2 over `dist`'s ranks), make the optimizer and scaler."""
+    FSDP2 over `dist`'s ranks), make the optimizer and scaler. `model`: one built (and checkpoint-wrapped) for an
+    earlier trial of this plan's rung, reused as it is (one process only); the optimizer and scaler are new."""
     if plan.sharding != "none" and (not dist.grouped or dist.world_size != plan.world_size):
         have = f"{dist.world_size} ranks" if dist.grouped else "no process group"
         raise OomtuneError(f"plan is {plan.sharding} on {plan.world_size} ranks but this process has {have}")
@@ -69,10 +70,11 @@ def build_training(model_file: ModelFile, plan: Plan, device: Device, lr: float,
     def build() -> nn.Module:
         return build_model(model_file, plan, device)  # on the device, its weights as the plan's levers store them
 
-    model = dist.agreed(build) if plan.sharding != "none" else build()  # before any collective
+    if model is None:
+        model = dist.agreed(build) if plan.sharding != "none" else build()  # before any collective
+        if plan.activation_checkpointing:
+            model_file.enable_checkpointing(model)
     model.train()
-    if plan.activation_checkpointing:
-        model_file.enable_checkpointing(model)
     if plan.sharding != "none":
         model = wrap(model, plan.sharding, model_file.blocks(model), dist)
     optimizer = make_optimizer(model_file, [p for p in model.parameters() if p.requires_grad], lr, unwrapped(model),

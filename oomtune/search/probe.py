@@ -23,7 +23,7 @@ from .ladder import LadderResult, LadderSearch, Measurement, Objective, Point, R
 from .options import LEVERS, Targets, check_search_options
 from .past import PastRungs, past_rungs
 from .prior import PriorReport, run_prior
-from .trial import TrialResult, computing_where_needed, run_trial, settled_objects
+from .trial import ModelCache, TrialResult, computing_where_needed, run_trial, settled_objects
 
 
 def fsdp_reach(device: Device, world: int, sharding: str | None) -> tuple[int, str | None]:
@@ -189,8 +189,9 @@ def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: 
                                           statics=(static, floor), prior=False), device, model_file.label) \
         if prior and world == 1 and device.kind != "fake" else None
 
-    trials = _Trials(lambda point: trial(model_file, plan_of(point, world), device, steps=steps, dist=dist), world,
-                     on_start, on_trial)
+    reuse = {"models": ModelCache()} if trial is run_trial else {}  # (estimate's recording trials build each time)
+    trials = _Trials(lambda point: trial(model_file, plan_of(point, world), device, steps=steps, dist=dist, **reuse),
+                     world, on_start, on_trial)
     records, host = trials.records, trials.host
 
     def climb() -> LadderResult:

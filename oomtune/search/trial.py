@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import math
 import time
@@ -10,11 +11,14 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
+import torch
+
 from ..config.schema import TRIAL_STEPS, Plan, TrainConfig
 from ..dist.group import LOCAL, Dist, RanksOutOfMemory
 from ..errors import ModelFileError, first_line
 from ..memory.devices import Device, FakeDevice, is_oom
 from ..memory.fakes import NeedsValues
+from ..memory.tracker import untracked
 from ..model_file import ModelFile
 from ..step import Training, build_training, every_gradient_made, make_optimizer_state, train_step
 
@@ -27,6 +31,50 @@ ACCUM_IN_TRIAL = 2
 # halved at each skip); a trial whose steps were all skipped never made the optimizer state. Run up to this
 # many more steps until one is taken.
 MAX_SKIPPED_STEPS = 24
+
+
+class ModelCache:
+    """The model a probe's trials reuse while only the micro-batch, context or accumulation changes: it is built
+    (and checkpoint-wrapped) once per rung, and before each later trial its trained weights and its buffers are put
+    back as they were built and its gradients dropped (each trial's optimizer, and so its state, is new). Only on
+    a device that computes (a fake tensor belongs to the fake mode of the trial that made it), on one process, and
+    not with NF4 weights (building them is the host memory the plan needs, reported by the trial that builds)."""
+
+    def __init__(self):
+        self.key: Plan | None = None  # key_of the plan the model was built for
+        self.model = None
+        self.saved: list = []  # (tensor, its values as built, on the host) for the trained weights and buffers
+
+    @staticmethod
+    def reusable(plan: Plan, device: Device) -> bool:
+        return device.computes and plan.sharding == "none" and not plan.nf4_frozen_weights
+
+    @staticmethod
+    def key_of(plan: Plan) -> Plan:
+        """The plan without what a built model does not depend on (the rung)."""
+        return dataclasses.replace(plan, micro_batch_size=1, context_length=1, grad_accum_steps=1,
+                                   global_batch_size=0)
+
+    def take(self, plan: Plan):
+        """The model for `plan`, as it was built, or None (build one; a cached one of another rung is dropped)."""
+        if self.key != self.key_of(plan):
+            if self.model is not None:  # another rung's: freed before this trial builds (its cycles collected)
+                self.key, self.model, self.saved = None, None, []
+                gc.collect()
+            return None
+        with torch.no_grad():
+            for t, values in self.saved:
+                t.copy_(values)
+        for p in self.model.parameters():
+            p.grad = None
+        return self.model
+
+    def keep(self, plan: Plan, model) -> None:
+        """Remember a model just built for `plan`, with its trained weights' and buffers' values (not counted)."""
+        with untracked(), torch.no_grad():
+            tensors = [p for p in model.parameters() if p.requires_grad] + list(model.buffers())
+            self.saved = [(t, t.detach().to("cpu", copy=True)) for t in tensors]
+        self.key, self.model = self.key_of(plan), model
 
 
 @dataclass(frozen=True)
@@ -48,17 +96,24 @@ class TrialResult:
 
 
 def _steps(model_file: ModelFile, plan: Plan, device: Device, steps: int, reading_box: list, built: list,
-           observe: Callable[[Training, str], None] | None = None, dist: Dist = LOCAL, prime: bool = False) -> tuple:
+           observe: Callable[[Training, str], None] | None = None, dist: Dist = LOCAL, prime: bool = False,
+           models: ModelCache | None = None) -> tuple:
     """(step seconds, tokens/s, the first loss, whether a primed trial saw every gradient); the build's seconds
     go into `built` as soon as it is done (a step that runs out of memory still has them). `prime`: make the
-    optimizer state without a first step (make_optimizer_state), where the device computes no values."""
+    optimizer state without a first step (make_optimizer_state), where the device computes no values. `models`:
+    the model to reuse where the plan allows it (ModelCache)."""
     train_defaults = TrainConfig()  # the trial runs the step the trainer will run, clipping included
     missed: list[bool] = []  # primed: a step in which backward gave some trained parameter no gradient
+    reuse = models is not None and dist.world_size == 1 and ModelCache.reusable(plan, device)
+    model = models.take(plan) if reuse else None
     with device.measure() as reading:
         reading_box.append(reading)
         start = time.perf_counter()
         t = build_training(model_file, plan, device, lr=train_defaults.lr,
-                           clip_grad_norm=train_defaults.clip_grad_norm, dist=dist)
+                           clip_grad_norm=train_defaults.clip_grad_norm, dist=dist, model=model)
+        if reuse and model is None:
+            models.keep(plan, t.module)
+        del model
         built.append(time.perf_counter() - start)
         loss, primed = None, False
 
@@ -148,7 +203,8 @@ def computing_where_needed(device: Device, label: str, run: Callable[[], T]) -> 
 
 
 def run_trial(model_file: ModelFile, plan: Plan, device: Device, steps: int = TRIAL_STEPS,
-              observe: Callable[[Training, str], None] | None = None, dist: Dist = LOCAL) -> TrialResult:
+              observe: Callable[[Training, str], None] | None = None, dist: Dist = LOCAL,
+              models: ModelCache | None = None) -> TrialResult:
     """Run `steps` optimizer steps of `plan`. An OOM is a result, not an error; any other error is the
     user's and propagates. Memory is given back outside the `except` block (its frames hold the
     failed step's tensors). `observe(training, phase)` is told each phase as it starts, after the
@@ -156,7 +212,8 @@ def run_trial(model_file: ModelFile, plan: Plan, device: Device, steps: int = TR
 
     On several ranks (`dist`) every rank runs the trial and all of them return the same result: an OOM on any
     rank is an OOM (the ranks agree, see oomtune.parallel), the peaks are the largest over the ranks and the
-    speed is the sum of theirs."""
+    speed is the sum of theirs. `models`: reuse the model built for an earlier trial where only the micro-batch,
+    context or accumulation changed (ModelCache)."""
     start = time.perf_counter()
     box: list = []
     oom_message = None
@@ -164,7 +221,7 @@ def run_trial(model_file: ModelFile, plan: Plan, device: Device, steps: int = TR
     agreed = False
     try:
         step_s, tps, loss, complete = _steps(model_file, plan, device, steps, box, built, observe, dist,
-                                             device.primes)
+                                             device.primes, models)
         if not complete:  # primed state a real first step would not have made: measure both steps instead
             box.clear()
             device.release()

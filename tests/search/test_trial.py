@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from oomtune.config.schema import Plan
 from oomtune.memory.devices import make_device
 from oomtune.model_file import load_model_file
 from oomtune.search import trial
+
+from ..conftest import EXAMPLES
 
 # The loss is large, so fp16 gradients overflow at the GradScaler's first scales (65536, 32768, ...): the scaler
 # skips those optimizer steps, and AdamW's state only exists once one is taken.
@@ -114,3 +117,37 @@ def test_the_simulated_device_runs_adamw_as_cuda_does_with_its_foreach_temporari
     assert peak() >= 5 * weights
     monkeypatch.setattr(step, "as_on_cuda", lambda optimizer, device: None)  # torch's own choice on the CPU
     assert 4 * weights < peak() < 5 * weights
+
+
+def test_a_reused_model_measures_what_a_fresh_one_does_and_starts_from_its_built_weights():
+    """device: cpu. A probe's trials on one rung share one model (trial.ModelCache): built once, its weights put
+    back before each trial and its gradients dropped. The peaks equal those of trials that each build their own."""
+    mf = load_model_file(EXAMPLES / "tiny_gpt.py")
+    plans = [Plan(b, 64, "bf16", activation_checkpointing=True) for b in (4, 2, 8)] + [Plan(4, 64, "fp32")]
+    builds = []
+    build = mf.build
+
+    def counted():
+        builds.append(1)
+        return build()
+
+    mf.build = counted
+    try:
+        fresh = [trial.run_trial(mf, p, make_device("cpu", "1GiB")) for p in plans]
+        n_fresh = len(builds)
+        cache, device = trial.ModelCache(), make_device("cpu", "1GiB")
+        first = cache  # the same object throughout
+        reused = [trial.run_trial(mf, p, device, models=first) for p in plans]
+    finally:
+        mf.build = build
+    assert n_fresh == 4 and len(builds) - n_fresh == 2  # the bf16+ckpt rung built once, then fp32
+    assert [r.peak_bytes for r in reused] == [r.peak_bytes for r in fresh]
+    assert all(r.loss is not None for r in reused)
+    # the steps moved the weights; the next trial starts from them as built
+    trained = [p for p in first.model.parameters() if p.requires_grad]
+    assert any(not torch.equal(p, v) for p, (_, v) in zip(trained, first.saved, strict=False))
+    assert first.take(plans[-1]) is first.model
+    assert all(torch.equal(t, v) for t, v in first.saved)
+    assert all(p.grad is None for p in first.model.parameters())
+    again = trial.run_trial(mf, plans[-1], device, models=first)
+    assert again.peak_bytes == fresh[-1].peak_bytes and again.build_seconds < reused[-1].build_seconds
