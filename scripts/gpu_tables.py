@@ -289,8 +289,12 @@ def probe_table(rep: Report, deadline: float, context: int | None, make_real=Non
             check_time(deadline)
             cuda = make_real(budget)
             start = time.perf_counter()
-            real = probe(mf, cuda, targets)
+            real = probe(mf, cuda, targets)  # from the estimate (its fake trials in the wall time)
             real_s = time.perf_counter() - start
+            check_time(deadline)
+            start = time.perf_counter()
+            plain = probe(mf, make_real(budget), targets, prior=False)
+            plain_s = time.perf_counter() - start
             fake, fake_missing = fake_device(fake_budget, card)
             est, est_s = None, None
             if fake is not None:
@@ -300,12 +304,12 @@ def probe_table(rep: Report, deadline: float, context: int | None, make_real=Non
                 est_s = time.perf_counter() - start
         except TimeBox:
             rep.problem("time box hit in the probe table")
-            rows.append([name, "time box"] + [""] * 7)
+            rows.append([name, "time box"] + [""] * 10)
             data.append({"model": name, "error": "time box"})
             break
         except Exception as e:  # noqa: BLE001
             rep.problem(f"probe {name}: {type(e).__name__}")
-            rows.append([name, f"error: {type(e).__name__}: {str(e)[:80]}"] + [""] * 7)
+            rows.append([name, f"error: {type(e).__name__}: {str(e)[:80]}"] + [""] * 10)
             data.append({"model": name, "error": f"{type(e).__name__}: {e}"})
             continue
         plan = real.config.plan.describe() if real.config else "nothing fits"
@@ -316,19 +320,28 @@ def probe_table(rep: Report, deadline: float, context: int | None, make_real=Non
         else:
             fake_plan = est.config.plan.describe() if est.config else "nothing fits"
             same = "yes" if (est.config and real.config and est.config.plan == real.config.plan) else "no"
+        prior = real.prior.to_json() if real.prior is not None else {}
+        same_plain = "yes" if (plain.config and real.config and plain.config.plan == real.config.plan) else "no"
         rows.append([name, f"{batch}x{t}", plan, peak, f"{len(real.records)} ({per_rung})", f"{real_s:.1f}",
+                     f"{prior.get('fake_trials')} / {prior.get('fake_seconds')} s"
+                     + (f", fell back: {prior['fell_back_rungs']}" if prior.get("fell_back_rungs") else ""),
+                     f"{len(plain.records)}", f"{plain_s:.1f}", same_plain,
                      fake_plan, f"{len(est.records)} / {est_s:.1f} s" if est is not None else "n/a", same])
         data.append({"model": name, "batch": batch, "context": t, "budget": budget,
                      "plan": real.config.plan.describe() if real.config else None,
                      "peak_bytes": real.config.found_by.peak_bytes if real.config else None,
                      "trials": len(real.records), "trials_per_rung": real.trials_per_rung,
-                     "wall_seconds": round(real_s, 2),
+                     "wall_seconds": round(real_s, 2), "prior": prior,
+                     "no_prior_trials": len(plain.records), "no_prior_trials_per_rung": plain.trials_per_rung,
+                     "no_prior_wall_seconds": round(plain_s, 2), "no_prior_same_plan": same_plain,
                      "fake_plan": est.config.plan.describe() if est is not None and est.config else None,
                      "fake_trials": len(est.records) if est is not None else None,
                      "fake_wall_seconds": round(est_s, 2) if est_s is not None else None, "fake_missing": fake_missing,
                      "same_plan": same})
-    rep.say(md_table(["model", "target", "real plan", "real peak", "trials (per rung)", "wall s", "fake plan",
-                      "fake trials / wall", "same plan"], rows))
+    rep.say(md_table(["model", "target", "real plan", "real peak", "device trials (per rung)",
+                      "wall s (estimate incl.)", "the prior's fake trials / s", "trials, --no-prior",
+                      "wall s, --no-prior", "same plan as --no-prior", "fake plan", "fake trials / wall",
+                      "same plan"], rows))
     rep.data["probe"] = data
 
 
