@@ -341,19 +341,38 @@ def load_model_file(path: str | Path) -> ModelFile:
     except Exception as e:
         sys.modules.pop(name, None)
         raise ModelFileError(f"{p.name}: importing it raised {_raised(e)}") from e
+    return checked(module, p.resolve())
+
+
+def checked(module, path: Path) -> ModelFile:
+    """The model file's contract, checked on `module` (an imported file, or any object with the hooks)."""
     for required in ("build_model", "make_batch"):
         if not hasattr(module, required):
-            raise ModelFileError(f"{p.name}: missing required function {required}()")
+            raise ModelFileError(f"{path.name}: missing required function {required}()")
         if not callable(value := getattr(module, required)):
-            raise ModelFileError(f"{p.name}: {required} must be a function, got {type(value).__name__} "
+            raise ModelFileError(f"{path.name}: {required} must be a function, got {type(value).__name__} "
                                  f"{repr(value)[:40]}")
     defaults = getattr(module, "DEFAULTS", {})
     if not isinstance(defaults, dict):
-        raise ModelFileError(f"{p.name}: DEFAULTS must be a dict like {{'batch': 32, 'context': 512}}")
+        raise ModelFileError(f"{path.name}: DEFAULTS must be a dict like {{'batch': 32, 'context': 512}}")
     for k, v in defaults.items():
         if k not in DEFAULT_KEYS:
             allowed = ", ".join(sorted(DEFAULT_KEYS))
-            raise ModelFileError(f"{p.name}: DEFAULTS has unknown key {k!r} (allowed: {allowed})")
+            raise ModelFileError(f"{path.name}: DEFAULTS has unknown key {k!r} (allowed: {allowed})")
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ModelFileError(f"{p.name}: DEFAULTS[{k!r}] must be a positive integer, got {v!r}")
-    return ModelFile(path=p.resolve(), module=module, defaults=dict(defaults))
+            raise ModelFileError(f"{path.name}: DEFAULTS[{k!r}] must be a positive integer, got {v!r}")
+    return ModelFile(path=path, module=module, defaults=dict(defaults))
+
+
+def model_file_of(model) -> ModelFile:
+    """A model file from a path, or from a module or object that has the hooks (a notebook's namespace, a class
+    instance): a module imported from a file keeps that file's path (a config written for it names the file);
+    another object is labelled by its type and cannot be named in a config `oomtune train` loads."""
+    if isinstance(model, ModelFile):
+        return model
+    if isinstance(model, (str, Path)):
+        return load_model_file(model)
+    file = getattr(model, "__file__", None)
+    path = Path(file).resolve() if isinstance(file, str) and file.endswith(".py") else \
+        Path(f"<{getattr(model, '__name__', type(model).__name__)}>")
+    return checked(model, path)

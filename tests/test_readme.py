@@ -29,6 +29,25 @@ def readme_commands() -> list[tuple[str, str]]:
     return found
 
 
+def test_the_readmes_python_snippets_run(tmp_path, monkeypatch):
+    """Each ```python block, in order, in one namespace, after the commands above it wrote best.yaml (the quickstart's
+    probe is run first here). The oomtune command they call is the installed one."""
+    for folder in ("examples", "configs"):
+        shutil.copytree(ROOT / folder, tmp_path / folder)
+    monkeypatch.chdir(tmp_path)
+    assert run_cli("probe", "examples/tiny_gpt.py", "--device", "cpu", "--budget", "12MiB", "--out",
+                   "best.yaml").exit_code == 0
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
+    assert len(blocks) >= 3
+    namespace: dict = {}
+    for block in blocks:
+        exec(compile(block, "README.md", "exec"), namespace)  # noqa: S102 - the README's own code, as a user runs it
+    assert namespace["args"].per_device_train_batch_size == namespace["kwargs"]["per_device_train_batch_size"]
+    assert namespace["trainer"].accumulate_grad_batches == load_config("best.yaml").plan.grad_accum_steps
+    assert namespace["accelerate_config"].gradient_accumulation_steps == load_config("best.yaml").plan.grad_accum_steps
+    assert namespace["result"].plan is not None and namespace["probed"].plan == load_config("api.yaml").plan
+
+
 def test_every_oomtune_command_in_the_readme_runs_as_written(tmp_path, monkeypatch):
     commands = readme_commands()
     assert len(commands) >= 8  # probe, estimate, check, train and gpus, each at least once

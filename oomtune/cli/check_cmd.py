@@ -10,8 +10,8 @@ import typer
 from ..config.schema import TRIAL_STEPS
 from . import app
 from .guard import user_errors
-from .options import ConfigOpt, DebugOpt, JsonOpt, budget_option, device_option
-from .render import check_json, render_check
+from .options import ConfigOpt, DebugOpt, JsonOpt, SnapshotOpt, budget_option, device_option
+from .render import check_json, render_check, write_snapshot
 
 
 @app.command()
@@ -28,6 +28,7 @@ def check(
                                                "was estimated with; for a config probed on a GPU 512MiB+5%; for one "
                                                "probed on cpu 0 (with a card: the card's).")] = None,
     steps: Annotated[int, typer.Option(help="Optimizer steps to run (2: optimizer state exists).")] = TRIAL_STEPS,
+    memory_snapshot: SnapshotOpt = None,
     as_json: JsonOpt = False,
     debug: DebugOpt = False,
 ):
@@ -44,6 +45,7 @@ def check(
         model_file = load_model_file(config.model_path(config_path))
         result = run_check(config, model_file, device_kind=device, budget=budget, headroom=headroom,
                            margin=margin, steps=steps, gpu=gpu)
+        write_snapshot(memory_snapshot, model_file, result.plan, result.measured_on, steps)
         if as_json:
             print(json.dumps(check_json(result), indent=2))
         else:

@@ -24,11 +24,12 @@ from .options import (
     MinContextOpt,
     ModelArg,
     OutOpt,
+    SnapshotOpt,
     StepsOpt,
     budget_option,
 )
 from .probe_cmd import write_found
-from .render import breakdown_table, print_levers, render_search, render_what_if, trial_progress
+from .render import breakdown_table, print_levers, render_search, render_what_if, trial_progress, write_snapshot
 
 EstimateContextOpt = Annotated[int | None, typer.Option("--context", "-t", help="Target context length T (with "
                                                         "--micro-batch: the plan's context). Default: DEFAULTS, "
@@ -56,7 +57,7 @@ def card_line(device, gpu: str | None) -> str:
 
 
 def _ladder(model: Path, model_file, batch, context, min_context, budget, gpu, margin, options: dict,
-            world_size: int, sharding: str | None, out_path: Path, as_json: bool) -> None:
+            world_size: int, sharding: str | None, out_path: Path, as_json: bool, snapshot: Path | None) -> None:
     from ..config.writing import to_dict
     from ..search.estimate import estimate, make_fake_device, no_bf16_note
     from ..search.options import resolve_targets
@@ -79,6 +80,7 @@ def _ladder(model: Path, model_file, batch, context, min_context, budget, gpu, m
     kept = write_found(result.config, out_path, model,
                        header=f"written by `oomtune estimate {model}`: predicted on fake tensors, never measured on a "
                               "GPU (check it with `oomtune probe` there) - edit `train:` freely")
+    write_snapshot(snapshot, model_file, result.breakdown_plan, device, options["steps"])
     extra = {"estimated": True, "margin": device.margin.describe(), "card": card_line(device, gpu),
              "breakdown": to_dict(result.breakdown),
              "breakdown_plan": to_dict(result.breakdown_plan), "levers": result.levers}
@@ -114,6 +116,7 @@ def estimate(
     world_size: WorldSizeOpt = 1,
     sharding: ShardingOpt = None,
     out_path: OutOpt = Path("best.yaml"),
+    memory_snapshot: SnapshotOpt = None,
     as_json: JsonOpt = False,
     debug: DebugOpt = False,
 ):
@@ -140,12 +143,12 @@ def estimate(
         if not one_plan:
             _ladder(model, model_file, batch, context, min_context, budget, gpu, margin,
                     {"headroom": headroom, "steps": steps, "objective": objective, "amp": amp, "levers": allowed},
-                    world_size, sharding,
-                    out_path, as_json)
+                    world_size, sharding, out_path, as_json, memory_snapshot)
             return
         plan = what_if_plan(model_file, micro_batch, context, precision, checkpointing, grad_accum, world_size,
                             sharding)
         bounded = bool(budget or gpu)
         device = make_fake_device(budget if bounded else str(1 << 50), gpu, margin)
         result = what_if(model_file, plan, device, bounded=bounded, headroom=headroom, steps=steps)
+        write_snapshot(memory_snapshot, model_file, plan, device, steps)
         render_what_if(result, plan, no_bf16_note(device, plan.precision), as_json)

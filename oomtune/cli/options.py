@@ -28,6 +28,10 @@ LeversOpt = Annotated[str | None, typer.Option(
     "where the others cannot fit micro-batch 1 at the target context). amp,checkpointing,accumulation is the "
     "classic ladder.")]
 OutOpt = Annotated[Path, typer.Option("--out", "-o", help="Where to write the config.")]
+SnapshotOpt = Annotated[Path | None, typer.Option(
+    "--memory-snapshot", help="Also write one trial of the plan (estimate: of the smallest plan when nothing fits) as "
+    "PyTorch's memory snapshot pickle: `python -m torch.cuda._memory_viz trace_plot FILE -o FILE.html`, or "
+    "pytorch.org/memory_viz.")]
 JsonOpt = Annotated[bool, typer.Option("--json/--no-json", help="Print the result as JSON (for CI).")]
 DebugOpt = Annotated[bool, typer.Option("--debug/--no-debug", help="Show full tracebacks instead of one-line errors.")]
 GpuOpt = Annotated[str | None, typer.Option(

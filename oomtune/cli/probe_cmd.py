@@ -30,16 +30,18 @@ from .options import (
     NodeRankOpt,
     NprocOpt,
     OutOpt,
+    SnapshotOpt,
     StepsOpt,
     budget_option,
     device_option,
 )
 from .ranks import flags
-from .render import render_search, trial_progress
+from .render import render_search, trial_progress, write_snapshot
 
-PriorOpt = Annotated[bool, typer.Option("--prior/--no-prior", help="Estimate on fake tensors first, then certify "
-                                        "each rung's boundary on the device (two trials a rung where the estimate "
-                                        "is right; the search where it is off). --no-prior: the search alone.")]
+PriorOpt = Annotated[bool | None, typer.Option("--prior/--no-prior", help="Estimate on fake tensors first, then "
+                                               "certify each rung's boundary on the device (two trials a rung where "
+                                               "the estimate is right; the search where it is off). --no-prior: the "
+                                               "search alone. Default: --prior on cuda, --no-prior on cpu.")]
 ObjectiveOpt = Annotated[str, typer.Option(help="fit: the first rung that fits; throughput: the fastest fitting rung "
                                            "(measures them all).")]
 
@@ -67,10 +69,11 @@ def probe(
     headroom: HeadroomOpt = HEADROOM,
     steps: StepsOpt = TRIAL_STEPS,
     objective: ObjectiveOpt = "fit",
-    prior: PriorOpt = True,
+    prior: PriorOpt = None,
     amp: AmpOpt = "auto",
     levers: LeversOpt = None,
     out_path: OutOpt = Path("best.yaml"),
+    memory_snapshot: SnapshotOpt = None,
     as_json: JsonOpt = False,
     nproc_per_node: NprocOpt = None,
     nnodes: NnodesOpt = 1,
@@ -109,7 +112,7 @@ def probe(
                                                      device=device, budget=budget, gpu=gpu, headroom=headroom,
                                                      steps=steps,
                                                      objective=objective, amp=amp, levers=levers, out=out_path,
-                                                     no_prior=not prior,
+                                                     prior=prior is True, no_prior=prior is False,
                                                      json=as_json,
                                                      dist_timeout=dist_timeout, debug=debug)])
             return
@@ -129,4 +132,5 @@ def probe(
             result = run_probe(model_file, dev, targets, on_start=on_start, on_trial=on_trial, **options)
         kept = write_found(result.config, out_path, model,
                            header=f"written by `oomtune probe {model}` — edit `train:` freely")
+        write_snapshot(memory_snapshot, model_file, result.plan, dev, steps)
         render_search(result, out_path if result.config else None, as_json, "probe", kept_train=kept)

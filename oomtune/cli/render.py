@@ -15,6 +15,7 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from ..config.writing import to_dict
+from .chart import peak_chart
 from .console import RESULT_SHORT, RESULT_STYLE, err, fmt_bytes, out
 from .guard import stop_if_interrupted
 
@@ -107,6 +108,17 @@ def result_json(result, config_path: Path | None) -> dict:
     }
 
 
+def write_snapshot(path, model_file, plan, device, steps: int) -> None:
+    """--memory-snapshot: one trial of `plan` on `device`, written as the memory viewer's pickle."""
+    from ..memory import snapshot
+
+    if path is None or plan is None:
+        return
+    snapshot.write(snapshot.take(model_file, plan, device, steps), path)
+    err.print(f"wrote the memory snapshot {path} (view: python -m torch.cuda._memory_viz trace_plot {path} -o "
+              f"{path}.html)")
+
+
 def prior_text(prior) -> str:
     """How the probe's trials were chosen: certified from a fake pre-estimate (its cost apart), or why not."""
     if prior is None:
@@ -131,6 +143,9 @@ def render_search(result, out_path: Path | None, as_json: bool, verb: str, extra
         if result.records:  # none when the estimate knew without a trial that nothing fits
             out.print(trials_table(result.records))
             out.print(rungs_table(result.ladder, result.targets, result.world_size))
+            chart = peak_chart(result.records, result.limit_bytes)
+            if chart is not None:
+                out.print(chart)
         if result.config is not None:
             fb = result.config.found_by
             tps = f", {fb.tokens_per_s:,.0f} tokens/s" if fb.tokens_per_s else ""

@@ -161,22 +161,21 @@ def _observe(rec: Recorder, t, phase: str) -> None:
         rec.tag("optimizer", [getattr(t.scaler, a, None) for a in ("_scale", "_growth_tracker")])  # fp16
 
 
+def kind_of(rec: Recorder, r) -> str:
+    """The part of the breakdown a recorded storage belongs to."""
+    for tag, kind in (("parameter", "parameters"), ("gradient", "gradients"), ("optimizer", "optimizer_state"),
+                      ("autocast", "autocast_copies")):
+        if tag in r.tags:
+            return kind
+    if rec.span_kinds[r.span] in ("forward", "recompute") and rec.outlived_span(r):
+        return "activations"
+    return "temporaries"
+
+
 def _classify(rec: Recorder) -> dict[str, int]:
     parts = dict.fromkeys(PART_LABELS, 0)
     for r in rec.live_at_peak():
-        if "parameter" in r.tags:
-            kind = "parameters"
-        elif "gradient" in r.tags:
-            kind = "gradients"
-        elif "optimizer" in r.tags:
-            kind = "optimizer_state"
-        elif "autocast" in r.tags:
-            kind = "autocast_copies"
-        elif rec.span_kinds[r.span] in ("forward", "recompute") and rec.outlived_span(r):
-            kind = "activations"
-        else:
-            kind = "temporaries"
-        parts[kind] += r.nbytes
+        parts[kind_of(rec, r)] += r.nbytes
     return parts
 
 
@@ -196,9 +195,35 @@ def breakdown(model_file: ModelFile, plan: Plan, device: TrackedDevice, steps: i
     return bd
 
 
+def snapshot(model_file: ModelFile, plan: Plan, device: TrackedDevice, steps: int = TRIAL_STEPS) -> dict:
+    """One trial of `plan` (its budget lifted) as the memory viewer's snapshot (snapshot.py)."""
+    from ..search.trial import run_trial
+    from .snapshot import from_recorder
+
+    with ranks_for(plan, device, LOCAL) as d:
+        _, rec = _recorded(model_file, plan, device, steps, d, run_trial, lift_budget=True)
+    return from_recorder(rec, kind_of)
+
+
 def recorded_trial(model_file, plan, device, steps, dist, run_trial, lift_budget: bool = False) -> tuple:
     """`run_trial` with a Recorder on the device's tracker: (the trial's result, the breakdown of its peak, or
     None where it ran out). `lift_budget`: measure a plan that does not fit, too."""
+    result, rec = _recorded(model_file, plan, device, steps, dist, run_trial, lift_budget)
+    if result.oom:
+        return result, None
+    parts = _classify(rec)
+    margin = device.margin
+    lines = margin.fixed_lines()
+    return result, MemoryBreakdown(
+        phase=rec.peak_phase, **{f"{k}_bytes": v for k, v in parts.items()}, tensor_peak_bytes=rec.peak_bytes,
+        margin=margin.describe(), margin_bytes=margin.overhead(rec.peak_bytes, result.modelled_reserved_bytes),
+        host_bytes=result.host_peak_bytes, modelled_reserved_bytes=result.modelled_reserved_bytes,
+        context_bytes=lines.get("context", 0), workspace_bytes=lines.get("workspaces", 0),
+    )
+
+
+def _recorded(model_file, plan, device, steps, dist, run_trial, lift_budget: bool) -> tuple:
+    """(the trial's result, the Recorder that saw it)."""
     tracker = device.tracker
     budget = tracker.budget_bytes
     if lift_budget:
@@ -212,17 +237,7 @@ def recorded_trial(model_file, plan, device, steps, dist, run_trial, lift_budget
     finally:
         tracker.recorder = None
         tracker.budget_bytes = budget
-    if result.oom:
-        return result, None
-    parts = _classify(rec)
-    margin = device.margin
-    lines = margin.fixed_lines()
-    return result, MemoryBreakdown(
-        phase=rec.peak_phase, **{f"{k}_bytes": v for k, v in parts.items()}, tensor_peak_bytes=rec.peak_bytes,
-        margin=margin.describe(), margin_bytes=margin.overhead(rec.peak_bytes, result.modelled_reserved_bytes),
-        host_bytes=result.host_peak_bytes, modelled_reserved_bytes=result.modelled_reserved_bytes,
-        context_bytes=lines.get("context", 0), workspace_bytes=lines.get("workspaces", 0),
-    )
+    return result, rec
 
 
 def breakdown_difference(old: MemoryBreakdown, new: MemoryBreakdown) -> dict[str, int]:

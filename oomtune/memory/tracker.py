@@ -109,6 +109,7 @@ class StorageRecord:
     span: int  # the stretch of same-kind work it was born in (see Recorder.span_kind)
     died: int | None = None
     tags: set[str] = field(default_factory=set)
+    op: str = ""  # the op that made it ("" where a tensor was counted outside an op: a model built before)
 
 
 class Recorder:
@@ -132,6 +133,7 @@ class Recorder:
         self.span_kinds: list[str] = ["setup"]  # span -> its kind
         self.span_ends: list[int | None] = [None]  # span -> the event at which the next span began
         self.on_op: Callable[[Recorder, object, tuple, object], None] | None = None  # tags op outputs
+        self.op = ""  # the op running now (the tracker says)
         for key, size in tracker._sizes.items():  # storages alive before recording began
             self.born(key, size)
             self._live[key].tags.add("preexisting")
@@ -157,7 +159,7 @@ class Recorder:
             self.span += 1
             self.span_kinds.append(kind)
             self.span_ends.append(None)
-        rec = StorageRecord(nbytes, self.event, self.phase, self.span)
+        rec = StorageRecord(nbytes, self.event, self.phase, self.span, op=self.op)
         self.records.append(rec)
         self._live[key] = rec
         self.event += 1
@@ -377,6 +379,8 @@ class MemoryTracker(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if func in METADATA_OPS or self._paused:  # no tensor made, or none to count
             return out
+        if self.recorder is not None:
+            self.recorder.op = func.__name__
         added = 0
         for t in _tensors(out):
             added += self._count(t)

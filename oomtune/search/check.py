@@ -4,7 +4,7 @@ say whether it still fits the config's budget, with the breakdown against the on
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..config.schema import HEADROOM, TRIAL_STEPS, Config, MemoryBreakdown, Plan
 from ..errors import OomtuneError
@@ -35,6 +35,12 @@ class CheckResult:
     oom_message: str | None = None
     budget_clamped_from: int | None = None  # cuda without --budget: the config's budget, more than is free now
     notes: tuple[str, ...] = ()  # how it was measured, where the fake device could not
+    measured_on: Device | None = field(default=None, repr=False, compare=False)  # the device (a memory snapshot's)
+
+    @property
+    def breakdown(self) -> MemoryBreakdown | None:
+        """The plan's breakdown as measured now (fake and cpu)."""
+        return self.new
 
     @property
     def difference(self) -> dict[str, int] | None:
@@ -119,11 +125,12 @@ def check(config: Config, model_file: ModelFile, *, device_kind: str = "fake", b
                                               lambda: breakdown(model_file, config.plan, device, steps))
         notes = (eager_note(model_file.label, device.kind),) if static_memory(model_file).compiled else ()
         return CheckResult(bd.peak_bytes <= limit, config.plan, device.kind, budget_bytes, headroom, limit,
-                           old_peak, bd.peak_bytes, old_bd, bd, notes=notes + computed)
+                           old_peak, bd.peak_bytes, old_bd, bd, notes=notes + computed, measured_on=device)
     r = run_trial(model_file, config.plan, device, steps)
     fits = not r.oom and r.peak_bytes is not None and r.peak_bytes <= limit
     return CheckResult(fits, config.plan, device.kind, budget_bytes, headroom, limit, old_peak,
-                       None if r.oom else r.peak_bytes, old_bd, None, r.oom_message, clamped_from)
+                       None if r.oom else r.peak_bytes, old_bd, None, r.oom_message, clamped_from,
+                       measured_on=device)
 
 
 def _cuda_device(budget_bytes: int, clamp: bool) -> tuple[Device, int | None]:

@@ -36,6 +36,11 @@ class EstimateResult:
     def config(self) -> Config | None:
         return self.search.config
 
+    @property
+    def plan(self) -> Plan | None:
+        """The plan found (None when nothing fits: `breakdown_plan` is then the smallest plan, `breakdown` its)."""
+        return self.config.plan if self.config is not None else None
+
 
 class RecordingTrials:
     """The probe's trials, each with a Recorder on the tracker: the chosen plan's breakdown is that of the trial

@@ -73,6 +73,16 @@ class ProbeResult:
     prior: PriorReport | None = None  # the fake pre-estimate the rungs were certified from (None: none was tried)
 
     @property
+    def plan(self):
+        """The plan found (None when nothing fits)."""
+        return self.config.plan if self.config is not None else None
+
+    @property
+    def breakdown(self):
+        """What the plan's peak is made of, where the search recorded it (an estimate's); None for a probe."""
+        return self.config.found_by.breakdown if self.config is not None else None
+
+    @property
     def trials_per_rung(self) -> dict[str, int]:
         return {r.rung.name: r.trials for r in self.ladder.rungs}
 
@@ -162,7 +172,7 @@ def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: 
           on_trial: Callable[[TrialRecord], None] | None = None, dist: Dist = LOCAL,
           sharding: str | None = None, levers: frozenset[str] = frozenset(LEVERS),
           statics: tuple[StaticMemory, StaticMemory] | None = None,
-          trial: Callable[..., TrialResult] = run_trial, prior: bool = True) -> ProbeResult:
+          trial: Callable[..., TrialResult] = run_trial, prior: bool | None = None) -> ProbeResult:
     """Climb the ladder with real trials on `device`; every trial runs the training step itself.
 
     On several ranks (`dist`) every rank calls this: each trial runs on all of them, and they agree on its result
@@ -172,7 +182,9 @@ def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: 
     one (run_trial's arguments and result; estimate's records each trial's breakdown as it runs).
 
     `prior`: on one process, on a device other than the fake one, run the same ladder on the fake device first and
-    certify each rung from it (certify.py, prior.py): two device trials a rung where the prior is right."""
+    certify each rung from it (certify.py, prior.py): two device trials a rung where the prior is right. None: on
+    cuda only, where a device trial costs GPU time (and on a shared card, OOMs); on the cpu device the estimate's
+    fake trials cost more than the cpu trials they save (bench/RESULTS.md)."""
     check_search_options(headroom, steps, objective, amp)
     world = dist.world_size
     check_ranks_batch(targets, world)
@@ -187,7 +199,7 @@ def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: 
     report = run_prior(lambda fake: probe(model_file, fake, targets, headroom=headroom, steps=steps,
                                           objective=objective, amp=amp, command="estimate", levers=levers,
                                           statics=(static, floor), prior=False), device, model_file.label) \
-        if prior and world == 1 and device.kind != "fake" else None
+        if (device.kind == "cuda" if prior is None else prior) and world == 1 and device.kind != "fake" else None
 
     reuse = {"models": ModelCache()} if trial is run_trial else {}  # (estimate's recording trials build each time)
     trials = _Trials(lambda point: trial(model_file, plan_of(point, world), device, steps=steps, dist=dist, **reuse),

@@ -1,0 +1,39 @@
+"""`oomtune export`: a config's plan as another trainer takes it."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+from rich.markup import escape
+
+from . import app
+from .console import err, out
+from .guard import user_errors
+from .options import ConfigOpt, DebugOpt
+
+ToOpt = Annotated[str, typer.Option("--to", help="hf (TrainingArguments keyword arguments, JSON) | lightning "
+                                    "(Trainer keyword arguments and the DataLoader batch size, JSON) | accelerate "
+                                    "(an accelerate config, YAML) | torchtune (recipe overrides, key=value).")]
+StrictOpt = Annotated[bool, typer.Option("--strict/--no-strict", help="Exit 2 when the target cannot express "
+                                         "every plan key (default: print what it can, name the rest on stderr).")]
+
+
+@app.command()
+def export(config_path: ConfigOpt, to: ToOpt, strict: StrictOpt = False, debug: DebugOpt = False):
+    """Print what another trainer needs to run the config's plan.
+
+    Example: [cyan]oomtune export --config best.yaml --to hf > training_args.json[/]
+    """
+    with user_errors(debug):
+        from ..config.export import export as make_export
+        from ..config.loading import load_config
+        from ..errors import OomtuneError
+
+        result = make_export(load_config(config_path).plan, to)
+        for line in result.unexpressed:
+            err.print(f"[yellow]not expressed:[/] {escape(line)}")
+        if strict and result.unexpressed:
+            keys = ", ".join(line.split(":", 1)[0] for line in result.unexpressed)
+            raise OomtuneError(f"--strict: {to} cannot express {keys} (each is named above)")
+        out.print(result.text(), markup=False, highlight=False, soft_wrap=True)

@@ -1,0 +1,165 @@
+"""A plan as other trainers take it: Hugging Face `TrainingArguments`, Lightning's `Trainer`, an Accelerate config,
+torchtune recipe overrides. No torch here; nothing is imported from those libraries (the tests load each export
+into the real class).
+
+Each export returns what the target expresses, and names every plan key it cannot express, with what to do
+instead: the caller prints those on stderr, and refuses them under --strict."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..errors import OomtuneError
+from .schema import Plan
+
+TARGETS = ("hf", "lightning", "accelerate", "torchtune")
+
+
+@dataclass(frozen=True)
+class Export:
+    target: str
+    values: dict  # what the target takes (JSON-able)
+    unexpressed: tuple[str, ...] = field(default=())  # "key: what to do instead", one a plan key it cannot take
+
+    def text(self) -> str:
+        """What `oomtune export` prints: JSON for hf and lightning, YAML for accelerate, key=value for torchtune."""
+        import json
+
+        if self.target in ("hf", "lightning"):
+            return json.dumps(self.values, indent=2)
+        if self.target == "accelerate":
+            return _yaml(self.values)
+        return "\n".join(f"{k}={_override(v)}" for k, v in self.values.items())
+
+
+def export(plan: Plan, target: str) -> Export:
+    """`plan` as `target` takes it (see TARGETS)."""
+    makers = {"hf": _hf, "lightning": _lightning, "accelerate": _accelerate, "torchtune": _torchtune}
+    if target not in makers:
+        raise OomtuneError(f"--to {target!r}: expected one of {', '.join(TARGETS)}")
+    values, unexpressed = makers[target](plan)
+    return Export(target, values, tuple(unexpressed))
+
+
+def _common_unexpressed(plan: Plan, where: str) -> list[str]:
+    """What none of these trainers' arguments hold: the context (a data-side length) and the weights' format."""
+    out = [f"context_length: {plan.context_length} is your data's sequence length ({where})"]
+    if plan.nf4_frozen_weights:
+        out.append("nf4_frozen_weights: load the base model in 4-bit NF4 (transformers' BitsAndBytesConfig("
+                   "load_in_4bit=True, bnb_4bit_quant_type='nf4'), or torchao's to_nf4), then add the LoRA adapters")
+    return out
+
+
+def _hf(plan: Plan) -> tuple[dict, list[str]]:
+    kw = {"per_device_train_batch_size": plan.micro_batch_size,
+          "gradient_accumulation_steps": plan.grad_accum_steps,
+          "bf16": plan.precision == "bf16", "fp16": plan.precision == "fp16",
+          "gradient_checkpointing": plan.activation_checkpointing,
+          "optim": "adamw_torch_8bit" if plan.optimizer_8bit else "adamw_torch"}
+    out = _common_unexpressed(plan, "the tokenizer's max_length; TRL's SFTConfig(max_length=...)")
+    if plan.sharding == "fsdp":
+        kw["fsdp"] = "full_shard auto_wrap"
+    if plan.precision == "bf16-true":
+        out.append("precision: bf16-true is the model loaded in bf16 (from_pretrained(..., torch_dtype="
+                   "torch.bfloat16)) with bf16=False: TrainingArguments has no flag for it")
+    if plan.offload_optimizer:
+        out.append("offload_optimizer: TrainingArguments cannot; use DeepSpeed ZeRO with offload_optimizer "
+                   "(deepspeed=...) or FSDP's cpu offload")
+    if plan.offload_activations:
+        out.append("offload_activations: TrainingArguments cannot; wrap the model's forward in "
+                   "torch.autograd.graph.save_on_cpu()")
+    if plan.world_size > 1:
+        out.append(f"world_size: {plan.world_size} ranks are the launch's: torchrun --nproc-per-node "
+                   f"{plan.world_size}")
+    return kw, out
+
+
+_LIGHTNING_PRECISION = {"fp32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed", "bf16-true": "bf16-true"}
+
+
+def _lightning(plan: Plan) -> tuple[dict, list[str]]:
+    strategy = {"none": "auto", "ddp": "ddp", "fsdp": "fsdp"}[plan.sharding]
+    trainer = {"precision": _LIGHTNING_PRECISION[plan.precision], "accumulate_grad_batches": plan.grad_accum_steps,
+               "strategy": strategy, "devices": plan.world_size}
+    out = _common_unexpressed(plan, "your LightningDataModule's")
+    if plan.activation_checkpointing:
+        out.append("activation_checkpointing: the Trainer takes it only through FSDPStrategy("
+                   "activation_checkpointing_policy=...); otherwise call torch.utils.checkpoint in your module "
+                   "(or model.gradient_checkpointing_enable())")
+    if plan.optimizer_8bit:
+        out.append("optimizer_8bit: return torchao.optim.AdamW8bit (or bitsandbytes' AdamW8bit) from "
+                   "configure_optimizers")
+    if plan.offload_optimizer:
+        out.append("offload_optimizer: the Trainer takes it only through DeepSpeedStrategy(offload_optimizer=True)")
+    if plan.offload_activations:
+        out.append("offload_activations: wrap training_step's forward in torch.autograd.graph.save_on_cpu()")
+    return {"trainer": trainer, "dataloader": {"batch_size": plan.micro_batch_size}}, out
+
+
+def _accelerate(plan: Plan) -> tuple[dict, list[str]]:
+    mixed = {"fp32": "no", "bf16": "bf16", "fp16": "fp16", "bf16-true": "no"}[plan.precision]
+    cfg = {"compute_environment": "LOCAL_MACHINE", "distributed_type": {"none": "NO", "ddp": "MULTI_GPU",
+                                                                        "fsdp": "FSDP"}[plan.sharding],
+           "mixed_precision": mixed, "num_processes": plan.world_size, "num_machines": 1, "machine_rank": 0,
+           "gradient_accumulation_steps": plan.grad_accum_steps, "use_cpu": False}
+    if plan.sharding == "fsdp":
+        cfg["fsdp_config"] = {"fsdp_sharding_strategy": "FULL_SHARD",
+                              "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+                              "fsdp_activation_checkpointing": plan.activation_checkpointing,
+                              "fsdp_offload_params": False, "fsdp_state_dict_type": "SHARDED_STATE_DICT"}
+    out = _common_unexpressed(plan, "your DataLoader's")
+    out.append(f"micro_batch_size: {plan.micro_batch_size} is your DataLoader's batch_size (per process)")
+    if plan.activation_checkpointing and plan.sharding != "fsdp":
+        out.append("activation_checkpointing: the config takes it only with FSDP; call "
+                   "model.gradient_checkpointing_enable() (or torch.utils.checkpoint)")
+    if plan.precision == "bf16-true":
+        out.append("precision: bf16-true is the model and optimizer in bf16 (model.to(torch.bfloat16)), "
+                   "mixed_precision: no")
+    if plan.optimizer_8bit:
+        out.append("optimizer_8bit: create torchao.optim.AdamW8bit (or bitsandbytes' AdamW8bit) and pass it to "
+                   "accelerator.prepare")
+    if plan.offload_optimizer:
+        out.append("offload_optimizer: the config takes it only through DeepSpeed (offload_optimizer_device: cpu)")
+    if plan.offload_activations:
+        out.append("offload_activations: wrap the forward in torch.autograd.graph.save_on_cpu()")
+    return cfg, out
+
+
+def _torchtune(plan: Plan) -> tuple[dict, list[str]]:
+    dtype = {"fp32": "fp32", "bf16-true": "bf16"}.get(plan.precision)
+    kw = {"batch_size": plan.micro_batch_size, "gradient_accumulation_steps": plan.grad_accum_steps,
+          "enable_activation_checkpointing": plan.activation_checkpointing,
+          "enable_activation_offloading": plan.offload_activations,
+          "tokenizer.max_seq_len": plan.context_length,
+          "optimizer._component_": "torchao.optim.AdamW8bit" if plan.optimizer_8bit else "torch.optim.AdamW"}
+    out: list[str] = []
+    if dtype is not None:
+        kw["dtype"] = dtype
+    else:
+        out.append(f"precision: {plan.precision} is autocast; torchtune's recipes train in one dtype "
+                   "(dtype=bf16 keeps the weights in bf16, which is the bf16-true rung, not this one)")
+    if plan.offload_optimizer:
+        kw["fsdp_cpu_offload"] = True
+        if plan.sharding != "fsdp":
+            out.append("offload_optimizer: torchtune offloads with fsdp_cpu_offload in its distributed recipes; "
+                       "single-device recipes have optimizer_in_bwd instead")
+    if plan.nf4_frozen_weights:
+        out.append("nf4_frozen_weights: use the model's qlora_ builder (model._component_=torchtune.models...."
+                   "qlora_...)")
+    return kw, out
+
+
+def _override(v) -> str:
+    return str(v).lower() if isinstance(v, bool) else str(v)
+
+
+def _yaml(values: dict, indent: int = 0) -> str:
+    """A flat-enough dict as YAML (strings, numbers, booleans and one level of nesting)."""
+    lines = []
+    for k, v in values.items():
+        if isinstance(v, dict):
+            lines.append(" " * indent + f"{k}:")
+            lines.append(_yaml(v, indent + 2))
+        else:
+            lines.append(" " * indent + f"{k}: {_override(v)}")
+    return "\n".join(lines)

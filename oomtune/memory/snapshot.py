@@ -1,0 +1,66 @@
+"""A trial's allocation history in the pickle format of `torch.cuda.memory._snapshot()`, for PyTorch's memory viewer
+(`python -m torch.cuda._memory_viz trace_plot FILE -o FILE.html`, or pytorch.org/memory_viz).
+
+On cuda the history is PyTorch's own (`torch.cuda.memory._record_memory_history` around the trial). On the simulated
+devices it is the tracker's: every storage's birth and death in order, as "alloc" and "free" events, each at an
+address of its own, with the op that made it as its frame and the breakdown's part (parameter, gradient, optimizer
+state, autocast copy, activation, temporary) as its category."""
+
+from __future__ import annotations
+
+import os
+import pickle
+from pathlib import Path
+
+from ..errors import OomtuneError
+from .tracker import Recorder
+
+
+def from_recorder(rec: Recorder, kind_of) -> dict:
+    """The snapshot dict of what `rec` recorded; `kind_of(rec, record) -> str` names each storage's part."""
+    events: list[tuple[int, dict]] = []
+    address = 0
+    for r in rec.records:
+        frames = [{"filename": r.phase, "line": 0, "name": r.op or "(built before the trial)"}]
+        alloc = {"action": "alloc", "addr": address, "size": r.nbytes, "stream": 0, "frames": frames,
+                 "category": kind_of(rec, r)}
+        events.append((r.born, alloc))
+        if r.died is not None:
+            for action in ("free_requested", "free_completed"):
+                events.append((r.died, {**alloc, "action": action}))
+        address += r.nbytes
+    trace = [e for _, e in sorted(events, key=lambda pair: pair[0])]
+    segment = {"device": 0, "address": 0, "total_size": address, "stream": 0, "segment_type": "large",
+               "allocated_size": sum(r.nbytes for r in rec.records if r.died is None), "active_size": 0,
+               "requested_size": 0, "blocks": []}
+    return {"segments": [segment], "device_traces": [trace]}
+
+
+def write(data: dict, path: Path) -> None:
+    """Write the pickle atomically (a snapshot half written is never left where one was asked for)."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "wb") as f:
+            pickle.dump(data, f)
+        os.replace(tmp, path)
+    except OSError as e:
+        raise OomtuneError(f"--memory-snapshot {path}: cannot write it: {e.strerror or e}") from None
+
+
+def take(model_file, plan, device, steps: int) -> dict:
+    """The snapshot of one trial of `plan` on `device`: PyTorch's own history on cuda, the tracker's elsewhere."""
+    from .breakdown import snapshot
+    from .devices import TrackedDevice
+
+    if isinstance(device, TrackedDevice):
+        return snapshot(model_file, plan, device, steps)
+    import torch
+
+    from ..search.trial import run_trial
+
+    torch.cuda.memory._record_memory_history(max_entries=200_000)
+    try:
+        run_trial(model_file, plan, device, steps)
+        return torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)

@@ -1,0 +1,31 @@
+"""The chart probe and estimate end with (cli/chart.py): trials as peak against micro-batch, the limit line."""
+
+from __future__ import annotations
+
+from oomtune.cli.chart import peak_chart
+from oomtune.config.schema import TrialRecord
+
+MiB = 1 << 20
+
+
+def record(rung: str, b: int, peak: int | None, result: str = "fits") -> TrialRecord:
+    return TrialRecord(rung=rung, stage="batch", micro_batch_size=b, context_length=64, grad_accum_steps=1,
+                       precision="fp32", activation_checkpointing=False, result=result, peak_bytes=peak,
+                       tokens_per_s=None, seconds=0.1)
+
+
+def test_each_rungs_trials_the_oom_marks_and_the_limit_line_are_drawn():
+    records = [record("fp32", 16, None, "oom"), record("fp32", 1, 2 * MiB), record("fp32", 4, 5 * MiB),
+               record("amp", 1, 1 * MiB), record("amp", 8, 6 * MiB), record("amp", 9, 7 * MiB, "over-headroom")]
+    text = peak_chart(records, 6 * MiB + 512 * 1024).plain
+    rows = text.splitlines()
+    limit = next(r for r in rows if "6.50 MiB |" in r)
+    assert set(limit.split("|", 1)[1]) <= {"-", "o", "+", "."}  # the limit, with what lies on it
+    assert rows[0].rstrip().endswith("x")  # micro-batch 16 ran out of memory: top row, right edge
+    assert "o fp32" in text and "+ amp" in text and "x out of memory" in text
+    plotted = "".join(r.split("|", 1)[1] for r in rows if "|" in r)
+    assert plotted.count("o") == 2 and plotted.count("+") >= 2
+
+
+def test_no_chart_from_a_single_size():
+    assert peak_chart([record("fp32", 16, 5 * MiB)], 10 * MiB) is None

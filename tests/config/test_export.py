@@ -1,0 +1,122 @@
+"""`oomtune export`: a plan as Hugging Face, Lightning, Accelerate and torchtune take it, loaded into the real
+classes where they are installed (device: cpu, for the Trainer run)."""
+
+from __future__ import annotations
+
+import json
+from importlib.util import find_spec
+
+import pytest
+
+from oomtune.config.export import export
+from oomtune.config.loading import load_config
+from oomtune.config.output import write_config
+from oomtune.config.schema import Config, Plan
+
+from ..conftest import run_cli
+
+PLANS = {
+    "fp32": Plan(4, 64, "fp32", False, 2),
+    "bf16+ckpt": Plan(2, 128, "bf16", True, 8),
+    "bf16-true+8bit": Plan(4, 64, "bf16-true", True, 2, optimizer_8bit=True),
+    "fp16+offload": Plan(8, 32, "fp16", False, 1, offload_optimizer=True, offload_activations=True),
+}
+needs = {name: pytest.mark.skipif(find_spec(name) is None, reason=f"{name} is not installed")
+         for name in ("transformers", "lightning", "accelerate")}
+
+
+@needs["transformers"]
+@needs["accelerate"]
+@pytest.mark.parametrize("name", ["fp32", "bf16+ckpt", "bf16-true+8bit"])
+def test_the_hf_export_is_training_arguments(name, tmp_path):
+    from transformers import TrainingArguments
+
+    plan = PLANS[name]
+    e = export(plan, "hf")
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, **e.values)
+    assert args.per_device_train_batch_size == plan.micro_batch_size
+    assert args.gradient_accumulation_steps == plan.grad_accum_steps
+    assert (args.bf16, args.fp16) == (plan.precision == "bf16", plan.precision == "fp16")
+    assert args.gradient_checkpointing == plan.activation_checkpointing
+    assert args.optim.value == ("adamw_torch_8bit" if plan.optimizer_8bit else "adamw_torch")
+    keys = {line.split(":")[0] for line in e.unexpressed}
+    assert "context_length" in keys and ("precision" in keys) == (plan.precision == "bf16-true")
+
+
+@needs["lightning"]
+@pytest.mark.parametrize("name", ["fp32", "bf16+ckpt", "bf16-true+8bit"])
+def test_the_lightning_export_is_trainer_arguments(name, tmp_path):
+    import lightning
+
+    plan = PLANS[name]
+    e = export(plan, "lightning")
+    trainer = lightning.Trainer(**e.values["trainer"], accelerator="cpu", logger=False, default_root_dir=tmp_path,
+                                enable_progress_bar=False, enable_model_summary=False)
+    assert trainer.accumulate_grad_batches == plan.grad_accum_steps
+    assert trainer.precision == {"fp32": "32-true", "bf16": "bf16-mixed", "bf16-true": "bf16-true"}[plan.precision]
+    assert trainer.num_devices == plan.world_size and e.values["dataloader"]["batch_size"] == plan.micro_batch_size
+    keys = {line.split(":")[0] for line in e.unexpressed}
+    assert ("activation_checkpointing" in keys) == plan.activation_checkpointing
+    assert ("optimizer_8bit" in keys) == plan.optimizer_8bit
+
+
+@needs["accelerate"]
+@pytest.mark.parametrize("name", PLANS)
+def test_the_accelerate_export_is_a_config_accelerate_loads(name, tmp_path):
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    plan = PLANS[name]
+    e = export(plan, "accelerate")
+    path = tmp_path / "accelerate.yaml"
+    path.write_text(e.text())
+    cfg = load_config_from_file(str(path))
+    assert cfg.gradient_accumulation_steps == plan.grad_accum_steps
+    assert str(cfg.mixed_precision) == {"fp32": "no", "bf16": "bf16", "fp16": "fp16", "bf16-true": "no"}[
+        plan.precision]
+    assert cfg.num_processes == plan.world_size and str(cfg.distributed_type) in ("NO", "DistributedType.NO")
+
+
+def test_the_torchtune_export_is_recipe_overrides():
+    plan = PLANS["bf16-true+8bit"]
+    lines = export(plan, "torchtune").text().splitlines()
+    assert "batch_size=4" in lines and "gradient_accumulation_steps=2" in lines and "dtype=bf16" in lines
+    assert "enable_activation_checkpointing=true" in lines and "tokenizer.max_seq_len=64" in lines
+    assert "optimizer._component_=torchao.optim.AdamW8bit" in lines
+    mixed = export(PLANS["bf16+ckpt"], "torchtune")
+    assert not any(line.startswith("dtype=") for line in mixed.text().splitlines())
+    assert any(line.startswith("precision: bf16 is autocast") for line in mixed.unexpressed)
+
+
+def test_the_cli_names_what_a_target_cannot_express_and_strict_refuses(tmp_path):
+    path = tmp_path / "best.yaml"
+    write_config(Config(model="model.py", plan=PLANS["fp16+offload"]), path, tmp_path / "model.py", "test")
+    r = run_cli("export", "--config", path, "--to", "hf")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["per_device_train_batch_size"] == 8
+    assert "not expressed: offload_optimizer" in r.stderr and "not expressed: offload_activations" in r.stderr
+    strict = run_cli("export", "--config", path, "--to", "hf", "--strict")
+    assert strict.exit_code == 2 and strict.stdout == ""
+    assert "--strict: hf cannot express context_length, offload_optimizer, offload_activations" in strict.stderr
+    bad = run_cli("export", "--config", path, "--to", "keras")
+    assert bad.exit_code == 2 and "--to 'keras': expected one of hf, lightning, accelerate, torchtune" in bad.stderr
+    assert load_config(path).plan == PLANS["fp16+offload"]  # read, never rewritten
+
+
+@needs["transformers"]
+@needs["accelerate"]
+def test_the_exported_hf_arguments_train_a_small_hf_model_with_trainer(tmp_path):
+    """device: cpu. A 2-layer GPT-2 from its config, trained 3 steps by transformers' own Trainer with the exported
+    arguments (bf16 autocast, checkpointing, 8 steps of accumulation)."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2))
+    rows = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 64, (64, 32))]
+    kw = export(PLANS["bf16+ckpt"], "hf").values
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, max_steps=3, report_to=[], logging_steps=1,
+                             save_strategy="no", learning_rate=1e-3, **kw)
+    trainer = Trainer(model=model, args=args, train_dataset=rows)
+    out = trainer.train()
+    assert trainer.state.global_step == 3 and torch.isfinite(torch.tensor(out.training_loss))
+    assert trainer.args.gradient_accumulation_steps == 8 and trainer.args.per_device_train_batch_size == 2

@@ -1,0 +1,64 @@
+"""The Python API (oomtune/api.py): the commands as functions, on a model file's path or on a module or object with
+the hooks. Devices: fake (estimate, check) and cpu (probe)."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from torch import nn
+
+import oomtune
+from oomtune.config.loading import load_config
+
+from .conftest import EXAMPLES
+
+
+class TinyMLP:
+    """A model file as an object, as a notebook would write one."""
+
+    DEFAULTS = {"batch": 16, "context": 8}
+
+    def build_model(self):
+        return nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 32))
+
+    def make_batch(self, batch_size, context_length, device):
+        return torch.randn(batch_size, 32, device=device)
+
+    def loss(self, model, batch):
+        return model(batch).square().mean()
+
+
+def test_estimate_takes_an_object_with_the_hooks_and_returns_plan_config_and_breakdown():
+    result = oomtune.estimate(TinyMLP(), budget="600MiB")
+    assert result.plan is not None and result.plan == result.config.plan
+    assert result.breakdown.peak_bytes == result.config.found_by.peak_bytes
+    assert result.config.found_by.card == "generic"  # no gpu given: the generic card, as the CLI assumes
+
+
+def test_probe_on_a_path_writes_the_config_and_check_reads_it(tmp_path):
+    out = tmp_path / "best.yaml"
+    result = oomtune.probe(EXAMPLES / "tiny_gpt.py", device="cpu", budget="12MiB", out=out, prior=True)
+    assert result.plan == load_config(out).plan
+    assert result.prior is not None and result.prior.missing is None  # started from the estimate
+    checked = oomtune.check(out)
+    assert checked.fits and checked.plan == result.plan and checked.breakdown.tensor_peak_bytes > 0
+
+
+def test_a_module_namespace_works_too():
+    ns = types.ModuleType("notebook")
+    for name in ("build_model", "make_batch", "loss"):
+        setattr(ns, name, getattr(TinyMLP(), name))
+    assert oomtune.estimate(ns, gpu="t4", batch=8, context=8).plan.micro_batch_size == 8
+
+
+def test_bad_input_raises_the_one_line_error(tmp_path):
+    with pytest.raises(oomtune.OomtuneError, match="say how much memory"):
+        oomtune.estimate(TinyMLP())
+    no_batch = types.SimpleNamespace(build_model=TinyMLP().build_model)
+    with pytest.raises(oomtune.OomtuneError, match="missing required function make_batch"):
+        oomtune.estimate(no_batch, budget="1GiB")
+    with pytest.raises(oomtune.OomtuneError, match="not a file a config can name"):
+        oomtune.estimate(TinyMLP(), budget="600MiB", out=tmp_path / "x.yaml")
+    assert not (tmp_path / "x.yaml").exists()
