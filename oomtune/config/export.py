@@ -28,7 +28,9 @@ class Export:
         if self.target in ("hf", "lightning"):
             return json.dumps(self.values, indent=2)
         if self.target == "accelerate":
-            return _yaml(self.values)
+            import yaml
+
+            return yaml.safe_dump(self.values, sort_keys=False).rstrip()  # (quoted where YAML would read a bool: no)
         return "\n".join(f"{k}={_override(v)}" for k, v in self.values.items())
 
 
@@ -101,7 +103,7 @@ def _accelerate(plan: Plan) -> tuple[dict, list[str]]:
     cfg = {"compute_environment": "LOCAL_MACHINE", "distributed_type": {"none": "NO", "ddp": "MULTI_GPU",
                                                                         "fsdp": "FSDP"}[plan.sharding],
            "mixed_precision": mixed, "num_processes": plan.world_size, "num_machines": 1, "machine_rank": 0,
-           "gradient_accumulation_steps": plan.grad_accum_steps, "use_cpu": False}
+           "use_cpu": False}
     if plan.sharding == "fsdp":
         cfg["fsdp_config"] = {"fsdp_sharding_strategy": "FULL_SHARD",
                               "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
@@ -109,6 +111,9 @@ def _accelerate(plan: Plan) -> tuple[dict, list[str]]:
                               "fsdp_offload_params": False, "fsdp_state_dict_type": "SHARDED_STATE_DICT"}
     out = _common_unexpressed(plan, "your DataLoader's")
     out.append(f"micro_batch_size: {plan.micro_batch_size} is your DataLoader's batch_size (per process)")
+    out.append(f"grad_accum_steps: {plan.grad_accum_steps} is Accelerator(gradient_accumulation_steps="
+               f"{plan.grad_accum_steps}) with `with accelerator.accumulate(model):` (the config file has no key "
+               "for it outside DeepSpeed)")
     if plan.activation_checkpointing and plan.sharding != "fsdp":
         out.append("activation_checkpointing: the config takes it only with FSDP; call "
                    "model.gradient_checkpointing_enable() (or torch.utils.checkpoint)")
@@ -151,15 +156,3 @@ def _torchtune(plan: Plan) -> tuple[dict, list[str]]:
 
 def _override(v) -> str:
     return str(v).lower() if isinstance(v, bool) else str(v)
-
-
-def _yaml(values: dict, indent: int = 0) -> str:
-    """A flat-enough dict as YAML (strings, numbers, booleans and one level of nesting)."""
-    lines = []
-    for k, v in values.items():
-        if isinstance(v, dict):
-            lines.append(" " * indent + f"{k}:")
-            lines.append(_yaml(v, indent + 2))
-        else:
-            lines.append(" " * indent + f"{k}: {_override(v)}")
-    return "\n".join(lines)
