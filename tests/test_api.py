@@ -39,7 +39,7 @@ def test_estimate_takes_an_object_with_the_hooks_and_returns_plan_config_and_bre
 
 def test_probe_on_a_path_writes_the_config_and_check_reads_it(tmp_path):
     out = tmp_path / "best.yaml"
-    result = oomtune.probe(EXAMPLES / "tiny_gpt.py", device="cpu", budget="12MiB", out=out, prior=True)
+    result = oomtune.probe(EXAMPLES / "mlp_dict.py", device="cpu", budget="16MiB", batch=20, out=out, prior=True)
     assert result.plan == load_config(out).plan
     assert result.prior is not None and result.prior.missing is None  # started from the estimate
     checked = oomtune.check(out)

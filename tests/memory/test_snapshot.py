@@ -11,7 +11,7 @@ from ..conftest import EXAMPLES, run_cli
 
 def test_estimate_writes_a_snapshot_that_pytorchs_memory_viewer_renders(tmp_path):
     snap = tmp_path / "plan.pickle"
-    r = run_cli("estimate", EXAMPLES / "tiny_gpt.py", "--budget", "600MiB", "--batch", "8", "--context", "64",
+    r = run_cli("estimate", EXAMPLES / "mlp_dict.py", "--budget", "600MiB", "--batch", "8", "--context", "16",
                 "--out", tmp_path / "best.yaml", "--memory-snapshot", snap)
     assert r.exit_code == 0, r.output
     assert f"wrote the memory snapshot {snap}" in " ".join(r.stderr.split())
