@@ -64,12 +64,10 @@ def _hf(plan: Plan) -> tuple[dict, list[str]]:
     if plan.precision == "bf16-true":
         out.append("precision: bf16-true is the model loaded in bf16 (from_pretrained(..., torch_dtype="
                    "torch.bfloat16)) with bf16=False: TrainingArguments has no flag for it")
-    if plan.offload_optimizer:
-        out.append("offload_optimizer: TrainingArguments cannot; use DeepSpeed ZeRO with offload_optimizer "
-                   "(deepspeed=...) or FSDP's cpu offload")
-    if plan.offload_activations:
-        out.append("offload_activations: TrainingArguments cannot; wrap the model's forward in "
-                   "torch.autograd.graph.save_on_cpu()")
+    out += _when(plan, offload_optimizer="TrainingArguments cannot; use DeepSpeed ZeRO with offload_optimizer "
+                                         "(deepspeed=...) or FSDP's cpu offload",
+                 offload_activations="TrainingArguments cannot; wrap the model's forward in "
+                                     "torch.autograd.graph.save_on_cpu()")
     if plan.world_size > 1:
         out.append(f"world_size: {plan.world_size} ranks are the launch's: torchrun --nproc-per-node "
                    f"{plan.world_size}")
@@ -84,17 +82,14 @@ def _lightning(plan: Plan) -> tuple[dict, list[str]]:
     trainer = {"precision": _LIGHTNING_PRECISION[plan.precision], "accumulate_grad_batches": plan.grad_accum_steps,
                "strategy": strategy, "devices": plan.world_size}
     out = _common_unexpressed(plan, "your LightningDataModule's")
-    if plan.activation_checkpointing:
-        out.append("activation_checkpointing: the Trainer takes it only through FSDPStrategy("
-                   "activation_checkpointing_policy=...); otherwise call torch.utils.checkpoint in your module "
-                   "(or model.gradient_checkpointing_enable())")
-    if plan.optimizer_8bit:
-        out.append("optimizer_8bit: return torchao.optim.AdamW8bit (or bitsandbytes' AdamW8bit) from "
-                   "configure_optimizers")
-    if plan.offload_optimizer:
-        out.append("offload_optimizer: the Trainer takes it only through DeepSpeedStrategy(offload_optimizer=True)")
-    if plan.offload_activations:
-        out.append("offload_activations: wrap training_step's forward in torch.autograd.graph.save_on_cpu()")
+    out += _when(plan, activation_checkpointing="the Trainer takes it only through FSDPStrategy("
+                                                "activation_checkpointing_policy=...); otherwise call "
+                                                "torch.utils.checkpoint in your module (or "
+                                                "model.gradient_checkpointing_enable())",
+                 optimizer_8bit="return torchao.optim.AdamW8bit (or bitsandbytes' AdamW8bit) from "
+                                "configure_optimizers",
+                 offload_optimizer="the Trainer takes it only through DeepSpeedStrategy(offload_optimizer=True)",
+                 offload_activations="wrap training_step's forward in torch.autograd.graph.save_on_cpu()")
     return {"trainer": trainer, "dataloader": {"batch_size": plan.micro_batch_size}}, out
 
 
@@ -120,13 +115,10 @@ def _accelerate(plan: Plan) -> tuple[dict, list[str]]:
     if plan.precision == "bf16-true":
         out.append("precision: bf16-true is the model and optimizer in bf16 (model.to(torch.bfloat16)), "
                    "mixed_precision: no")
-    if plan.optimizer_8bit:
-        out.append("optimizer_8bit: create torchao.optim.AdamW8bit (or bitsandbytes' AdamW8bit) and pass it to "
-                   "accelerator.prepare")
-    if plan.offload_optimizer:
-        out.append("offload_optimizer: the config takes it only through DeepSpeed (offload_optimizer_device: cpu)")
-    if plan.offload_activations:
-        out.append("offload_activations: wrap the forward in torch.autograd.graph.save_on_cpu()")
+    out += _when(plan, optimizer_8bit="create torchao.optim.AdamW8bit (or bitsandbytes' AdamW8bit) and pass it to "
+                                      "accelerator.prepare",
+                 offload_optimizer="the config takes it only through DeepSpeed (offload_optimizer_device: cpu)",
+                 offload_activations="wrap the forward in torch.autograd.graph.save_on_cpu()")
     return cfg, out
 
 
@@ -152,6 +144,11 @@ def _torchtune(plan: Plan) -> tuple[dict, list[str]]:
         out.append("nf4_frozen_weights: use the model's qlora_ builder (model._component_=torchtune.models...."
                    "qlora_...)")
     return kw, out
+
+
+def _when(plan: Plan, **notes: str) -> list[str]:
+    """`key: note` for each plan key that is on."""
+    return [f"{key}: {note}" for key, note in notes.items() if getattr(plan, key)]
 
 
 def _override(v) -> str:
