@@ -38,9 +38,11 @@ def check(
     """
     with user_errors(debug):
         from ..config.loading import load_config
+        from ..memory import snapshot
         from ..model_file import load_model_file
         from ..search.check import check as run_check
 
+        snapshot.check_path(memory_snapshot)
         config = load_config(config_path)
         model_file = load_model_file(config.model_path(config_path))
         result = run_check(config, model_file, device_kind=device, budget=budget, headroom=headroom,

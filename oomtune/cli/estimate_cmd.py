@@ -129,6 +129,7 @@ def estimate(
     """
     with user_errors(debug):
         from ..config.output import check_out
+        from ..memory import snapshot
         from ..model_file import load_model_file
         from ..search.estimate import make_fake_device, no_bf16_note, what_if, what_if_plan
         from ..search.options import check_estimate_options, check_what_if_options, check_world, parse_levers
@@ -139,6 +140,7 @@ def estimate(
         allowed = parse_levers(levers)
         if not one_plan:  # the ladder writes --out: check it before the search, not after
             check_out(out_path, model)
+        snapshot.check_path(memory_snapshot)
         model_file = load_model_file(model)
         if not one_plan:
             _ladder(model, model_file, batch, context, min_context, budget, gpu, margin,

@@ -92,6 +92,7 @@ def probe(
     with user_errors(debug):
         from ..config.output import check_out
         from ..dist.launch import Launch, run
+        from ..memory import snapshot
         from ..model_file import load_model_file
         from ..search.options import check_search_options, parse_levers, resolve_targets
         from ..search.probe import check_ranks_batch, probe_on_ranks
@@ -102,6 +103,7 @@ def probe(
         rank = worker_rank()
         if rank in (None, 0):  # the launcher and rank 0, which writes it
             check_out(out_path, model)
+        snapshot.check_path(memory_snapshot, on_ranks=nproc_per_node is not None or rank is not None)
         model_file = load_model_file(model)
         targets = resolve_targets(model_file, batch, context, min_context)
         if nproc_per_node is not None and rank is None:  # the launcher: check, then the same probe on every rank

@@ -20,6 +20,11 @@ import torch
 from torch import nn
 
 
+def _remove_all(handles: list) -> None:
+    for h in handles:
+        h.remove()
+
+
 class HostOffloadOptimizer(torch.optim.Optimizer):
     """An optimizer whose parameters, gradients, state and step live in host memory (`device.host()`); it stands
     in for `make(host_params)` where the training step expects the optimizer. Its param_groups and state are the
@@ -54,6 +59,8 @@ class HostOffloadOptimizer(torch.optim.Optimizer):
                 optimizer.take_gradient(p)
 
         self._hooks = [p.register_post_accumulate_grad_hook(hook) for p in self._params]
+        # and the hooks go with the optimizer (a probe's trials reuse the model, each with an optimizer of its own)
+        weakref.finalize(self, _remove_all, self._hooks)
 
     @property
     def param_groups(self) -> list[dict]:

@@ -283,12 +283,14 @@ class FakeDevice(TrackedDevice):
 
     It stands in for a GPU of `budget` bytes (default: the card's memory): the peak it reports is the tensor peak
     plus the margin (the card's own, or a flat `margin`; without a card, the default flat rule), and its OOM fires
-    where that passes the budget."""
+    where that passes the budget. `may_compute=False`: never switch to real tensors (the probe's prior, which
+    stands in for a GPU and must not train the model on the host instead)."""
 
     kind = "fake"
     computes = False
 
-    def __init__(self, budget: str | None = None, *, gpu: GpuSpec | None = None, margin: AnyMargin | None = None):
+    def __init__(self, budget: str | None = None, *, gpu: GpuSpec | None = None, margin: AnyMargin | None = None,
+                 may_compute: bool = True):
         capacity = gpu.memory_bytes if gpu is not None else None
         if budget is None and capacity is None:
             raise OomtuneError("--device fake has no memory of its own: give --budget (e.g. --budget 24GiB) or a "
@@ -298,6 +300,7 @@ class FakeDevice(TrackedDevice):
             margin = parse_margin(None)
         super().__init__("fake", torch.device("cpu"), budget_bytes, capacity, gpu, margin)
         self.name = f"{gpu.name} (estimated)" if gpu is not None else "fake (estimated)"
+        self.may_compute = may_compute
 
     @property
     def measures_speed(self) -> bool:

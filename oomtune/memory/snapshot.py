@@ -8,11 +8,11 @@ state, autocast copy, activation, temporary) as its category."""
 
 from __future__ import annotations
 
-import os
 import pickle
 from pathlib import Path
 
 from ..errors import OomtuneError
+from ..files import atomic_write, nearest_existing, try_write_in
 from .tracker import Recorder
 
 
@@ -36,13 +36,29 @@ def from_recorder(rec: Recorder, kind_of) -> dict:
     return {"segments": [segment], "device_traces": [trace]}
 
 
+def check_path(path: Path | None, on_ranks: bool = False) -> None:
+    """--memory-snapshot, checked before any trial runs: not a folder, in a folder that exists or can be made, and
+    that can be written; and not on several ranks (`on_ranks`: a snapshot is one process's trial)."""
+    if path is None:
+        return
+    if on_ranks:
+        raise OomtuneError("--memory-snapshot records one process's trial: run it without --nproc-per-node")
+    p = Path(path)
+    if p.is_dir():
+        raise OomtuneError(f"--memory-snapshot {p} is a folder: name a file in it (e.g. {p / 'memory.pickle'})")
+    folder = nearest_existing(p.absolute().parent)
+    if not folder.is_dir():
+        raise OomtuneError(f"--memory-snapshot {p}: {folder} is not a folder")
+    try:
+        try_write_in(folder)
+    except OSError as e:
+        raise OomtuneError(f"--memory-snapshot {p}: cannot write in {folder} ({e.strerror or e})") from None
+
+
 def write(data: dict, path: Path) -> None:
     """Write the pickle atomically (a snapshot half written is never left where one was asked for)."""
-    tmp = path.with_name(path.name + ".tmp")
     try:
-        with open(tmp, "wb") as f:
-            pickle.dump(data, f)
-        os.replace(tmp, path)
+        atomic_write(path, lambda f: pickle.dump(data, f))
     except OSError as e:
         raise OomtuneError(f"--memory-snapshot {path}: cannot write it: {e.strerror or e}") from None
 

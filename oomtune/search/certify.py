@@ -83,9 +83,19 @@ class CertifyingSearch(LadderSearch):
         if certified is None:  # searched from scratch, with every trial run so far known
             self.fell_back.append(rung.name)
             r = super().search_rung(rung, batch, context, min_context)
-        else:
-            r = RungResult(rung, *certified, 0)
-        return RungResult(rung, r.context_length, r.micro_batch_size, len(self.trials) - start)
+            certified = r.context_length, r.micro_batch_size
+        return RungResult(rung, *certified, len(self.trials) - start)
+
+    def check(self, point: Point, stage: str) -> bool:
+        """As the search's, but a point at least as large as one that went over the limit (its micro-batch and
+        context no smaller, on the rung, at its accumulation) is known not to fit without a trial: the search a
+        rung falls back to starts where the certifying trials left off, not from its own first guesses."""
+        if point not in self._seen and any(
+                not t.fits and q.rung == point.rung and q.grad_accum_steps == point.grad_accum_steps
+                and q.micro_batch_size <= point.micro_batch_size and q.context_length <= point.context_length
+                for q, t in self._seen.items()):
+            return False
+        return super().check(point, stage)
 
     def _certify(self, rung: Rung, batch: int, context: int, min_context: int,
                  prior: RungPrior) -> tuple[int | None, int | None] | None:
@@ -105,7 +115,7 @@ class CertifyingSearch(LadderSearch):
         prior's prediction corrected by what the device measured; None to fall back."""
         guess, stage = min(prior.micro_batch_size or 1, batch), "prior"
         for _ in range(MAX_CORRECTIONS + 1):
-            lo, hi = self._known(rung, context, batch)
+            lo, hi = self._bounds(rung, context, batch)
             if hi - lo <= 1:
                 return lo if lo >= 1 else None
             guess = min(max(guess, lo + 1), hi - 1)
@@ -119,13 +129,6 @@ class CertifyingSearch(LadderSearch):
                 return None  # the step back ran out of memory too: no peak to correct from
             guess, stage = self._corrected(rung, context, batch, prior, offsets), "corrected"
         return None
-
-    def _known(self, rung: Rung, context: int, batch: int) -> tuple[int, int]:
-        """(largest micro-batch known to fit at `context`, 0 if none; smallest known not to, batch + 1 if none)."""
-        seen = self._at(rung, context)
-        lo = max([b for b, t in seen.items() if t.fits], default=0)
-        hi = min([b for b, t in seen.items() if not t.fits] + [batch + 1])
-        return lo, hi
 
     def _offsets(self, rung: Rung, context: int, prior: RungPrior) -> list[tuple[int, float, float]]:
         """(micro-batch, device peak - fake peak, that as a share of the fake peak) for each size the device ran
@@ -157,7 +160,7 @@ class CertifyingSearch(LadderSearch):
             (b0, o0), (b1, o1) = pts
             return o0 + (o1 - o0) * (b - b0) / (b1 - b0)
 
-        lo, hi = self._known(rung, context, batch)
+        lo, hi = self._bounds(rung, context, batch)
         best = lo
         for b in range(lo + 1, hi):
             fake = prior.peak_at(b)

@@ -228,9 +228,9 @@ class LadderSearch:
         return lo
 
     def _bounds(self, rung: Rung, context: int, batch: int) -> tuple[int, int]:
-        """(largest micro-batch known to fit, smallest known not to: batch+1 when none)."""
+        """(largest micro-batch known to fit at `context`, 0 when none; smallest known not to, batch+1 when none)."""
         seen = self._at(rung, context)
-        lo = max(b for b, t in seen.items() if t.fits)
+        lo = max([b for b, t in seen.items() if t.fits], default=0)
         hi = min([b for b, t in seen.items() if not t.fits] + [batch + 1])
         return lo, hi
 

@@ -28,25 +28,22 @@ class PriorReport:
                 "fell_back_rungs": list(self.fell_back), "why_not": self.missing}
 
 
-def prior_device(device: Device) -> FakeDevice | None:
-    """The fake device that accounts as `device` does: a simulated device's own card and margin; for a real GPU,
-    its card's profile (autocast, kernels, allocator, workspaces) without a context, which the GPU's budget (its
-    free memory, the context already taken) excludes too. None where the device is the fake one itself."""
-    if isinstance(device, FakeDevice):
-        return None
+def prior_device(device: Device) -> FakeDevice:
+    """The fake device that accounts as `device` (cpu or cuda) does: a simulated device's own card and margin; for a
+    real GPU, its card's profile (autocast, kernels, allocator, workspaces) without a context, which the GPU's
+    budget (its free memory, the context already taken) excludes too."""
     if isinstance(device, TrackedDevice):
-        return FakeDevice(f"{device.budget_bytes}B", gpu=device.card, margin=device.margin)
+        return FakeDevice(f"{device.budget_bytes}B", gpu=device.card, margin=device.margin, may_compute=False)
     card = dataclasses.replace(device.profile(), context_bytes=0)
-    return FakeDevice(f"{device.budget_bytes}B", gpu=card)
+    return FakeDevice(f"{device.budget_bytes}B", gpu=card, may_compute=False)
 
 
 def run_prior(run_ladder, device: Device, label: str) -> PriorReport:
     """`run_ladder(fake_device) -> ProbeResult` on the fake device standing in for `device`; the priors of the rungs
-    it searched. Where the fake device cannot stand in or cannot run the model, the report says why and has none
-    (the device then searches as without a prior)."""
+    it searched. Where the fake device cannot stand in or cannot run the model (an op that needs tensor values,
+    too: the prior never computes on the host), the report says why and has none (the device then searches as
+    without a prior)."""
     fake = prior_device(device)
-    if fake is None:
-        return PriorReport(missing="the probe runs on the fake device itself")
     start = time.perf_counter()
     try:
         result = run_ladder(fake)

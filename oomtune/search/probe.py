@@ -196,10 +196,13 @@ def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: 
                                    statics[1] if statics else None)
     check_static_fits(floor, device, limit, headroom, sharded_by)
     notes = measurement_notes(model_file, static, device)
+    if prior and (world > 1 or device.kind == "fake"):
+        raise OomtuneError("--prior certifies the estimate on one process of the cpu or cuda device: not on "
+                           + ("several ranks" if world > 1 else "the fake device, whose probe is the estimate"))
     report = run_prior(lambda fake: probe(model_file, fake, targets, headroom=headroom, steps=steps,
                                           objective=objective, amp=amp, command="estimate", levers=levers,
                                           statics=(static, floor), prior=False), device, model_file.label) \
-        if (device.kind == "cuda" if prior is None else prior) and world == 1 and device.kind != "fake" else None
+        if (device.kind == "cuda" and world == 1 if prior is None else prior) else None
 
     reuse = {"models": ModelCache()} if trial is run_trial else {}  # (estimate's recording trials build each time)
     trials = _Trials(lambda point: trial(model_file, plan_of(point, world), device, steps=steps, dist=dist, **reuse),

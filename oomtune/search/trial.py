@@ -19,7 +19,7 @@ from ..errors import ModelFileError, first_line
 from ..memory.devices import Device, FakeDevice, is_oom
 from ..memory.fakes import NeedsValues
 from ..memory.tracker import untracked
-from ..model_file import ModelFile
+from ..model_file import ModelFile, is_compiled
 from ..step import Training, build_training, every_gradient_made, make_optimizer_state, train_step
 
 T = TypeVar("T")
@@ -55,12 +55,14 @@ class ModelCache:
         return dataclasses.replace(plan, micro_batch_size=1, context_length=1, grad_accum_steps=1,
                                    global_batch_size=0)
 
-    def take(self, plan: Plan):
-        """The model for `plan`, as it was built, or None (build one; a cached one of another rung is dropped)."""
-        if self.key != self.key_of(plan):
-            if self.model is not None:  # another rung's: freed before this trial builds (its cycles collected)
+    def take(self, plan: Plan, device: Device, reusable: bool = True):
+        """The model for `plan`, as it was built, or None: build one. A model kept for another rung, or for a plan
+        that cannot reuse it, is dropped first and its memory given back (device.release), so that no trial runs
+        beside another's model."""
+        if not reusable or self.key != self.key_of(plan):
+            if self.model is not None:
                 self.key, self.model, self.saved = None, None, []
-                gc.collect()
+                device.release()
             return None
         with torch.no_grad():
             for t, values in self.saved:
@@ -70,7 +72,11 @@ class ModelCache:
         return self.model
 
     def keep(self, plan: Plan, model) -> None:
-        """Remember a model just built for `plan`, with its trained weights' and buffers' values (not counted)."""
+        """Remember a model just built for `plan`, with its trained weights' and buffers' values (not counted). Not
+        a compiled one: reused at another batch size, it would recompile with dynamic shapes, which the trainer's
+        fresh compile does not."""
+        if is_compiled(model):
+            return
         with untracked(), torch.no_grad():
             tensors = [p for p in model.parameters() if p.requires_grad] + list(model.buffers())
             self.saved = [(t, t.detach().to("cpu", copy=True)) for t in tensors]
@@ -105,7 +111,7 @@ def _steps(model_file: ModelFile, plan: Plan, device: Device, steps: int, readin
     train_defaults = TrainConfig()  # the trial runs the step the trainer will run, clipping included
     missed: list[bool] = []  # primed: a step in which backward gave some trained parameter no gradient
     reuse = models is not None and dist.world_size == 1 and ModelCache.reusable(plan, device)
-    model = models.take(plan) if reuse else None
+    model = models.take(plan, device, reuse) if models is not None else None
     with device.measure() as reading:
         reading_box.append(reading)
         start = time.perf_counter()
@@ -193,7 +199,7 @@ def computing_where_needed(device: Device, label: str, run: Callable[[], T]) -> 
     try:
         return run(), ()
     except NeedsValues as e:
-        if not isinstance(device, FakeDevice) or device.computes:
+        if not isinstance(device, FakeDevice) or device.computes or not device.may_compute:
             raise
         note = (f"{label}: {e.message}, so it was measured on real tensors computed on the cpu (the same tracker "
                 "and margin; slower, and it needs the RAM)")

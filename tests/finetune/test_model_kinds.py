@@ -76,6 +76,18 @@ def test_each_kind_probes_trains_estimates_and_checks_and_fake_equals_cpu(kind, 
 
 
 
+def test_the_probes_prior_never_computes_a_model_whose_shapes_need_values():
+    """devices: cpu, and fake for the prior. The MoE's routing needs tensor values: the prior (which stands in for a
+    GPU) reports that it has none instead of training the model on the host, and the cpu device searches alone."""
+    import oomtune
+
+    result = oomtune.probe(MODELS / "moe_nonzero.py", device="cpu", gpu="generic", budget="650MiB", batch=8,
+                           prior=True)
+    assert result.prior.trials == 0 and "aten.nonzero" in result.prior.missing
+    assert result.plan is not None
+    assert not any("computed on the cpu" in n for n in result.notes)
+
+
 def test_a_frozen_base_has_no_gradients_or_optimizer_state_and_tied_weights_count_once():
     """device: fake (static memory). LoRA: gradients and AdamW's two moments for the adapters only. moved.py: its
     head is its embedding (counted once), its frozen block has none."""

@@ -85,6 +85,18 @@ def test_the_offloaded_optimizer_holds_nothing_on_the_device_and_all_of_it_on_th
     assert s.host_bytes == (4 + 4 + 8) * 2 * N + 2 * 512  # the weights' copy, gradients, AdamW's state and steps
 
 
+def test_the_offloaded_optimizers_gradient_hooks_go_with_it():
+    """device: cpu. A probe's trials reuse one model, each with an optimizer of its own: an optimizer that is gone
+    leaves no hook on the parameters."""
+    from oomtune.levers.offload import HostOffloadOptimizer
+
+    layer = nn.Linear(4, 4)
+    for _ in range(3):
+        optimizer = HostOffloadOptimizer(list(layer.parameters()), torch.optim.AdamW, CpuDevice("1GiB"))
+        assert len(layer.weight._post_accumulate_grad_hooks) == 1
+        del optimizer
+    assert not layer.weight._post_accumulate_grad_hooks
+
 def test_offloaded_activations_leave_the_device_and_come_back_for_backward(write_model):
     """device: cpu. The peak at the end of forward drops by what forward saved; the host holds it meanwhile."""
     mf = load_model_file(EXAMPLES / "tiny_gpt.py")

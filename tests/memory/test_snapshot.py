@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import base64
+import json
 import pickle
+import re
 import subprocess
 import sys
 
@@ -12,10 +15,11 @@ from ..conftest import EXAMPLES, run_cli
 def test_estimate_writes_a_snapshot_that_pytorchs_memory_viewer_renders(tmp_path):
     snap = tmp_path / "plan.pickle"
     r = run_cli("estimate", EXAMPLES / "mlp_dict.py", "--budget", "600MiB", "--batch", "8", "--context", "16",
-                "--out", tmp_path / "best.yaml", "--memory-snapshot", snap)
+                "--out", tmp_path / "best.yaml", "--memory-snapshot", snap, "--json")
     assert r.exit_code == 0, r.output
     assert f"wrote the memory snapshot {snap}" in " ".join(r.stderr.split())
     data = pickle.loads(snap.read_bytes())
+    assert _live_peak(data) == json.loads(r.stdout)["breakdown"]["tensor_peak_bytes"]  # the trial the plan's
     (trace,) = data["device_traces"]
     allocs = [e for e in trace if e["action"] == "alloc"]
     frees = [e for e in trace if e["action"] == "free_completed"]
@@ -26,7 +30,8 @@ def test_estimate_writes_a_snapshot_that_pytorchs_memory_viewer_renders(tmp_path
     viz = subprocess.run([sys.executable, "-m", "torch.cuda._memory_viz", "trace_plot", str(snap), "-o", str(html)],
                          capture_output=True, text=True)
     assert viz.returncode == 0, viz.stderr
-    assert "snapshot.pickle" in html.read_text()
+    embedded = re.search(r'"base64": "([^"]+)"', html.read_text()).group(1)  # the page holds this snapshot
+    assert pickle.loads(base64.b64decode(embedded)) == data
 
 
 def test_check_on_the_cpu_device_writes_one_too(tmp_path):
@@ -36,4 +41,24 @@ def test_check_on_the_cpu_device_writes_one_too(tmp_path):
     snap = tmp_path / "check.pickle"
     r = run_cli("check", "--config", config, "--device", "cpu", "--memory-snapshot", snap)
     assert r.exit_code == 0, r.output
-    assert pickle.loads(snap.read_bytes())["device_traces"][0]
+    assert _live_peak(pickle.loads(snap.read_bytes())) == json.loads(
+        run_cli("check", "--config", config, "--device", "cpu", "--json").stdout)["new_breakdown"]["tensor_peak_bytes"]
+
+
+def test_a_snapshot_path_that_cannot_be_written_stops_before_any_trial(tmp_path):
+    (tmp_path / "a-file").write_text("mine")
+    for bad, why in ((tmp_path / "a-file" / "x.pickle", "is not a folder"), (tmp_path, "is a folder")):
+        r = run_cli("estimate", EXAMPLES / "mlp_dict.py", "--budget", "600MiB", "--out", tmp_path / "best.yaml",
+                    "--memory-snapshot", bad)
+        assert r.exit_code == 2 and why in " ".join(r.output.split()), r.output
+        assert "trial" not in r.output and not (tmp_path / "best.yaml").exists()
+    assert (tmp_path / "a-file").read_text() == "mine"
+
+
+def _live_peak(data: dict) -> int:
+    """The most bytes the trace has allocated and not yet freed at once."""
+    live = peak = 0
+    for e in data["device_traces"][0]:
+        live += {"alloc": e["size"], "free_completed": -e["size"]}.get(e["action"], 0)
+        peak = max(peak, live)
+    return peak

@@ -104,3 +104,14 @@ def test_the_target_batch_needs_no_next_size(target):
     """A prior of the whole target batch (here capped by it): it fits, and there is no larger size to try."""
     result, tried, _ = run(fake_peak, RungPrior(64, target, prior().peaks), batch=target)
     assert tried == [(target, 64, "prior", "fits")] and result.micro_batch_size == target
+
+
+def test_a_rung_that_falls_back_runs_nothing_known_not_to_fit():
+    """The context certified (micro-batch 1 at 52 runs out), then the batch at 48 60% over the estimate: the search
+    the rung falls back to knows that 52 ran out, so it runs neither its target (256 at 64) nor micro-batch 1 at 64,
+    nor any context past 52, each of which could only run out of memory too."""
+    peak = lambda b: fake_peak(b) * 8 // 5  # noqa: E731
+    result, tried, fell_back = run(peak, prior(context=48), context=64, min_context=16, context_cap=48)
+    assert tried[0] == (1, 52, "prior", "oom") and fell_back == ["fp32"]
+    assert not [t for t in tried[1:] if t[1] >= 52]
+    assert (result.context_length, result.micro_batch_size) == (48, 52)

@@ -217,3 +217,12 @@ def test_what_nothing_fitting_says_names_what_happened_and_only_levers_that_appl
                   "--out", tmp_path / "b.yaml", "--json", *classic)
     assert oom.exit_code == 1, oom.output
     assert "runs out of memory on every rung" in json.loads(oom.stdout)["why_nothing_fits"]
+
+
+def test_a_prior_asked_for_where_it_cannot_run_is_one_line_and_exit_2(tmp_path):
+    """device: fake. The fake device's probe is the estimate itself: --prior there is refused, not ignored, and no
+    config is written."""
+    r = run_cli("probe", EXAMPLES / "mlp_dict.py", "--device", "fake", "--budget", "700MiB", "--prior",
+                "--out", tmp_path / "best.yaml")
+    assert r.exit_code == 2 and "not on the fake device" in " ".join(r.output.split()), r.output
+    assert not (tmp_path / "best.yaml").exists()
