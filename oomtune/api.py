@@ -6,100 +6,241 @@ its one line) for bad input.
     import oomtune
     result = oomtune.estimate("examples/tiny_gpt.py", gpu="rtx3060", batch=256, context=512)
     result.plan, result.breakdown.peak_bytes
+
+The commands are built on this module: each checks its input and loads the model here (`prepare_probe`,
+`prepare_estimate`), prints its header, runs the job with its progress callbacks, and writes what the job found
+(`Job.write`): the same steps as the functions, in the same order, with a printer around them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .config.schema import HEADROOM, TRIAL_STEPS, Config, TrialRecord
 from .errors import OomtuneError
 from .model_file import ModelFile, model_file_of
 
+OnStart = Callable | None
+OnTrial = Callable[[TrialRecord], None] | None
+
+
+@dataclass
+class Job:
+    """A probe or an estimate, checked and loaded, not yet run: `run` searches (on `device`, made by `connect`),
+    `write` writes the config to `out` (and the memory snapshot) and says whether the train: section already
+    there was kept."""
+
+    kind: str  # "probe" | "estimate"
+    model_file: ModelFile
+    targets: object
+    options: dict
+    out: Path | None
+    header: str
+    snapshot: Path | None = None
+    device: object = None
+    dist: object = None
+    notes: list[str] = field(default_factory=list)
+
+    def connect(self, device: str = "auto", budget: str | None = None, gpu: str | None = None,
+                dist_timeout: float = 0.0, launched: bool = False) -> Job:
+        """The probe's device (auto: cuda where PyTorch sees a GPU, else cpu), and its ranks where torchrun
+        `launched` this process."""
+        from .search.probe import probe_on_ranks
+
+        self.device, self.dist = probe_on_ranks(device, budget, dist_timeout, launched, gpu)
+        return self
+
+    def run(self, on_start: OnStart = None, on_trial: OnTrial = None):
+        if self.kind == "estimate":
+            from .search.estimate import estimate as run_estimate
+
+            return run_estimate(self.model_file, self.device, self.targets, on_start=on_start, on_trial=on_trial,
+                                **self.options)
+        from .search.probe import probe as run_probe
+
+        if self.device is None:
+            self.connect()
+        return run_probe(self.model_file, self.device, self.targets, on_start=on_start, on_trial=on_trial,
+                         dist=self.dist, **self.options)
+
+    def write(self, result) -> bool:
+        """The config to `out` (where given and something fits), then the snapshot of the plan found (estimate:
+        of the plan it broke down, the smallest where nothing fits)."""
+        from .config.output import write_config
+
+        kept = self.out is not None and result.config is not None and \
+            write_config(result.config, self.out, self.model_file.path, self.header)
+        plan = result.breakdown_plan if self.kind == "estimate" else result.plan
+        write_snapshot(self.snapshot, self.model_file, plan, self.device, self.options["steps"])
+        return kept
+
+
+def prepare_probe(model, *, batch: int | None = None, context: int | None = None, min_context: int | None = None,
+                  headroom: float = HEADROOM, steps: int = TRIAL_STEPS, objective: str = "fit", amp: str = "auto",
+                  levers: str | None = None, prior: bool | None = None, out: str | Path | None = None,
+                  memory_snapshot: str | Path | None = None, on_ranks: bool = False,
+                  header: str | None = None) -> Job:
+    """Everything `probe` checks before its first trial (the options, `out`, the snapshot's path, the model, the
+    targets); `on_ranks`: the job runs on several ranks (no snapshot there)."""
+    from .memory import snapshot
+    from .search.options import check_search_options, parse_levers, resolve_targets
+
+    check_search_options(headroom, steps, objective, amp)
+    allowed = parse_levers(levers)
+    out = _check_out(out, model)
+    snapshot.check_path(_path(memory_snapshot), on_ranks=on_ranks)
+    model_file = model_file_of(model)
+    _check_named(out, model, model_file)
+    targets = resolve_targets(model_file, batch, context, min_context)
+    options = {"headroom": headroom, "steps": steps, "objective": objective, "amp": amp, "levers": allowed,
+               "prior": prior}
+    return Job("probe", model_file, targets, options, out, header or f"written by oomtune.probe({model_file.label})",
+               _path(memory_snapshot))
+
 
 def probe(model, *, batch: int | None = None, context: int | None = None, min_context: int | None = None,
           device: str = "auto", budget: str | None = None, gpu: str | None = None, headroom: float = HEADROOM,
           steps: int = TRIAL_STEPS, objective: str = "fit", amp: str = "auto", levers: str | None = None,
-          prior: bool | None = None, out: str | Path | None = None, on_start: Callable | None = None,
-          on_trial: Callable[[TrialRecord], None] | None = None):
+          prior: bool | None = None, out: str | Path | None = None, memory_snapshot: str | Path | None = None,
+          on_start: OnStart = None, on_trial: OnTrial = None):
     """`oomtune probe` on one process: the ladder on `device` (auto: cuda where PyTorch sees a GPU, else cpu),
     starting from the estimate where `prior` (None: on cuda only). Returns the ProbeResult (`.plan` and `.config`
-    None when nothing fits); `out`: also write the config there."""
-    from .search.options import check_search_options, parse_levers, resolve_targets
-    from .search.probe import probe as run_probe
-    from .search.probe import probe_on_ranks
-
-    check_search_options(headroom, steps, objective, amp)
-    allowed = parse_levers(levers)
-    model_file = model_file_of(model)
-    _check_out(out, model_file)
-    targets = resolve_targets(model_file, batch, context, min_context)
-    dev, dist = probe_on_ranks(device, budget, 0.0, False, gpu)
-    result = run_probe(model_file, dev, targets, headroom=headroom, steps=steps, objective=objective, amp=amp,
-                       dist=dist, levers=allowed, prior=prior, on_start=on_start, on_trial=on_trial)
-    _write(result.config, out, model_file, f"written by oomtune.probe({model_file.label})")
+    None when nothing fits); `out`: also write the config there; `memory_snapshot`: the plan's trial, for
+    PyTorch's memory viewer."""
+    job = prepare_probe(model, batch=batch, context=context, min_context=min_context, headroom=headroom, steps=steps,
+                        objective=objective, amp=amp, levers=levers, prior=prior, out=out,
+                        memory_snapshot=memory_snapshot)
+    result = job.connect(device, budget, gpu).run(on_start, on_trial)
+    job.write(result)
     return result
+
+
+def prepare_estimate(model, *, budget: str | None = None, gpu: str | None = None, margin: str | None = None,
+                     batch: int | None = None, context: int | None = None, min_context: int | None = None,
+                     headroom: float = HEADROOM, steps: int = TRIAL_STEPS, objective: str = "fit",
+                     amp: str = "auto", levers: str | None = None, world_size: int = 1,
+                     sharding: str | None = None, out: str | Path | None = None,
+                     memory_snapshot: str | Path | None = None, header: str | None = None) -> Job:
+    """Everything `estimate` checks before its first trial, and its fake device (`notes`: what the user should
+    know about the card before it runs)."""
+    from .memory import snapshot
+    from .search.estimate import make_fake_device, no_bf16_note
+    from .search.options import check_estimate_options, check_world, parse_levers, resolve_targets
+
+    check_estimate_options(objective, headroom, steps, amp)
+    check_world(world_size, sharding)
+    allowed = parse_levers(levers)
+    out = _check_out(out, model)
+    snapshot.check_path(_path(memory_snapshot))
+    model_file = model_file_of(model)
+    _check_named(out, model, model_file)
+    targets = resolve_targets(model_file, batch, context, min_context)
+    device = make_fake_device(budget, gpu, margin)
+    options = {"headroom": headroom, "steps": steps, "objective": objective, "amp": amp, "levers": allowed,
+               "world_size": world_size, "sharding": sharding}
+    header = header or (f"written by oomtune.estimate({model_file.label}): predicted on fake tensors, never measured "
+                        "on a GPU")
+    note = no_bf16_note(device, amp)
+    return Job("estimate", model_file, targets, options, out, header, _path(memory_snapshot), device,
+               notes=[note] if note else [])
 
 
 def estimate(model, *, budget: str | None = None, gpu: str | None = None, margin: str | None = None,
              batch: int | None = None, context: int | None = None, min_context: int | None = None,
              headroom: float = HEADROOM, steps: int = TRIAL_STEPS, amp: str = "auto", levers: str | None = None,
              world_size: int = 1, sharding: str | None = None, out: str | Path | None = None,
-             on_start: Callable | None = None, on_trial: Callable[[TrialRecord], None] | None = None):
+             memory_snapshot: str | Path | None = None, on_start: OnStart = None, on_trial: OnTrial = None):
     """`oomtune estimate`: the ladder on the fake device for a card (`gpu`) or a budget, no GPU needed. Returns the
     EstimateResult (`.plan`, `.config`, `.breakdown`: of the chosen plan, or of the smallest when nothing fits)."""
-    from .search.estimate import estimate as run_estimate
-    from .search.estimate import make_fake_device
-    from .search.options import check_estimate_options, check_world, parse_levers, resolve_targets
-
-    check_estimate_options("fit", headroom, steps, amp)
-    check_world(world_size, sharding)
-    allowed = parse_levers(levers)
-    model_file = model_file_of(model)
-    _check_out(out, model_file)
-    targets = resolve_targets(model_file, batch, context, min_context)
-    device = make_fake_device(budget, gpu, margin)
-    result = run_estimate(model_file, device, targets, headroom=headroom, steps=steps, amp=amp, levers=allowed,
-                          world_size=world_size, sharding=sharding, on_start=on_start, on_trial=on_trial)
-    _write(result.config, out, model_file, f"written by oomtune.estimate({model_file.label}): predicted on fake "
-                                           "tensors, never measured on a GPU")
+    job = prepare_estimate(model, budget=budget, gpu=gpu, margin=margin, batch=batch, context=context,
+                           min_context=min_context, headroom=headroom, steps=steps, amp=amp, levers=levers,
+                           world_size=world_size, sharding=sharding, out=out, memory_snapshot=memory_snapshot)
+    result = job.run(on_start, on_trial)
+    job.write(result)
     return result
+
+
+def what_if(model, micro_batch: int, *, context: int | None = None, precision: str | None = None,
+            checkpointing: bool | None = None, grad_accum: int | None = None, budget: str | None = None,
+            gpu: str | None = None, margin: str | None = None, headroom: float = HEADROOM,
+            steps: int = TRIAL_STEPS, world_size: int = 1, sharding: str | None = None,
+            memory_snapshot: str | Path | None = None):
+    """`oomtune estimate --micro-batch`: one plan's breakdown on fake tensors and, given a budget or a card,
+    whether it fits. Returns the WhatIf (`.plan`, `.breakdown`, `.fits`, `.levers`, `.note`)."""
+    from .memory import snapshot
+    from .search.estimate import make_fake_device, no_bf16_note, what_if_plan
+    from .search.estimate import what_if as run_what_if
+    from .search.options import check_estimate_options, check_world
+
+    check_estimate_options("fit", headroom, steps, "auto")
+    check_world(world_size, sharding)
+    snapshot.check_path(_path(memory_snapshot))
+    model_file = model_file_of(model)
+    plan = what_if_plan(model_file, micro_batch, context, precision, checkpointing, grad_accum, world_size, sharding)
+    bounded = bool(budget or gpu)
+    device = make_fake_device(budget if bounded else str(1 << 50), gpu, margin)
+    result = run_what_if(model_file, plan, device, bounded=bounded, headroom=headroom, steps=steps)
+    write_snapshot(_path(memory_snapshot), model_file, plan, device, steps)
+    return result.with_note(no_bf16_note(device, plan.precision))
 
 
 def check(config: str | Path | Config, *, model=None, device: str = "fake", budget: str | None = None,
           headroom: float | None = None, margin: str | None = None, gpu: str | None = None,
-          steps: int = TRIAL_STEPS):
+          steps: int = TRIAL_STEPS, memory_snapshot: str | Path | None = None):
     """`oomtune check`: does the config's plan (a config file's path, or a Config) still fit? Returns the
     CheckResult (`.fits`, `.plan`, `.breakdown`: the new one, on fake and cpu). `model`: the model (default: the
     config's model file)."""
     from .config.loading import load_config
+    from .memory import snapshot
     from .search.check import check as run_check
 
+    snapshot.check_path(_path(memory_snapshot))
     path = None
     if not isinstance(config, Config):
         path = Path(config)
         config = load_config(path)
     if model is None:
         model = config.model_path(path) if path is not None else Path(config.model)
-    return run_check(config, model_file_of(model), device_kind=device, budget=budget, headroom=headroom,
-                     margin=margin, steps=steps, gpu=gpu)
+    model_file = model_file_of(model)
+    result = run_check(config, model_file, device_kind=device, budget=budget, headroom=headroom, margin=margin,
+                       steps=steps, gpu=gpu)
+    write_snapshot(_path(memory_snapshot), model_file, result.plan, result.measured_on, steps)
+    return result
 
 
-def _check_out(out: str | Path | None, model_file: ModelFile) -> None:
-    """Before any trial: `out` can be written, and names a model file `oomtune train` can load."""
+def write_snapshot(path: Path | None, model_file: ModelFile, plan, device, steps: int) -> None:
+    """The memory viewer's pickle of one trial of `plan` on `device` (nothing where no path or no plan)."""
+    from .memory import snapshot
+
+    if path is not None and plan is not None:
+        snapshot.write(snapshot.take(model_file, plan, device, steps), path)
+
+
+def _path(p: str | Path | None) -> Path | None:
+    return None if p is None else Path(p)
+
+
+def _check_out(out: str | Path | None, model) -> Path | None:
+    """Before the model is loaded: `out` can be written (and is not the model file itself)."""
     from .config.output import check_out
 
     if out is None:
+        return None
+    out = Path(out)
+    if isinstance(model, (str, Path)):
+        check_out(out, Path(model))
+    return out
+
+
+def _check_named(out: Path | None, model, model_file: ModelFile) -> None:
+    """`out` names a model file `oomtune train` can load, not a notebook's object (a path was checked already)."""
+    from .config.output import check_out
+
+    if out is None or isinstance(model, (str, Path)):
         return
     if not model_file.path.is_file():
         raise OomtuneError(f"out={out}: the model {model_file.label} is not a file a config can name (give the "
                            "model file's path, or a module imported from one)")
-    check_out(Path(out), model_file.path)
-
-
-def _write(config: Config | None, out: str | Path | None, model_file: ModelFile, header: str) -> None:
-    from .config.output import write_config
-
-    if out is not None and config is not None:
-        write_config(config, Path(out), model_file.path, header)
+    check_out(out, model_file.path)

@@ -3,6 +3,7 @@ the hooks. Devices: fake (estimate, check) and cpu (probe)."""
 
 from __future__ import annotations
 
+import pickle
 import types
 
 import pytest
@@ -62,3 +63,18 @@ def test_bad_input_raises_the_one_line_error(tmp_path):
     with pytest.raises(oomtune.OomtuneError, match="not a file a config can name"):
         oomtune.estimate(TinyMLP(), budget="600MiB", out=tmp_path / "x.yaml")
     assert not (tmp_path / "x.yaml").exists()
+
+
+def test_what_if_and_the_memory_snapshot_are_the_estimate_commands_too(tmp_path):
+    from oomtune import api
+
+    one = api.what_if(TinyMLP(), 8, context=8, budget="600MiB", precision="bf16")
+    assert one.fits is True and one.plan.micro_batch_size == 8 and one.plan.precision == "bf16"
+    assert api.what_if(TinyMLP(), 8, context=8).fits is None  # no budget: the breakdown alone
+    snap = tmp_path / "mem.pickle"
+    result = oomtune.estimate(TinyMLP(), budget="600MiB", memory_snapshot=snap)
+    with snap.open("rb") as f:
+        data = pickle.load(f)
+    assert data["device_traces"][0] and result.plan is not None
+    with pytest.raises(oomtune.OomtuneError, match="is a folder"):
+        oomtune.estimate(TinyMLP(), budget="600MiB", memory_snapshot=tmp_path)

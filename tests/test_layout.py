@@ -70,6 +70,22 @@ def test_only_the_cli_prints():
     assert printers == []
 
 
+def test_the_search_commands_are_built_on_the_python_api():
+    """probe, estimate and check reach the search through oomtune/api.py, as a script does: no command imports the
+    search's entry points itself."""
+    entry = {"oomtune.search.probe": {"probe"}, "oomtune.search.estimate": {"estimate", "what_if"},
+             "oomtune.search.check": {"check"}}
+    bypass = []
+    for name in ("probe_cmd", "estimate_cmd", "check_cmd"):
+        path = PACKAGE / "cli" / f"{name}.py"
+        for node in ast.walk(tree(path)):
+            if isinstance(node, ast.ImportFrom) and node.level == 2 and node.module:
+                wanted = entry.get(f"oomtune.{node.module}", set())
+                bypass += [f"{name}: {node.module}.{a.name}" for a in node.names if a.name in wanted]
+        assert "api" in path.read_text(), name
+    assert bypass == []
+
+
 def test_one_file_calls_backward():
     callers = {str(p.relative_to(ROOT)) for p in python_files("oomtune") for node in ast.walk(tree(p))
                if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "backward"}

@@ -11,7 +11,7 @@ from ..config.schema import TRIAL_STEPS
 from . import app
 from .guard import user_errors
 from .options import ConfigOpt, DebugOpt, JsonOpt, SnapshotOpt, budget_option, device_option
-from .render import check_json, render_check, write_snapshot
+from .render import check_json, render_check, snapshot_written
 
 
 @app.command()
@@ -37,17 +37,11 @@ def check(
     Example: [cyan]oomtune check --config best.yaml[/]
     """
     with user_errors(debug):
-        from ..config.loading import load_config
-        from ..memory import snapshot
-        from ..model_file import load_model_file
-        from ..search.check import check as run_check
+        from ..api import check as run_check
 
-        snapshot.check_path(memory_snapshot)
-        config = load_config(config_path)
-        model_file = load_model_file(config.model_path(config_path))
-        result = run_check(config, model_file, device_kind=device, budget=budget, headroom=headroom,
-                           margin=margin, steps=steps, gpu=gpu)
-        write_snapshot(memory_snapshot, model_file, result.plan, result.measured_on, steps)
+        result = run_check(config_path, device=device, budget=budget, headroom=headroom, margin=margin, steps=steps,
+                           gpu=gpu, memory_snapshot=memory_snapshot)
+        snapshot_written(memory_snapshot, result.plan)
         if as_json:
             print(json.dumps(check_json(result), indent=2))
         else:

@@ -11,7 +11,7 @@ from rich.markup import escape
 from ..config.schema import HEADROOM, TRIAL_STEPS
 from . import app
 from .console import err, fmt_bytes, out
-from .guard import user_errors
+from .guard import stop_if_interrupted, user_errors
 from .options import (
     AmpOpt,
     BatchOpt,
@@ -28,8 +28,7 @@ from .options import (
     StepsOpt,
     budget_option,
 )
-from .probe_cmd import write_found
-from .render import breakdown_table, print_levers, render_search, render_what_if, trial_progress, write_snapshot
+from .render import breakdown_table, print_levers, render_search, render_what_if, snapshot_written, trial_progress
 
 EstimateContextOpt = Annotated[int | None, typer.Option("--context", "-t", help="Target context length T (with "
                                                         "--micro-batch: the plan's context). Default: DEFAULTS, "
@@ -56,31 +55,24 @@ def card_line(device, gpu: str | None) -> str:
     return f"card profile: {device.card_text()}{assumed}; margin: {device.margin.text()}"
 
 
-def _ladder(model: Path, model_file, batch, context, min_context, budget, gpu, margin, options: dict,
-            world_size: int, sharding: str | None, out_path: Path, as_json: bool, snapshot: Path | None) -> None:
+def _ladder(job, gpu: str | None, as_json: bool) -> None:
     from ..config.writing import to_dict
-    from ..search.estimate import estimate, make_fake_device, no_bf16_note
-    from ..search.options import resolve_targets
 
-    targets = resolve_targets(model_file, batch, context, min_context)
-    device = make_fake_device(budget, gpu, margin)
-    note = no_bf16_note(device, options["amp"])
+    device, targets, world_size = job.device, job.targets, job.options["world_size"]
     if not as_json:
-        if note:
+        for note in job.notes:
             err.print(f"[yellow]note:[/] {escape(note)}")
         ranks = f" x {world_size} ranks" if world_size > 1 else ""
-        err.print(f"estimating [bold]{model_file.label}[/] for {device.name}{ranks}, budget "
+        err.print(f"estimating [bold]{job.model_file.label}[/] for {device.name}{ranks}, budget "
                   f"{fmt_bytes(device.budget_bytes)} (fake tensors: nothing runs on a GPU): batch {targets.batch}, "
                   f"context {targets.context}"
                   + (f" (min {targets.min_context})" if targets.min_context < targets.context else ""))
         err.print(f"  {escape(card_line(device, gpu))}")
     with trial_progress(not as_json) as (on_start, on_trial):
-        result = estimate(model_file, device, targets, on_start=on_start, on_trial=on_trial, world_size=world_size,
-                          sharding=sharding, **options)
-    kept = write_found(result.config, out_path, model,
-                       header=f"written by `oomtune estimate {model}`: predicted on fake tensors, never measured on a "
-                              "GPU (check it with `oomtune probe` there) - edit `train:` freely")
-    write_snapshot(snapshot, model_file, result.breakdown_plan, device, options["steps"])
+        result = job.run(on_start, on_trial)
+    stop_if_interrupted()  # a Ctrl-C during the search writes nothing, even one Python dropped
+    kept = job.write(result)
+    snapshot_written(job.snapshot, result.breakdown_plan)
     extra = {"estimated": True, "margin": device.margin.describe(), "card": card_line(device, gpu),
              "breakdown": to_dict(result.breakdown),
              "breakdown_plan": to_dict(result.breakdown_plan), "levers": result.levers}
@@ -90,7 +82,7 @@ def _ladder(model: Path, model_file, batch, context, min_context, budget, gpu, m
         out.print(breakdown_table(result.breakdown, result.breakdown_plan, result.search.limit_bytes, title))
         print_levers(result.levers, result.breakdown_plan)
 
-    render_search(result.search, out_path if result.config else None, as_json, "estimate", extra, details,
+    render_search(result.search, job.out if result.config else None, as_json, "estimate", extra, details,
                   kept_train=kept)
 
 
@@ -128,29 +120,23 @@ def estimate(
     --checkpointing[/]
     """
     with user_errors(debug):
-        from ..config.output import check_out
-        from ..memory import snapshot
-        from ..model_file import load_model_file
-        from ..search.estimate import make_fake_device, no_bf16_note, what_if, what_if_plan
-        from ..search.options import check_estimate_options, check_what_if_options, check_world, parse_levers
+        from .. import api
+        from ..search.options import check_estimate_options, check_what_if_options, parse_levers
 
-        one_plan = check_what_if_options(micro_batch, precision, checkpointing, grad_accum, batch, min_context)
-        check_estimate_options(objective, headroom, steps, amp)  # both modes, before anything is loaded
-        check_world(world_size, sharding)
-        allowed = parse_levers(levers)
-        if not one_plan:  # the ladder writes --out: check it before the search, not after
-            check_out(out_path, model)
-        snapshot.check_path(memory_snapshot)
-        model_file = load_model_file(model)
-        if not one_plan:
-            _ladder(model, model_file, batch, context, min_context, budget, gpu, margin,
-                    {"headroom": headroom, "steps": steps, "objective": objective, "amp": amp, "levers": allowed},
-                    world_size, sharding, out_path, as_json, memory_snapshot)
+        if not check_what_if_options(micro_batch, precision, checkpointing, grad_accum, batch, min_context):
+            job = api.prepare_estimate(model, budget=budget, gpu=gpu, margin=margin, batch=batch, context=context,
+                                       min_context=min_context, headroom=headroom, steps=steps, objective=objective,
+                                       amp=amp, levers=levers, world_size=world_size, sharding=sharding,
+                                       out=out_path, memory_snapshot=memory_snapshot,
+                                       header=f"written by `oomtune estimate {model}`: predicted on fake tensors, "
+                                              "never measured on a GPU (check it with `oomtune probe` there) - edit "
+                                              "`train:` freely")
+            _ladder(job, gpu, as_json)
             return
-        plan = what_if_plan(model_file, micro_batch, context, precision, checkpointing, grad_accum, world_size,
-                            sharding)
-        bounded = bool(budget or gpu)
-        device = make_fake_device(budget if bounded else str(1 << 50), gpu, margin)
-        result = what_if(model_file, plan, device, bounded=bounded, headroom=headroom, steps=steps)
-        write_snapshot(memory_snapshot, model_file, plan, device, steps)
-        render_what_if(result, plan, no_bf16_note(device, plan.precision), as_json)
+        check_estimate_options(objective, headroom, steps, amp)  # options the one plan ignores, still checked
+        parse_levers(levers)
+        result = api.what_if(model, micro_batch, context=context, precision=precision, checkpointing=checkpointing,
+                             grad_accum=grad_accum, budget=budget, gpu=gpu, margin=margin, headroom=headroom,
+                             steps=steps, world_size=world_size, sharding=sharding, memory_snapshot=memory_snapshot)
+        snapshot_written(memory_snapshot, result.plan)
+        render_what_if(result, as_json)

@@ -36,7 +36,7 @@ from .options import (
     device_option,
 )
 from .ranks import flags
-from .render import render_search, trial_progress, write_snapshot
+from .render import render_search, snapshot_written, trial_progress
 
 PriorOpt = Annotated[bool | None, typer.Option("--prior/--no-prior", help="Estimate on fake tensors first, then "
                                                "certify each rung's boundary on the device (two trials a rung where "
@@ -44,15 +44,6 @@ PriorOpt = Annotated[bool | None, typer.Option("--prior/--no-prior", help="Estim
                                                "search alone. Default: --prior on cuda, --no-prior on cpu.")]
 ObjectiveOpt = Annotated[str, typer.Option(help="fit: the first rung that fits; throughput: the fastest fitting rung "
                                            "(measures them all).")]
-
-
-def write_found(config, out_path: Path, model: Path, header: str) -> bool:
-    """Write the search's config to --out (a Ctrl-C during the search writes nothing, even one Python dropped);
-    True when the train: section of the config already there was kept."""
-    from ..config.output import write_config
-
-    stop_if_interrupted()
-    return config is not None and write_config(config, out_path, model, header)
 
 
 @app.command()
@@ -90,26 +81,20 @@ def probe(
     On several GPUs: [cyan]oomtune probe model.py --nproc-per-node 4[/] (all ranks run each trial; +fsdp rung).
     """
     with user_errors(debug):
-        from ..config.output import check_out
+        from ..api import prepare_probe
         from ..dist.launch import Launch, run
-        from ..memory import snapshot
-        from ..model_file import load_model_file
-        from ..search.options import check_search_options, parse_levers, resolve_targets
-        from ..search.probe import check_ranks_batch, probe_on_ranks
-        from ..search.probe import probe as run_probe
+        from ..search.probe import check_ranks_batch
 
-        check_search_options(headroom, steps, objective, amp)  # before anything is loaded or run
-        allowed = parse_levers(levers)
         rank = worker_rank()
-        if rank in (None, 0):  # the launcher and rank 0, which writes it
-            check_out(out_path, model)
-        snapshot.check_path(memory_snapshot, on_ranks=nproc_per_node is not None or rank is not None)
-        model_file = load_model_file(model)
-        targets = resolve_targets(model_file, batch, context, min_context)
+        job = prepare_probe(model, batch=batch, context=context, min_context=min_context, headroom=headroom,
+                            steps=steps, objective=objective, amp=amp, levers=levers, prior=prior,
+                            out=out_path if rank in (None, 0) else None,  # the launcher and rank 0, which writes it
+                            memory_snapshot=memory_snapshot, on_ranks=nproc_per_node is not None or rank is not None,
+                            header=f"written by `oomtune probe {model}` — edit `train:` freely")
         if nproc_per_node is not None and rank is None:  # the launcher: check, then the same probe on every rank
             launch = Launch(nproc_per_node, nnodes, node_rank, master_addr, master_port)
             launch.check()
-            check_ranks_batch(targets, launch.world_size)
+            check_ranks_batch(job.targets, launch.world_size)
             run(launch, ["probe", str(model), *flags(batch=batch, context=context, min_context=min_context,
                                                      device=device, budget=budget, gpu=gpu, headroom=headroom,
                                                      steps=steps,
@@ -118,21 +103,25 @@ def probe(
                                                      json=as_json,
                                                      dist_timeout=dist_timeout, debug=debug)])
             return
-        dev, dist = probe_on_ranks(device, budget, dist_timeout, rank is not None, gpu)
-        options = {"headroom": headroom, "steps": steps, "objective": objective, "amp": amp, "dist": dist,
-                   "levers": allowed, "prior": prior}
+        job.connect(device, budget, gpu, dist_timeout, launched=rank is not None)
         if rank not in (None, 0):  # every rank probes; rank 0 reports and writes the config
-            if run_probe(model_file, dev, targets, **options).config is None:
+            if job.run().config is None:
                 raise typer.Exit(1)
             return
-        if not as_json:
-            ranks = f" x {dist.world_size} ranks" if dist.grouped else ""
-            err.print(f"probing [bold]{model_file.label}[/] on {dev.name}{ranks}: batch {targets.batch}, "
-                      f"context {targets.context}" + (f" (min {targets.min_context})"
-                                                      if targets.min_context < targets.context else ""))
+        _say_what_runs(job, as_json)
         with trial_progress(not as_json) as (on_start, on_trial):
-            result = run_probe(model_file, dev, targets, on_start=on_start, on_trial=on_trial, **options)
-        kept = write_found(result.config, out_path, model,
-                           header=f"written by `oomtune probe {model}` — edit `train:` freely")
-        write_snapshot(memory_snapshot, model_file, result.plan, dev, steps)
+            result = job.run(on_start, on_trial)
+        stop_if_interrupted()  # a Ctrl-C during the search writes nothing, even one Python dropped
+        kept = job.write(result)
+        snapshot_written(memory_snapshot, result.plan)
         render_search(result, out_path if result.config else None, as_json, "probe", kept_train=kept)
+
+
+def _say_what_runs(job, as_json: bool) -> None:
+    if as_json:
+        return
+    targets, dist = job.targets, job.dist
+    ranks = f" x {dist.world_size} ranks" if dist.grouped else ""
+    err.print(f"probing [bold]{job.model_file.label}[/] on {job.device.name}{ranks}: batch {targets.batch}, "
+              f"context {targets.context}" + (f" (min {targets.min_context})"
+                                              if targets.min_context < targets.context else ""))

@@ -108,15 +108,11 @@ def result_json(result, config_path: Path | None) -> dict:
     }
 
 
-def write_snapshot(path, model_file, plan, device, steps: int) -> None:
-    """--memory-snapshot: one trial of `plan` on `device`, written as the memory viewer's pickle."""
-    from ..memory import snapshot
-
-    if path is None or plan is None:
-        return
-    snapshot.write(snapshot.take(model_file, plan, device, steps), path)
-    err.print(f"wrote the memory snapshot {path} (view: python -m torch.cuda._memory_viz trace_plot {path} -o "
-              f"{path}.html)")
+def snapshot_written(path, plan) -> None:
+    """--memory-snapshot: where it went (the API writes one where there is a plan), and how to look at it."""
+    if path is not None and plan is not None:
+        err.print(f"wrote the memory snapshot {path} (view: python -m torch.cuda._memory_viz trace_plot {path} -o "
+                  f"{path}.html)")
 
 
 def prior_text(prior) -> str:
@@ -274,8 +270,9 @@ def check_json(result) -> dict:
     }
 
 
-def render_what_if(result, plan, note: str | None, as_json: bool) -> None:
+def render_what_if(result, as_json: bool) -> None:
     """estimate --micro-batch: one plan's breakdown and, given a budget, whether it fits (exit 1 if not)."""
+    plan, note = result.plan, result.note
     if as_json:
         print(json.dumps({"estimated": True, "plan": to_dict(plan), "fits": result.fits,
                           "budget_bytes": result.budget_bytes, "limit_bytes": result.limit_bytes,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..config.schema import HEADROOM, TRIAL_STEPS, Config, MemoryBreakdown, Plan, TrialRecord
 from ..dist.group import LOCAL, fake_world
@@ -138,10 +138,14 @@ class WhatIf:
     headroom: float
     levers: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()  # how it was measured, where not on fake tensors
+    note: str | None = None  # about the card (no_bf16_note)
 
     @property
     def fits(self) -> bool | None:
         return None if self.limit_bytes is None else self.breakdown.peak_bytes <= self.limit_bytes
+
+    def with_note(self, note: str | None) -> WhatIf:
+        return replace(self, note=note)
 
 
 def what_if(model_file: ModelFile, plan: Plan, device: FakeDevice, *, bounded: bool = True,
