@@ -43,6 +43,7 @@ def test_probe_on_a_path_writes_the_config_and_check_reads_it(tmp_path):
     result = oomtune.probe(EXAMPLES / "mlp_dict.py", device="cpu", budget="16MiB", batch=20, out=out, prior=True)
     assert result.plan == load_config(out).plan
     assert result.prior is not None and result.prior.missing is None  # started from the estimate
+    assert load_config(out).found_by.prior.startswith("certified from an estimate on fake tensors (")
     checked = oomtune.check(out)
     assert checked.fits and checked.plan == result.plan and checked.breakdown.tensor_peak_bytes > 0
 

@@ -239,6 +239,7 @@ class FoundBy:
     notes: tuple[str, ...] = ()  # how it was measured, where that is not what one would assume (eager, computed)
     host_peak_bytes: int | None = None  # host memory the plan's offloaded parts need (offload levers only)
     card: str | None = None  # the card profile (--gpu) a simulated device accounted by; None: CPU semantics, or cuda
+    prior: str | None = None  # probe: how its trials were chosen from the estimate (None: searched, no prior asked)
 
     def __post_init__(self):
         if self.budget_bytes <= 0:  # `check` re-measures against it

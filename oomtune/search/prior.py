@@ -23,6 +23,13 @@ class PriorReport:
     missing: str | None = None  # why the probe ran without a prior (None: it had one)
     priors: dict = field(default_factory=dict, repr=False)  # Rung -> RungPrior
 
+    def summary(self) -> str:
+        """One line: how the probe's trials were chosen (the config's found_by.prior)."""
+        if self.missing is not None:
+            return f"searched without a prior: {self.missing}"
+        off = f"; searched where it was off: {', '.join(self.fell_back)}" if self.fell_back else ""
+        return f"certified from an estimate on fake tensors ({self.trials} fake trials, {self.seconds:.1f} s){off}"
+
     def to_json(self) -> dict:
         return {"used": self.missing is None, "fake_trials": self.trials, "fake_seconds": round(self.seconds, 2),
                 "fell_back_rungs": list(self.fell_back), "why_not": self.missing}
