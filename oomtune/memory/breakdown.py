@@ -201,7 +201,7 @@ def snapshot(model_file: ModelFile, plan: Plan, device: TrackedDevice, steps: in
     from .snapshot import from_recorder
 
     with ranks_for(plan, device, LOCAL) as d:
-        _, rec = _recorded(model_file, plan, device, steps, d, run_trial, lift_budget=True)
+        _, rec = _recorded(model_file, plan, device, steps, d, run_trial, lift_budget=True, stacks=True)
     return from_recorder(rec, kind_of)
 
 
@@ -222,14 +222,15 @@ def recorded_trial(model_file, plan, device, steps, dist, run_trial, lift_budget
     )
 
 
-def _recorded(model_file, plan, device, steps, dist, run_trial, lift_budget: bool) -> tuple:
-    """(the trial's result, the Recorder that saw it)."""
+def _recorded(model_file, plan, device, steps, dist, run_trial, lift_budget: bool, stacks: bool = False) -> tuple:
+    """(the trial's result, the Recorder that saw it; `stacks`: with each birth's Python frames)."""
     tracker = device.tracker
     budget = tracker.budget_bytes
     if lift_budget:
         tracker.budget_bytes = None
     tracker.recorder = Recorder(tracker)
     tracker.recorder.on_op = _tag_autocast_copies
+    tracker.recorder.stacks = stacks
     try:  # (the trial may restart the recorder: a rerun trial is recorded anew)
         result = run_trial(model_file, plan, device, steps,
                            observe=lambda t, phase: _observe(tracker.recorder, t, phase), dist=dist)

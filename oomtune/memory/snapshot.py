@@ -3,7 +3,8 @@
 
 On cuda the history is PyTorch's own (`torch.cuda.memory._record_memory_history` around the trial). On the simulated
 devices it is the tracker's: every storage's birth and death in order, as "alloc" and "free" events, each at an
-address of its own, with the op that made it as its frame and the breakdown's part (parameter, gradient, optimizer
+address of its own, with the op that made it as its first frame, then the Python frames that called it (the model
+file's lines, the training step; torch's own left out), and the breakdown's part (parameter, gradient, optimizer
 state, autocast copy, activation, temporary) as its category."""
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ def from_recorder(rec: Recorder, kind_of) -> dict:
     events: list[tuple[int, dict]] = []
     address = 0
     for r in rec.records:
-        frames = [{"filename": r.phase, "line": 0, "name": r.op or "(built before the trial)"}]
+        frames = [{"filename": r.phase, "line": 0, "name": r.op or "(built before the trial)"}] + \
+            [{"filename": file, "line": line, "name": name} for file, line, name in r.frames]
         alloc = {"action": "alloc", "addr": address, "size": r.nbytes, "stream": 0, "frames": frames,
                  "category": kind_of(rec, r)}
         events.append((r.born, alloc))
@@ -74,7 +76,7 @@ def take(model_file, plan, device, steps: int) -> dict:
 
     from ..search.trial import run_trial
 
-    torch.cuda.memory._record_memory_history(max_entries=200_000)
+    torch.cuda.memory._record_memory_history(stacks="python", max_entries=200_000)  # (C++ frames: slow to resolve)
     try:
         run_trial(model_file, plan, device, steps)
         return torch.cuda.memory._snapshot()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -110,6 +111,25 @@ class StorageRecord:
     died: int | None = None
     tags: set[str] = field(default_factory=set)
     op: str = ""  # the op that made it ("" where a tensor was counted outside an op: a model built before)
+    frames: tuple[tuple[str, int, str], ...] = ()  # (file, line, function), innermost first, where stacks were asked
+
+
+_NOT_YOURS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, contextlib)) + \
+    (os.path.dirname(__file__) + os.sep,)  # torch, the standard library, this tracker
+MAX_FRAMES = 16
+
+
+def python_frames() -> tuple[tuple[str, int, str], ...]:
+    """The Python frames that led to an allocation, innermost first, without torch's, the standard library's
+    and the tracker's own: the model file's lines, the training step, the caller."""
+    out = []
+    f = sys._getframe(1)
+    while f is not None and len(out) < MAX_FRAMES:
+        name = f.f_code.co_filename
+        if not name.startswith(_NOT_YOURS):
+            out.append((name, f.f_lineno, f.f_code.co_name))
+        f = f.f_back
+    return tuple(out)
 
 
 class Recorder:
@@ -134,6 +154,7 @@ class Recorder:
         self.span_ends: list[int | None] = [None]  # span -> the event at which the next span began
         self.on_op: Callable[[Recorder, object, tuple, object], None] | None = None  # tags op outputs
         self.op = ""  # the op running now (the tracker says)
+        self.stacks = False  # record each birth's Python frames (the memory snapshot; costs a stack walk a birth)
         for key, size in tracker._sizes.items():  # storages alive before recording began
             self.born(key, size)
             self._live[key].tags.add("preexisting")
@@ -141,7 +162,7 @@ class Recorder:
     def restarted(self, tracker: MemoryTracker) -> Recorder:
         """A new Recorder on `tracker` with this one's op hook: the run it recorded is discarded."""
         new = Recorder(tracker)
-        new.on_op = self.on_op
+        new.on_op, new.stacks = self.on_op, self.stacks
         return new
 
     # -- what the tracker tells it ------------------------------------------------------------------
@@ -159,7 +180,8 @@ class Recorder:
             self.span += 1
             self.span_kinds.append(kind)
             self.span_ends.append(None)
-        rec = StorageRecord(nbytes, self.event, self.phase, self.span, op=self.op)
+        rec = StorageRecord(nbytes, self.event, self.phase, self.span, op=self.op,
+                            frames=python_frames() if self.stacks else ())
         self.records.append(rec)
         self._live[key] = rec
         self.event += 1

@@ -26,6 +26,10 @@ def test_estimate_writes_a_snapshot_that_pytorchs_memory_viewer_renders(tmp_path
     assert allocs and len(frees) <= len(allocs) and all(e["size"] % 512 == 0 for e in allocs)
     assert {"parameters", "activations", "temporaries", "optimizer_state"} <= {e["category"] for e in allocs}
     assert any(e["frames"][0]["name"] == "mm.default" for e in allocs)  # the op that made it
+    model_lines = {(f["line"], f["name"]) for e in allocs for f in e["frames"][1:]
+                   if f["filename"] == str(EXAMPLES / "mlp_dict.py")}
+    assert (29, "forward") in model_lines  # the model file's line that made it: `h = h + layer(h)`
+    assert not any("/torch/" in f["filename"] for e in allocs for f in e["frames"][1:])
     html = tmp_path / "plan.html"
     viz = subprocess.run([sys.executable, "-m", "torch.cuda._memory_viz", "trace_plot", str(snap), "-o", str(html)],
                          capture_output=True, text=True)
