@@ -23,7 +23,8 @@ from ..step import as_on_cuda
 from ..units import format_bytes
 from .devices import FakeDevice, TrackedDevice
 from .fakes import real_code_paths
-from .tracker import MemoryTracker, Recorder
+from .recorder import Recorder
+from .tracker import MemoryTracker
 
 
 @dataclass(frozen=True)

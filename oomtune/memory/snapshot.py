@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ..errors import OomtuneError
 from ..files import atomic_write, nearest_existing, try_write_in
-from .tracker import Recorder
+from .recorder import Recorder
 
 
 def from_recorder(rec: Recorder, kind_of) -> dict:

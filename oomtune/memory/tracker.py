@@ -15,16 +15,18 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 import weakref
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 from ..units import format_bytes
 from .allocator import OutOfMemory
+
+if TYPE_CHECKING:
+    from .recorder import Recorder
 
 BLOCK = 512  # the CUDA caching allocator's smallest rounding unit, bytes
 # ops that read a tensor's metadata and make none; wrapper subclasses (NF4) dispatch `.device` for every use
@@ -99,134 +101,6 @@ def simulated_oom_message(tried: int, budget: int, in_use: int, kind: str, why: 
     )
 
 
-@dataclass
-class StorageRecord:
-    """One storage's life, as a Recorder saw it. Events are numbered births and deaths: the storage was
-    live at event e when born <= e < died."""
-
-    nbytes: int  # counted bytes (512-byte rounded)
-    born: int
-    phase: str  # the recorder's label when it was born (forward, backward, ...)
-    span: int  # the stretch of same-kind work it was born in (see Recorder.span_kind)
-    died: int | None = None
-    tags: set[str] = field(default_factory=set)
-    op: str = ""  # the op that made it ("" where a tensor was counted outside an op: a model built before)
-    frames: tuple[tuple[str, int, str], ...] = ()  # (file, line, function), innermost first, where stacks were asked
-
-
-_NOT_YOURS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, contextlib)) + \
-    (os.path.dirname(__file__) + os.sep,)  # torch, the standard library, this tracker
-MAX_FRAMES = 16
-
-
-def python_frames() -> tuple[tuple[str, int, str], ...]:
-    """The Python frames that led to an allocation, innermost first, without torch's, the standard library's
-    and the tracker's own: the model file's lines, the training step, the caller."""
-    out = []
-    f = sys._getframe(1)
-    while f is not None and len(out) < MAX_FRAMES:
-        name = f.f_code.co_filename
-        if not name.startswith(_NOT_YOURS):
-            out.append((name, f.f_lineno, f.f_code.co_name))
-        f = f.f_back
-    return tuple(out)
-
-
-class Recorder:
-    """The tagging side of the tracker: every storage's birth, death, phase and tags, and the moment of the
-    peak, so that what was live at the peak can be sorted into kinds afterwards (oomtune.estimate does).
-    Attach with `tracker.recorder = Recorder(tracker)`; it costs a little per op, so only a breakdown runs it.
-
-    Its peak is that of everything it saw (never reset by phases): the live set at `peak_event` sums to
-    `peak_bytes` exactly."""
-
-    def __init__(self, tracker: MemoryTracker):
-        self.records: list[StorageRecord] = []
-        self._live: dict[int, StorageRecord] = {}  # storage key -> its record while it lives
-        self.event = 0
-        self.live_bytes = 0
-        self.peak_bytes = 0
-        self.peak_event = -1
-        self.peak_phase = "setup"
-        self.phase = "setup"
-        self.span = 0
-        self.span_kinds: list[str] = ["setup"]  # span -> its kind
-        self.span_ends: list[int | None] = [None]  # span -> the event at which the next span began
-        self.on_op: Callable[[Recorder, object, tuple, object], None] | None = None  # tags op outputs
-        self.op = ""  # the op running now (the tracker says)
-        self.stacks = False  # record each birth's Python frames (the memory snapshot; costs a stack walk a birth)
-        for key, size in tracker._sizes.items():  # storages alive before recording began
-            self.born(key, size)
-            self._live[key].tags.add("preexisting")
-
-    def restarted(self, tracker: MemoryTracker) -> Recorder:
-        """A new Recorder on `tracker` with this one's op hook: the run it recorded is discarded."""
-        new = Recorder(tracker)
-        new.on_op, new.stacks = self.on_op, self.stacks
-        return new
-
-    # -- what the tracker tells it ------------------------------------------------------------------
-    def span_kind(self) -> str:
-        """forward: the whole forward phase; recompute: grad-enabled work inside the autograd engine during
-        backward (activation checkpointing re-running a block); otherwise the phase itself."""
-        if self.phase == "backward" and torch.is_grad_enabled() and _current_autograd_node() is not None:
-            return "recompute"
-        return self.phase
-
-    def born(self, key: int, nbytes: int) -> None:
-        kind = self.span_kind()
-        if kind != self.span_kinds[self.span]:
-            self.span_ends[self.span] = self.event
-            self.span += 1
-            self.span_kinds.append(kind)
-            self.span_ends.append(None)
-        rec = StorageRecord(nbytes, self.event, self.phase, self.span, op=self.op,
-                            frames=python_frames() if self.stacks else ())
-        self.records.append(rec)
-        self._live[key] = rec
-        self.event += 1
-        self.live_bytes += nbytes
-        if self.live_bytes > self.peak_bytes:
-            self.peak_bytes, self.peak_event, self.peak_phase = self.live_bytes, rec.born, self.phase
-
-    def died(self, key: int) -> None:
-        rec = self._live.pop(key, None)
-        if rec is not None:
-            rec.died = self.event
-            self.event += 1
-            self.live_bytes -= rec.nbytes
-
-    # -- what a caller tells it ---------------------------------------------------------------------
-    def mark(self, phase: str) -> None:
-        self.phase = phase
-
-    def tag(self, tag: str, *objs) -> None:
-        """Tag the live storages of tensors (or containers of them)."""
-        for obj in objs:
-            for t in _tensors(obj):
-                rec = self.record_of(t)
-                if rec is not None:
-                    rec.tags.add(tag)
-
-    def record_of(self, t: torch.Tensor) -> StorageRecord | None:
-        if is_traceable_wrapper_subclass(t):  # a DTensor: its local shard
-            local = getattr(t, "_local_tensor", None)
-            return self.record_of(local) if isinstance(local, torch.Tensor) else None
-        try:
-            return self._live.get(id(t.untyped_storage()))
-        except (RuntimeError, NotImplementedError):
-            return None
-
-    def live_at_peak(self) -> list[StorageRecord]:
-        e = self.peak_event
-        return [r for r in self.records if r.born <= e and (r.died is None or r.died > e)]
-
-    def outlived_span(self, rec: StorageRecord) -> bool:
-        """Was it still alive when the stretch of work that made it ended (kept for later, not scratch)?"""
-        end = self.span_ends[rec.span]
-        return end is None or rec.died is None or rec.died > end
-
-
 def system_memory() -> tuple[int, int]:
     """(total, available) bytes of host RAM."""
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -252,7 +126,7 @@ class MemoryTracker(TorchDispatchMode):
         self.live_bytes = 0
         self.peak_bytes = 0
         self._sizes: dict[int, int] = {}  # id(storage) -> counted bytes; an entry leaves when the storage dies
-        self.recorder: Recorder | None = None  # set to record each storage's life (a breakdown of the peak)
+        self.recorder: Recorder | None = None  # records each storage's life (recorder.py): a breakdown of the peak
         # host memory (the offload levers): storages born inside `hosting()`, counted apart, never in the budget
         self.host_live_bytes = 0
         self.host_peak_bytes = 0

@@ -14,7 +14,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from oomtune.memory.cards import find_gpu
 from oomtune.memory.cuda_autocast import BANNED, LISTS_FROM, POLICIES, cuda_autocast, overload
 from oomtune.memory.cuda_kernels import cuda_kernels
-from oomtune.memory.tracker import MemoryTracker, Recorder
+from oomtune.memory.recorder import Recorder
+from oomtune.memory.tracker import MemoryTracker
 
 
 def _samples(t):
