@@ -143,6 +143,9 @@ def _torchtune(plan: Plan) -> tuple[dict, list[str]]:
     if plan.nf4_frozen_weights:
         out.append("nf4_frozen_weights: use the model's qlora_ builder (model._component_=torchtune.models...."
                    "qlora_...)")
+    if plan.offload_activations and not plan.activation_checkpointing:
+        out.append("offload_activations: torchtune's recipes offload activations only with "
+                   "enable_activation_checkpointing=true, which this plan does not use")
     return kw, out
 
 
