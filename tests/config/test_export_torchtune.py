@@ -38,8 +38,8 @@ RECIPES = ["llama3_2/1B_lora_single_device.yaml", "llama3_2/1B_qlora_single_devi
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("name", sorted(PLANS))
 def test_every_override_is_a_key_torchtune_reads_and_merges_to_the_plan(name, recipe):
-    omegaconf = pytest.importorskip("omegaconf")
     folder = recipes_folder()
+    omegaconf = pytest.importorskip("omegaconf")
     plan = PLANS[name]
     lines = export(plan, "torchtune").text().splitlines()
     config = omegaconf.OmegaConf.load(folder / "configs" / recipe)
