@@ -1,7 +1,7 @@
 """The Python API: `oomtune.probe`, `oomtune.estimate` and `oomtune.check`, what the commands run, for a notebook or
 a script. Each takes a model (a model file's path, or a module or object that has the hooks) or a config, returns
-the result the command renders (`.plan`, `.config`, `.breakdown`), prints nothing, and raises OomtuneError (with
-its one line) for bad input.
+the result the command renders (`.plan`, `.config`, `.breakdown`), prints nothing of its own (the libraries a model
+file imports may warn; the commands quiet them), and raises OomtuneError (with its one line) for bad input.
 
     import oomtune
     result = oomtune.estimate("examples/tiny_gpt.py", gpu="rtx3060", batch=256, context=512)
@@ -9,7 +9,8 @@ its one line) for bad input.
 
 The commands are built on this module: each checks its input and loads the model here (`prepare_probe`,
 `prepare_estimate`), prints its header, runs the job with its progress callbacks, and writes what the job found
-(`Job.write`): the same steps as the functions, in the same order, with a printer around them.
+(`Job.write`): the same steps as the functions, in the same order, with a printer around them. `before_writing`:
+called after the last trial and before any file is written (the commands stop there on a Ctrl-C Python dropped).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from .model_file import ModelFile, model_file_of
 
 OnStart = Callable | None
 OnTrial = Callable[[TrialRecord], None] | None
+Hook = Callable[[], None] | None
 
 
 @dataclass
@@ -42,14 +44,15 @@ class Job:
     device: object = None
     dist: object = None
     notes: list[str] = field(default_factory=list)
+    where: tuple = ("auto", None, None)  # probe: the device kind, budget and card connect() makes the device from
 
-    def connect(self, device: str = "auto", budget: str | None = None, gpu: str | None = None,
-                dist_timeout: float = 0.0, launched: bool = False) -> Job:
+    def connect(self, dist_timeout: float = 0.0, launched: bool = False) -> Job:
         """The probe's device (auto: cuda where PyTorch sees a GPU, else cpu), and its ranks where torchrun
         `launched` this process."""
         from .search.probe import probe_on_ranks
 
-        self.device, self.dist = probe_on_ranks(device, budget, dist_timeout, launched, gpu)
+        kind, budget, gpu = self.where
+        self.device, self.dist = probe_on_ranks(kind, budget, dist_timeout, launched, gpu)
         return self
 
     def run(self, on_start: OnStart = None, on_trial: OnTrial = None):
@@ -65,39 +68,46 @@ class Job:
         return run_probe(self.model_file, self.device, self.targets, on_start=on_start, on_trial=on_trial,
                          dist=self.dist, **self.options)
 
-    def write(self, result) -> bool:
-        """The config to `out` (where given and something fits), then the snapshot of the plan found (estimate:
-        of the plan it broke down, the smallest where nothing fits)."""
+    def write(self, result, before_writing: Hook = None) -> bool:
+        """The snapshot's trial of the plan found (estimate: of the plan it broke down, the smallest where nothing
+        fits), then `before_writing`, then the config to `out` (where given and something fits) and the snapshot.
+        True when the train: section of the config already at `out` was kept."""
         from .config.output import write_config
 
+        plan = result.breakdown_plan if self.kind == "estimate" else result.plan
+        taken = take_snapshot(self.snapshot, self.model_file, plan, self.device, self.options["steps"])
+        if before_writing is not None:
+            before_writing()
         kept = self.out is not None and result.config is not None and \
             write_config(result.config, self.out, self.model_file.path, self.header)
-        plan = result.breakdown_plan if self.kind == "estimate" else result.plan
-        write_snapshot(self.snapshot, self.model_file, plan, self.device, self.options["steps"])
+        write_snapshot(self.snapshot, taken)
         return kept
 
 
 def prepare_probe(model, *, batch: int | None = None, context: int | None = None, min_context: int | None = None,
+                  device: str = "auto", budget: str | None = None, gpu: str | None = None,
                   headroom: float = HEADROOM, steps: int = TRIAL_STEPS, objective: str = "fit", amp: str = "auto",
                   levers: str | None = None, prior: bool | None = None, out: str | Path | None = None,
                   memory_snapshot: str | Path | None = None, on_ranks: bool = False,
                   header: str | None = None) -> Job:
     """Everything `probe` checks before its first trial (the options, `out`, the snapshot's path, the model, the
-    targets); `on_ranks`: the job runs on several ranks (no snapshot there)."""
+    targets); `on_ranks`: the job runs on several ranks (no snapshot there, no prior)."""
     from .memory import snapshot
-    from .search.options import check_search_options, parse_levers, resolve_targets
+    from .memory.devices import resolve_kind
+    from .search.options import check_prior, check_search_options, parse_levers, resolve_targets
 
     check_search_options(headroom, steps, objective, amp)
+    check_prior(prior, resolve_kind(device) if prior else device, on_ranks)
     allowed = parse_levers(levers)
     out = _check_out(out, model)
-    snapshot.check_path(_path(memory_snapshot), on_ranks=on_ranks)
+    snapshot.check_path(_path(memory_snapshot), on_ranks=on_ranks, others=(out, _model_path(model)))
     model_file = model_file_of(model)
     _check_named(out, model, model_file)
     targets = resolve_targets(model_file, batch, context, min_context)
     options = {"headroom": headroom, "steps": steps, "objective": objective, "amp": amp, "levers": allowed,
                "prior": prior}
     return Job("probe", model_file, targets, options, out, header or f"written by oomtune.probe({model_file.label})",
-               _path(memory_snapshot))
+               _path(memory_snapshot), where=(device, budget, gpu))
 
 
 def probe(model, *, batch: int | None = None, context: int | None = None, min_context: int | None = None,
@@ -109,10 +119,10 @@ def probe(model, *, batch: int | None = None, context: int | None = None, min_co
     starting from the estimate where `prior` (None: on cuda only). Returns the ProbeResult (`.plan` and `.config`
     None when nothing fits); `out`: also write the config there; `memory_snapshot`: the plan's trial, for
     PyTorch's memory viewer."""
-    job = prepare_probe(model, batch=batch, context=context, min_context=min_context, headroom=headroom, steps=steps,
-                        objective=objective, amp=amp, levers=levers, prior=prior, out=out,
-                        memory_snapshot=memory_snapshot)
-    result = job.connect(device, budget, gpu).run(on_start, on_trial)
+    job = prepare_probe(model, batch=batch, context=context, min_context=min_context, device=device, budget=budget,
+                        gpu=gpu, headroom=headroom, steps=steps, objective=objective, amp=amp, levers=levers,
+                        prior=prior, out=out, memory_snapshot=memory_snapshot)
+    result = job.connect().run(on_start, on_trial)
     job.write(result)
     return result
 
@@ -133,7 +143,7 @@ def prepare_estimate(model, *, budget: str | None = None, gpu: str | None = None
     check_world(world_size, sharding)
     allowed = parse_levers(levers)
     out = _check_out(out, model)
-    snapshot.check_path(_path(memory_snapshot))
+    snapshot.check_path(_path(memory_snapshot), others=(out, _model_path(model)))
     model_file = model_file_of(model)
     _check_named(out, model, model_file)
     targets = resolve_targets(model_file, batch, context, min_context)
@@ -166,29 +176,30 @@ def what_if(model, micro_batch: int, *, context: int | None = None, precision: s
             checkpointing: bool | None = None, grad_accum: int | None = None, budget: str | None = None,
             gpu: str | None = None, margin: str | None = None, headroom: float = HEADROOM,
             steps: int = TRIAL_STEPS, world_size: int = 1, sharding: str | None = None,
-            memory_snapshot: str | Path | None = None):
+            memory_snapshot: str | Path | None = None, before_writing: Hook = None):
     """`oomtune estimate --micro-batch`: one plan's breakdown on fake tensors and, given a budget or a card,
     whether it fits. Returns the WhatIf (`.plan`, `.breakdown`, `.fits`, `.levers`, `.note`)."""
     from .memory import snapshot
     from .search.estimate import make_fake_device, no_bf16_note, what_if_plan
     from .search.estimate import what_if as run_what_if
-    from .search.options import check_estimate_options, check_world
+    from .search.options import check_estimate_options, check_what_if_options, check_world
 
+    check_what_if_options(micro_batch, precision, checkpointing, grad_accum, None, None)
     check_estimate_options("fit", headroom, steps, "auto")
     check_world(world_size, sharding)
-    snapshot.check_path(_path(memory_snapshot))
+    snapshot.check_path(_path(memory_snapshot), others=(_model_path(model),))
     model_file = model_file_of(model)
     plan = what_if_plan(model_file, micro_batch, context, precision, checkpointing, grad_accum, world_size, sharding)
     bounded = bool(budget or gpu)
     device = make_fake_device(budget if bounded else str(1 << 50), gpu, margin)
     result = run_what_if(model_file, plan, device, bounded=bounded, headroom=headroom, steps=steps)
-    write_snapshot(_path(memory_snapshot), model_file, plan, device, steps)
+    _snapshot_of(memory_snapshot, model_file, plan, device, steps, before_writing)
     return result.with_note(no_bf16_note(device, plan.precision))
 
 
 def check(config: str | Path | Config, *, model=None, device: str = "fake", budget: str | None = None,
           headroom: float | None = None, margin: str | None = None, gpu: str | None = None,
-          steps: int = TRIAL_STEPS, memory_snapshot: str | Path | None = None):
+          steps: int = TRIAL_STEPS, memory_snapshot: str | Path | None = None, before_writing: Hook = None):
     """`oomtune check`: does the config's plan (a config file's path, or a Config) still fit? Returns the
     CheckResult (`.fits`, `.plan`, `.breakdown`: the new one, on fake and cpu). `model`: the model (default: the
     config's model file)."""
@@ -196,26 +207,49 @@ def check(config: str | Path | Config, *, model=None, device: str = "fake", budg
     from .memory import snapshot
     from .search.check import check as run_check
 
-    snapshot.check_path(_path(memory_snapshot))
     path = None
     if not isinstance(config, Config):
         path = Path(config)
         config = load_config(path)
     if model is None:
         model = config.model_path(path) if path is not None else Path(config.model)
+    snapshot.check_path(_path(memory_snapshot), others=(path, _model_path(model)))
     model_file = model_file_of(model)
     result = run_check(config, model_file, device_kind=device, budget=budget, headroom=headroom, margin=margin,
                        steps=steps, gpu=gpu)
-    write_snapshot(_path(memory_snapshot), model_file, result.plan, result.measured_on, steps)
+    _snapshot_of(memory_snapshot, model_file, result.plan, result.measured_on, steps, before_writing)
     return result
 
 
-def write_snapshot(path: Path | None, model_file: ModelFile, plan, device, steps: int) -> None:
-    """The memory viewer's pickle of one trial of `plan` on `device` (nothing where no path or no plan)."""
+def take_snapshot(path: Path | None, model_file: ModelFile, plan, device, steps: int) -> dict | None:
+    """The memory viewer's snapshot of one trial of `plan` on `device` (None where no path or no plan)."""
     from .memory import snapshot
 
-    if path is not None and plan is not None:
-        snapshot.write(snapshot.take(model_file, plan, device, steps), path)
+    return snapshot.take(model_file, plan, device, steps) if path is not None and plan is not None else None
+
+
+def write_snapshot(path: Path | None, taken: dict | None) -> None:
+    from .memory import snapshot
+
+    if path is not None and taken is not None:
+        snapshot.write(taken, path)
+
+
+def _snapshot_of(path, model_file: ModelFile, plan, device, steps: int, before_writing: Hook) -> None:
+    taken = take_snapshot(_path(path), model_file, plan, device, steps)
+    if taken is not None and before_writing is not None:
+        before_writing()
+    write_snapshot(_path(path), taken)
+
+
+def _model_path(model) -> Path | None:
+    """The model's file where the caller named one (a path, or a module imported from a file)."""
+    if isinstance(model, (str, Path)):
+        return Path(model)
+    if isinstance(model, ModelFile):
+        return model.path
+    file = getattr(model, "__file__", None)
+    return Path(file) if isinstance(file, str) else None
 
 
 def _path(p: str | Path | None) -> Path | None:

@@ -79,3 +79,15 @@ def test_what_if_and_the_memory_snapshot_are_the_estimate_commands_too(tmp_path)
     assert data["device_traces"][0] and result.plan is not None
     with pytest.raises(oomtune.OomtuneError, match="is a folder"):
         oomtune.estimate(TinyMLP(), budget="600MiB", memory_snapshot=tmp_path)
+
+
+def test_what_if_and_prior_mistakes_are_named_before_the_model_is_loaded(tmp_path):
+    from oomtune import api
+
+    missing = tmp_path / "not-written-yet.py"  # loading it would fail: each error below comes first
+    with pytest.raises(oomtune.OomtuneError, match="--micro-batch must be at least 1, got 0"):
+        api.what_if(missing, 0, gpu="t4")
+    with pytest.raises(oomtune.OomtuneError, match="--precision 'fp8'"):
+        api.what_if(missing, 4, precision="fp8", gpu="t4")
+    with pytest.raises(oomtune.OomtuneError, match="not on the fake device"):
+        oomtune.probe(missing, device="fake", gpu="t4", prior=True)

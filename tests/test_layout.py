@@ -70,20 +70,38 @@ def test_only_the_cli_prints():
     assert printers == []
 
 
+def absolute_imports(path: Path, source: str | None = None) -> set[str]:
+    """Every `module.name` the module at `path` (or `source` as if it were there) imports: relative imports made
+    absolute, `import a.b` as `a.b`."""
+    package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
+    found = set()
+    for node in ast.walk(tree(path) if source is None else ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+            module = (f"{base}.{node.module}" if node.module else base) if node.level else node.module
+            found |= {module} | {f"{module}.{a.name}" for a in node.names}
+    return found
+
+
 def test_the_search_commands_are_built_on_the_python_api():
     """probe, estimate and check reach the search through oomtune/api.py, as a script does: no command imports the
-    search's entry points itself."""
-    entry = {"oomtune.search.probe": {"probe"}, "oomtune.search.estimate": {"estimate", "what_if"},
-             "oomtune.search.check": {"check"}}
-    bypass = []
+    search's entry points (or their modules whole) itself."""
+    entries = {"oomtune.search.probe.probe", "oomtune.search.estimate.estimate", "oomtune.search.estimate.what_if",
+               "oomtune.search.check.check", "oomtune.search.probe.probe_on_ranks"}
+    modules = {"oomtune.search.probe", "oomtune.search.estimate", "oomtune.search.check"}
     for name in ("probe_cmd", "estimate_cmd", "check_cmd"):
-        path = PACKAGE / "cli" / f"{name}.py"
-        for node in ast.walk(tree(path)):
-            if isinstance(node, ast.ImportFrom) and node.level == 2 and node.module:
-                wanted = entry.get(f"oomtune.{node.module}", set())
-                bypass += [f"{name}: {node.module}.{a.name}" for a in node.names if a.name in wanted]
-        assert "api" in path.read_text(), name
-    assert bypass == []
+        imported = absolute_imports(PACKAGE / "cli" / f"{name}.py")
+        assert imported & entries == set(), name
+        assert {m for m in modules if m in imported and not any(i.startswith(m + ".") for i in imported)} == set()
+        assert any(i == "oomtune.api" or i.startswith("oomtune.api.") for i in imported), name
+
+
+def test_the_import_reader_sees_every_form():
+    forms = "from ..search.check import check\nfrom oomtune.search import probe\nimport oomtune.search.estimate\n"
+    assert {"oomtune.search.check.check", "oomtune.search.probe", "oomtune.search.estimate"} <= \
+        absolute_imports(ROOT / "oomtune" / "cli" / "x.py", forms)
 
 
 def test_one_file_calls_backward():

@@ -9,7 +9,7 @@ import typer
 
 from ..config.schema import TRIAL_STEPS
 from . import app
-from .guard import user_errors
+from .guard import stop_if_interrupted, user_errors
 from .options import ConfigOpt, DebugOpt, JsonOpt, SnapshotOpt, budget_option, device_option
 from .render import check_json, render_check, snapshot_written
 
@@ -40,7 +40,7 @@ def check(
         from ..api import check as run_check
 
         result = run_check(config_path, device=device, budget=budget, headroom=headroom, margin=margin, steps=steps,
-                           gpu=gpu, memory_snapshot=memory_snapshot)
+                           gpu=gpu, memory_snapshot=memory_snapshot, before_writing=stop_if_interrupted)
         snapshot_written(memory_snapshot, result.plan)
         if as_json:
             print(json.dumps(check_json(result), indent=2))

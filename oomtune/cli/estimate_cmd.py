@@ -71,7 +71,7 @@ def _ladder(job, gpu: str | None, as_json: bool) -> None:
     with trial_progress(not as_json) as (on_start, on_trial):
         result = job.run(on_start, on_trial)
     stop_if_interrupted()  # a Ctrl-C during the search writes nothing, even one Python dropped
-    kept = job.write(result)
+    kept = job.write(result, before_writing=stop_if_interrupted)  # (the snapshot's trial runs first)
     snapshot_written(job.snapshot, result.breakdown_plan)
     extra = {"estimated": True, "margin": device.margin.describe(), "card": card_line(device, gpu),
              "breakdown": to_dict(result.breakdown),
@@ -137,6 +137,7 @@ def estimate(
         parse_levers(levers)
         result = api.what_if(model, micro_batch, context=context, precision=precision, checkpointing=checkpointing,
                              grad_accum=grad_accum, budget=budget, gpu=gpu, margin=margin, headroom=headroom,
-                             steps=steps, world_size=world_size, sharding=sharding, memory_snapshot=memory_snapshot)
+                             steps=steps, world_size=world_size, sharding=sharding, memory_snapshot=memory_snapshot,
+                             before_writing=stop_if_interrupted)
         snapshot_written(memory_snapshot, result.plan)
         render_what_if(result, as_json)

@@ -86,8 +86,9 @@ def probe(
         from ..search.probe import check_ranks_batch
 
         rank = worker_rank()
-        job = prepare_probe(model, batch=batch, context=context, min_context=min_context, headroom=headroom,
-                            steps=steps, objective=objective, amp=amp, levers=levers, prior=prior,
+        job = prepare_probe(model, batch=batch, context=context, min_context=min_context, device=device,
+                            budget=budget, gpu=gpu, headroom=headroom, steps=steps, objective=objective, amp=amp,
+                            levers=levers, prior=prior,
                             out=out_path if rank in (None, 0) else None,  # the launcher and rank 0, which writes it
                             memory_snapshot=memory_snapshot, on_ranks=nproc_per_node is not None or rank is not None,
                             header=f"written by `oomtune probe {model}` — edit `train:` freely")
@@ -103,7 +104,7 @@ def probe(
                                                      json=as_json,
                                                      dist_timeout=dist_timeout, debug=debug)])
             return
-        job.connect(device, budget, gpu, dist_timeout, launched=rank is not None)
+        job.connect(dist_timeout, launched=rank is not None)
         if rank not in (None, 0):  # every rank probes; rank 0 reports and writes the config
             if job.run().config is None:
                 raise typer.Exit(1)
@@ -112,7 +113,7 @@ def probe(
         with trial_progress(not as_json) as (on_start, on_trial):
             result = job.run(on_start, on_trial)
         stop_if_interrupted()  # a Ctrl-C during the search writes nothing, even one Python dropped
-        kept = job.write(result)
+        kept = job.write(result, before_writing=stop_if_interrupted)  # (the snapshot's trial runs first)
         snapshot_written(memory_snapshot, result.plan)
         render_search(result, out_path if result.config else None, as_json, "probe", kept_train=kept)
 

@@ -135,11 +135,9 @@ def _torchtune(plan: Plan) -> tuple[dict, list[str]]:
     else:
         out.append(f"precision: {plan.precision} is autocast; torchtune's recipes train in one dtype "
                    "(dtype=bf16 keeps the weights in bf16, which is the bf16-true rung, not this one)")
-    if plan.offload_optimizer:
-        kw["fsdp_cpu_offload"] = True
-        if plan.sharding != "fsdp":
-            out.append("offload_optimizer: torchtune offloads with fsdp_cpu_offload in its distributed recipes; "
-                       "single-device recipes have optimizer_in_bwd instead")
+    if plan.offload_optimizer:  # one process only (the plan refuses it with fsdp): single-device recipes
+        out.append("offload_optimizer: torchtune offloads with fsdp_cpu_offload in its distributed recipes; "
+                   "single-device recipes have optimizer_in_bwd instead")
     if plan.nf4_frozen_weights:
         out.append("nf4_frozen_weights: use the model's qlora_ builder (model._component_=torchtune.models...."
                    "qlora_...)")

@@ -3,9 +3,9 @@ snapshot, the Python frames that made it."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
+import sysconfig
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -34,19 +34,33 @@ class StorageRecord:
     frames: tuple[tuple[str, int, str], ...] = ()  # (file, line, function), innermost first, where stacks were asked
 
 
-_NOT_YOURS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, contextlib)) + \
-    (os.path.dirname(__file__) + os.sep,)  # torch, the standard library, this tracker
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # oomtune/
+_TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+_STDLIB = os.path.abspath(sysconfig.get_paths()["stdlib"]) + os.sep
+_OURS_SKIPPED = tuple(_PACKAGE + p for p in ("memory" + os.sep, "dist" + os.sep, "model_file.py", "files.py"))
+_DRIVERS = tuple(_PACKAGE + p for p in ("search" + os.sep, "cli" + os.sep, "api.py", "train" + os.sep))
 MAX_FRAMES = 16
 
 
+def _skipped(name: str) -> bool:
+    """torch's frames, the standard library's (not the packages installed beside it), the tracker's and the model
+    file loader's wrappers."""
+    return name.startswith((_TORCH, *_OURS_SKIPPED)) or (
+        name.startswith(_STDLIB) and f"{os.sep}site-packages{os.sep}" not in name
+        and f"{os.sep}dist-packages{os.sep}" not in name)
+
+
 def python_frames() -> tuple[tuple[str, int, str], ...]:
-    """The Python frames that led to an allocation, innermost first, without torch's, the standard library's
-    and the tracker's own: the model file's lines, the training step, the caller."""
+    """The Python frames that led to an allocation, innermost first: the model file's lines (and those of the
+    libraries it calls, transformers' say), the training step, the levers; up to the trial that runs them, not the
+    command, script or test that ran the trial (oomtune's search, CLI and API, and whatever called those)."""
     out = []
     f = sys._getframe(1)
     while f is not None and len(out) < MAX_FRAMES:
-        name = f.f_code.co_filename
-        if not name.startswith(_NOT_YOURS):
+        name = os.path.abspath(f.f_code.co_filename)
+        if name.startswith(_DRIVERS):
+            break
+        if not _skipped(name):
             out.append((name, f.f_lineno, f.f_code.co_name))
         f = f.f_back
     return tuple(out)

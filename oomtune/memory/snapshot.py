@@ -38,9 +38,11 @@ def from_recorder(rec: Recorder, kind_of) -> dict:
     return {"segments": [segment], "device_traces": [trace]}
 
 
-def check_path(path: Path | None, on_ranks: bool = False) -> None:
+def check_path(path: Path | None, on_ranks: bool = False, others: tuple = ()) -> None:
     """--memory-snapshot, checked before any trial runs: not a folder, in a folder that exists or can be made, and
-    that can be written; and not on several ranks (`on_ranks`: a snapshot is one process's trial)."""
+    that can be written; not one of the command's `others` (the model file, --out, the config checked); where a
+    file is there already, a pickle (a snapshot written before), never a file of the user's that is anything else;
+    and not on several ranks (`on_ranks`: a snapshot is one process's trial)."""
     if path is None:
         return
     if on_ranks:
@@ -48,6 +50,13 @@ def check_path(path: Path | None, on_ranks: bool = False) -> None:
     p = Path(path)
     if p.is_dir():
         raise OomtuneError(f"--memory-snapshot {p} is a folder: name a file in it (e.g. {p / 'memory.pickle'})")
+    for other in others:
+        if other is not None and p.resolve() == Path(other).resolve():
+            raise OomtuneError(f"--memory-snapshot {p} is {other}, which the command reads or writes: name another "
+                               "file (e.g. memory.pickle)")
+    if p.exists() and not _is_pickle(p):
+        raise OomtuneError(f"--memory-snapshot {p} exists and is not a memory snapshot (a pickle): not overwriting "
+                           "it; name another file or move it away")
     folder = nearest_existing(p.absolute().parent)
     if not folder.is_dir():
         raise OomtuneError(f"--memory-snapshot {p}: {folder} is not a folder")
@@ -55,6 +64,15 @@ def check_path(path: Path | None, on_ranks: bool = False) -> None:
         try_write_in(folder)
     except OSError as e:
         raise OomtuneError(f"--memory-snapshot {p}: cannot write in {folder} ({e.strerror or e})") from None
+
+
+def _is_pickle(p: Path) -> bool:
+    """A regular file that starts as a pickle of protocol 2 or later does (what this module and PyTorch write)."""
+    try:
+        with p.open("rb") as f:
+            return p.is_file() and f.read(1) == b"\x80"
+    except OSError:
+        return False
 
 
 def write(data: dict, path: Path) -> None:

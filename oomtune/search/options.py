@@ -86,6 +86,12 @@ def check_search_options(headroom: float, steps: int, objective: str, amp: str) 
         raise OomtuneError(f"--amp {amp!r}: expected one of {', '.join(AMP_CHOICES)}")
 
 
+def check_prior(prior: bool | None, kind: str, on_ranks: bool) -> None:
+    """--prior certifies the estimate on one process of a device that is not the estimate's own."""
+    if prior and (on_ranks or kind == "fake"):
+        raise OomtuneError("--prior certifies the estimate on one process of the cpu or cuda device: not on "
+                           + ("several ranks" if on_ranks else "the fake device, whose probe is the estimate"))
+
 
 def check_estimate_options(objective: str, headroom: float, steps: int = TRIAL_STEPS, amp: str = "auto") -> None:
     """check_search_options, and throughput refused: the fake device measures no speed."""

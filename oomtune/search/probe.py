@@ -20,7 +20,7 @@ from ..model_file import ModelFile, eager_note
 from ..units import format_bytes, utc_now
 from .certify import CertifyingSearch
 from .ladder import LadderResult, LadderSearch, Measurement, Objective, Point, Rung, Trial, largest_divisor_at_most
-from .options import LEVERS, Targets, check_search_options
+from .options import LEVERS, Targets, check_prior, check_search_options
 from .past import PastRungs, past_rungs
 from .prior import PriorReport, run_prior
 from .trial import ModelCache, TrialResult, computing_where_needed, run_trial, settled_objects
@@ -196,9 +196,7 @@ def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: 
                                    statics[1] if statics else None)
     check_static_fits(floor, device, limit, headroom, sharded_by)
     notes = measurement_notes(model_file, static, device)
-    if prior and (world > 1 or device.kind == "fake"):
-        raise OomtuneError("--prior certifies the estimate on one process of the cpu or cuda device: not on "
-                           + ("several ranks" if world > 1 else "the fake device, whose probe is the estimate"))
+    check_prior(prior, device.kind, world > 1)
     report = run_prior(lambda fake: probe(model_file, fake, targets, headroom=headroom, steps=steps,
                                           objective=objective, amp=amp, command="estimate", levers=levers,
                                           statics=(static, floor), prior=False), device, model_file.label) \

@@ -42,11 +42,13 @@ def test_every_override_is_a_key_torchtune_reads_and_merges_to_the_plan(name, re
     omegaconf = pytest.importorskip("omegaconf")
     plan = PLANS[name]
     lines = export(plan, "torchtune").text().splitlines()
-    config = omegaconf.OmegaConf.load(folder / "configs" / recipe)
+    path = folder / "configs" / recipe
+    config = omegaconf.OmegaConf.load(path)
     known = keys_of(omegaconf.OmegaConf.to_container(config))
-    read = {m for src in folder.glob("*.py") for m in re.findall(r'cfg\.get\(\s*"([a-z_]+)"', src.read_text())}
+    runner = re.search(r"tune run (?:--nproc_per_node \d+ )?(\w+)", path.read_text()).group(1)  # its recipe
+    read = set(re.findall(r'cfg\.get\(\s*"([a-z_]+)"', (folder / f"{runner}.py").read_text()))
     unknown = [line.split("=")[0] for line in lines if line.split("=")[0] not in known | read]
-    assert unknown == []  # no key torchtune would not read (each is in its recipe config, or read by a recipe)
+    assert unknown == []  # no key the recipe would not read (each is in its config, or the recipe reads it)
     merged = omegaconf.OmegaConf.merge(config, omegaconf.OmegaConf.from_dotlist(lines))  # as `tune run ... k=v`
     assert merged.batch_size == plan.micro_batch_size
     assert merged.gradient_accumulation_steps == plan.grad_accum_steps
@@ -59,3 +61,11 @@ def test_every_override_is_a_key_torchtune_reads_and_merges_to_the_plan(name, re
                             export(plan, "torchtune").unexpressed)
     if merged.enable_activation_offloading and not merged.enable_activation_checkpointing:  # the recipes refuse it
         assert any(u.startswith("offload_activations: torchtune") for u in export(plan, "torchtune").unexpressed)
+
+
+
+def test_optimizer_offload_is_a_note_single_device_recipes_have_no_key_for():
+    recipes_folder()
+    single = export(PLANS["fp16+offload"], "torchtune")
+    assert "offload" not in single.text().replace("enable_activation_offloading", "")
+    assert any(u.startswith("offload_optimizer: torchtune offloads with fsdp_cpu_offload") for u in single.unexpressed)
