@@ -47,8 +47,14 @@ def rungs_table(ladder, targets, world_size: int = 1) -> Table:
     for r in ladder.rungs:
         table.add_row(rung_label(r.rung.name, r.rung.precision),
                       f"{r.context_length}/{targets.context}" if r.found else "[red]none[/]",
-                      f"{r.micro_batch_size}/{targets.batch // world_size}" if r.found else "-", str(r.trials))
+                      f"{r.micro_batch_size}/{targets.batch // world_size}{_with_accumulation(r)}" if r.found else "-",
+                      str(r.trials))
     return table
+
+
+def _with_accumulation(r) -> str:
+    """A rung certified by its plan (from the prior): the micro-batch is the plan's, with that accumulation."""
+    return f" x{r.grad_accum_steps} (plan)" if r.grad_accum_steps > 1 else ""
 
 
 @contextmanager
@@ -97,7 +103,8 @@ def result_json(result, config_path: Path | None) -> dict:
         "levers_not_used": dict(result.past.skipped) if result.past is not None else {},
         "rungs": [{"rung": r.rung.name, "precision": r.rung.precision,
                    "activation_checkpointing": r.rung.activation_checkpointing,
-                   "context_length": r.context_length, "micro_batch_size": r.micro_batch_size, "trials": r.trials}
+                   "context_length": r.context_length, "micro_batch_size": r.micro_batch_size,
+                   "grad_accum_steps": r.grad_accum_steps, "trials": r.trials}
                   for r in result.ladder.rungs],
         "trials": [to_dict(t) for t in result.records],
         "config_path": str(config_path) if config_path else None,

@@ -8,6 +8,15 @@ T_S, its micro-batch b_S, and the peaks it measured at T_S. The device then cert
 - where T_S is below the target context, micro-batch 1 does not fit at the next context the search could pick:
   one more.
 
+Where the rung will accumulate (the fit objective, b_S below the target B), what runs is the plan: micro-batch d,
+the largest divisor of B that fits with B/d accumulation steps. Its boundary is certified instead, also in two
+trials: d x B/d fits and d' x B/d' does not (d' the next divisor of B; B itself is the target, alone). That is the
+rung's answer (RungResult.grad_accum_steps > 1) and the plan needs no trial of its own. The exact largest
+micro-batch without accumulation, between d and d' - 1, is not tried for: nothing runs it. Only where d is within a
+factor of two of the predicted b_S; further below (B = 17 with 8 fitting: 1 x 17), the rung is certified alone
+first, so the probe can name the global batch that would run at what fits (probe.divisor_note). A miss steps to the
+neighbouring divisor and then bisects what is left of them.
+
 The fake device counts tensors exactly; its slope in the micro-batch is the device's. What it cannot see (the
 allocator's rounding, workspaces, a CUDA context it assumes) shifts the device's peaks by roughly a constant and a
 small proportion. So where the device's peak at the predicted size misses the limit the other way, the prediction is
@@ -24,7 +33,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .ladder import LadderResult, LadderSearch, Measurement, Point, Rung, RungResult, Trial, context_candidates
+from .ladder import (
+    LadderResult,
+    LadderSearch,
+    Measurement,
+    Objective,
+    Point,
+    Rung,
+    RungResult,
+    Trial,
+    context_candidates,
+    largest_divisor_at_most,
+)
 
 # The bound on the prior's first miss: the fake device's tensors are exact, and with the card's profile its
 # allocator model and fixed costs are close; 25% off means a different shape of memory, not a shifted one. The
@@ -40,6 +60,7 @@ class RungPrior:
     context_length: int | None  # T_S (None: micro-batch 1 ran out even at the shortest context allowed)
     micro_batch_size: int | None  # b_S
     peaks: tuple[tuple[int, int], ...] = ()  # (micro-batch, peak that grows with it) measured at T_S, by size
+    plan_micro_batch: int | None = None  # d: the plan's micro-batch with accumulation, where the estimate chose it
 
     def peak_at(self, b: int) -> float | None:
         """The fake peak at `b`: the measured one, else the line through the nearest measured neighbours (the end
@@ -55,13 +76,15 @@ class RungPrior:
 
 
 def priors_from(ladder: LadderResult) -> dict[Rung, RungPrior]:
-    """Each rung the estimate searched, as a prior."""
+    """Each rung the estimate searched, as a prior (the chosen rung's with the plan's micro-batch it verified)."""
     out = {}
+    c = ladder.choice
     for r in ladder.rungs:
         peaks = {t.point.micro_batch_size: t.measurement.predictor_bytes for t in ladder.trials
                  if t.point.rung == r.rung and t.point.context_length == r.context_length
                  and t.point.grad_accum_steps == 1 and t.measurement.predictor_bytes is not None}
-        out[r.rung] = RungPrior(r.context_length, r.micro_batch_size, tuple(sorted(peaks.items())))
+        plan = c.micro_batch_size if c is not None and c.rung == r.rung and c.grad_accum_steps > 1 else None
+        out[r.rung] = RungPrior(r.context_length, r.micro_batch_size, tuple(sorted(peaks.items())), plan)
     return out
 
 
@@ -69,10 +92,18 @@ class CertifyingSearch(LadderSearch):
     """The ladder (LadderSearch.run) with each rung certified from its prior where it has one."""
 
     def __init__(self, measure: Callable[[Point], Measurement], limit_bytes: int, priors: dict[Rung, RungPrior],
-                 on_trial: Callable[[Trial], None] | None = None):
+                 on_trial: Callable[[Trial], None] | None = None, certify_plans: bool = False):
         super().__init__(measure, limit_bytes, on_trial)
         self.priors = priors
         self.fell_back: list[str] = []  # the rungs whose prior was off: searched instead
+        self.certify_plans = certify_plans  # where a rung will accumulate, certify its plan (run() decides)
+
+    def run(self, rungs, batch: int, context: int, min_context: int, objective: Objective = "fit", past=(),
+            accumulation: bool = True) -> LadderResult:
+        """As the search's; under the fit objective with accumulation, a rung that will accumulate is certified by
+        its plan (the throughput objective compares rungs' speeds alone, measured without accumulation)."""
+        self.certify_plans = objective == "fit" and accumulation
+        return super().run(rungs, batch, context, min_context, objective, past, accumulation)
 
     def search_rung(self, rung: Rung, batch: int, context: int, min_context: int) -> RungResult:
         prior = self.priors.get(rung)
@@ -83,8 +114,8 @@ class CertifyingSearch(LadderSearch):
         if certified is None:  # searched from scratch, with every trial run so far known
             self.fell_back.append(rung.name)
             r = super().search_rung(rung, batch, context, min_context)
-            certified = r.context_length, r.micro_batch_size
-        return RungResult(rung, *certified, len(self.trials) - start)
+            certified = r.context_length, r.micro_batch_size, 1
+        return RungResult(rung, *certified[:2], len(self.trials) - start, certified[2])
 
     def check(self, point: Point, stage: str) -> bool:
         """As the search's, but a point at least as large as one that went over the limit (its micro-batch and
@@ -98,17 +129,41 @@ class CertifyingSearch(LadderSearch):
         return super().check(point, stage)
 
     def _certify(self, rung: Rung, batch: int, context: int, min_context: int,
-                 prior: RungPrior) -> tuple[int | None, int | None] | None:
-        """(T_S, b_S) certified on the device, or None where the prior is off."""
+                 prior: RungPrior) -> tuple[int | None, int | None, int] | None:
+        """(T_S, b_S, 1) or (T_S, d, B/d: the plan) certified on the device, or None where the prior is off."""
         t_s = prior.context_length
         if t_s is None:  # predicted: nothing fits; one trial says so
-            return None if self.check(Point(rung, 1, min_context), "prior") else (None, None)
+            return None if self.check(Point(rung, 1, min_context), "prior") else (None, None, 1)
         if t_s < context:  # the next context up must not fit micro-batch 1
             longer = next(c for c in context_candidates(min_context, context) if c > t_s)
             if self.check(Point(rung, 1, longer), "prior"):
                 return None
-        b = self._certify_batch(rung, t_s, batch, prior)
-        return None if b is None else (t_s, b)
+        predicted = min(prior.micro_batch_size or 1, batch)
+        d = prior.plan_micro_batch or largest_divisor_at_most(batch, predicted)
+        if self.certify_plans and predicted < batch and 2 * d > predicted:
+            d = self._certify_plan(rung, t_s, batch, d)
+            if d is not None:
+                return t_s, d, batch // d
+        b = self._certify_batch(rung, t_s, batch, prior)  # (also where no plan with accumulation fits)
+        return None if b is None else (t_s, b, 1)
+
+    def _certify_plan(self, rung: Rung, context: int, batch: int, guess: int) -> int | None:
+        """The largest divisor d of `batch` whose plan (d x batch/d) fits at `context`, certified: it fits and the
+        next divisor's plan does not (for d = batch: the target alone). From the predicted divisor, each trial
+        steps to the neighbouring divisor, up to MAX_CORRECTIONS + 1 steps. None: still not certified then, or not
+        even 1 x batch fits (the rung is then certified alone)."""
+        divs = [d for d in range(1, batch + 1) if batch % d == 0]
+        lo, hi = -1, len(divs)  # divs[lo]'s plan fits, divs[hi]'s does not (-1, len(divs): none known)
+        i, stage = divs.index(guess), "prior"
+        for _ in range(MAX_CORRECTIONS + 2):  # the prediction, the size above, and the corrections
+            if hi - lo <= 1:
+                break
+            d = divs[i]
+            if self.check(Point(rung, d, context, batch // d), stage):
+                lo, i, stage = i, i + 1, "verify"
+            else:
+                hi, i, stage = i, i - 1, "corrected"
+        return divs[lo] if hi - lo <= 1 and lo >= 0 else None
 
     def _certify_batch(self, rung: Rung, context: int, batch: int, prior: RungPrior) -> int | None:
         """The largest micro-batch that fits at `context`, certified (it fits, the next size does not), from the

@@ -77,6 +77,9 @@ class RungResult:
     context_length: int | None  # T_S; None when micro-batch 1 does not fit even at T_min
     micro_batch_size: int | None  # b_S
     trials: int  # trials this rung ran
+    # 1: b_S is the largest micro-batch that fits alone. B/d (certified from a prior, certify.py): b_S is the plan's
+    # micro-batch d, the largest divisor of B that fits with that accumulation; the largest alone is not known
+    grad_accum_steps: int = 1
 
     @property
     def found(self) -> bool:
@@ -271,8 +274,10 @@ class LadderSearch:
         found = [r for r in results if r.found]
         if objective == "fit":
             full = [r for r in found if r.context_length == context and r.micro_batch_size == batch]
-            # else the best rung: the longest context, then the largest micro-batch; ties go to the earlier rung
-            picks = full[:1] or sorted(found, key=lambda r: (-r.context_length, -r.micro_batch_size))
+            # else the best rung: the longest context, then the largest micro-batch of its plan (the largest divisor
+            # of B it fits: what runs); ties go to the earlier rung
+            picks = full[:1] or sorted(found, key=lambda r: (
+                -r.context_length, -largest_divisor_at_most(batch, r.micro_batch_size)))
         else:
             best_t = max((r.context_length for r in found), default=0)  # context is never traded for speed
             picks = sorted((r for r in found if r.context_length == best_t),

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from oomtune.search.certify import CertifyingSearch, RungPrior
+from oomtune.search.certify import CertifyingSearch, RungPrior, priors_from
 from oomtune.search.ladder import LadderSearch, Measurement, Point, Rung
 
 FP32 = Rung("fp32", "fp32", False)
@@ -34,6 +34,7 @@ def device(peak, context_cap: int = 64):
 
 def run(peak, rung_prior: RungPrior | None, batch: int = 256, context: int = 64, min_context: int = 64,
         context_cap: int = 64):
+    """One rung certified alone (the largest micro-batch without accumulation, as under the throughput objective)."""
     search = CertifyingSearch(device(peak, context_cap), LIMIT, {FP32: rung_prior} if rung_prior else {})
     result = search.search_rung(FP32, batch, context, min_context)
     tried = [(t.point.micro_batch_size, t.point.context_length, t.stage, t.result) for t in search.trials]
@@ -115,3 +116,82 @@ def test_a_rung_that_falls_back_runs_nothing_known_not_to_fit():
     assert tried[0] == (1, 52, "prior", "oom") and fell_back == ["fp32"]
     assert not [t for t in tried[1:] if t[1] >= 52]
     assert (result.context_length, result.micro_batch_size) == (48, 52)
+
+
+# -- the plan certified, where the rung will accumulate (the fit objective) --------------------------------------
+
+GRADS = 30  # accumulation keeps the gradients alive through the next micro-step: a plan with it peaks higher
+
+
+def with_accumulation(peak, grads: int = GRADS):
+    """measure(): `peak` of the micro-batch, plus `grads` where the plan accumulates."""
+    def measure(point: Point) -> Measurement:
+        p = peak(point.micro_batch_size) + (grads if point.grad_accum_steps > 1 else 0)
+        return Measurement(oom=True) if p > BUDGET else Measurement(oom=False, peak_bytes=p)
+    return measure
+
+
+def climb(peak, rung_prior: RungPrior, batch: int = 256, objective: str = "fit"):
+    search = CertifyingSearch(with_accumulation(peak), LIMIT, {FP32: rung_prior})
+    result = search.run([FP32], batch, 64, 64, objective)
+    tried = [(t.point.micro_batch_size, t.point.grad_accum_steps, t.stage, t.result) for t in search.trials]
+    c = result.choice
+    return result.rungs[0], tried, (c.micro_batch_size, c.grad_accum_steps) if c else None
+
+
+def test_a_rung_that_will_accumulate_is_certified_by_its_plan_in_two_trials():
+    """90 fits alone, so B = 256 runs as 64 x 4: the plan fits, the next divisor's (128 x 2) does not, and the plan
+    needs no trial of its own. The largest micro-batch alone (90) is not tried for: nothing would run it."""
+    rung, tried, plan = climb(fake_peak, prior())
+    assert tried == [(64, 4, "prior", "fits"), (128, 2, "verify", "oom")]
+    assert (rung.micro_batch_size, rung.grad_accum_steps, rung.trials, plan) == (64, 4, 2, (64, 4))
+
+
+def test_a_plan_that_does_not_fit_steps_to_the_divisor_below():
+    """300 bytes the estimate cannot see: 64 x 4 goes over, 32 x 8 fits, and 64 x 4 is already the next divisor's
+    plan known not to fit: two trials."""
+    rung, tried, plan = climb(lambda b: fake_peak(b) + 300, prior())
+    assert tried == [(64, 4, "prior", "over-headroom"), (32, 8, "corrected", "fits")]
+    assert plan == (32, 8) and rung.trials == 2
+
+
+def test_a_plan_with_room_to_spare_steps_up_to_the_target():
+    """Half the estimate's memory: 64 x 4 and 128 x 2 fit, 256 alone (the target) does not."""
+    rung, tried, plan = climb(lambda b: fake_peak(b) // 2, prior())
+    assert tried == [(64, 4, "prior", "fits"), (128, 2, "verify", "fits"), (256, 1, "verify", "oom")]
+    assert plan == (128, 2) and rung.grad_accum_steps == 2
+
+
+def test_far_below_what_fits_the_rung_is_certified_alone_for_the_divisor_note():
+    """B = 91 (7 x 13) with 90 fitting: its plan 13 x 7 is far below 90, so the rung is certified alone (90 fits, 91
+    does not), then the plan verified, as without a prior: the probe can say what would run at 90."""
+    rung, tried, plan = climb(fake_peak, prior(), batch=91)
+    assert tried == [(90, 1, "prior", "fits"), (91, 1, "verify", "over-headroom"), (13, 7, "verify", "fits")]
+    assert (rung.micro_batch_size, rung.grad_accum_steps, plan) == (90, 1, (13, 7))
+
+
+def test_a_plan_the_prior_is_far_off_for_is_certified_alone_then():
+    """No plan with accumulation fits (each adds 2000 bytes): four divisors tried, then the rung certified alone as
+    without accumulation, and no plan chosen."""
+    search = CertifyingSearch(with_accumulation(fake_peak, grads=2000), LIMIT, {FP32: prior()})
+    result = search.run([FP32], 256, 64, 64)
+    tried = [(t.point.micro_batch_size, t.point.grad_accum_steps, t.stage) for t in search.trials]
+    assert tried[:6] == [(64, 4, "prior"), (32, 8, "corrected"), (16, 16, "corrected"), (8, 32, "corrected"),
+                         (90, 1, "prior"), (91, 1, "verify")]
+    assert result.rungs[0].micro_batch_size == 90 and result.choice is None
+
+
+def test_the_throughput_objective_certifies_the_rung_alone():
+    """Rungs are compared by their speed without accumulation there: b_S, then the plan's verify."""
+    rung, tried, plan = climb(fake_peak, prior(), objective="throughput")
+    assert tried == [(90, 1, "prior", "fits"), (91, 1, "verify", "over-headroom"), (64, 4, "verify", "fits")]
+    assert (rung.micro_batch_size, rung.grad_accum_steps, plan) == (90, 1, (64, 4))
+
+
+def test_the_prior_of_the_rung_the_estimate_chose_carries_its_plan():
+    """priors_from: each rung's context, largest micro-batch and peaks, and the chosen rung's plan micro-batch (the
+    estimate verified it with accumulation, so the device starts from it)."""
+    estimate = LadderSearch(with_accumulation(fake_peak), LIMIT).run([FP32], 256, 64, 64)
+    p = priors_from(estimate)[FP32]
+    assert (p.context_length, p.micro_batch_size, p.plan_micro_batch) == (64, 90, 64)
+    assert dict(p.peaks)[90] == fake_peak(90)

@@ -148,6 +148,17 @@ def test_best_rung_prefers_context_then_batch_then_the_earlier_rung():
     assert result.choice.rung == AMP and result.choice.micro_batch_size == 4  # 4 x 4 = 16
 
 
+def test_rungs_whose_plans_run_the_same_micro_batch_go_to_the_earlier_rung():
+    """What runs is the plan: fp32 fits 5 and amp 7 alone, but B = 16 runs 4 x 4 on either, so fp32's plan is
+    chosen (the ordering of the exhaustive truth in the bench: the largest plan micro-batch, then the earliest rung),
+    not amp's for a micro-batch 7 it would never run."""
+    per = {"fp32": 150, "amp": 110}
+    s = LadderSearch(fake_device(lambda p: 1000 + per[p.rung.name] * p.micro_batch_size), LIMIT)
+    result = s.run([FP32, AMP], batch=16, context=64, min_context=64)
+    assert [r.micro_batch_size for r in result.rungs] == [5, 7]
+    assert (result.choice.rung, result.choice.micro_batch_size, result.choice.grad_accum_steps) == (FP32, 4, 4)
+
+
 def test_throughput_objective_measures_every_rung_and_picks_the_fastest():
     per = {"fp32": 50, "amp": 40, "checkpointing": 20}
     speed = {"fp32": 900.0, "amp": 1500.0, "checkpointing": 700.0}

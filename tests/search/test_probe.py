@@ -147,17 +147,21 @@ def test_help_lists_every_option():
 
 
 def test_a_global_batch_with_no_divisor_near_what_fits_gets_a_note(tmp_path):
-    """device: cpu. 13 is prime: with 7 fitting it runs as 1 x 13, and the CLI says so and names a batch that would
-    run at what fits."""
+    """device: cpu. 13 is prime: every rung's plan is 1 x 13, so the earliest rung runs it (fp32, where 4 fits; 7
+    fits with checkpointing, which would only recompute), and the CLI says so and names a batch that would run at
+    what fits."""
     out = tmp_path / "best.yaml"
     r = run_cli("probe", EXAMPLES / "conv_net.py", "--device", "cpu", "--budget", "4MiB", "--batch", "13",
                 "--context", "64", "--out", out, "--json")
     assert r.exit_code == 0, r.output
     data = json.loads(r.stdout)
-    fitting = next(x["micro_batch_size"] for x in data["rungs"] if x["rung"] == "checkpointing")
-    assert fitting == 7 and (data["plan"]["micro_batch_size"], data["plan"]["grad_accum_steps"]) == (1, 13)
-    assert data["divisor_note"] == ("micro-batch 7 fits, but the global batch 13 has no divisor between 2 and 7: "
-                                    "it runs as 1 x 13; --batch 14 would run as 7 x 2")  # the byte-exact cpu device
+    fitting = {x["rung"]: x["micro_batch_size"] for x in data["rungs"]}
+    assert (fitting["fp32"], fitting["checkpointing"]) == (4, 7)
+    plan = data["plan"]
+    assert (plan["precision"], plan["activation_checkpointing"]) == ("fp32", False)
+    assert (plan["micro_batch_size"], plan["grad_accum_steps"]) == (1, 13)
+    assert data["divisor_note"] == ("micro-batch 4 fits, but the global batch 13 has no divisor between 2 and 4: "
+                                    "it runs as 1 x 13; --batch 12 would run as 4 x 3")  # the byte-exact cpu device
     plain = run_cli("probe", EXAMPLES / "conv_net.py", "--device", "cpu", "--budget", "8MiB", "--batch", "8",
                     "--context", "64", "--out", out, "--json")
     assert json.loads(plain.stdout)["divisor_note"] is None
@@ -226,3 +230,24 @@ def test_a_prior_asked_for_where_it_cannot_run_is_one_line_and_exit_2(tmp_path):
                 "--out", tmp_path / "best.yaml")
     assert r.exit_code == 2 and "not on the fake device" in " ".join(r.output.split()), r.output
     assert not (tmp_path / "best.yaml").exists()
+
+
+def test_the_probe_from_the_estimate_runs_the_same_plan_in_two_device_trials_a_rung():
+    """device: cpu (its prior on fake). B = 64 fits only with checkpointing; fp32 and amp would accumulate, so each
+    is certified by its plan (d x 64/d fits, the next divisor's does not), and the probe runs the same plan as the
+    search alone, in 5 device trials against 13. fp32 fits 32 alone, but not 32 x 2: accumulation keeps the
+    gradients alive through the next micro-step, so its plan is 16 x 4 (the estimate predicted 32 x 2: its own
+    ladder stopped at checkpointing without trying fp32's plan)."""
+    mf = load_model_file(EXAMPLES / "mlp_dict.py")
+    targets = resolve_targets(mf, 64, 16, None)
+    searched = probe(mf, CpuDevice("16MiB"), targets, prior=False)
+    certified = probe(mf, CpuDevice("16MiB"), targets, prior=True)
+    assert certified.config.plan == searched.config.plan
+    alone = {r.rung.name: r.micro_batch_size for r in searched.ladder.rungs}
+    plans = {r.rung.name: (r.micro_batch_size, r.grad_accum_steps) for r in certified.ladder.rungs}
+    assert alone == {"fp32": 32, "amp": 52, "checkpointing": 64}
+    assert plans == {"fp32": (16, 4), "amp": (32, 2), "checkpointing": (64, 1)}
+    ran = [(t.rung, t.micro_batch_size, t.grad_accum_steps, t.result) for t in certified.records]
+    assert ran[:2] == [("fp32", 32, 2, "oom"), ("fp32", 16, 4, "fits")]  # the estimate's 32, then the divisor below
+    assert [r.trials for r in certified.ladder.rungs] == [2, 2, 1]
+    assert (len(certified.records), len(searched.records)) == (5, 13)
