@@ -87,7 +87,8 @@ def hidden_from_the_prior() -> Iterator[None]:
     """The prior's fake device without the cpu device's margin: the margin stands for memory the estimate cannot
     see (a fixed part and a proportion), which the probe's certification must correct for. Restored on exit."""
     make = oomtune.search.prior.prior_device
-    oomtune.search.prior.prior_device = lambda device: FakeDevice(f"{device.budget_bytes}B", margin=Margin())
+    oomtune.search.prior.prior_device = lambda device: FakeDevice(f"{device.budget_bytes}B", margin=Margin(),
+                                                                  never_runs_out=True)
     try:
         yield
     finally:

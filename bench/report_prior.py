@@ -12,7 +12,13 @@ LARGE = "large_cases"
 
 
 def _same(a: dict, b: dict) -> str:
-    return "yes" if a["answers"] == b["answers"] and a["plan"] == b["plan"] else "**no**"
+    """run.py's same_answers (a: with the prior): each rung certified alone the search's largest micro-batch, each
+    certified by its plan the largest plan that fits, and the same plan; older results compare the answers."""
+    s = a.get("same")
+    if s is None:
+        return "yes" if a["answers"] == b["answers"] and a["plan"] == b["plan"] else "**no**"
+    unchecked = f" ({', '.join(s['rungs_unchecked'])} unchecked)" if s["rungs_unchecked"] else ""
+    return ("yes" if s["same"] else f"**no**: {', '.join(s['rungs_differing']) or 'the plan'}") + unchecked
 
 
 def _prior(r: dict) -> str:
@@ -21,6 +27,17 @@ def _prior(r: dict) -> str:
         return "-" if p is None else f"none: {p['why_not']}"
     back = f", fell back: {', '.join(p['fell_back_rungs'])}" if p["fell_back_rungs"] else ""
     return f"{p['fake_trials']} fake / {p['fake_seconds']:.1f} s{back}"
+
+
+def _answer(r: dict, b: dict) -> str:
+    """A run's fp32 answer: the largest micro-batch alone, or the plan it certified (micro-batch x accumulation); the
+    search's with its plan."""
+    accum = r.get("certified_plans", {}).get("fp32")
+    if accum:
+        return f"{r['answers'].get('fp32')} x{accum} (plan)"
+    plan = r.get("plan")
+    tail = f", plan {plan['micro_batch_size']} x{plan['grad_accum_steps']}" if plan else ""
+    return f"{r['answers'].get('fp32')} alone{tail}"
 
 
 def per_case(data: dict) -> str:
@@ -45,7 +62,7 @@ def summary(data: dict) -> str:
         o = [b["prior"]["without"] for _, b in cases]
         bins = [_row(b, "lightning-binsearch")["trials"] for _, b in cases]
         acc = [_row(b, "accelerate")["trials"] for _, b in cases]
-        same = sum(_same(a, b) == "yes" for a, b in zip(w, o, strict=True))
+        same = sum(_same(a, b).startswith("yes") for a, b in zip(w, o, strict=True))
         rows.append([title, len(cases), f"{mean(r['trials_per_rung'] for r in o):.2f}",
                      f"{mean(r['trials_per_rung'] for r in w):.2f}", f"{max(r['trials_per_rung'] for r in w):.2f}",
                      f"{mean(bins):.1f}", f"{mean(acc):.1f}", f"{sum(r['seconds'] for r in o):.1f}",
@@ -72,11 +89,11 @@ def hidden(data: dict) -> str:
     for c, b in _cases(data, LARGE):
         for h in b["prior"]["hidden"]:
             w, o = h["with"], h["without"]
-            rows.append([c["model"], b["budget"], h["hidden"], o["answers"].get("fp32"), w["answers"].get("fp32"),
+            rows.append([c["model"], b["budget"], h["hidden"], _answer(o, b), _answer(w, b),
                          o["device_trials"], w["device_trials"], f"{o['seconds']:.1f}", f"{w['seconds']:.1f}",
                          _prior(w), _same(w, o)])
-    return _table(["model", "budget", "hidden (fixed + share of the tensors)", "fp32 max, no prior",
-                   "fp32 max, prior", "device trials, no prior", "device trials, prior", "seconds, no prior",
+    return _table(["model", "budget", "hidden (fixed + share of the tensors)", "fp32, no prior",
+                   "fp32, prior", "device trials, no prior", "device trials, prior", "seconds, no prior",
                    "seconds, prior", "the estimate", "same answers"], rows) if rows else ""
 
 

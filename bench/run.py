@@ -139,9 +139,14 @@ def bench_budget(case: Case, mf, table: PeakTable, budget: str) -> dict:
     rows.append({"contender": "exhaustive", "trials": case.batch, "steps": table.search_steps["fp32"],
                  "seconds": round(table.search_seconds("fp32"), 2), "found": truth, "ratio": 1.0})
     log(f"{case.name} B={case.batch} {budget}: oomtune from the estimate (prior)")
-    out["prior"] = prior_runs(mf, case, budget, fit, only)
+    truth_plans = {r.name: table.largest_plan(r.name, limit) for r in table.rungs}
+    out["prior"] = prior_runs(mf, case, budget, fit, only, truth_plans)
     row = out["prior"]["fp32"]
-    rows.insert(1, {"contender": "oomtune-prior", **row, "ratio": _ratio(row["found"], truth),
+    # a rung certified by its plan found the plan's micro-batch: measured against the largest plan that fits
+    accum = out["prior"]["with"]["certified_plans"].get("fp32", 1)
+    row_truth = truth_plans["fp32"] if accum > 1 else truth
+    rows.insert(1, {"contender": "oomtune-prior", **row, "accum": accum, "truth": row_truth,
+                    "ratio": _ratio(row["found"], row_truth),
                     "seconds": round(row["seconds_rung"] + (row["prior"] or {}).get("fake_seconds", 0), 2)})
     out["batch_search"] = rows
 
@@ -172,13 +177,41 @@ def bench_budget(case: Case, mf, table: PeakTable, budget: str) -> dict:
 HIDDEN = ((512 << 10, 0.05), (2 << 20, 0.10))
 
 
+def same_answers(with_prior, without, truth_plans: dict | None) -> dict:
+    """Did the probe from the estimate find what the search alone did? Per rung: one certified alone, the search's
+    largest micro-batch; one certified by its plan (it will accumulate), the largest plan micro-batch that fits on
+    that rung, from the exhaustive table (`truth_plans`), or where there is none (memory the table cannot see), the
+    search's own plan where it chose that rung (else unchecked). And the same plan."""
+    w, o = with_prior.probe, without.probe
+    alone = {r.rung.name: r.micro_batch_size for r in o.ladder.rungs}
+    chose = o.ladder.choice
+    differ, unchecked = [], []
+    for r in w.ladder.rungs:
+        name = r.rung.name
+        if r.grad_accum_steps == 1:
+            want = alone.get(name)
+        elif truth_plans is not None and name in truth_plans:
+            want = truth_plans[name]
+        elif chose is not None and chose.rung.name == name:
+            want = chose.micro_batch_size
+        else:
+            unchecked.append(name)
+            continue
+        if want != r.micro_batch_size:
+            differ.append(name)
+    plan = (w.config.plan if w.config else None) == (o.config.plan if o.config else None)
+    return {"same": plan and not differ, "plan_same": plan, "rungs_differing": differ, "rungs_unchecked": unchecked}
+
+
 def _probe_summary(run, rung: str | None = None) -> dict:
     """Device trials (all, and per searched rung), answers per rung, seconds (the prior's estimate included), and
     what the prior cost and did; `rung`: that rung's row (trials, steps, seconds, found) for the batch tables."""
     p = run.probe
     rungs = {r.rung.name: r.micro_batch_size for r in p.ladder.rungs}
+    accum = {r.rung.name: r.grad_accum_steps for r in p.ladder.rungs if r.grad_accum_steps > 1}
     out = {"device_trials": len(p.records), "rungs_searched": len(p.ladder.rungs),
            "trials_per_rung": round(len(p.records) / max(len(p.ladder.rungs), 1), 2), "answers": rungs,
+           "certified_plans": accum,
            "seconds": round(run.seconds, 2), "plan": _plan_json(p.config.plan if p.config else None),
            "prior": p.prior.to_json() if p.prior is not None else None}
     if rung is not None:
@@ -190,14 +223,16 @@ def _probe_summary(run, rung: str | None = None) -> dict:
     return out
 
 
-def prior_runs(mf, case: Case, budget: str, no_prior, only) -> dict:
+def prior_runs(mf, case: Case, budget: str, no_prior, only, truth_plans: dict) -> dict:
     """oomtune with the prior next to without it (`no_prior`, already run); on the realistic cases, both again on a
-    cpu device with memory the estimate cannot see (HIDDEN)."""
+    cpu device with memory the estimate cannot see (HIDDEN). `truth_plans`: each rung's largest plan micro-batch
+    from the exhaustive table (same_answers)."""
     from oomtune.memory.margin import Margin
 
     with_prior = run_oomtune(mf, case.batch, case.context, budget, "fit", HEADROOM, rungs=only, prior=True)
     out = {"fp32": _probe_summary(with_prior, "fp32") | {"seconds_rung": round(with_prior.rung_seconds("fp32"), 2)},
-           "with": _probe_summary(with_prior), "without": _probe_summary(no_prior), "hidden": []}
+           "with": _probe_summary(with_prior) | {"same": same_answers(with_prior, no_prior, truth_plans)},
+           "without": _probe_summary(no_prior), "hidden": []}
     if case.ladder:
         return out
     for fixed, pct in HIDDEN:
@@ -205,7 +240,7 @@ def prior_runs(mf, case: Case, budget: str, no_prior, only) -> dict:
         runs = [run_oomtune(mf, case.batch, case.context, budget, "fit", HEADROOM, rungs=only, prior=p,
                             hidden=hidden) for p in (False, True)]
         out["hidden"].append({"hidden": hidden.describe(), "without": _probe_summary(runs[0]),
-                              "with": _probe_summary(runs[1])})
+                              "with": _probe_summary(runs[1]) | {"same": same_answers(runs[1], runs[0], None)}})
     return out
 
 
@@ -228,8 +263,7 @@ def bench_case(case: Case) -> dict:
     mf = load_model_file(ROOT / case.path)
     log(f"{case.name}: exhaustive peak table on the fake device (B={case.batch}, T={case.context}"
         + ("" if case.ladder else ", fp32 only") + ")")
-    table = peak_table(mf, case.batch, case.context, only=None if case.ladder else ["fp32"],
-                       accumulation=case.ladder)
+    table = peak_table(mf, case.batch, case.context, only=None if case.ladder else ["fp32"])
     log(f"{case.name}: {table.trials} trials in {table.seconds:.0f}s on {table.device_kind}")
     budgets = [bench_budget(case, mf, table, b) for b in case.budgets]
     out = {"model": case.name, "path": case.path, "batch": case.batch, "context": case.context,

@@ -87,6 +87,12 @@ class PeakTable:
         fitting = [b for b in range(1, self.batch + 1) if self.fits(rung, b, 1, limit)]
         return max(fitting) if fitting else None
 
+    def largest_plan(self, rung: str, limit: int) -> int | None:
+        """The largest divisor d of B whose plan d x B/d fits within `limit` on `rung` (what the probe certifies for
+        a rung that will accumulate); None if not even 1 x B."""
+        fitting = [d for d in divisors(self.batch) if self.fits(rung, d, self.batch // d, limit)]
+        return max(fitting) if fitting else None
+
     def fitting_plans(self, limit: int) -> list[tuple[int, Plan]]:
         """Every plan with global batch exactly B that fits: (rung index, plan)."""
         out = []

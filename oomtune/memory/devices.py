@@ -249,7 +249,8 @@ class TrackedDevice(Device):
 
     def lower_budget(self, budget_bytes: int) -> None:
         super().lower_budget(budget_bytes)
-        self.tracker.budget_bytes = self.tensor_budget(self.budget_bytes)
+        if self.tracker.budget_bytes is not None:  # (a fake device that never runs out stays so)
+            self.tracker.budget_bytes = self.tensor_budget(self.budget_bytes)
 
     def tensor_budget(self, budget_bytes: int) -> int:
         """The tensor bytes a budget leaves once the margin is taken out."""
@@ -284,13 +285,16 @@ class FakeDevice(TrackedDevice):
     It stands in for a GPU of `budget` bytes (default: the card's memory): the peak it reports is the tensor peak
     plus the margin (the card's own, or a flat `margin`; without a card, the default flat rule), and its OOM fires
     where that passes the budget. `may_compute=False`: never switch to real tensors (the probe's prior, which
-    stands in for a GPU and must not train the model on the host instead)."""
+    stands in for a GPU and must not train the model on the host instead). `never_runs_out` (the prior's, which
+    never computes): no trial runs out of memory, each reports its peak, however far past the budget, and the search
+    still judges it against the limit; a size past the limit then tells the search by how much, which an OOM
+    does not (fewer trials: ladder.LadderSearch.largest_batch's chord)."""
 
     kind = "fake"
     computes = False
 
     def __init__(self, budget: str | None = None, *, gpu: GpuSpec | None = None, margin: AnyMargin | None = None,
-                 may_compute: bool = True):
+                 may_compute: bool = True, never_runs_out: bool = False):
         capacity = gpu.memory_bytes if gpu is not None else None
         if budget is None and capacity is None:
             raise OomtuneError("--device fake has no memory of its own: give --budget (e.g. --budget 24GiB) or a "
@@ -300,7 +304,9 @@ class FakeDevice(TrackedDevice):
             margin = parse_margin(None)
         super().__init__("fake", torch.device("cpu"), budget_bytes, capacity, gpu, margin)
         self.name = f"{gpu.name} (estimated)" if gpu is not None else "fake (estimated)"
-        self.may_compute = may_compute
+        self.may_compute = may_compute and not never_runs_out  # (real tensors with no budget could fill the RAM)
+        if never_runs_out:
+            self.tracker.budget_bytes = None
 
     @property
     def measures_speed(self) -> bool:

@@ -15,6 +15,17 @@ from oomtune.config.schema import Config, Plan
 
 from ..conftest import run_cli
 
+
+@pytest.fixture(autouse=True)
+def fresh_accelerate_state():
+    """TrainingArguments and Trainer set Accelerate's process-wide state (bf16 here); leave none behind for the next
+    test in this worker (the bench's Accelerate peer makes its own Accelerator, which refuses a changed one)."""
+    yield
+    if find_spec("accelerate") is not None:
+        from accelerate.state import AcceleratorState
+
+        AcceleratorState._reset_state(reset_partial_state=True)
+
 PLANS = {
     "fp32": Plan(4, 64, "fp32", False, 2),
     "bf16+ckpt": Plan(2, 128, "bf16", True, 8),
