@@ -110,6 +110,8 @@ def run_oomtune(model_file: ModelFile, batch: int, context: int, budget: str, ob
                        prior=prior)
         seconds = time.perf_counter() - start
     steps = {}
-    for r in result.ladder.rungs:
-        steps[r.rung.name] = counts.get((r.rung.precision, r.rung.activation_checkpointing, False), 0)
+    for r in result.ladder.rungs:  # a rung certified by its plan (from the prior) ran its trials with accumulation
+        key = (r.rung.precision, r.rung.activation_checkpointing)
+        steps[r.rung.name] = counts.get((*key, False), 0) + (counts.get((*key, True), 0) if r.grad_accum_steps > 1
+                                                             else 0)
     return OursResult(objective, result, steps, sum(counts.values()), seconds)

@@ -66,12 +66,23 @@ def summary(data: dict) -> str:
         rows.append([title, len(cases), f"{mean(r['trials_per_rung'] for r in o):.2f}",
                      f"{mean(r['trials_per_rung'] for r in w):.2f}", f"{max(r['trials_per_rung'] for r in w):.2f}",
                      f"{mean(bins):.1f}", f"{mean(acc):.1f}", f"{sum(r['seconds'] for r in o):.1f}",
-                     f"{sum(r['seconds'] for r in w):.1f}", same,
+                     f"{sum(r['seconds'] for r in w):.1f}", *_break_even(w, o), same,
                      sum(bool(r["prior"] and r["prior"]["fell_back_rungs"]) for r in w)])
     return _table(["cases", "n", "device trials per searched rung, no prior", "with the prior (mean)",
                    "with the prior (worst case)", "binsearch trials (fp32 search)", "Accelerate trials",
-                   "seconds, no prior (sum)", "seconds, prior (sum, estimate incl.)", "same answers",
-                   "cases with a rung that fell back"], rows)
+                   "seconds, no prior (sum)", "seconds, prior (sum, estimate incl.)",
+                   "a device trial here (s, mean, no prior)", "the estimate's seconds per device trial saved",
+                   "same answers", "cases with a rung that fell back"], rows)
+
+
+def _break_even(w: list[dict], o: list[dict]) -> tuple[str, str]:
+    """What a device trial cost here (the search alone: its seconds over its trials), and the estimate's seconds
+    over the device trials it saved: where a device trial costs more than that (a GPU's, with a model of real
+    size), the probe from the estimate takes less wall time than the search alone."""
+    per_trial = sum(r["seconds"] for r in o) / max(sum(r["device_trials"] for r in o), 1)
+    saved = sum(r["device_trials"] for r in o) - sum(r["device_trials"] for r in w)
+    fake = sum(r["prior"]["fake_seconds"] for r in w if r["prior"])
+    return f"{per_trial:.2f}", f"{fake / saved:.2f}" if saved > 0 else "-"
 
 
 def third(data: dict) -> str:
