@@ -113,10 +113,13 @@ def prior_section(data: dict) -> str:
         return "Not run.\n"
     return "\n".join([
         "`oomtune probe` runs the ladder on the fake device first, accounting as the cpu device does, then certifies "
-        "each rung on the cpu device (the predicted micro-batch fits, the next does not), corrects a miss, and falls "
+        "each rung on the cpu device: a rung that will accumulate by its plan (d x B/d fits, the next divisor's plan "
+        "does not), another by its predicted micro-batch (it fits, the next does not). It corrects a miss, and falls "
         "back to the search where the estimate is off by more than 25%. `--no-prior` is the search alone. Device "
         "trials count the trials on the cpu device (accumulation verifies included); the seconds are the whole "
-        "probe's, the estimate's included.\n",
+        "probe's, the estimate's included. Same answers: each rung certified alone has the search's largest "
+        "micro-batch, each certified by its plan the largest plan that fits on that rung (the exhaustive table's; "
+        "with hidden memory, which the table cannot see, the search's own plan), and the plan is the search's.\n",
         "### Summary\n", summary(data), "### Per case\n", per_case(data),
         "### Realistic batch sizes: against a third of Lightning binsearch's trials\n", third(data),
         "### Memory the estimate cannot see\n",
