@@ -69,9 +69,12 @@ class OutOfMemory(Exception):
 @dataclass
 class CachingAllocatorModel:
     """malloc(key, nbytes) / free(key), in the order a trial makes them; reserved_bytes and peak_reserved_bytes
-    as the CUDA caching allocator would report them. `capacity_bytes`: the card's memory (None: unlimited)."""
+    as the CUDA caching allocator would report them. `capacity_bytes`: the card's memory (None: unlimited).
+    `overflows`: at the capacity it frees the cached segments as the card's allocator does, then reserves past the
+    capacity instead of running out (the probe's prior, which reports how far past the budget a size goes)."""
 
     capacity_bytes: int | None = None
+    overflows: bool = False
     reserved_bytes: int = 0
     peak_reserved_bytes: int = 0
     allocated_bytes: int = 0  # the blocks handed out (rounded): max_memory_allocated's count
@@ -151,7 +154,7 @@ class CachingAllocatorModel:
         alloc = segment_size(size)
         if self.capacity_bytes is not None and self.reserved_bytes + alloc > self.capacity_bytes:
             self.empty_cache()  # what the allocator does before it gives up: free the cached segments, retry
-            if self.reserved_bytes + alloc > self.capacity_bytes:
+            if self.reserved_bytes + alloc > self.capacity_bytes and not self.overflows:
                 raise OutOfMemory(f"cannot reserve {alloc} bytes: {self.reserved_bytes} of "
                                   f"{self.capacity_bytes} reserved")
         seg = self._next_segment

@@ -194,6 +194,7 @@ class TrackedDevice(Device):
             raise OomtuneError(f"--margin {margin.describe()} is another card's margin than --gpu {card.aliases[0]}'s")
         self.card = margin.card if isinstance(margin, CardMargin) else card
         self.margin = margin if margin is not None else (CardMargin(card) if card is not None else Margin())
+        self.never_runs_out = False  # (the prior's fake device: FakeDevice)
         self.tracker = MemoryTracker(kind=kind)  # one accountant for the device's lifetime
         self.tracker.budget_bytes = self.tensor_budget(budget_bytes)
         if self.tracker.budget_bytes <= 0:
@@ -213,8 +214,11 @@ class TrackedDevice(Device):
             return stack.pop_all()
 
     def _model_allocator(self) -> CachingAllocatorModel:
-        lifted = self.tracker.budget_bytes is None  # a breakdown measures a plan that does not fit, too
-        model = CachingAllocatorModel(None if lifted else self.margin.allocator_capacity(self.budget_bytes))
+        # a breakdown measures a plan that does not fit, too; a device that never runs out frees its cache at the
+        # capacity as the card does, then goes past it
+        lifted = self.tracker.budget_bytes is None and not self.never_runs_out
+        model = CachingAllocatorModel(None if lifted else self.margin.allocator_capacity(self.budget_bytes),
+                                      overflows=self.never_runs_out)
         self.margin.seed(model)  # the budget check made room for it
         try:
             for key, size in self.tracker._sizes.items():  # what is alive already holds blocks too
@@ -249,7 +253,7 @@ class TrackedDevice(Device):
 
     def lower_budget(self, budget_bytes: int) -> None:
         super().lower_budget(budget_bytes)
-        if self.tracker.budget_bytes is not None:  # (a fake device that never runs out stays so)
+        if not self.never_runs_out:
             self.tracker.budget_bytes = self.tensor_budget(self.budget_bytes)
 
     def tensor_budget(self, budget_bytes: int) -> int:
@@ -305,6 +309,7 @@ class FakeDevice(TrackedDevice):
         super().__init__("fake", torch.device("cpu"), budget_bytes, capacity, gpu, margin)
         self.name = f"{gpu.name} (estimated)" if gpu is not None else "fake (estimated)"
         self.may_compute = may_compute and not never_runs_out  # (real tensors with no budget could fill the RAM)
+        self.never_runs_out = never_runs_out
         if never_runs_out:
             self.tracker.budget_bytes = None
 

@@ -11,11 +11,13 @@ T_S, its micro-batch b_S, and the peaks it measured at T_S. The device then cert
 Where the rung will accumulate (the fit objective, b_S below the target B), what runs is the plan: micro-batch d,
 the largest divisor of B that fits with B/d accumulation steps. Its boundary is certified instead, also in two
 trials: d x B/d fits and d' x B/d' does not (d' the next divisor of B; B itself is the target, alone). That is the
-rung's answer (RungResult.grad_accum_steps > 1) and the plan needs no trial of its own. The exact largest
-micro-batch without accumulation, between d and d' - 1, is not tried for: nothing runs it. Only where d is within a
-factor of two of the predicted b_S; further below (B = 17 with 8 fitting: 1 x 17), the rung is certified alone
-first, so the probe can name the global batch that would run at what fits (probe.divisor_note). A miss steps to the
-neighbouring divisor and then bisects what is left of them.
+rung's answer (RungResult.grad_accum_steps > 1) and the plan needs no trial of its own. The largest micro-batch
+without accumulation (at least d; it may reach d' or more where only accumulation makes d' fail) is not tried
+for: nothing runs it. A miss steps to the neighbouring divisor, up to MAX_CORRECTIONS + 1 steps; a rung not
+certified by then is certified alone. Only where d is within a factor of two of the predicted b_S: further below
+(B = 17 with 8 fitting: 1 x 17), the rung is certified alone too, so the probe can say why the plan runs below
+what fits (probe.divisor_note). A plan that stepped down below the prediction (the estimate missed, or did not see
+what accumulation costs) is checked the same way on the device: if 2d fits alone, the rung is certified alone too.
 
 The fake device counts tensors exactly; its slope in the micro-batch is the device's. What it cannot see (the
 allocator's rounding, workspaces, a CUDA context it assumes) shifts the device's peaks by roughly a constant and a
@@ -141,11 +143,16 @@ class CertifyingSearch(LadderSearch):
         predicted = min(prior.micro_batch_size or 1, batch)
         d = prior.plan_micro_batch or largest_divisor_at_most(batch, predicted)
         if self.certify_plans and predicted < batch and 2 * d > predicted:
-            d = self._certify_plan(rung, t_s, batch, d)
-            if d is not None:
+            guess, d = d, self._certify_plan(rung, t_s, batch, d)
+            # a plan that stepped down: is it still within a factor of two of what fits alone (one trial says)?
+            if d is not None and (d >= guess or not self._fits_alone(rung, t_s, 2 * d, batch)):
                 return t_s, d, batch // d
-        b = self._certify_batch(rung, t_s, batch, prior)  # (also where no plan with accumulation fits)
+        # alone (also where the plan runs at half of what fits alone or less, or none fits: the probe says why)
+        b = self._certify_batch(rung, t_s, batch, prior)
         return None if b is None else (t_s, b, 1)
+
+    def _fits_alone(self, rung: Rung, context: int, b: int, batch: int) -> bool:
+        return b <= batch and self.check(Point(rung, b, context), "verify")
 
     def _certify_plan(self, rung: Rung, context: int, batch: int, guess: int) -> int | None:
         """The largest divisor d of `batch` whose plan (d x batch/d) fits at `context`, certified: it fits and the

@@ -284,22 +284,41 @@ class LadderSearch:
                            key=lambda r: -(self._speed(r, batch) or 0.0))
         if not accumulation:
             picks = [r for r in picks if r.micro_batch_size == batch]
+        if objective == "fit":
+            return self._largest_plan(picks, batch)
         for r in picks:  # accumulation keeps gradients alive across micro-steps: it can fail where b_S fit
             choice = self._with_accumulation(r, batch)
             if choice is not None:
                 return choice
         return None
 
+    def _largest_plan(self, picks: Sequence[RungResult], batch: int) -> Choice | None:
+        """The largest verified plan among `picks` (in order: the longest context, then the largest divisor of B
+        each fits): a rung's plan steps below its divisor where accumulation does not fit, so a later rung whose
+        divisor is larger is verified too, until none could do better; ties go to the earlier rung."""
+        best: Choice | None = None
+        for r in picks:
+            if best is not None and (r.context_length < best.context_length
+                                     or largest_divisor_at_most(batch, r.micro_batch_size) <= best.micro_batch_size):
+                break
+            choice = self._with_accumulation(r, batch, floor=best.micro_batch_size if best else 0)
+            if choice is not None:
+                best = choice  # (the floor: larger than the best so far)
+        return best
+
     def _speed(self, r: RungResult, batch: int) -> float | None:
         b = largest_divisor_at_most(batch, r.micro_batch_size)
         trial = self._trial(r.rung, b, r.context_length) or self._trial(r.rung, r.micro_batch_size, r.context_length)
         return trial.measurement.tokens_per_s if trial else None
 
-    def _with_accumulation(self, r: RungResult, batch: int) -> Choice | None:
-        """Micro-batch b dividing B, accumulation B / b; a plan with accumulation is verified by a trial."""
+    def _with_accumulation(self, r: RungResult, batch: int, floor: int = 0) -> Choice | None:
+        """Micro-batch b dividing B, accumulation B / b; a plan with accumulation is verified by a trial. None where
+        no plan with a micro-batch above `floor` fits."""
         cap = r.micro_batch_size
-        while cap >= 1:
+        while cap > floor:
             b = largest_divisor_at_most(batch, cap)
+            if b <= floor:
+                return None
             accum = batch // b
             point = Point(r.rung, b, r.context_length, accum)
             if accum == 1 or self.check(point, "verify"):

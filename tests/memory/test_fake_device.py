@@ -116,6 +116,45 @@ def test_the_fake_budget_raises_a_cuda_shaped_oom(model_files):
     assert not run_trial(mf, RUNGS["fp32"], FakeDevice(str(need), margin=Margin())).oom
 
 
+def test_the_priors_fake_device_never_runs_out_and_reports_the_peak_past_its_budget(model_files):
+    """device: fake. What the probe's prior runs on: a plan past the budget reports its peak instead of running out
+    (the search judges it against the limit as before), lowering the budget keeps it so, and it never computes;
+    with a card, its allocator model still frees the cached segments at the card's capacity before going past."""
+    mf = model_files["tiny_gpt.py"]
+    need = run_trial(mf, RUNGS["fp32"], FakeDevice("1GiB", margin=Margin())).peak_allocated_bytes
+    fake = FakeDevice(str(need // 2), margin=Margin(), never_runs_out=True)
+    fake.lower_budget(need // 3)
+    r = run_trial(mf, RUNGS["fp32"], fake)
+    assert not r.oom and r.peak_allocated_bytes == need and fake.budget_bytes == need // 3
+    assert not fake.may_compute
+    t4 = find_gpu("t4")
+    from oomtune.memory.margin import CardMargin
+
+    room = t4.context + CardMargin(t4).seeded_bytes + need // 2  # the context, the workspaces' segment, half the need
+    card = FakeDevice(str(room), gpu=t4, never_runs_out=True)
+    r = run_trial(mf, RUNGS["fp32"], card)
+    assert not r.oom and r.modelled_reserved_bytes > card.margin.allocator_capacity(card.budget_bytes)
+
+
+def test_the_allocator_model_that_overflows_frees_its_cache_first():
+    """The caching allocator model at its capacity frees the cached segments and retries, as the card's does; one
+    that overflows then reserves past the capacity instead of running out."""
+    from oomtune.memory.allocator import CachingAllocatorModel, OutOfMemory
+
+    for overflows in (False, True):
+        model = CachingAllocatorModel(100 * MiB, overflows=overflows)
+        model.malloc("a", 60 * MiB)
+        model.free("a")
+        model.malloc("b", 70 * MiB)  # the 60 MiB segment is freed first: 70 MiB reserved, not 130
+        assert model.peak_reserved_bytes == 70 * MiB
+        if overflows:
+            model.malloc("c", 60 * MiB)
+            assert model.reserved_bytes == 130 * MiB
+        else:
+            with pytest.raises(OutOfMemory):
+                model.malloc("c", 60 * MiB)
+
+
 def test_the_margin_is_added_to_the_tensor_peak_and_moves_the_oom(model_files):
     mf = model_files["mlp_dict.py"]
     margin = Margin(fixed_bytes=3 * MiB, fraction=0.25)

@@ -131,8 +131,8 @@ def with_accumulation(peak, grads: int = GRADS):
     return measure
 
 
-def climb(peak, rung_prior: RungPrior, batch: int = 256, objective: str = "fit"):
-    search = CertifyingSearch(with_accumulation(peak), LIMIT, {FP32: rung_prior})
+def climb(peak, rung_prior: RungPrior, batch: int = 256, objective: str = "fit", grads: int = GRADS):
+    search = CertifyingSearch(with_accumulation(peak, grads), LIMIT, {FP32: rung_prior})
     result = search.run([FP32], batch, 64, 64, objective)
     tried = [(t.point.micro_batch_size, t.point.grad_accum_steps, t.stage, t.result) for t in search.trials]
     c = result.choice
@@ -149,10 +149,53 @@ def test_a_rung_that_will_accumulate_is_certified_by_its_plan_in_two_trials():
 
 def test_a_plan_that_does_not_fit_steps_to_the_divisor_below():
     """300 bytes the estimate cannot see: 64 x 4 goes over, 32 x 8 fits, and 64 x 4 is already the next divisor's
-    plan known not to fit: two trials."""
+    plan known not to fit. The plan stepped down, so one trial checks it is still within a factor of two of what
+    fits alone: 64 alone does not fit, so nothing more is needed (no divisor note to give)."""
     rung, tried, plan = climb(lambda b: fake_peak(b) + 300, prior())
-    assert tried == [(64, 4, "prior", "over-headroom"), (32, 8, "corrected", "fits")]
-    assert plan == (32, 8) and rung.trials == 2
+    assert tried == [(64, 4, "prior", "over-headroom"), (32, 8, "corrected", "fits"),
+                     (64, 1, "verify", "over-headroom")]
+    assert plan == (32, 8) and (rung.trials, rung.grad_accum_steps) == (3, 8)
+
+
+def test_a_plan_that_stepped_down_below_half_of_what_fits_alone_certifies_the_rung_alone_too():
+    """Accumulation costs 400 bytes more than the estimate knew: 64 x 4 runs out, 32 x 8 fits, and 64 alone fits,
+    so the plan runs at half of what fits alone or less: the rung is certified alone (90 fits, 91 does not), and
+    the plan is the one already certified, with no trial of its own; the probe can then say why (divisor_note)."""
+    rung, tried, plan = climb(fake_peak, prior(), grads=400)
+    assert tried == [(64, 4, "prior", "oom"), (32, 8, "corrected", "fits"), (64, 1, "verify", "fits"),
+                     (90, 1, "prior", "fits"), (91, 1, "verify", "over-headroom")]
+    assert (rung.micro_batch_size, rung.grad_accum_steps, plan) == (90, 1, (32, 8))
+
+
+def test_the_estimates_own_plan_is_where_the_device_starts():
+    """The estimate verified its plan with accumulation (32 x 8: 64 x 4 did not fit on fake tensors either): the
+    device starts there, not at the largest divisor under 90."""
+    rung, tried, plan = climb(fake_peak, RungPrior(64, 60, prior().peaks, plan_micro_batch=32), grads=400)
+    assert tried[0] == (32, 8, "prior", "fits") and plan == (32, 8)
+
+
+def test_without_accumulation_no_plan_is_certified():
+    """--levers without accumulation: a plan must fit the whole batch at once, so nothing runs with accumulation."""
+    search = CertifyingSearch(with_accumulation(fake_peak), LIMIT, {FP32: prior()})
+    result = search.run([FP32], 256, 64, 64, accumulation=False)
+    assert all(t.point.grad_accum_steps == 1 for t in search.trials) and result.choice is None
+    assert [t.point.micro_batch_size for t in search.trials] == [90, 91]
+
+
+def test_a_prior_of_the_whole_target_is_tried_alone():
+    """The estimate says the target fits: the target alone, one trial, no plan."""
+    rung, tried, plan = climb(fake_peak, RungPrior(64, 90, prior().peaks), batch=90)
+    assert tried == [(90, 1, "prior", "fits")] and plan == (90, 1)
+
+
+def test_a_plan_the_prior_is_far_below_is_certified_alone_after_four_steps():
+    """B = 720 (30 divisors), the device holding a fifth of the estimate's memory: the plan steps up from 90 x 8
+    four times and still fits (120, 144, 180), so the rung is certified alone instead of stepping on; that prior is
+    far off too, so the rung falls back to the search (490 alone), and the plan is verified after: 360 x 2."""
+    rung, tried, plan = climb(lambda b: fake_peak(b) // 5, prior(), batch=720)
+    assert [t[:2] for t in tried[:4]] == [(90, 8), (120, 6), (144, 5), (180, 4)]
+    assert all(t[3] == "fits" for t in tried[:4]) and tried[4] == (90, 1, "prior", "fits")
+    assert (rung.micro_batch_size, rung.grad_accum_steps, plan) == (490, 1, (360, 2))
 
 
 def test_a_plan_with_room_to_spare_steps_up_to_the_target():

@@ -148,6 +148,20 @@ def test_best_rung_prefers_context_then_batch_then_the_earlier_rung():
     assert result.choice.rung == AMP and result.choice.micro_batch_size == 4  # 4 x 4 = 16
 
 
+def test_a_later_rung_whose_plan_fits_larger_wins_over_an_earlier_one_that_had_to_step_down():
+    """fp32 fits 5 alone, amp 6; B = 16 would run 4 x 4 on either, but accumulation costs fp32 300 bytes more, so
+    its plan steps down to 2 x 8; amp's 4 x 4 fits and is chosen (the largest plan that fits, as the bench's truth
+    has it), not fp32's smaller one for being earlier."""
+    per = {"fp32": 150, "amp": 130}
+    s = LadderSearch(fake_device(lambda p: 1000 + per[p.rung.name] * p.micro_batch_size
+                                 + (300 if p.rung == FP32 and p.grad_accum_steps > 1 else 0)), LIMIT)
+    result = s.run([FP32, AMP], batch=16, context=64, min_context=64)
+    assert [r.micro_batch_size for r in result.rungs] == [5, 6]
+    assert (result.choice.rung, result.choice.micro_batch_size, result.choice.grad_accum_steps) == (AMP, 4, 4)
+    verified = [(p.rung.name, p.micro_batch_size) for p in (t.point for t in s.trials) if p.grad_accum_steps > 1]
+    assert verified == [("fp32", 4), ("fp32", 2), ("amp", 4)]
+
+
 def test_rungs_whose_plans_run_the_same_micro_batch_go_to_the_earlier_rung():
     """What runs is the plan: fp32 fits 5 and amp 7 alone, but B = 16 runs 4 x 4 on either, so fp32's plan is
     chosen (the ordering of the exhaustive truth in the bench: the largest plan micro-batch, then the earliest rung),
