@@ -94,11 +94,11 @@ class CertifyingSearch(LadderSearch):
     """The ladder (LadderSearch.run) with each rung certified from its prior where it has one."""
 
     def __init__(self, measure: Callable[[Point], Measurement], limit_bytes: int, priors: dict[Rung, RungPrior],
-                 on_trial: Callable[[Trial], None] | None = None, certify_plans: bool = False):
+                 on_trial: Callable[[Trial], None] | None = None):
         super().__init__(measure, limit_bytes, on_trial)
         self.priors = priors
         self.fell_back: list[str] = []  # the rungs whose prior was off: searched instead
-        self.certify_plans = certify_plans  # where a rung will accumulate, certify its plan (run() decides)
+        self.certify_plans = False  # where a rung will accumulate, certify its plan (run() decides)
 
     def run(self, rungs, batch: int, context: int, min_context: int, objective: Objective = "fit", past=(),
             accumulation: bool = True) -> LadderResult:

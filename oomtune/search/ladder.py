@@ -302,8 +302,8 @@ class LadderSearch:
                                      or largest_divisor_at_most(batch, r.micro_batch_size) <= best.micro_batch_size):
                 break
             choice = self._with_accumulation(r, batch, floor=best.micro_batch_size if best else 0)
-            if choice is not None:
-                best = choice  # (the floor: larger than the best so far)
+            if choice is not None:  # (larger than `best`: the floor saw to that)
+                best = choice
         return best
 
     def _speed(self, r: RungResult, batch: int) -> float | None:
