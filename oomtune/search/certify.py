@@ -63,6 +63,7 @@ class RungPrior:
     micro_batch_size: int | None  # b_S
     peaks: tuple[tuple[int, int], ...] = ()  # (micro-batch, peak that grows with it) measured at T_S, by size
     plan_micro_batch: int | None = None  # d: the plan's micro-batch with accumulation, where the estimate chose it
+    chosen: bool = False  # the rung the estimate chose (the one whose plan the probe's divisor note speaks of)
 
     def peak_at(self, b: int) -> float | None:
         """The fake peak at `b`: the measured one, else the line through the nearest measured neighbours (the end
@@ -85,8 +86,9 @@ def priors_from(ladder: LadderResult) -> dict[Rung, RungPrior]:
         peaks = {t.point.micro_batch_size: t.measurement.predictor_bytes for t in ladder.trials
                  if t.point.rung == r.rung and t.point.context_length == r.context_length
                  and t.point.grad_accum_steps == 1 and t.measurement.predictor_bytes is not None}
-        plan = c.micro_batch_size if c is not None and c.rung == r.rung and c.grad_accum_steps > 1 else None
-        out[r.rung] = RungPrior(r.context_length, r.micro_batch_size, tuple(sorted(peaks.items())), plan)
+        chosen = c is not None and c.rung == r.rung
+        plan = c.micro_batch_size if chosen and c.grad_accum_steps > 1 else None
+        out[r.rung] = RungPrior(r.context_length, r.micro_batch_size, tuple(sorted(peaks.items())), plan, chosen)
     return out
 
 
@@ -144,8 +146,9 @@ class CertifyingSearch(LadderSearch):
         d = prior.plan_micro_batch or largest_divisor_at_most(batch, predicted)
         if self.certify_plans and predicted < batch and 2 * d > predicted:
             guess, d = d, self._certify_plan(rung, t_s, batch, d)
-            # a plan that stepped down: is it still within a factor of two of what fits alone (one trial says)?
-            if d is not None and (d >= guess or not self._fits_alone(rung, t_s, 2 * d, batch)):
+            # a plan that stepped down on the rung the estimate chose: is it still within a factor of two of what
+            # fits alone (one trial says; the divisor note speaks of that rung only)?
+            if d is not None and (d >= guess or not prior.chosen or not self._fits_alone(rung, t_s, 2 * d, batch)):
                 return t_s, d, batch // d
         # alone (also where the plan runs at half of what fits alone or less, or none fits: the probe says why)
         b = self._certify_batch(rung, t_s, batch, prior)

@@ -17,9 +17,9 @@ def fake_peak(b: int) -> int:
     return 100 + 10 * b  # the estimate's line: micro-batch 90 fits the limit exactly, 91 does not
 
 
-def prior(context: int = 64) -> RungPrior:
-    """What the estimate measured on the way to 90 (the sizes its own search ran)."""
-    return RungPrior(context, 90, tuple((b, fake_peak(b)) for b in (1, 16, 90, 91)))
+def prior(context: int = 64, chosen: bool = True) -> RungPrior:
+    """What the estimate measured on the way to 90 (the sizes its own search ran), on the rung it chose."""
+    return RungPrior(context, 90, tuple((b, fake_peak(b)) for b in (1, 16, 90, 91)), chosen=chosen)
 
 
 def device(peak, context_cap: int = 64):
@@ -167,10 +167,18 @@ def test_a_plan_that_stepped_down_below_half_of_what_fits_alone_certifies_the_ru
     assert (rung.micro_batch_size, rung.grad_accum_steps, plan) == (90, 1, (32, 8))
 
 
+def test_a_plan_that_stepped_down_on_a_rung_the_estimate_did_not_choose_is_not_checked_alone():
+    """As above, but on a rung the estimate did not choose: no divisor note will speak of it, so the plan certified
+    in two trials (64 x 4 out, 32 x 8 fits) is the rung's answer, with no trial alone."""
+    rung, tried, plan = climb(fake_peak, prior(chosen=False), grads=400)
+    assert tried == [(64, 4, "prior", "oom"), (32, 8, "corrected", "fits")]
+    assert (rung.micro_batch_size, rung.grad_accum_steps, rung.trials, plan) == (32, 8, 2, (32, 8))
+
+
 def test_the_estimates_own_plan_is_where_the_device_starts():
     """The estimate verified its plan with accumulation (32 x 8: 64 x 4 did not fit on fake tensors either): the
     device starts there, not at the largest divisor under 90."""
-    rung, tried, plan = climb(fake_peak, RungPrior(64, 60, prior().peaks, plan_micro_batch=32), grads=400)
+    rung, tried, plan = climb(fake_peak, RungPrior(64, 60, prior().peaks, plan_micro_batch=32, chosen=True), grads=400)
     assert tried[0] == (32, 8, "prior", "fits") and plan == (32, 8)
 
 
@@ -234,7 +242,11 @@ def test_the_throughput_objective_certifies_the_rung_alone():
 def test_the_prior_of_the_rung_the_estimate_chose_carries_its_plan():
     """priors_from: each rung's context, largest micro-batch and peaks, and the chosen rung's plan micro-batch (the
     estimate verified it with accumulation, so the device starts from it)."""
-    estimate = LadderSearch(with_accumulation(fake_peak), LIMIT).run([FP32], 256, 64, 64)
-    p = priors_from(estimate)[FP32]
-    assert (p.context_length, p.micro_batch_size, p.plan_micro_batch) == (64, 90, 64)
+    fp16 = Rung("fp16", "fp16", False)
+    estimate = LadderSearch(with_accumulation(fake_peak), LIMIT).run([FP32, fp16], 256, 64, 64)
+    priors = priors_from(estimate)
+    p = priors[FP32]
+    assert (p.context_length, p.micro_batch_size, p.plan_micro_batch, p.chosen) == (64, 90, 64, True)
     assert dict(p.peaks)[90] == fake_peak(90)
+    q = priors[fp16]  # the same plan on the next rung: the tie goes to the earlier rung
+    assert (q.micro_batch_size, q.plan_micro_batch, q.chosen) == (90, None, False)
