@@ -66,16 +66,22 @@ bench-autocast: $(STAMP)
 bench-levers: $(STAMP)
 	$(PY) -m bench.bench_levers
 
-# tokens/s of `oomtune train` vs a minimal hand-written loop at the same plan on CPU -> the train section of
-# bench/RESULTS.md (with the command that produced it)
+# the probe from the estimate against the search alone in wall time, tiny_gpt at context 128 (a cpu device trial
+# cheaper than a fake trial) and 512 (dearer) -> the prior section of bench/RESULTS.md (~1.5 min)
+.PHONY: bench-prior
+bench-prior: $(STAMP)
+	$(PY) -m bench.bench_prior
+
+# tokens/s of `oomtune train` vs a minimal hand-written loop at the same plan on CPU, median of 3 rounds -> the train
+# section of bench/RESULTS.md (with the command that produced it; ~2.5 min)
 .PHONY: bench-train
 bench-train: $(STAMP)
 	$(PY) -m bench.bench_train
 
 # oomtune against Lightning's and Accelerate's batch-size finders and exhaustive truth (3 model files x 3 budgets at
 # small batches, plus 2 model files x 3 budgets at target batch 256; simulated cpu device), plus the full ladder under
-# both objectives (small batches); runs bench-train / bench-estimate where the Makefile has them and regenerates
-# bench/RESULTS.md and bench/results.json (18-29 min on 2 CPU cores)
+# both objectives (small batches); runs the other bench-* targets above first (bench/sections.py) and regenerates
+# bench/RESULTS.md and bench/results.json (about 37 min on 2 CPU cores)
 BENCH_STAMP := $(VENV)/.oomtune-bench-installed
 $(BENCH_STAMP): $(STAMP) pyproject.toml
 	$(PY) -m pip install -q -e ".[dev,bench]"

@@ -1,12 +1,12 @@
 """`make bench-train` (= `.venv/bin/python -m bench.bench_train`): tokens/s of `oomtune train` against a minimal
 hand-written PyTorch loop at the same plan on CPU (examples/tiny_gpt.py on its real data, fp32, micro-batch 8 x 2
-accumulation, context 64, AdamW, warmup + cosine LR, clipping), as a ratio from one run of each. A third
-contender, the hand loop inside oomtune's memory tracker, splits the gap into what the simulated `cpu` device
-costs (the tracker sees every op) and what the trainer itself costs. The result goes into bench/RESULTS.md
-between `<!-- train:begin -->` and `<!-- train:end -->` (only that block is replaced; the file is created if
-missing), with the command that produced it.
+accumulation, context 64, AdamW, warmup + cosine LR, clipping), as the ratio of the medians of three rounds (each
+round runs every contender once, in turn). A third contender, the hand loop inside oomtune's memory tracker,
+splits the gap into what the simulated `cpu` device costs (the tracker sees every op) and what the trainer itself
+costs. The result goes into bench/RESULTS.md between `<!-- train:begin -->` and `<!-- train:end -->` (only that
+block is replaced; the file is created if missing), with the command that produced it.
 
-    .venv/bin/python -m bench.bench_train [--steps 60] [--out bench/RESULTS.md]
+    .venv/bin/python -m bench.bench_train [--steps 60] [--rounds 3] [--out bench/RESULTS.md]
 
 Each contender runs in its own fresh process with torch at 1 thread (see bench/run.py: on 2 shared cores two
 spinning intra-op threads made steps many times slower). Throughput is counted the same way for all three: the
@@ -22,6 +22,7 @@ import datetime as dt
 import json
 import os
 import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -132,29 +133,35 @@ def run_contender(name: str, steps: int) -> dict:
 
 
 def section(results: dict, command: list[str], steps: int, wall: float, invocation: str) -> str:
-    ours, hand, tracked = (throughput(results[k]) for k in ("oomtune", "hand", "hand-tracked"))
+    """`results`: contender -> its runs, one per round (the rounds interleave the contenders)."""
+    tps = {k: [throughput(r) for r in runs] for k, runs in results.items()}
+    ours, hand, tracked = (statistics.median(tps[k]) for k in ("oomtune", "hand", "hand-tracked"))
+    rounds = len(tps["hand"])
+    per_round = ", ".join(f"{o / h:.2f}" for o, h in zip(tps["oomtune"], tps["hand"], strict=True))
     plan = (f"micro-batch {PLAN['micro_batch_size']} x {PLAN['grad_accum_steps']} accumulation, context "
             f"{PLAN['context_length']}, {PLAN['precision']}")
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    spread = lambda k: f"{min(tps[k]):,.0f}-{max(tps[k]):,.0f}"  # noqa: E731
     lines = [
         f"`oomtune train` against a minimal hand-written PyTorch loop (forward, scaled backward over the "
         f"micro-batches, clip, AdamW step, `zero_grad(set_to_none=True)`, the same warmup + cosine LR) on "
-        f"examples/tiny_gpt.py's real data, {plan}, {steps} steps, CPU, torch at 1 thread, one run each in a fresh "
-        f"process. Tokens/s over steps {LOG_EVERY + 1}-{steps} (the first {LOG_EVERY} are warm-up).",
+        f"examples/tiny_gpt.py's real data, {plan}, {steps} steps, CPU, torch at 1 thread, each run in a fresh "
+        f"process, {rounds} rounds of the three contenders in turn. Tokens/s over steps {LOG_EVERY + 1}-{steps} "
+        f"(the first {LOG_EVERY} are warm-up); the median of the rounds.",
         "",
-        "| contender | tokens/s | ratio to the hand loop | last logged loss |",
-        "| --- | --- | --- | --- |",
-        f"| hand-written loop | {hand:,.0f} | 1.00 | {results['hand']['last_loss']:.4f} |",
-        f"| hand-written loop inside oomtune's memory tracker | {tracked:,.0f} | {tracked / hand:.2f} | "
-        f"{results['hand-tracked']['last_loss']:.4f} |",
-        f"| `oomtune train --device cpu` | {ours:,.0f} | **{ours / hand:.2f}** | "
-        f"{results['oomtune']['last_loss']:.4f} |",
+        "| contender | tokens/s (median) | lowest-highest | ratio to the hand loop | last logged loss |",
+        "| --- | --- | --- | --- | --- |",
+        f"| hand-written loop | {hand:,.0f} | {spread('hand')} | 1.00 | {results['hand'][0]['last_loss']:.4f} |",
+        f"| hand-written loop inside oomtune's memory tracker | {tracked:,.0f} | {spread('hand-tracked')} | "
+        f"{tracked / hand:.2f} | {results['hand-tracked'][0]['last_loss']:.4f} |",
+        f"| `oomtune train --device cpu` | {ours:,.0f} | {spread('oomtune')} | **{ours / hand:.2f}** | "
+        f"{results['oomtune'][0]['last_loss']:.4f} |",
         "",
-        f"Ratio `oomtune train` / hand loop: **{ours / hand:.2f}**. Of that, the simulated `cpu` device's memory "
-        f"tracker (a Python hook on every op; it is what enforces the budget and reports the peak, "
-        f"{results['oomtune']['peak_bytes'] / 2**20:.1f} MiB here) accounts for {tracked / hand:.2f}; the trainer "
-        f"against the same tracked loop is {ours / tracked:.2f}. On `cuda` there is no tracker: the allocator "
-        "keeps the books.",
+        f"Ratio `oomtune train` / hand loop: **{ours / hand:.2f}** (per round: {per_round}). Of that, the simulated "
+        f"`cpu` device's memory tracker (a Python hook on every op; it is what enforces the budget and reports the "
+        f"peak, {results['oomtune'][0]['peak_bytes'] / 2**20:.1f} MiB here) accounts for {tracked / hand:.2f}; the "
+        f"trainer against the same tracked loop is {ours / tracked:.2f}. On `cuda` there is no tracker: the "
+        "allocator keeps the books.",
         "",
         "The last losses are not comparable: oomtune draws its batches from its own seeded data stream, the hand "
         "loop from the global RNG, so they train on different windows of the same text.",
@@ -162,16 +169,16 @@ def section(results: dict, command: list[str], steps: int, wall: float, invocati
         f"Produced by `{invocation}`; the oomtune contender ran "
         f"`{shlex.join(command[:2])} --config <generated> --device cpu`. "
         f"{dt.date.today().isoformat()}, {os.cpu_count()} CPUs shared with other jobs (1-minute load average "
-        f"{load:.1f} at the end), {wall:.0f} s in all. One run of each: on a loaded machine single-run "
-        "throughput can move by more than the trainer's own overhead; rerun before reading small differences.",
+        f"{load:.1f} at the end), {wall:.0f} s in all. Single runs on this shared machine moved the ratio between "
+        "0.57 and 0.84 in earlier runs; the rounds and the median are there for that.",
     ]
     return "\n".join(lines)
-
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--rounds", type=int, default=3, help="runs of each contender, interleaved (median reported)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "RESULTS.md")
     ap.add_argument("--contender", choices=("hand", "hand-tracked"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -179,15 +186,17 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(hand_loop(args.steps, tracked=args.contender == "hand-tracked")))
         return 0
     start = time.perf_counter()
-    results = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for name in ("hand", "oomtune", "hand-tracked"):
-            print(f"running {name} ...", file=sys.stderr)
+    results: dict[str, list[dict]] = {"hand": [], "oomtune": [], "hand-tracked": []}
+    for i in range(args.rounds):
+        for name in results:
+            print(f"round {i + 1}/{args.rounds}: running {name} ...", file=sys.stderr)
             if name == "oomtune":
-                results[name], command = oomtune_train(args.steps, Path(tmp))
+                with tempfile.TemporaryDirectory() as tmp:
+                    run, command = oomtune_train(args.steps, Path(tmp))
             else:
-                results[name] = run_contender(name, args.steps)
-            print(f"  {throughput(results[name]):,.0f} tokens/s", file=sys.stderr)
+                run = run_contender(name, args.steps)
+            results[name].append(run)
+            print(f"  {throughput(run):,.0f} tokens/s", file=sys.stderr)
     invocation = shlex.join([".venv/bin/python", "-m", "bench.bench_train", *(sys.argv[1:] if argv is None else argv)])
     body = section(results, command, args.steps, time.perf_counter() - start, invocation)
     write_section(args.out, "train", body, heading="## Trainer overhead")

@@ -9,7 +9,8 @@ from pathlib import Path
 # the blocks other scripts write: (name, the make target that writes it, its heading in RESULTS.md)
 OTHER_SECTIONS = (("train", "bench-train", "Trainer overhead"), ("estimate", "bench-estimate", "Estimate"),
                   ("levers", "bench-levers", "Past accumulation: 7B Llama estimates"),
-                  ("autocast", "bench-autocast", "CUDA-faithful estimate"))
+                  ("autocast", "bench-autocast", "CUDA-faithful estimate"),
+                  ("prior", "bench-prior", "The probe from the estimate, by what a device trial costs"))
 
 
 def marker(name: str, which: str) -> str:

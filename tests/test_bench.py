@@ -140,3 +140,17 @@ def test_report_renders_the_committed_results_with_both_tables():
         assert data[group] and title in text
     rows = sum(len(c["budgets"]) for c in data[report.LARGE])
     assert text.count("**met**") + text.count("**not met**") == rows  # a verdict on every realistic row
+
+
+def test_the_prior_sections_verdict_is_read_off_its_rows():
+    """bench_prior.render: the per-context line says 'lower' only where the prior's seconds sum below the search's."""
+    from bench.bench_prior import render
+
+    def row(context, seconds):
+        return {"context": context, "budget": "1MiB", "plan": "8 x2", "same_plan": True, "trials": [6, 2],
+                "device_trial_s": 0.5, "fake_trials": 5, "fake_s": 2.5, "seconds": seconds}
+
+    text = render([row(128, [1.0, 3.0]), row(512, [5.0, 4.0]), row(512, [2.0, 2.5])], 10.0)
+    assert "Context 128: a device trial 0.50 s, a fake trial 0.50 s; the probe from the estimate took 3.0 s " \
+           "against 1.0 s alone (3.00): wall time not lower." in text
+    assert "took 6.5 s against 7.0 s alone (0.93): wall time lower." in text
