@@ -23,6 +23,7 @@ import torch
 
 from bench.ours import run_oomtune
 from bench.sections import write_section
+from bench.truth import plan_label
 from oomtune.model_file import load_model_file
 from oomtune.units import utc_now
 
@@ -47,19 +48,12 @@ def one_case(mf, context: int, budget: str) -> dict:
     device_s = [t.seconds for t in alone.records]
     plan = lambda p: p.config.plan if p.config else None  # noqa: E731
     report = certified.prior
-    return {"context": context, "budget": budget, "plan": _label(plan(alone)),
+    return {"context": context, "budget": budget, "plan": plan_label(plan(alone)) if plan(alone) else "nothing fits",
             "same_plan": plan(alone) == plan(certified),
             "trials": [len(alone.records), len(certified.records)],
             "device_trial_s": sum(device_s) / len(device_s),
             "fake_trials": report.trials if report else 0, "fake_s": report.seconds if report else 0.0,
             "seconds": [runs[False].seconds, runs[True].seconds]}
-
-
-def _label(plan) -> str:
-    if plan is None:
-        return "nothing fits"
-    return f"{plan.micro_batch_size} x{plan.grad_accum_steps}" if plan.grad_accum_steps > 1 \
-        else str(plan.micro_batch_size)
 
 
 def render(rows: list[dict], wall: float) -> str:
