@@ -156,3 +156,28 @@ def test_a_reused_model_measures_what_a_fresh_one_does_and_starts_from_its_built
     assert all(p.grad is None for p in first.take(plans[-1], device).parameters())
     # a plan that cannot reuse it (NF4 weights) drops it
     assert first.take(plans[-1], device, reusable=False) is None and first.model is None
+
+
+def test_a_search_leaves_what_the_first_step_imports_out_of_every_collection():
+    """device: cpu. In a fresh process (this session's are settled already): the first optimizer step imports
+    torch._dynamo, sympy and the rest (~120k objects); settled_objects imports them before it freezes, so after a
+    trial the garbage collector still tracks only what the trial left, a few thousand objects, not all of those."""
+    import subprocess
+    import sys
+
+    code = f'''
+import gc
+from oomtune.config.schema import Plan
+from oomtune.memory.devices import CpuDevice
+from oomtune.model_file import load_model_file
+from oomtune.search.trial import run_trial, settled_objects
+
+mf = load_model_file({str(EXAMPLES / "tiny_gpt.py")!r})
+with settled_objects():
+    run_trial(mf, Plan(2, 32, global_batch_size=2), CpuDevice("64MiB"))
+    gc.collect()
+    print(len(gc.get_objects()))
+'''
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert int(out.stdout.split()[-1]) < 20_000, out.stdout
