@@ -182,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "RESULTS.md")
     ap.add_argument("--contender", choices=("hand", "hand-tracked"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
     if args.contender:  # a child process: one contender, JSON on stdout
         print(json.dumps(hand_loop(args.steps, tracked=args.contender == "hand-tracked")))
         return 0
