@@ -129,7 +129,7 @@ def prior_text(prior) -> str:
     if prior.missing is not None:
         return f" (no prior: {prior.missing})"
     off = f"; prior off, searched instead: {', '.join(prior.fell_back)}" if prior.fell_back else ""
-    return (f" on the device, certified from an estimate on fake tensors ({prior.trials} fake trials, "
+    return (f" on the device, certified from an estimate on fake tensors ({prior.counts()}, "
             f"{prior.seconds:.1f} s){off}")
 
 

@@ -29,6 +29,7 @@ from .cuda_autocast import cuda_autocast
 from .cuda_kernels import cuda_kernels
 from .fakes import real_code_paths
 from .margin import AnyMargin, CardMargin, Margin, parse_margin
+from .replay import Lines, Trace, replay
 from .tracker import MemoryTracker, simulated_oom_message, system_memory
 
 DEVICE_KINDS = ("auto", "cuda", "cpu", "fake")
@@ -45,6 +46,7 @@ class Reading:
     phase: str = "setup"  # the phase running now
     host_peak_bytes: int = 0  # host memory held at most by what the offload levers moved there
     modelled_reserved_bytes: int | None = None  # simulated devices: the CUDA caching allocator model's peak
+    trace: Trace | None = field(default=None, repr=False)  # what the storages did, where the device traces
 
     @property
     def batch_peak_bytes(self) -> int | None:
@@ -98,12 +100,17 @@ class Device:
                 yield reading
         finally:
             self.mark(reading, None)
+            reading.trace = self._take_trace()
             reading.host_peak_bytes = self.host_ledger().host_peak_bytes
             if allocator is not None:  # a simulated device's: the model detached from the tracker
                 self.tracker.allocator = None
 
     def _model_allocator(self) -> CachingAllocatorModel | None:
         """A fresh model of the CUDA caching allocator, fed this measurement's storages (simulated devices)."""
+        return None
+
+    def _take_trace(self) -> Trace | None:
+        """What the measurement's storages did, where the device traces them (TrackedDevice.traces)."""
         return None
 
     def host_ledger(self) -> MemoryTracker:
@@ -130,11 +137,15 @@ class Device:
         reading.peak_allocated_bytes = max(reading.peak_allocated_bytes, allocated)
         reading.peak_bytes = max(reading.peak_bytes, reserved)
         self._reset_peak()
+        self._trace_mark(phase)
         if phase is not None:
             reading.phase = phase
 
     def _accounting(self) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
+
+    def _trace_mark(self, phase: str | None) -> None:
+        pass
 
     def _read_peak(self) -> tuple[int, int]:
         """(allocated, reserved) peak bytes since the last reset."""
@@ -195,6 +206,7 @@ class TrackedDevice(Device):
         self.card = margin.card if isinstance(margin, CardMargin) else card
         self.margin = margin if margin is not None else (CardMargin(card) if card is not None else Margin())
         self.never_runs_out = False  # (the prior's fake device: FakeDevice)
+        self.traces = False  # each measurement's Reading holds its Trace (replay.py: the probe's prior sets it)
         self.tracker = MemoryTracker(kind=kind)  # one accountant for the device's lifetime
         self.tracker.budget_bytes = self.tensor_budget(budget_bytes)
         if self.tracker.budget_bytes <= 0:
@@ -214,12 +226,10 @@ class TrackedDevice(Device):
             return stack.pop_all()
 
     def _model_allocator(self) -> CachingAllocatorModel:
-        # a breakdown measures a plan that does not fit, too; a device that never runs out frees its cache at the
-        # capacity as the card does, then goes past it
-        lifted = self.tracker.budget_bytes is None and not self.never_runs_out
-        model = CachingAllocatorModel(None if lifted else self.margin.allocator_capacity(self.budget_bytes),
-                                      overflows=self.never_runs_out)
-        self.margin.seed(model)  # the budget check made room for it
+        model = self.fresh_allocator()
+        if self.traces:
+            self.tracker.events = []
+            self._initial = list(self.tracker._sizes.items())
         try:
             for key, size in self.tracker._sizes.items():  # what is alive already holds blocks too
                 model.malloc(key, size)
@@ -229,6 +239,36 @@ class TrackedDevice(Device):
         model.reset_peak()
         self.tracker.allocator = model
         return model
+
+    def fresh_allocator(self) -> CachingAllocatorModel:
+        """The allocator model a measurement starts from (seeded with what the margin holds), before it is fed what
+        lives already."""
+        # a breakdown measures a plan that does not fit, too; a device that never runs out frees its cache at the
+        # capacity as the card does, then goes past it
+        lifted = self.tracker.budget_bytes is None and not self.never_runs_out
+        model = CachingAllocatorModel(None if lifted else self.margin.allocator_capacity(self.budget_bytes),
+                                      overflows=self.never_runs_out)
+        self.margin.seed(model)  # the budget check made room for it
+        return model
+
+    def _trace_mark(self, phase: str | None) -> None:
+        if self.tracker.events is not None:
+            self.tracker.events.append(("mark", phase))
+
+    def _take_trace(self) -> Trace | None:
+        events, self.tracker.events = self.tracker.events, None
+        return Trace.of(self._initial, events) if events is not None else None
+
+    def replay(self, lines: Lines, micro_batch: int) -> Reading | None:
+        """The Reading a traced measurement would give at `micro_batch` (replay.py); None where the lines do not
+        reach it. Only on a device that never runs out of memory (the prior's): a replay does not raise the OOM."""
+        if not self.never_runs_out:
+            raise ValueError("replay() needs a device that never runs out of memory")
+        r = replay(lines, micro_batch, self.fresh_allocator(), self.margin.total)
+        if r is None:
+            return None
+        return Reading(peak_bytes=r.peak_bytes, peak_allocated_bytes=r.peak_allocated_bytes,
+                       phase_peaks=r.phase_peaks, modelled_reserved_bytes=r.modelled_reserved_bytes)
 
     def host_ledger(self) -> MemoryTracker:
         return self.tracker

@@ -135,6 +135,9 @@ class MemoryTracker(TorchDispatchMode):
         self._hosting = 0
         self.allocator = None  # a CachingAllocatorModel fed every device storage's birth and death, where set
         self._paused = 0  # inside untracked(): ops run uncounted
+        # where set, what the device's storages did, in order (replay.py): ("set", key, bytes before rounding) for
+        # a birth or a resize, ("free", key), ("mark", phase) from the device, ("host",) for a host storage
+        self.events: list[tuple] | None = None
 
     @contextlib.contextmanager
     def hosting(self) -> Iterator[None]:
@@ -167,7 +170,8 @@ class MemoryTracker(TorchDispatchMode):
     def _account_storage(self, st: torch.UntypedStorage) -> int:
         """Count `st` at its current size (new, or resized in place); return the bytes newly counted."""
         key = id(st)
-        size = rounded(st.nbytes())
+        raw = st.nbytes()
+        size = rounded(raw)
         if key in self._host_sizes or (self._hosting and key not in self._sizes):  # (a view of a device tensor: not)
             return self._account_host(st, key, size)
         old = self._sizes.get(key)
@@ -179,6 +183,8 @@ class MemoryTracker(TorchDispatchMode):
             self._sizes[key] = size
         else:
             return 0
+        if self.events is not None:
+            self.events.append(("set", key, raw))
         if self.recorder is not None:  # a resize is the old size dying and the new one being born
             tags = set()
             if old is not None:
@@ -205,6 +211,8 @@ class MemoryTracker(TorchDispatchMode):
                 f" The caching allocator (as modelled) {e}.")) from None
 
     def _account_host(self, st: torch.UntypedStorage, key: int, size: int) -> int:
+        if self.events is not None:
+            self.events.append(("host",))
         old = self._host_sizes.get(key)
         if old is None and self.follow:
             weakref.finalize(st, self._release, key)
@@ -238,6 +246,8 @@ class MemoryTracker(TorchDispatchMode):
         return super().__exit__(*exc)
 
     def _release(self, key: int) -> None:
+        if self.events is not None and key in self._sizes:
+            self.events.append(("free", key))
         self.host_live_bytes -= self._host_sizes.pop(key, 0)
         self.live_bytes -= self._sizes.pop(key, 0)
         if self.allocator is not None:

@@ -7,9 +7,14 @@ import dataclasses
 import time
 from dataclasses import dataclass, field
 
+from ..config.schema import TRIAL_STEPS, Plan
+from ..dist.group import LOCAL
 from ..errors import first_line
 from ..memory.devices import Device, FakeDevice, TrackedDevice
+from ..memory.replay import Lines, Trace
+from ..model_file import ModelFile
 from .certify import RungPrior, priors_from
+from .trial import TrialResult, run_trial
 
 
 @dataclass
@@ -17,7 +22,8 @@ class PriorReport:
     """What the prior cost and did: its fake trials and seconds (apart from the device's), the rungs the device
     searched because the prior was off, or why there was none."""
 
-    trials: int = 0
+    trials: int = 0  # fake trials run
+    replayed: int = 0  # sizes replayed from two of them instead (ReplayingTrials)
     seconds: float = 0.0
     fell_back: tuple[str, ...] = ()
     missing: str | None = None  # why the probe ran without a prior (None: it had one)
@@ -28,10 +34,15 @@ class PriorReport:
         if self.missing is not None:
             return f"searched without a prior: {self.missing}"
         off = f"; searched where it was off: {', '.join(self.fell_back)}" if self.fell_back else ""
-        return f"certified from an estimate on fake tensors ({self.trials} fake trials, {self.seconds:.1f} s){off}"
+        return f"certified from an estimate on fake tensors ({self.counts()}, {self.seconds:.1f} s){off}"
+
+    def counts(self) -> str:
+        """"9 fake trials" or "5 fake trials + 4 replayed"."""
+        return f"{self.trials} fake trials" + (f" + {self.replayed} replayed" if self.replayed else "")
 
     def to_json(self) -> dict:
-        return {"used": self.missing is None, "fake_trials": self.trials, "fake_seconds": round(self.seconds, 2),
+        return {"used": self.missing is None, "fake_trials": self.trials, "replayed_trials": self.replayed,
+                "fake_seconds": round(self.seconds, 2),
                 "fell_back_rungs": list(self.fell_back), "why_not": self.missing}
 
 
@@ -41,24 +52,70 @@ def prior_device(device: Device) -> FakeDevice:
     budget (its free memory, the context already taken) excludes too. It never runs out of memory: a size past the
     limit reports its peak, which the search's chord uses (fewer fake trials than where it ran out)."""
     if isinstance(device, TrackedDevice):
-        return FakeDevice(f"{device.budget_bytes}B", gpu=device.card, margin=device.margin, never_runs_out=True)
-    card = dataclasses.replace(device.profile(), context_bytes=0)
-    return FakeDevice(f"{device.budget_bytes}B", gpu=card, never_runs_out=True)
+        fake = FakeDevice(f"{device.budget_bytes}B", gpu=device.card, margin=device.margin, never_runs_out=True)
+    else:
+        card = dataclasses.replace(device.profile(), context_bytes=0)
+        fake = FakeDevice(f"{device.budget_bytes}B", gpu=card, never_runs_out=True)
+    fake.traces = True  # (ReplayingTrials)
+    return fake
+
+
+class ReplayingTrials:
+    """The prior's trials (probe's `trial`): each plan is run on the fake device, traced, until two of its
+    micro-batches line up (memory/replay.py); every other micro-batch of that plan is then replayed from them, in
+    milliseconds, instead of run. A plan with accumulation, and micro-batch 1 (whose tensors' layouts can differ
+    from a larger batch's), are always run."""
+
+    def __init__(self):
+        self.traces: dict[Plan, list[tuple[int, Trace]]] = {}  # plan at micro-batch 1 -> its traced trials
+        self.lines: dict[Plan, Lines] = {}
+        self.run = 0
+        self.replayed = 0
+
+    def __call__(self, model_file: ModelFile, plan: Plan, device: FakeDevice, steps: int = TRIAL_STEPS,
+                 dist=LOCAL) -> TrialResult:
+        key = (dataclasses.replace(plan, micro_batch_size=1, global_batch_size=0) if plan.grad_accum_steps == 1
+               else None)
+        lines = self.lines.get(key)
+        if lines is not None and plan.micro_batch_size > 1:
+            start = time.perf_counter()
+            reading = device.replay(lines, plan.micro_batch_size)
+            if reading is not None:
+                self.replayed += 1
+                return TrialResult(plan, oom=False, peak_bytes=reading.peak_bytes,
+                                   peak_allocated_bytes=reading.peak_allocated_bytes,
+                                   batch_peak_bytes=reading.batch_peak_bytes, phase_peaks=dict(reading.phase_peaks),
+                                   seconds=time.perf_counter() - start,
+                                   modelled_reserved_bytes=reading.modelled_reserved_bytes, replayed=True)
+        result = run_trial(model_file, plan, device, steps, dist=dist)
+        self.run += 1
+        if key is not None and lines is None and result.trace is not None:
+            known = self.traces.setdefault(key, [])
+            for batch, trace in known:
+                found = Lines.through(trace, batch, result.trace, plan.micro_batch_size)
+                if found is not None:
+                    self.lines[key] = found
+                    del self.traces[key]
+                    break
+            else:
+                known.append((plan.micro_batch_size, result.trace))
+        return result
 
 
 def run_prior(run_ladder, device: Device, label: str) -> PriorReport:
-    """`run_ladder(fake_device) -> ProbeResult` on the fake device standing in for `device`; the priors of the rungs
-    it searched. Where the fake device cannot stand in or cannot run the model (an op that needs tensor values,
-    too: the prior never computes on the host), the report says why and has none (the device then searches as
-    without a prior)."""
+    """`run_ladder(fake_device, trial) -> ProbeResult` on the fake device standing in for `device`, with
+    ReplayingTrials; the priors of the rungs it searched. Where the fake device cannot stand in or cannot run the
+    model (an op that needs tensor values, too: the prior never computes on the host), the report says why and has
+    none (the device then searches as without a prior)."""
     fake = prior_device(device)
+    trials = ReplayingTrials()
     start = time.perf_counter()
     try:
-        result = run_ladder(fake)
+        result = run_ladder(fake, trials)
     except Exception as e:  # noqa: BLE001 - whatever the fake device cannot do, the device's own search can
-        return PriorReport(seconds=time.perf_counter() - start,
+        return PriorReport(trials.run, trials.replayed, time.perf_counter() - start,
                            missing=f"the estimate of {label} on fake tensors failed: {first_line(e)}")
-    return PriorReport(len(result.records), time.perf_counter() - start, priors=priors_from(result.ladder))
+    return PriorReport(trials.run, trials.replayed, time.perf_counter() - start, priors=priors_from(result.ladder))
 
 
-__all__ = ["PriorReport", "RungPrior", "prior_device", "run_prior"]
+__all__ = ["PriorReport", "ReplayingTrials", "RungPrior", "prior_device", "run_prior"]

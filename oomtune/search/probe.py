@@ -197,9 +197,10 @@ def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: 
     check_static_fits(floor, device, limit, headroom, sharded_by)
     notes = measurement_notes(model_file, static, device)
     check_prior(prior, device.kind, world > 1)
-    report = run_prior(lambda fake: probe(model_file, fake, targets, headroom=headroom, steps=steps,
-                                          objective=objective, amp=amp, command="estimate", levers=levers,
-                                          statics=(static, floor), prior=False), device, model_file.label) \
+    report = run_prior(lambda fake, trial: probe(model_file, fake, targets, headroom=headroom, steps=steps,
+                                                 objective=objective, amp=amp, command="estimate", levers=levers,
+                                                 statics=(static, floor), trial=trial, prior=False),
+                       device, model_file.label) \
         if (device.kind == "cuda" and world == 1 if prior is None else prior) else None
 
     reuse = {"models": ModelCache()} if trial is run_trial else {}  # (estimate's recording trials build each time)

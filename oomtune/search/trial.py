@@ -18,6 +18,7 @@ from ..dist.group import LOCAL, Dist, RanksOutOfMemory
 from ..errors import ModelFileError, first_line
 from ..memory.devices import Device, FakeDevice, is_oom
 from ..memory.fakes import NeedsValues
+from ..memory.replay import Trace
 from ..memory.tracker import untracked
 from ..model_file import ModelFile, is_compiled
 from ..step import Training, build_training, every_gradient_made, make_optimizer_state, train_step
@@ -99,6 +100,8 @@ class TrialResult:
     host_peak_bytes: int = 0  # host memory the offloaded parts held at most (0 without the offload levers)
     build_seconds: float = 0.0  # of `seconds`: build_training (the model, its wrappers, its optimizer)
     modelled_reserved_bytes: int | None = None  # simulated devices: what the CUDA caching allocator would reserve
+    trace: Trace | None = dataclasses.field(default=None, repr=False, compare=False)  # where the device traces
+    replayed: bool = False  # from two traced trials (memory/replay.py), not run
 
 
 def _steps(model_file: ModelFile, plan: Plan, device: Device, steps: int, reading_box: list, built: list,
@@ -272,4 +275,5 @@ def run_trial(model_file: ModelFile, plan: Plan, device: Device, steps: int = TR
     return TrialResult(plan, oom=False, peak_bytes=peak, peak_allocated_bytes=allocated,
                        batch_peak_bytes=batch_peak, phase_peaks=phases, step_seconds=step_s,
                        tokens_per_s=tps, loss=loss, seconds=seconds, host_peak_bytes=host,
-                       build_seconds=build_s, modelled_reserved_bytes=reading.modelled_reserved_bytes)
+                       build_seconds=build_s, modelled_reserved_bytes=reading.modelled_reserved_bytes,
+                       trace=reading.trace)

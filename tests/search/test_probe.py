@@ -252,3 +252,54 @@ def test_the_probe_from_the_estimate_runs_the_same_plan_in_two_device_trials_a_r
     assert ran[:2] == [("fp32", 32, 2, "oom"), ("fp32", 16, 4, "fits")]
     assert [r.trials for r in certified.ladder.rungs] == [2, 2, 1]
     assert (len(certified.records), len(searched.records)) == (5, 13)
+    # the estimate ran 5 fake trials (per rung: the target and micro-batch 1, which line up; then the plan) and
+    # replayed the other 6 sizes its search tried (memory/replay.py)
+    assert (certified.prior.trials, certified.prior.replayed) == (5, 6)
+    assert certified.prior.to_json()["replayed_trials"] == 6
+
+
+PADDED = """
+import torch
+from torch import nn
+
+class Padded(nn.Module):  # pads the batch up to a multiple of 8: activations grow in steps of 8 samples
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(512, 512) for _ in range(3))
+        self.out = nn.Linear(512, 4)
+
+    def forward(self, x, y):
+        n = x.shape[0]
+        x = nn.functional.pad(x, (0, 0, 0, 0, 0, -n % 8))
+        for b in self.blocks:
+            x = torch.relu(b(x))
+        return nn.functional.cross_entropy(self.out(x).mean(1)[:n], y)
+
+def build_model():
+    return Padded()
+
+def make_batch(batch_size, context_length, device):
+    return (torch.randn(batch_size, context_length, 512, device=device),
+            torch.randint(0, 4, (batch_size,), device=device))
+"""
+
+
+def test_a_model_whose_memory_is_not_a_line_in_the_batch_misleads_a_replay_not_the_probe(write_model):
+    """devices: fake (the estimate, with and without replays) and cpu. Padding the batch to a multiple of 8 makes
+    memory a staircase: the traces at 50 and 46 (padded to 56 and 48) line up, and the replay at 48 reads 56's
+    memory, so the prior says 47 where the fake device's own trial says 48. A prior is only where the device's
+    trials start: the probe from this one runs the plan the search alone finds (fp32 is certified by its plan,
+    32 x 2, and amp fits 64 at once)."""
+    from oomtune.search.prior import ReplayingTrials, prior_device
+
+    mf = load_model_file(write_model(PADDED))
+    targets = resolve_targets(mf, 64, 64, None)
+    answers = {}
+    for trial in (run_trial, ReplayingTrials()):
+        est = probe(mf, prior_device(CpuDevice("60MiB")), targets, amp="bf16", command="estimate", trial=trial,
+                    prior=False)
+        answers[trial is run_trial] = est.ladder.rungs[0].micro_batch_size
+    assert answers == {True: 48, False: 47}
+    plans = {prior: probe(mf, CpuDevice("60MiB"), targets, amp="bf16", prior=prior).config.plan
+             for prior in (False, True)}
+    assert plans[True] == plans[False]

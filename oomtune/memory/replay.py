@@ -1,0 +1,153 @@
+"""A trial's memory at another micro-batch, replayed from two traced trials instead of run. No torch here.
+
+A simulated device that traces (TrackedDevice.traces) records what each storage did during a measurement, in order:
+born or resized (its bytes before rounding), freed, and where the phases of the step begin. Between two trials of the
+same plan that differ only in the micro-batch, the training step runs the same ops in the same order; only the sizes
+differ, and a storage's bytes are a product of its shape, in which the micro-batch is one factor: affine in the
+micro-batch, exactly. Two traces that line up event by event, each size on a line with a whole number of bytes per
+sample, give every storage's size at any micro-batch, and the tracker's count, the phase peaks and the caching
+allocator model (allocator.py) are then re-run on those sizes in milliseconds, where a fake trial costs its Python
+(about half a second for a small model).
+
+Two traces that do not line up (the model branches on the batch size, pads it, or moved tensors to the host) are
+not replayed. A model that changes its sizes by other than a line would still line up at two points and be
+replayed wrong: the probe's prior uses replays (search/prior.py), and the device's own trials, which certify each
+rung, catch such a miss and correct it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .allocator import MIN_BLOCK, CachingAllocatorModel
+
+
+def rounded(nbytes: int) -> int:
+    """As the tracker counts a storage: up to a multiple of 512 bytes (0 stays 0)."""
+    return -(-nbytes // MIN_BLOCK) * MIN_BLOCK
+
+
+@dataclass(frozen=True)
+class Trace:
+    """One measurement: the (rounded) sizes of the storages alive when it began, in the order the allocator model
+    was fed them, then its events with storages numbered in order of birth (the initial ones first): ("set", n,
+    bytes), ("free", n), ("mark", phase or None). `hosted`: a storage lived in host memory (the offload levers),
+    which a replay does not model.
+
+    Storages that die together (a graph's saved tensors, released at once) die in an order that changes from run to
+    run (it follows ids); a run of frees with nothing between them leaves the count and the allocator model alike
+    whatever their order (a freed block merges with its free neighbours, so the same blocks end up free), so each
+    such run is kept in order of birth."""
+
+    initial: tuple[int, ...]
+    events: tuple[tuple, ...] = field(repr=False)
+    hosted: bool = False
+
+    @staticmethod
+    def of(initial: list[tuple[int, int]], events: list[tuple]) -> Trace:
+        """From the tracker's record: `initial` as (key, size), events keyed by the storage's id, which a storage
+        born after another died may reuse."""
+        number = {key: i for i, (key, _) in enumerate(initial)}
+        born = len(initial)
+        out: list[tuple] = []
+        frees: list[tuple] = []  # a run of frees, in order of birth: the order within one is not kept (see below)
+        hosted = False
+        for ev in events:
+            kind = ev[0]
+            if kind == "free":
+                frees.append(("free", number.pop(ev[1])))
+                continue
+            out += sorted(frees)
+            frees.clear()
+            if kind == "set":
+                n = number.get(ev[1])
+                if n is None:
+                    n = number[ev[1]] = born
+                    born += 1
+                out.append(("set", n, ev[2]))
+            elif kind == "mark":
+                out.append(ev)
+            else:
+                hosted = True
+        out += sorted(frees)
+        return Trace(tuple(size for _, size in initial), tuple(out), hosted)
+
+
+@dataclass(frozen=True)
+class Lines:
+    """Two traces lined up: each set event's bytes as `base + per_sample * micro_batch`."""
+
+    initial: tuple[int, ...]
+    events: tuple[tuple, ...] = field(repr=False)  # ("set", n, base, per_sample) | ("free", n) | ("mark", phase)
+    micro_batches: tuple[int, int]  # the two traced
+
+    @staticmethod
+    def through(a: Trace, batch_a: int, b: Trace, batch_b: int) -> Lines | None:
+        """The lines through two traces at different micro-batches; None where they do not line up (see module
+        doc)."""
+        if (batch_a == batch_b or a.hosted or b.hosted or a.initial != b.initial
+                or len(a.events) != len(b.events)):
+            return None
+        events: list[tuple] = []
+        step = batch_b - batch_a
+        for ea, eb in zip(a.events, b.events, strict=True):
+            if ea[0] != eb[0] or ea[1] != eb[1]:
+                return None
+            if ea[0] != "set":
+                events.append(ea)
+                continue
+            per_sample, rest = divmod(eb[2] - ea[2], step)
+            if rest:
+                return None
+            events.append(("set", ea[1], ea[2] - per_sample * batch_a, per_sample))
+        return Lines(a.initial, tuple(events), (batch_a, batch_b))
+
+
+@dataclass
+class Replayed:
+    """What a replay reads, in Reading's terms (devices.TrackedDevice.replay makes the Reading)."""
+
+    peak_bytes: int = 0
+    peak_allocated_bytes: int = 0
+    phase_peaks: dict[str, int] = field(default_factory=dict)
+    modelled_reserved_bytes: int = 0
+
+
+def replay(lines: Lines, micro_batch: int, model: CachingAllocatorModel, total) -> Replayed | None:
+    """The measurement at `micro_batch`: the tracker's count and the allocator `model` (fresh, seeded as the device
+    seeds it) fed the sizes on the lines, phases split at the marks as Device.mark splits them; `total(tensor
+    peak, reserved peak)` is the device margin's. None where a size would be negative (off the lines' range)."""
+    out = Replayed()
+    sizes = dict(enumerate(lines.initial))
+    for n, size in sizes.items():
+        model.malloc(n, size)
+    model.reset_peak()
+    live = peak = sum(lines.initial)
+    phase = "setup"
+    for ev in lines.events:
+        kind = ev[0]
+        if kind == "set":
+            _, n, base, per_sample = ev
+            raw = base + per_sample * micro_batch
+            if raw < 0:
+                return None
+            size, old = rounded(raw), sizes.get(n)
+            if old == size:  # the tracker records no event for a resize that keeps the rounded size
+                continue
+            sizes[n] = size
+            live += size - (old or 0)
+            peak = max(peak, live)
+            model.resize(n, size)
+        elif kind == "free":
+            live -= sizes.pop(ev[1])
+            model.free(ev[1])
+        else:
+            out.modelled_reserved_bytes = max(out.modelled_reserved_bytes, model.peak_reserved_bytes)
+            out.phase_peaks[phase] = max(out.phase_peaks.get(phase, 0), peak)
+            out.peak_allocated_bytes = max(out.peak_allocated_bytes, peak)
+            out.peak_bytes = max(out.peak_bytes, total(peak, model.peak_reserved_bytes))
+            peak = live
+            model.reset_peak()
+            if ev[1] is not None:
+                phase = ev[1]
+    return out

@@ -1,0 +1,115 @@
+"""Replaying a trial's memory at another micro-batch from two traced trials (memory/replay.py): the trace's
+bookkeeping and the lines without torch, then (device: fake, the prior's) a replay against the fake trial it
+stands for, to the byte, on models of every kind and on a card profile."""
+
+from __future__ import annotations
+
+from importlib.util import find_spec
+from pathlib import Path
+
+import pytest
+
+from oomtune.config.schema import Plan
+from oomtune.memory.allocator import CachingAllocatorModel
+from oomtune.memory.cards import find_gpu
+from oomtune.memory.devices import CpuDevice
+from oomtune.memory.margin import Margin
+from oomtune.memory.replay import Lines, Trace, replay
+from oomtune.model_file import load_model_file
+from oomtune.search.prior import prior_device
+from oomtune.search.trial import run_trial
+
+from ..conftest import EXAMPLES
+
+MiB = 1 << 20
+FINETUNE = Path(__file__).parent.parent / "finetune" / "models"
+
+
+def test_a_trace_numbers_storages_by_birth_even_where_an_id_is_reused_and_sorts_a_run_of_frees():
+    """Keys are storage ids, which a storage born after another died may reuse: each birth gets a new number. A run
+    of frees (a graph released at once, in an order that follows ids) is kept in order of birth."""
+    events = [("set", 900, 10), ("set", 901, 20), ("set", 902, 30), ("mark", "forward"), ("free", 902),
+              ("free", 900), ("set", 900, 40), ("set", 900, 4000), ("free", 901), ("free", 900), ("mark", None)]
+    t = Trace.of([(77, 512)], events)
+    assert t.initial == (512,)
+    assert t.events == (("set", 1, 10), ("set", 2, 20), ("set", 3, 30), ("mark", "forward"), ("free", 1),
+                        ("free", 3), ("set", 4, 40), ("set", 4, 4000), ("free", 2), ("free", 4), ("mark", None))
+    assert not t.hosted and Trace.of([], [("set", 1, 8), ("host",)]).hosted
+
+
+def _trace(per_sample: int, batch: int, layout_copy: bool = False) -> Trace:
+    """Weights (1 KiB, batch-independent), an activation of per_sample bytes a sample, a scalar loss; at batch 1 a
+    model whose input slice is already contiguous makes no copy (`layout_copy` False there)."""
+    events = [("set", 1, 1024), ("mark", "forward"), ("set", 2, per_sample * batch)]
+    if layout_copy:
+        events += [("set", 3, per_sample * batch), ("free", 3)]
+    events += [("set", 4, 4), ("mark", "backward"), ("free", 2), ("mark", None)]
+    return Trace.of([], events)
+
+
+def test_lines_through_two_traces_and_where_they_do_not_line_up():
+    a, b = _trace(3000, 2), _trace(3000, 10)
+    lines = Lines.through(a, 2, b, 10)
+    assert lines.events[2] == ("set", 1, 0, 3000) and lines.events[0] == ("set", 0, 1024, 0)
+    assert Lines.through(a, 2, a, 2) is None  # one micro-batch is not a line
+    assert Lines.through(_trace(3000, 1), 1, _trace(3000, 10, layout_copy=True), 10) is None  # not the same ops
+    odd = Trace.of([], [("set", 1, 1024), ("mark", "forward"), ("set", 2, 3000 * 10 + 5), ("set", 4, 4),
+                        ("mark", "backward"), ("free", 2), ("mark", None)])
+    assert Lines.through(a, 2, odd, 10) is None  # not a whole number of bytes a sample
+    hosted = Trace.of([], [("set", 1, 1024), ("host",)])
+    assert Lines.through(hosted, 2, hosted, 3) is None
+
+
+def test_a_replay_counts_as_the_tracker_and_splits_phases_as_the_device():
+    """At micro-batch 5: weights 1024, the activation 15000 -> 15360 rounded, the loss 4 -> 512. The forward phase
+    peaks at all three; the backward phase begins with them alive; the allocator model reserves one small segment
+    (2 MiB: each block is under 1 MiB); the margin adds 1 MiB to the peak it reports."""
+    lines = Lines.through(_trace(3000, 2), 2, _trace(3000, 10), 10)
+    r = replay(lines, 5, CachingAllocatorModel(), Margin(fixed_bytes=MiB).total)
+    assert r.phase_peaks == {"setup": 1024, "forward": 1024 + 15360 + 512, "backward": 1024 + 15360 + 512}
+    assert r.peak_allocated_bytes == 1024 + 15360 + 512
+    assert r.modelled_reserved_bytes == 2 * MiB
+    assert r.peak_bytes == 1024 + 15360 + 512 + MiB
+    assert replay(Lines.through(_trace(3000, 2), 2, _trace(1000, 10), 10), 0, CachingAllocatorModel(),
+                  Margin().total) is not None
+    shrinking = Lines.through(_trace(3000, 2), 2, _trace(1000, 3), 3)  # sizes that fall with the batch
+    assert replay(shrinking, 9, CachingAllocatorModel(), Margin().total) is None  # a negative size: not replayed
+
+
+def _reading(r) -> tuple:
+    return r.peak_bytes, r.peak_allocated_bytes, r.batch_peak_bytes, r.phase_peaks, r.modelled_reserved_bytes
+
+
+CASES = {  # model file, plan at micro-batch 1, the card the prior accounts by (None: the cpu device's rules)
+    "tiny_gpt fp32": (EXAMPLES / "tiny_gpt.py", Plan(1, 64, "fp32"), None),
+    "tiny_gpt bf16+ckpt": (EXAMPLES / "tiny_gpt.py", Plan(1, 64, "bf16", activation_checkpointing=True), None),
+    "tiny_gpt fp16 on a T4": (EXAMPLES / "tiny_gpt.py", Plan(1, 64, "fp16"), "t4"),
+    "mlp_dict fp32": (EXAMPLES / "mlp_dict.py", Plan(1, 16, "fp32"), None),
+    "conv_net bf16+ckpt on an A100": (EXAMPLES / "conv_net.py", Plan(1, 16, "bf16", activation_checkpointing=True),
+                                      "a100-80"),
+    "peft llama fp32 on an A100": (FINETUNE / "hf_llama_lora.py", Plan(1, 32, "fp32"), "a100-80"),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_replay_is_the_fake_trial_it_stands_for_to_the_byte(case):
+    """device: fake (the prior's: it never runs out, and traces). Traced at micro-batches 2 and 12, a plan replayed
+    at 3, 7 and 40 reads what the fake trial at that size reads: peak, allocated peak, the forward and backward peak
+    the search predicts with, every phase's peak and the caching allocator model's reserved peak."""
+    path, plan, card = CASES[case]
+    if path.parent == FINETUNE and (find_spec("transformers") is None or find_spec("peft") is None):
+        pytest.skip("transformers and peft are not installed (pip install -e '.[dev]')")
+    mf = load_model_file(path)
+    device = prior_device(CpuDevice("2GiB", card=find_gpu(card) if card else None))
+    at = lambda b: Plan(b, plan.context_length, plan.precision, plan.activation_checkpointing)  # noqa: E731
+    two, twelve = run_trial(mf, at(2), device), run_trial(mf, at(12), device)
+    lines = Lines.through(two.trace, 2, twelve.trace, 12)
+    assert lines is not None
+    for b in (3, 7, 40):
+        assert _reading(device.replay(lines, b)) == _reading(run_trial(mf, at(b), device)), b
+
+
+def test_only_a_device_that_never_runs_out_replays():
+    device = CpuDevice("64MiB")
+    with pytest.raises(ValueError, match="never runs out"):
+        device.replay(Lines((), (), (1, 2)), 3)
