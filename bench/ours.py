@@ -88,7 +88,7 @@ def hidden_from_the_prior() -> Iterator[None]:
     see (a fixed part and a proportion), which the probe's certification must correct for. Restored on exit."""
     make = oomtune.search.prior.prior_device
     oomtune.search.prior.prior_device = lambda device: FakeDevice(f"{device.budget_bytes}B", margin=Margin(),
-                                                                  never_runs_out=True)
+                                                                  never_runs_out=True, traces=True)
     try:
         yield
     finally:

@@ -26,7 +26,8 @@ def _prior(r: dict) -> str:
     if p is None or not p["used"]:
         return "-" if p is None else f"none: {p['why_not']}"
     back = f", fell back: {', '.join(p['fell_back_rungs'])}" if p["fell_back_rungs"] else ""
-    return f"{p['fake_trials']} fake / {p['fake_seconds']:.1f} s{back}"
+    replayed = f" + {p['replayed_trials']} replayed" if p.get("replayed_trials") else ""
+    return f"{p['fake_trials']} fake{replayed} / {p['fake_seconds']:.1f} s{back}"
 
 
 def _answer(r: dict, b: dict) -> str:

@@ -148,9 +148,11 @@ def test_the_prior_sections_verdict_is_read_off_its_rows():
 
     def row(context, seconds):
         return {"context": context, "budget": "1MiB", "plan": "8 x2", "same_plan": True, "trials": [6, 2],
-                "device_trial_s": 0.5, "fake_trials": 5, "fake_s": 2.5, "seconds": seconds}
+                "device_trial_s": 0.5, "fake_trials": 5, "replayed": 4, "fake_s": 2.5, "seconds": seconds}
 
     text = render([row(128, [1.0, 3.0]), row(512, [5.0, 4.0]), row(512, [2.0, 2.5])], 10.0)
-    assert "Context 128: a device trial 0.50 s, a fake trial 0.50 s; the probe from the estimate took 3.0 s " \
-           "against 1.0 s alone (3.00): wall time not lower." in text
+    assert "Context 128: a device trial 0.50 s; the estimate 0.50 s for each fake trial it ran (its replays and its " \
+           "own work included); the probe from the estimate took 3.0 s against 1.0 s alone (3.00): wall time not " \
+           "lower." in text
+    assert "| 5 fake + 4 replayed / 2.5 s |" in text
     assert "took 6.5 s against 7.0 s alone (0.93): wall time lower." in text

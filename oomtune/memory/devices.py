@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import gc
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -29,34 +28,11 @@ from .cuda_autocast import cuda_autocast
 from .cuda_kernels import cuda_kernels
 from .fakes import real_code_paths
 from .margin import AnyMargin, CardMargin, Margin, parse_margin
+from .reading import Reading
 from .replay import Lines, Trace, replay
 from .tracker import MemoryTracker, simulated_oom_message, system_memory
 
 DEVICE_KINDS = ("auto", "cuda", "cpu", "fake")
-
-
-@dataclass
-class Reading:
-    """Peak memory of one measured stretch of work, overall and per phase of the training step.
-    On the simulated devices allocated and reserved are the same number."""
-
-    peak_bytes: int = 0  # what must fit: reserved on cuda (what the card holds), tracked bytes on cpu
-    peak_allocated_bytes: int = 0  # bytes in live tensors at the peak
-    phase_peaks: dict[str, int] = field(default_factory=dict)  # allocated peak per phase: setup, forward, ...
-    phase: str = "setup"  # the phase running now
-    host_peak_bytes: int = 0  # host memory held at most by what the offload levers moved there
-    modelled_reserved_bytes: int | None = None  # simulated devices: the CUDA caching allocator model's peak
-    trace: Trace | None = field(default=None, repr=False)  # what the storages did, where the device traces
-
-    @property
-    def batch_peak_bytes(self) -> int | None:
-        """Peak of the phases that grow with the micro-batch (forward, backward), in peak_bytes' units (the
-        allocator's overhead added on cuda). The optimizer step's peak does not grow with the batch, so a
-        line through these points predicts the largest batch even where small batches peak in the optimizer."""
-        grows = [self.phase_peaks[p] for p in ("forward", "backward") if p in self.phase_peaks]
-        if not grows:
-            return None
-        return max(grows) + (self.peak_bytes - self.peak_allocated_bytes)
 
 
 class Device:
@@ -264,11 +240,7 @@ class TrackedDevice(Device):
         reach it. Only on a device that never runs out of memory (the prior's): a replay does not raise the OOM."""
         if not self.never_runs_out:
             raise ValueError("replay() needs a device that never runs out of memory")
-        r = replay(lines, micro_batch, self.fresh_allocator(), self.margin.total)
-        if r is None:
-            return None
-        return Reading(peak_bytes=r.peak_bytes, peak_allocated_bytes=r.peak_allocated_bytes,
-                       phase_peaks=r.phase_peaks, modelled_reserved_bytes=r.modelled_reserved_bytes)
+        return replay(lines, micro_batch, self.fresh_allocator(), self.margin.total)
 
     def host_ledger(self) -> MemoryTracker:
         return self.tracker
@@ -332,13 +304,14 @@ class FakeDevice(TrackedDevice):
     stands in for a GPU and must not train the model on the host instead). `never_runs_out` (the prior's, which
     never computes): no trial runs out of memory, each reports its peak, however far past the budget, and the search
     still judges it against the limit; a size past the limit then tells the search by how much, which an OOM
-    does not (fewer trials: ladder.LadderSearch.largest_batch's chord)."""
+    does not (fewer trials: ladder.LadderSearch.largest_batch's chord). `traces` (the prior's too): each
+    measurement's Reading holds its Trace, from which other micro-batches are replayed (replay.py)."""
 
     kind = "fake"
     computes = False
 
     def __init__(self, budget: str | None = None, *, gpu: GpuSpec | None = None, margin: AnyMargin | None = None,
-                 may_compute: bool = True, never_runs_out: bool = False):
+                 may_compute: bool = True, never_runs_out: bool = False, traces: bool = False):
         capacity = gpu.memory_bytes if gpu is not None else None
         if budget is None and capacity is None:
             raise OomtuneError("--device fake has no memory of its own: give --budget (e.g. --budget 24GiB) or a "
@@ -350,6 +323,7 @@ class FakeDevice(TrackedDevice):
         self.name = f"{gpu.name} (estimated)" if gpu is not None else "fake (estimated)"
         self.may_compute = may_compute and not never_runs_out  # (real tensors with no budget could fill the RAM)
         self.never_runs_out = never_runs_out
+        self.traces = traces
         if never_runs_out:
             self.tracker.budget_bytes = None
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .allocator import MIN_BLOCK, CachingAllocatorModel
+from .reading import Reading
 
 
 def rounded(nbytes: int) -> int:
@@ -103,27 +104,16 @@ class Lines:
         return Lines(a.initial, tuple(events), (batch_a, batch_b))
 
 
-@dataclass
-class Replayed:
-    """What a replay reads, in Reading's terms (devices.TrackedDevice.replay makes the Reading)."""
-
-    peak_bytes: int = 0
-    peak_allocated_bytes: int = 0
-    phase_peaks: dict[str, int] = field(default_factory=dict)
-    modelled_reserved_bytes: int = 0
-
-
-def replay(lines: Lines, micro_batch: int, model: CachingAllocatorModel, total) -> Replayed | None:
+def replay(lines: Lines, micro_batch: int, model: CachingAllocatorModel, total) -> Reading | None:
     """The measurement at `micro_batch`: the tracker's count and the allocator `model` (fresh, seeded as the device
     seeds it) fed the sizes on the lines, phases split at the marks as Device.mark splits them; `total(tensor
     peak, reserved peak)` is the device margin's. None where a size would be negative (off the lines' range)."""
-    out = Replayed()
+    out = Reading(modelled_reserved_bytes=0)
     sizes = dict(enumerate(lines.initial))
     for n, size in sizes.items():
         model.malloc(n, size)
     model.reset_peak()
     live = peak = sum(lines.initial)
-    phase = "setup"
     for ev in lines.events:
         kind = ev[0]
         if kind == "set":
@@ -143,11 +133,11 @@ def replay(lines: Lines, micro_batch: int, model: CachingAllocatorModel, total) 
             model.free(ev[1])
         else:
             out.modelled_reserved_bytes = max(out.modelled_reserved_bytes, model.peak_reserved_bytes)
-            out.phase_peaks[phase] = max(out.phase_peaks.get(phase, 0), peak)
+            out.phase_peaks[out.phase] = max(out.phase_peaks.get(out.phase, 0), peak)
             out.peak_allocated_bytes = max(out.peak_allocated_bytes, peak)
             out.peak_bytes = max(out.peak_bytes, total(peak, model.peak_reserved_bytes))
             peak = live
             model.reset_peak()
             if ev[1] is not None:
-                phase = ev[1]
+                out.phase = ev[1]
     return out

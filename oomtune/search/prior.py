@@ -50,14 +50,13 @@ def prior_device(device: Device) -> FakeDevice:
     """The fake device that accounts as `device` (cpu or cuda) does: a simulated device's own card and margin; for a
     real GPU, its card's profile (autocast, kernels, allocator, workspaces) without a context, which the GPU's
     budget (its free memory, the context already taken) excludes too. It never runs out of memory: a size past the
-    limit reports its peak, which the search's chord uses (fewer fake trials than where it ran out)."""
+    limit reports its peak, which the search's chord uses (fewer fake trials than where it ran out). It traces its
+    trials, for ReplayingTrials."""
     if isinstance(device, TrackedDevice):
-        fake = FakeDevice(f"{device.budget_bytes}B", gpu=device.card, margin=device.margin, never_runs_out=True)
-    else:
-        card = dataclasses.replace(device.profile(), context_bytes=0)
-        fake = FakeDevice(f"{device.budget_bytes}B", gpu=card, never_runs_out=True)
-    fake.traces = True  # (ReplayingTrials)
-    return fake
+        return FakeDevice(f"{device.budget_bytes}B", gpu=device.card, margin=device.margin, never_runs_out=True,
+                          traces=True)
+    card = dataclasses.replace(device.profile(), context_bytes=0)
+    return FakeDevice(f"{device.budget_bytes}B", gpu=card, never_runs_out=True, traces=True)
 
 
 class ReplayingTrials:

@@ -60,7 +60,7 @@ def test_lines_through_two_traces_and_where_they_do_not_line_up():
     assert Lines.through(hosted, 2, hosted, 3) is None
 
 
-def test_a_replay_counts_as_the_tracker_and_splits_phases_as_the_device():
+def test_a_replay_counts_as_the_tracker_and_splits_phases_as_the_device_marks_them():
     """At micro-batch 5: weights 1024, the activation 15000 -> 15360 rounded, the loss 4 -> 512. The forward phase
     peaks at all three; the backward phase begins with them alive; the allocator model reserves one small segment
     (2 MiB: each block is under 1 MiB); the margin adds 1 MiB to the peak it reports."""
