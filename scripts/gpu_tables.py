@@ -323,7 +323,8 @@ def probe_table(rep: Report, deadline: float, context: int | None, make_real=Non
         prior = real.prior.to_json() if real.prior is not None else {}
         same_plain = "yes" if (plain.config and real.config and plain.config.plan == real.config.plan) else "no"
         rows.append([name, f"{batch}x{t}", plan, peak, f"{len(real.records)} ({per_rung})", f"{real_s:.1f}",
-                     f"{prior.get('fake_trials')} / {prior.get('fake_seconds')} s"
+                     f"{prior.get('fake_trials')} + {prior.get('replayed_trials')} replayed / "
+                     f"{prior.get('fake_seconds')} s"
                      + (f", fell back: {prior['fell_back_rungs']}" if prior.get("fell_back_rungs") else ""),
                      f"{len(plain.records)}", f"{plain_s:.1f}", same_plain,
                      fake_plan, f"{len(est.records)} / {est_s:.1f} s" if est is not None else "n/a", same])
