@@ -30,7 +30,7 @@ def trials_table(records) -> Table:
     for col, just in (("#", "right"), ("rung", "left"), ("stage", "left"), ("batch", "right"),
                       ("ctx", "right"), ("result", "left"), ("peak", "right"), ("tok/s", "right"),
                       ("sec", "right")):
-        table.add_column(col, justify=just, no_wrap=True)
+        table.add_column(col, justify=just, no_wrap=col != "rung", overflow="fold" if col == "rung" else "ellipsis")
     for i, r in enumerate(records, 1):
         accum = f"x{r.grad_accum_steps}" if r.grad_accum_steps > 1 else ""
         table.add_row(str(i), rung_label(r.rung, r.precision),
@@ -43,7 +43,7 @@ def trials_table(records) -> Table:
 def rungs_table(ladder, targets, world_size: int = 1) -> Table:
     table = Table(title="ladder", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
     for col in ("rung", "best context", "best micro-batch" + (" per rank" if world_size > 1 else ""), "trials"):
-        table.add_column(col, no_wrap=True)
+        table.add_column(col, no_wrap=col != "rung", overflow="fold" if col == "rung" else "ellipsis")
     for r in ladder.rungs:
         table.add_row(rung_label(r.rung.name, r.rung.precision),
                       f"{r.context_length}/{targets.context}" if r.found else "[red]none[/]",
