@@ -155,4 +155,8 @@ def test_the_prior_sections_verdict_is_read_off_its_rows():
            "own work included); the probe from the estimate took 3.0 s against 1.0 s alone (3.00): wall time not " \
            "lower." in text
     assert "| 5 fake + 4 replayed / 2.5 s |" in text
+    assert "Replays, checked" not in text  # none were checked
+    checked = render([row(128, [1.0, 3.0])], 10.0, {"agreed": 7, "differed": ["m.py 8 x1"], "runs": 21})
+    assert "7 of 8 replays over 21 estimates read what the fake trial read" in checked
+    assert "Differed: m.py 8 x1." in checked
     assert "took 6.5 s against 7.0 s alone (0.93): wall time lower." in text
