@@ -41,24 +41,25 @@ class CheckedReplays(ReplayingTrials):
         return result
 
 
-def check(path: str, batch: int, context: int, budget: str, ladder: bool, checked: CheckedReplays) -> None:
+def check(path: str, batch: int, context: int, budget: str, ladder: bool) -> CheckedReplays:
     """The prior's estimate for `oomtune probe --device cpu --budget BUDGET --headroom 0` (the whole ladder, or the
-    fp32 rung alone), its replays checked."""
+    fp32 rung alone), its replays checked (fresh trials, as each probe's prior has)."""
     mf = load_model_file(ROOT / path)
     levers = {} if ladder else {"levers": frozenset({"accumulation"})}
+    checked = CheckedReplays()
     probe(mf, prior_device(CpuDevice(budget)), resolve_targets(mf, batch, context, None), headroom=0.0,
           command="estimate", trial=checked, prior=False, **levers)
+    return checked
 
 
-def cross_check(extra: list[tuple[str, int, int, str]]) -> tuple[CheckedReplays, int]:
-    """Every estimate of make bench's cases (15), then `extra` (model, batch, context, budget: fp32 rung only)."""
-    checked = CheckedReplays()
-    runs = 0
-    for case in (*CASES, *LARGE_CASES):
-        for budget in case.budgets:
-            check(case.path, case.batch, case.context, budget, case.ladder, checked)
-            runs += 1
-    for path, batch, context, budget in extra:
-        check(path, batch, context, budget, False, checked)
-        runs += 1
-    return checked, runs
+def cross_check(extra: list[tuple[str, int, int, str]]) -> dict:
+    """Every estimate of make bench's cases (15), then `extra` (model, batch, context, budget: fp32 rung only):
+    {"agreed": replays that read what the fake trial read, "differed": those that did not, "runs": estimates}."""
+    runs = [(c.path, c.batch, c.context, budget, c.ladder) for c in (*CASES, *LARGE_CASES) for budget in c.budgets]
+    runs += [(*e, False) for e in extra]
+    agreed, differed = 0, []
+    for run in runs:
+        checked = check(*run)
+        agreed += checked.agreed
+        differed += checked.differed
+    return {"agreed": agreed, "differed": differed, "runs": len(runs)}
