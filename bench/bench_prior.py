@@ -76,6 +76,8 @@ def render(rows: list[dict], wall: float, replays: dict | None = None) -> str:
     out.append("")
     for context, _ in CASES:
         mine = [r for r in rows if r["context"] == context]
+        if not mine:
+            continue
         a, b = (sum(r["seconds"][i] for r in mine) for i in (0, 1))
         fake = sum(r["fake_s"] for r in mine) / max(sum(r["fake_trials"] for r in mine), 1)
         trial = sum(r["device_trial_s"] * r["trials"][0] for r in mine) / sum(r["trials"][0] for r in mine)
