@@ -34,6 +34,11 @@ MIN_LARGE_ALLOC = 10 * MiB  # kMinLargeAlloc: from here the segment is the reque
 ROUND_LARGE = 2 * MiB  # kRoundLarge
 
 
+def rounded(nbytes: int) -> int:
+    """A storage as oomtune's tracker counts it: up to a multiple of 512 bytes (0 stays 0)."""
+    return -(-nbytes // MIN_BLOCK) * MIN_BLOCK
+
+
 def round_size(nbytes: int) -> int:
     """A request's size as the allocator serves it: at least 512 bytes, a multiple of 512."""
     return max(MIN_BLOCK, -(-nbytes // MIN_BLOCK) * MIN_BLOCK)

@@ -17,15 +17,11 @@ rung, catch such a miss and correct it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .allocator import MIN_BLOCK, CachingAllocatorModel
+from .allocator import CachingAllocatorModel, rounded
 from .reading import Reading
-
-
-def rounded(nbytes: int) -> int:
-    """As the tracker counts a storage: up to a multiple of 512 bytes (0 stays 0)."""
-    return -(-nbytes // MIN_BLOCK) * MIN_BLOCK
 
 
 @dataclass(frozen=True)
@@ -104,7 +100,8 @@ class Lines:
         return Lines(a.initial, tuple(events), (batch_a, batch_b))
 
 
-def replay(lines: Lines, micro_batch: int, model: CachingAllocatorModel, total) -> Reading | None:
+def replay(lines: Lines, micro_batch: int, model: CachingAllocatorModel,
+           total: Callable[[int, int | None], int]) -> Reading | None:
     """The measurement at `micro_batch`: the tracker's count and the allocator `model` (fresh, seeded as the device
     seeds it) fed the sizes on the lines, phases split at the marks as Device.mark splits them; `total(tensor
     peak, reserved peak)` is the device margin's. None where a size would be negative (off the lines' range)."""

@@ -23,12 +23,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 from ..units import format_bytes
-from .allocator import OutOfMemory
+from .allocator import OutOfMemory, rounded
 
 if TYPE_CHECKING:
     from .recorder import Recorder
 
-BLOCK = 512  # the CUDA caching allocator's smallest rounding unit, bytes
 # ops that read a tensor's metadata and make none; wrapper subclasses (NF4) dispatch `.device` for every use
 METADATA_OPS = frozenset(getattr(torch.ops.prim, name).default for name in ("device", "layout")
                          if hasattr(torch.ops.prim, name))
@@ -73,10 +72,6 @@ def adopt(*tensors) -> None:
     for tracker in list(_ACTIVE):
         added = tracker.track(*tensors)
         tracker._check_budget(added)
-
-
-def rounded(nbytes: int) -> int:
-    return (nbytes + BLOCK - 1) // BLOCK * BLOCK
 
 
 def _tensors(obj) -> Iterable[torch.Tensor]:
