@@ -133,6 +133,7 @@ class MemoryTracker(TorchDispatchMode):
         # where set, what the device's storages did, in order (replay.py): ("set", key, bytes before rounding) for
         # a birth or a resize, ("free", key), ("mark", phase) from the device, ("host",) for a host storage
         self.events: list[tuple] | None = None
+        self._raw: dict[int, int] = {}  # id(storage) -> its bytes before rounding, while events are recorded
 
     @contextlib.contextmanager
     def hosting(self) -> Iterator[None]:
@@ -177,8 +178,12 @@ class MemoryTracker(TorchDispatchMode):
         elif old != size:  # resize_ / set_ grew or shrank it in place
             self._sizes[key] = size
         else:
+            if self.events is not None and self._raw.get(key, raw) != raw:  # resized within its rounding: a replay
+                self._raw[key] = raw  # at another micro-batch may cross it
+                self.events.append(("set", key, raw))
             return 0
         if self.events is not None:
+            self._raw[key] = raw
             self.events.append(("set", key, raw))
         if self.recorder is not None:  # a resize is the old size dying and the new one being born
             tags = set()
@@ -243,6 +248,7 @@ class MemoryTracker(TorchDispatchMode):
     def _release(self, key: int) -> None:
         if self.events is not None and key in self._sizes:
             self.events.append(("free", key))
+        self._raw.pop(key, None)
         self.host_live_bytes -= self._host_sizes.pop(key, 0)
         self.live_bytes -= self._sizes.pop(key, 0)
         if self.allocator is not None:

@@ -63,7 +63,8 @@ class ReplayingTrials:
     """The prior's trials (probe's `trial`): each plan is run on the fake device, traced, until two of its
     micro-batches line up (memory/replay.py); every other micro-batch of that plan is then replayed from them, in
     milliseconds, instead of run. A plan with accumulation, and micro-batch 1 (whose tensors' layouts can differ
-    from a larger batch's), are always run."""
+    from a larger batch's), are always run; micro-batch 1's trace may still be one of the two, where it lines up
+    with another (a layout that differs there makes other events, and then it does not)."""
 
     def __init__(self):
         self.traces: dict[Plan, list[tuple[int, Trace]]] = {}  # plan at micro-batch 1 -> its traced trials

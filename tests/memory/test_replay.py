@@ -109,6 +109,40 @@ def test_a_replay_is_the_fake_trial_it_stands_for_to_the_byte(case):
         assert _reading(device.replay(lines, b)) == _reading(run_trial(mf, at(b), device)), b
 
 
+RESIZED = """
+import torch
+from torch import nn
+
+class Resizing(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(64, 4)
+
+    def forward(self, x, y):
+        scratch = torch.empty(508 * x.shape[0], dtype=torch.uint8, device=x.device)
+        scratch.resize_(508 * x.shape[0] + 4)  # grown in place by less than the 512-byte rounding
+        return nn.functional.cross_entropy(self.lin(x).mean(1), y)
+
+def build_model():
+    return Resizing()
+
+def make_batch(batch_size, context_length, device):
+    return (torch.randn(batch_size, context_length, 64, device=device),
+            torch.randint(0, 4, (batch_size,), device=device))
+"""
+
+
+def test_a_resize_within_the_rounding_is_traced_for_the_micro_batches_where_it_crosses_it(write_model):
+    """device: fake (the prior's). 508 n bytes grown to 508 n + 4 keeps its 512-byte rounding at n = 2 and 12 (the
+    traces) and crosses it at n = 128 (65024 -> 65536): the trace records the resize all the same, and the replay
+    at 128 counts the extra block as the fake trial does."""
+    mf = load_model_file(write_model(RESIZED))
+    device = prior_device(CpuDevice("1GiB"))
+    at = lambda b: Plan(b, 4, "fp32")  # noqa: E731
+    lines = Lines.through(run_trial(mf, at(2), device).trace, 2, run_trial(mf, at(12), device).trace, 12)
+    assert _reading(device.replay(lines, 128)) == _reading(run_trial(mf, at(128), device))
+
+
 def test_only_a_device_that_never_runs_out_replays():
     device = CpuDevice("64MiB")
     with pytest.raises(ValueError, match="never runs out"):
