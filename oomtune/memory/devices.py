@@ -183,6 +183,7 @@ class TrackedDevice(Device):
         self.margin = margin if margin is not None else (CardMargin(card) if card is not None else Margin())
         self.never_runs_out = False  # (the prior's fake device: FakeDevice)
         self.traces = False  # each measurement's Reading holds its Trace (replay.py: the probe's prior sets it)
+        self._initial: list[tuple[int, int]] = []  # a traced measurement's live storages when it began (key, size)
         self.tracker = MemoryTracker(kind=kind)  # one accountant for the device's lifetime
         self.tracker.budget_bytes = self.tensor_budget(budget_bytes)
         if self.tracker.budget_bytes <= 0:
