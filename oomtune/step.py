@@ -14,6 +14,7 @@ has the LOCAL Dist, whose agreements and collectives do nothing: the step is the
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -164,12 +165,13 @@ def train_step(t: Training, micro_batches: Sequence[Batch]) -> torch.Tensor:
 def make_optimizer_state(t: Training) -> torch.Tensor | None:
     """Make the optimizer state the first step makes, without a forward and backward: every trained parameter
     gets a zero gradient (handed to an offloading optimizer as backward's hooks hand it), the optimizer steps once
-    (or only makes its state, where it can: the 8-bit one), and zero_grad frees the gradients. On the fake device,
-    where no value is computed, a trial that starts from it sees the steady state's peak in its first step: one
-    step, not two. It assumes backward reaches every trained parameter; the caller checks (every_gradient_made).
-    Returns a zero loss, as train_step returns a 0-dim loss (the caller holds it through the next step); None
-    (nothing done) where that would not be the first step's state: the model file's own optimizer (it may
-    need a closure, or keep no state for a zero gradient) or lazy parameters not yet materialized."""
+    (or only makes its state, where it can: the 8-bit one, torch's Adam and AdamW), and zero_grad frees the
+    gradients. On the fake device, where no value is computed, a trial that starts from it sees the steady state's
+    peak in its first step: one step, not two. It assumes backward reaches every trained parameter; the caller
+    checks (every_gradient_made). Returns a zero loss, as train_step returns a 0-dim loss (the caller holds it
+    through the next step); None (nothing done) where that would not be the first step's state: the model file's
+    own optimizer (it may need a closure, or keep no state for a zero gradient) or lazy parameters not yet
+    materialized."""
     params = [p for p in t.module.parameters() if p.requires_grad]
     if t.model_file.has("optimizer") or any(nn.parameter.is_lazy(p) for p in params):
         return None
@@ -184,11 +186,32 @@ def make_optimizer_state(t: Training) -> torch.Tensor | None:
                 p.grad = torch.zeros_like(p)
                 if offload is not None:  # to the host at once, as backward's hook moves each as it is made
                     offload(p)
-        t.optimizer.step()
+        if not _init_adam_state(t.optimizer):
+            t.optimizer.step()
         t.optimizer.zero_grad(set_to_none=True)
     if t.scaler.is_enabled():  # fp16: the scale and growth tracker the first step's scale() makes
         t.scaler.scale(torch.zeros((), device=t.device.torch_device))
     return torch.zeros((), device=t.device.torch_device)
+
+
+_ADAM_INIT_ARGS = {"params_with_grad", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "state_steps", "amsgrad"}
+
+
+def _init_adam_state(optimizer: torch.optim.Optimizer) -> bool:
+    """torch's own Adam and AdamW (the default optimizer): the state their first step makes, by the lazy
+    initialization that step runs first (`_init_group`: step counters, first and second moments), without the
+    update, whose scratch the next step makes again (on the fake device the update was a third of a trial's
+    dispatched ops). False, and nothing done, for any other optimizer or an initialization of another shape than
+    torch 2.4-2.13's: the caller then steps."""
+    init = getattr(optimizer, "_init_group", None)
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW) or init is None:
+        return False
+    names = list(inspect.signature(init).parameters)
+    if not names or names[0] != "group" or not set(names[1:]) <= _ADAM_INIT_ARGS:
+        return False
+    for group in optimizer.param_groups:
+        init(group, **{n: group["amsgrad"] if n == "amsgrad" else [] for n in names[1:]})
+    return True
 
 
 def every_gradient_made(t: Training) -> bool:

@@ -20,6 +20,7 @@ from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 from ..units import format_bytes
@@ -31,6 +32,9 @@ if TYPE_CHECKING:
 # ops that read a tensor's metadata and make none; wrapper subclasses (NF4) dispatch `.device` for every use
 METADATA_OPS = frozenset(getattr(torch.ops.prim, name).default for name in ("device", "layout")
                          if hasattr(torch.ops.prim, name))
+# a fake tensor's `.device`, which the autograd engine and the optimizers ask for every tensor they touch: two in
+# three of the ops a fake trial dispatches (tiny_gpt). The tracker, outermost, answers it as FakeTensor does.
+_PRIM_DEVICE = torch.ops.prim.device.default
 
 # the autograd node running now (None outside the backward pass); without it, recomputation is not told apart
 _current_autograd_node = getattr(torch._C, "_current_autograd_node", lambda: None)
@@ -283,6 +287,8 @@ class MemoryTracker(TorchDispatchMode):
 
     # -- the hook every op runs through ----------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _PRIM_DEVICE and type(args[0]) is FakeTensor and not args[0].fake_mode.in_kernel_invocation:
+            return args[0].fake_device  # FakeTensor's own answer, without the modes beneath (see _PRIM_DEVICE)
         out = func(*args, **(kwargs or {}))
         if func in METADATA_OPS or self._paused:  # no tensor made, or none to count
             return out

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from torch import nn
 
 from oomtune.config.schema import Plan
 from oomtune.errors import OomtuneError
@@ -94,6 +95,37 @@ def test_the_fake_device_makes_the_first_steps_state_without_it_unless_backward_
         assert fake.peak_allocated_bytes == cpu.peak_allocated_bytes, mf.label
         # a breakdown records the trial it keeps: the rerun, not the discarded primed run
         assert breakdown(mf, plan, FakeDevice("1GiB", margin=Margin())) == breakdown(mf, plan, CpuDevice("1GiB"))
+
+
+@pytest.mark.parametrize("make", [
+    lambda ps: torch.optim.AdamW(ps, lr=0.1),
+    lambda ps: torch.optim.Adam(ps, lr=0.1, amsgrad=True),
+    lambda ps: torch.optim.AdamW(ps, lr=0.1, foreach=True),  # as the simulated devices run it (step.as_on_cuda)
+], ids=["adamw", "adam-amsgrad", "adamw-foreach"])
+def test_the_primed_adam_state_is_the_one_its_first_step_makes_without_the_update(make):
+    """device: none (plain cpu tensors). torch's Adam and AdamW are primed by their own lazy initialization
+    (step._init_adam_state): the same state tensors (names, shapes, dtypes, devices) a real first step leaves, and
+    no parameter moved; any other optimizer is left to step."""
+    from oomtune.step import _init_adam_state
+
+    def params():
+        torch.manual_seed(0)
+        ps = [nn.Parameter(torch.randn(3, 4)), nn.Parameter(torch.randn(4))]
+        for p in ps:
+            p.grad = torch.ones_like(p)
+        return ps
+
+    stepped, primed = params(), params()
+    by_step, by_init = make(stepped), make(primed)
+    by_step.step()
+    assert _init_adam_state(by_init)
+    for a, b, start in zip(stepped, primed, params(), strict=True):
+        got = {k: (v.shape, v.dtype, v.device) for k, v in by_init.state[b].items()}
+        assert got == {k: (v.shape, v.dtype, v.device) for k, v in by_step.state[a].items()}
+        assert torch.equal(b, start) and not torch.equal(a, start)  # the update did not run
+    sgd = torch.optim.SGD(params(), lr=0.1, momentum=0.9)
+    subclass = type("MyAdam", (torch.optim.Adam,), {})(params())
+    assert not _init_adam_state(sgd) and not sgd.state and not _init_adam_state(subclass) and not subclass.state
 
 
 def test_fp16_with_gradscaler_runs_on_fake_and_matches_cpu(model_files):
