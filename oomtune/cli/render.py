@@ -68,18 +68,19 @@ def trial_progress(enabled: bool):
     task = progress.add_task("starting", total=None)
 
     def on_start(point):
-        ck = " + checkpointing" if point.rung.activation_checkpointing else ""
-        ck += f" + {point.rung.sharding}" if point.rung.sharding != "none" else ""
         accum = f" x{point.grad_accum_steps} accum" if point.grad_accum_steps > 1 else ""
-        progress.update(task, description=f"{point.rung.precision}{ck}: micro-batch {point.micro_batch_size}, "
+        progress.update(task, description=f"{point.rung.name}: micro-batch {point.micro_batch_size}, "
                                           f"context {point.context_length}{accum}")
 
     def on_trial(rec):
         stop_if_interrupted()
         progress.advance(task)
+        # the rung last: the ladder's names run from "fp32" to "bf16-true+8bit+offload+offload-activations"
+        b = f"{rec.micro_batch_size}x{rec.grad_accum_steps}" if rec.grad_accum_steps > 1 else rec.micro_batch_size
         progress.console.print(
-            f"  [dim]{rec.rung:<13}[/] b={rec.micro_batch_size:<4} T={rec.context_length:<6} "
-            f"[{RESULT_STYLE[rec.result]}]{RESULT_SHORT[rec.result]:<6}[/] {fmt_bytes(rec.peak_bytes):>10}"
+            f"  b={b:<7} T={rec.context_length:<6} "
+            f"[{RESULT_STYLE[rec.result]}]{RESULT_SHORT[rec.result]:<6}[/] {fmt_bytes(rec.peak_bytes):>11}  "
+            f"[dim]{rec.rung}[/]"
         )
 
     with progress:
