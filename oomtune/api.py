@@ -55,7 +55,9 @@ class Job:
         self.device, self.dist = probe_on_ranks(kind, budget, dist_timeout, launched, gpu)
         return self
 
-    def run(self, on_start: OnStart = None, on_trial: OnTrial = None):
+    def run(self, on_start: OnStart = None, on_trial: OnTrial = None, on_begin: Callable | None = None):
+        """The search; `on_begin(estimating)` (probe) once its input is checked, before the first trial (True:
+        the estimate on fake tensors runs first)."""
         if self.kind == "estimate":
             from .search.estimate import estimate as run_estimate
 
@@ -66,7 +68,7 @@ class Job:
         if self.device is None:
             self.connect()
         return run_probe(self.model_file, self.device, self.targets, on_start=on_start, on_trial=on_trial,
-                         dist=self.dist, **self.options)
+                         dist=self.dist, on_begin=on_begin, **self.options)
 
     def write(self, result, before_writing: Hook = None) -> bool:
         """The snapshot's trial of the plan found (estimate: of the plan it broke down, the smallest where nothing

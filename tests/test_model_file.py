@@ -122,6 +122,9 @@ def test_budget_too_small_for_the_weights_says_what_they_need(write_model):
     msg = probe_error(write_model(), "--budget", "2KiB")
     assert "too small for the weights alone: weights 3.00 KiB + gradients 0 B + BlockwiseAdamW8bit state 0 B" in msg
     assert msg.endswith("(with bf16-true+8bit+offload+offload-activations; and 14.00 KiB in host memory)")
+    # the error is all it says: no "probing ..." header first, as if a search had begun
+    r = run_cli(*PROBE[:1], write_model(), *PROBE[1:], "--budget", "2KiB")
+    assert r.stderr.strip() == msg, r.stderr
 
 
 def test_bad_defaults_and_bad_options(write_model):

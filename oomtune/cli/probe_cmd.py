@@ -109,16 +109,16 @@ def probe(
             if job.run().config is None:
                 raise typer.Exit(1)
             return
-        _say_what_runs(job, as_json)
         with trial_progress(not as_json) as (on_start, on_trial):
-            result = job.run(on_start, on_trial)
+            result = job.run(on_start, on_trial, on_begin=lambda estimating: _say_what_runs(job, as_json, estimating))
         stop_if_interrupted()  # a Ctrl-C during the search writes nothing, even one Python dropped
         kept = job.write(result, before_writing=stop_if_interrupted)  # (the snapshot's trial runs first)
         snapshot_written(memory_snapshot, result.plan)
         render_search(result, out_path if result.config else None, as_json, "probe", kept_train=kept)
 
 
-def _say_what_runs(job, as_json: bool) -> None:
+def _say_what_runs(job, as_json: bool, estimating: bool) -> None:
+    """The header, once the input is checked (a budget below the weights is an error, not a probe that began)."""
     if as_json:
         return
     targets, dist = job.targets, job.dist
@@ -126,3 +126,6 @@ def _say_what_runs(job, as_json: bool) -> None:
     err.print(f"probing [bold]{job.model_file.label}[/] on {job.device.name}{ranks}: batch {targets.batch}, "
               f"context {targets.context}" + (f" (min {targets.min_context})"
                                               if targets.min_context < targets.context else ""))
+    if estimating:
+        err.print("  [dim]estimating every rung on fake tensors first (no device memory), then two trials a rung "
+                  "on the device[/]")

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 BLOCK = 256  # elements per scale (torchao's block_size)
 MIN_QUANT = 4096  # smaller tensors keep fp32 moments (torchao's min_quant_size)
@@ -29,14 +30,18 @@ def quantizes(p: torch.Tensor) -> bool:
 
 def _codebook(signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(the 256 values a code stands for, ascending; the midpoints between neighbours) of a block's values over its
-    largest magnitude: logarithmically spaced, so small moments keep their relative precision."""
-    if signed:  # 128 negative magnitudes and 128 positive ones, 1e-6 .. 1
-        mag = torch.pow(10.0, torch.arange(128, dtype=torch.float64) * (SIGNED_DECADES / 127) - SIGNED_DECADES)
-        values = torch.cat([-mag.flip(0), mag])
-    else:  # 1e-7 .. 1
-        values = torch.pow(10.0, torch.arange(256, dtype=torch.float64) * (UNSIGNED_DECADES / 255) - UNSIGNED_DECADES)
-    values = values.float()
-    return values, (values[1:] + values[:-1]) / 2
+    largest magnitude: logarithmically spaced, so small moments keep their relative precision. Real CPU tensors
+    outside every mode: this module is first imported where a lever is first used, which can be inside a simulated
+    device's measurement (fake tensors, counted as the device's: they would outlive it, and be fake ever after)."""
+    with _disable_current_modes(), torch.device("cpu"):
+        if signed:  # 128 negative magnitudes and 128 positive ones, 1e-6 .. 1
+            mag = torch.pow(10.0, torch.arange(128, dtype=torch.float64) * (SIGNED_DECADES / 127) - SIGNED_DECADES)
+            values = torch.cat([-mag.flip(0), mag])
+        else:  # 1e-7 .. 1
+            values = torch.pow(10.0, torch.arange(256, dtype=torch.float64) * (UNSIGNED_DECADES / 255)
+                               - UNSIGNED_DECADES)
+        values = values.float()
+        return values, (values[1:] + values[:-1]) / 2
 
 
 _CODEBOOKS = {signed: _codebook(signed) for signed in (True, False)}

@@ -172,7 +172,8 @@ def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: 
           on_trial: Callable[[TrialRecord], None] | None = None, dist: Dist = LOCAL,
           sharding: str | None = None, levers: frozenset[str] = frozenset(LEVERS),
           statics: tuple[StaticMemory, StaticMemory] | None = None,
-          trial: Callable[..., TrialResult] = run_trial, prior: bool | None = None) -> ProbeResult:
+          trial: Callable[..., TrialResult] = run_trial, prior: bool | None = None,
+          on_begin: Callable[[bool], None] | None = None) -> ProbeResult:
     """Climb the ladder with real trials on `device`; every trial runs the training step itself.
 
     On several ranks (`dist`) every rank calls this: each trial runs on all of them, and they agree on its result
@@ -197,11 +198,13 @@ def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: 
     check_static_fits(floor, device, limit, headroom, sharded_by)
     notes = measurement_notes(model_file, static, device)
     check_prior(prior, device.kind, world > 1)
+    estimating = device.kind == "cuda" and world == 1 if prior is None else prior
+    if on_begin is not None:  # the input is good: the search begins (True: with the estimate on fake tensors)
+        on_begin(estimating)
     report = run_prior(lambda fake, trial: probe(model_file, fake, targets, headroom=headroom, steps=steps,
                                                  objective=objective, amp=amp, command="estimate", levers=levers,
                                                  statics=(static, floor), trial=trial, prior=False),
-                       device, model_file.label) \
-        if (device.kind == "cuda" and world == 1 if prior is None else prior) else None
+                       device, model_file.label) if estimating else None
 
     reuse = {"models": ModelCache()} if trial is run_trial else {}  # (estimate's recording trials build each time)
     trials = _Trials(lambda point: trial(model_file, plan_of(point, world), device, steps=steps, dist=dist, **reuse),

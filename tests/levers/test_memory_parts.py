@@ -314,3 +314,25 @@ def test_an_offloaded_optimizer_is_primed_one_gradient_at_a_time_as_backward_mov
     print(f"offloaded AdamW, weights {weights}: peak cpu {cpu.peak_allocated_bytes}, fake {fake.peak_allocated_bytes}")
     assert cpu.peak_allocated_bytes == fake.peak_allocated_bytes < 1.5 * weights  # not weights + all gradients
     assert cpu.host_peak_bytes == fake.host_peak_bytes
+
+
+def test_the_8bit_codebooks_are_real_whatever_mode_first_imports_them(monkeypatch):
+    """device: fake. The 8-bit optimizer's module is imported where the lever is first used, which can be inside a
+    simulated device's measurement: its codebooks are still real CPU tensors, counted by no tracker (they were fake
+    ones, counted as 4 KiB of the device's, a "gradient" in a floor's breakdown, and fake for the process's life)."""
+    import sys
+
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    import oomtune.levers
+    from oomtune.memory.tracker import MemoryTracker
+
+    monkeypatch.delitem(sys.modules, "oomtune.levers.adamw8bit")  # restored after the test, with the attribute
+    monkeypatch.delattr(oomtune.levers, "adamw8bit")
+    tracker = MemoryTracker()
+    with FakeTensorMode(allow_non_fake_inputs=True), tracker:
+        import oomtune.levers.adamw8bit as fresh
+    books = [t for pair in fresh._CODEBOOKS.values() for t in pair]
+    assert len(books) == 4
+    assert not any(isinstance(t, FakeTensor) for t in books) and {t.device.type for t in books} == {"cpu"}
+    assert tracker.live_bytes == 0 and tracker.peak_bytes == 0
