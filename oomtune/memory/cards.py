@@ -83,14 +83,30 @@ GENERIC = GpuSpec("a generic sm80 card", None, (8, 0), ("generic",))
 
 def card_for(name: str, memory_bytes: int, compute_capability: tuple[int, int]) -> GpuSpec:
     """The profile of a card the driver names: the table's where it knows the name (and the compute capability
-    matches), else one made from what the driver reports."""
+    matches) or, for a variant's longer name ("NVIDIA A100-SXM4-80GB", "NVIDIA H100 80GB HBM3"), the one card of
+    that model, compute capability and memory (within MEMORY_MATCH); else one made from what the driver reports."""
     try:
         spec = find_gpu(name)
     except OomtuneError:
         spec = None
     if spec is not None and spec.compute_capability == compute_capability:
         return spec
+    words = re.findall(r"[a-z0-9]+", name.lower())
+    words += [a + b for a, b in zip(words, words[1:], strict=False)]  # "rtx", "4090" -> "rtx4090"
+    same = [g for g in GPUS if g.compute_capability == compute_capability and g.memory_bytes
+            and abs(g.memory_bytes - memory_bytes) <= MEMORY_MATCH * g.memory_bytes and _model(g) in words]
+    if len(same) == 1:
+        return same[0]
     return GpuSpec(name, memory_bytes, compute_capability, (_key(name),))
+
+
+MEMORY_MATCH = 0.03  # variants of one card differ by a few hundred MiB (ECC, PCIe/SXM); the next size by far more
+
+
+def _model(spec: GpuSpec) -> str:
+    """The model a card's first alias names: 'a100' of 'a100-80', 'rtx4090', 't4'."""
+    found = re.match(r"[a-z]+[0-9]+", spec.aliases[0])
+    return found.group(0) if found else spec.aliases[0]
 
 
 def _key(name: str) -> str:

@@ -4,7 +4,7 @@ Devices: cpu and fake."""
 import pytest
 
 from oomtune.config.schema import Plan
-from oomtune.memory.cards import GENERIC, MiB, cublas_workspace_bytes, find_gpu
+from oomtune.memory.cards import GENERIC, MiB, card_for, cublas_workspace_bytes, find_gpu
 from oomtune.memory.devices import CpuDevice, FakeDevice
 from oomtune.memory.margin import CardMargin, Margin, parse_margin
 from oomtune.model_file import load_model_file
@@ -138,3 +138,23 @@ def test_a_card_margin_names_the_card_or_agrees_with_it():
 def test_with_a_card_the_cpu_devices_budget_is_the_cards_memory():
     assert CpuDevice(card=T4).budget_bytes == FakeDevice(gpu=T4).budget_bytes == T4.memory_bytes
     assert CpuDevice("50%", card=T4).budget_bytes == T4.memory_bytes // 2
+
+
+@pytest.mark.parametrize(("driver", "mib", "cc", "table"), [
+    ("NVIDIA H200", 143771, (9, 0), "h200"),  # the table's name
+    ("NVIDIA A100-SXM4-80GB", 81920, (8, 0), "a100-80"),  # a variant's long name: model, memory, capability
+    ("NVIDIA A100-PCIE-40GB", 40536, (8, 0), "a100-40"),  # ECC on: a few hundred MiB less
+    ("NVIDIA H100 80GB HBM3", 81559, (9, 0), "h100"),
+    ("NVIDIA GeForce RTX 4090", 24564, (8, 9), "rtx4090"),
+    ("NVIDIA H100 NVL", 95830, (9, 0), None),  # another card of that model: its own memory
+    ("NVIDIA A100-SXM4-80GB", 81920, (9, 0), None),  # not the table's capability
+    ("NVIDIA RTX A6000", 49140, (8, 6), None),  # not in the table
+])
+def test_the_driver_names_a_table_card_by_its_model_memory_and_capability(driver, mib, cc, table):
+    """device: none. The card a CUDA device reports (cuda.py) is the table's where its name, or its model with the
+    same compute capability and memory within 3%, says so; else a card made from what the driver reports."""
+    spec = card_for(driver, mib * MiB, cc)
+    if table is None:
+        assert (spec.name, spec.memory_bytes, spec.compute_capability) == (driver, mib * MiB, cc)
+    else:
+        assert spec is find_gpu(table)
