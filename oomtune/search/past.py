@@ -4,6 +4,9 @@ exactness, so the last combines them all (the guides' "combine two or more"):
 
     bf16-true -> +8bit -> +nf4 (a model with frozen Linear weights) -> +offload -> +offload-activations
 
+On a card without bf16 (amp is fp16 there) the offload rungs run in fp32 ("fp32+8bit+offload"): fp16's GradScaler
+cannot unscale gradients offload has moved off the device.
+
 A lever the user left out of --levers, one that cannot apply to this model or device, or one whose library is
 missing is skipped, with a note saying why (`PastRungs.skipped`)."""
 
@@ -55,23 +58,25 @@ def past_rungs(device, amp_dtype: str, static: StaticMemory, label: str, has_opt
     for lever, (key, _) in PAST_LEVERS.items():
         if lever not in levers:
             continue
-        why = _why_not(lever, fields["precision"], static, label, has_optimizer_hook, device.kind)
+        why = _why_not(lever, static, label, has_optimizer_hook, device.kind)
         if why is not None:
             out.skipped[lever] = why
             continue
+        if key == "offload_optimizer" and fields["precision"] == "fp16":
+            # fp16's GradScaler unscales the gradients on the device, where offload has already taken them; a card
+            # without bf16 offloads in fp32: more activation memory than fp16's, the optimizer's all moved off
+            fields["precision"] = "fp32"
+            names.insert(0, "fp32")
         fields[key] = True
         names.append(lever)
         out.rungs.append(Rung("+".join(names), **fields))
     return out
 
 
-def _why_not(lever: str, precision: str, static: StaticMemory, label: str, has_optimizer_hook: bool,
-             device_kind: str) -> str | None:
+def _why_not(lever: str, static: StaticMemory, label: str, has_optimizer_hook: bool, device_kind: str) -> str | None:
     key = PAST_LEVERS[lever][0]
     if key in ("optimizer_8bit", "offload_optimizer") and has_optimizer_hook:
         return f"{label} defines its own optimizer, and this lever replaces only the default AdamW"
     if key == "nf4_frozen_weights" and not static.nf4_elements:
         return f"{label} has no frozen nn.Linear (or Conv1D) weights (NF4 is for a PEFT LoRA model's base layers)"
-    if key == "offload_optimizer" and precision == "fp16":
-        return "fp16's GradScaler unscales the gradients where they are made; offload runs with bf16 or fp32"
     return missing_library(key, device_kind)

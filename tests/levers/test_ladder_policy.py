@@ -125,3 +125,19 @@ def loss(model, batch):
     x, y = batch
     return ((model(x) - y) ** 2).mean()
 """
+
+
+def test_a_card_without_bf16_offloads_in_fp32(tmp_path):
+    """device: fake, a T4 profile (no bf16: amp is fp16, with a GradScaler, which cannot unscale gradients offload
+    has moved off the device). In 3 MiB micro-batch 1 fits on no rung up to fp16 + 8-bit; the offload rungs run in
+    fp32, and the first of them fits (before, offload was left out on such a card and nothing fitted)."""
+    out = tmp_path / "t4.yaml"
+    r = run_cli("estimate", EXAMPLES / "tiny_gpt.py", "--gpu", "t4", "--budget", "3MiB", "--margin", "0", "--batch",
+                "8", "--context", "64", "--out", out, "--json")
+    assert r.exit_code == 0, r.output
+    report = json.loads(r.stdout)
+    assert [x["rung"] for x in report["rungs"]] == ["fp32", "amp", "checkpointing", "8bit", "fp32+8bit+offload"]
+    assert "offload" not in report["levers_not_used"] and "no native bf16" in report["levers_not_used"]["bf16-true"]
+    plan = load_config(out).plan
+    assert (plan.precision, plan.optimizer_8bit, plan.offload_optimizer) == ("fp32", True, True)
+    assert plan.activation_checkpointing and plan.global_batch_size == 8
