@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 import threading
+import traceback
 import warnings
 from contextlib import contextmanager
 
@@ -112,8 +113,9 @@ def _remember_sigint():
 
 @contextmanager
 def user_errors(debug: bool):
-    """One project error -> one line on stderr and its exit code; anything else -> a short line + exit 1. A
-    worker on several ranks prefixes its rank, and exits 3 when it only stopped because a peer did."""
+    """One project error -> one line on stderr and its exit code; anything else -> a short line + exit 1; with
+    `debug` the traceback first, and the same line and code. A worker on several ranks prefixes its rank, and exits
+    3 when it only stopped because a peer did."""
     rank = worker_rank()
     who = escape(f"[rank {rank}] ") if rank is not None else ""
     _quiet_torch_noise(debug)
@@ -122,8 +124,8 @@ def user_errors(debug: bool):
         with _remember_sigint():
             yield
     except OomtuneError as e:
-        if debug:
-            raise
+        if debug:  # the traceback, then the same line and exit code as without --debug (2: bad input)
+            traceback.print_exc()
         err.print(f"[bold red]error:[/] {who}{escape(e.message)}")
         raise typer.Exit(e.exit_code) from None
     except KeyboardInterrupt:
@@ -133,12 +135,12 @@ def user_errors(debug: bool):
         raise
     except Exception as e:
         if debug:
-            raise
+            traceback.print_exc()
         first = first_line(e, "")
         if rank is not None and _peer_failure(e):
             err.print(f"[bold red]error:[/] {who}a collective with the other ranks failed ({escape(first[:200])}): "
                       "another rank failed, died or stopped answering (--dist-timeout)")
             raise typer.Exit(PEER_FAILED) from None
-        err.print(f"[bold red]error:[/] {who}{type(e).__name__}: {escape(first)} (rerun with --debug for the "
-                  "traceback)")
+        err.print(f"[bold red]error:[/] {who}{type(e).__name__}: {escape(first)}" +
+                  ("" if debug else " (rerun with --debug for the traceback)"))
         raise typer.Exit(1) from None

@@ -18,7 +18,7 @@ from oomtune.config.schema import Config, Plan, TrainConfig
 from oomtune.config.writing import save_config
 from oomtune.errors import ConfigError, OomtuneError
 
-from ..conftest import EXAMPLES, run_cli
+from ..conftest import EXAMPLES, TINY_MODEL, run_cli
 
 ESTIMATE = ("--budget", "400KiB", "--margin", "0")  # the tiny model's ladder on the fake device: a second or two
 
@@ -345,3 +345,14 @@ def test_a_swallowed_ctrl_c_stops_the_search_and_writes_no_config(command, as_js
     assert "interrupted" in r.stderr and "Traceback" not in r.output
     assert not out.exists()
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the command put Python's back
+
+
+def test_debug_adds_the_traceback_and_keeps_the_exit_code(tmp_path, write_model):
+    """--debug shows where an error came from, and exits as without it: 2 for bad input (a CI script with --debug
+    on must not read a missing config as "does not fit"), 1 for anything else."""
+    missing = run_cli("check", "--config", tmp_path / "nope.yaml", "--debug")
+    assert missing.exit_code == 2 and "Traceback" in missing.stderr, missing.output
+    assert missing.stderr.strip().splitlines()[-1] == f"error: config file not found: {tmp_path / 'nope.yaml'}"
+    broken = write_model(TINY_MODEL.replace("    return Net()", "    raise ValueError('no')"))
+    r = run_cli("probe", broken, "--device", "cpu", "--budget", "8MiB", "--out", tmp_path / "b.yaml", "--debug")
+    assert r.exit_code == 2 and "Traceback" in r.stderr and "ValueError: no" in r.stderr, r.output
