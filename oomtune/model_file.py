@@ -83,6 +83,8 @@ class ModelFile:
         return batch
 
     def check_batch(self, hook: str, batch: Batch, device: torch.device) -> None:
+        if isinstance(batch, (tuple, list, dict)) and not batch:
+            raise self.fail(hook, f"returned an empty {type(batch).__name__}")
         if isinstance(batch, torch.Tensor):
             tensors = [batch]
         elif isinstance(batch, (tuple, list)) and batch and all(isinstance(t, torch.Tensor) for t in batch):
@@ -185,6 +187,13 @@ class ModelFile:
         if bad is not None:
             raise self.fail("blocks", f"returned {_describe(bad)} among its items; expected only nn.Module "
                                       "objects")
+        # checkpointing a module the forward never calls does nothing (fresh layers, another instance's blocks);
+        # a compiled model's modules() include its _orig_mod's, which its attributes resolve to
+        inside = {id(m) for m in model.modules()}
+        stray = sum(id(b) not in inside for b in found)
+        if stray:
+            raise self.fail("blocks", f"returned modules that are not in the model ({stray} of {len(found)}): "
+                                      "return submodules of the model it is given")
         return found
 
     def supports_checkpointing(self, model: nn.Module) -> bool:

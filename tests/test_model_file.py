@@ -56,6 +56,12 @@ def test_make_batch_returning_the_wrong_type(write_model):
     assert msg.startswith("error: model.py: make_batch() returned an int; expected a Tensor, a tuple/list")
 
 
+@pytest.mark.parametrize(("empty", "kind"), [("{}", "dict"), ("()", "tuple"), ("[]", "list")])
+def test_make_batch_returning_an_empty_container_says_so(write_model, empty, kind):
+    path = write_model(TINY_MODEL + f"\ndef make_batch(batch_size, context_length, device):\n    return {empty}\n")
+    assert probe_error(path) == f"error: model.py: make_batch() returned an empty {kind}"
+
+
 def test_loss_that_is_not_a_scalar(write_model):
     path = write_model(TINY_MODEL + "\ndef loss(model, batch):\n    return model.out(batch[0])\n")
     assert probe_error(path) == ("error: model.py: loss gave a tensor of shape (2, 4, 4); expected a scalar "
@@ -93,6 +99,10 @@ def test_a_model_error_on_fake_tensors_prints_no_torch_traceback(tmp_path):
     ("return [model.out, 'out']", "blocks() returned a str among its items; expected only nn.Module objects"),
     ("return model.out", "blocks() returned a Linear; expected an iterable of nn.Module"),
     ("raise KeyError('h')", "blocks() raised KeyError: 'h'"),
+    ("return [nn.Linear(16, 16)]", "blocks() returned modules that are not in the model (1 of 1): return "
+     "submodules of the model it is given"),
+    ("return list(Net().blocks)", "blocks() returned modules that are not in the model (2 of 2)"),
+    ("return [model.out, nn.Linear(1, 1)]", "blocks() returned modules that are not in the model (1 of 2)"),
 ])
 def test_a_bad_blocks_hook_fails_before_any_trial(write_model, hook, message):
     path = write_model(TINY_MODEL + f"\ndef blocks(model):\n    {hook}\n")
@@ -100,6 +110,17 @@ def test_a_bad_blocks_hook_fails_before_any_trial(write_model, hook, message):
         static_memory(load_model_file(path))  # the floor, measured before the first rung
     msg = probe_error(path)
     assert msg.startswith(f"error: model.py: {message}"), msg
+
+
+@pytest.mark.parametrize("hook", ["model.blocks", "model._orig_mod.blocks"])
+def test_blocks_of_a_compiled_model_are_in_the_model(write_model, hook):
+    """A guard for the not-in-the-model check: torch.compile's OptimizedModule forwards attributes to `_orig_mod`,
+    whose modules are among its own."""
+    mf = load_model_file(write_model(TINY_MODEL + f"\ndef blocks(model):\n    return {hook}\n"))
+    model = mf.build()
+    compiled = torch.compile(model)  # lazy: nothing compiles until it is called
+    assert mf.blocks(compiled) == list(model.blocks)
+    assert mf.supports_checkpointing(compiled)
 
 
 @pytest.mark.parametrize(("where", "source", "message"), [
