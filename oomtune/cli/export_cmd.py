@@ -26,11 +26,14 @@ def export(config_path: ConfigOpt, to: ToOpt, strict: StrictOpt = False, debug: 
     Example: [cyan]oomtune export --config best.yaml --to hf > training_args.json[/]
     """
     with user_errors(debug):
+        from ..config.export import defines_optimizer
         from ..config.export import export as make_export
         from ..config.loading import load_config
         from ..errors import OomtuneError
 
-        result = make_export(load_config(config_path).plan, to)
+        config = load_config(config_path)
+        model = config.model_path(config_path)
+        result = make_export(config.plan, to, model.name if defines_optimizer(model) else None)
         for line in result.unexpressed:
             err.print(f"[yellow]not expressed:[/] {escape(line)}")
         if strict and result.unexpressed:

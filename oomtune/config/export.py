@@ -7,7 +7,9 @@ instead: the caller prints those on stderr, and refuses them under --strict."""
 
 from __future__ import annotations
 
+import ast
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from ..errors import OomtuneError
 from .schema import Plan
@@ -34,13 +36,54 @@ class Export:
         return "\n".join(f"{k}={_override(v)}" for k, v in self.values.items())
 
 
-def export(plan: Plan, target: str) -> Export:
-    """`plan` as `target` takes it (see TARGETS)."""
+# the targets that write an optimizer (AdamW), and what to do instead where the model file has its own optimizer()
+_OWN_OPTIMIZER = {"hf": "optim here is AdamW (adamw_torch), whose state may not fit the plan: pass yours as "
+                        "Trainer(optimizers=(optimizer, None))",
+                  "torchtune": "optimizer._component_ here is torch.optim.AdamW, whose state may not fit the plan: "
+                               "set optimizer._component_ (and its arguments) to yours"}
+
+
+def export(plan: Plan, target: str, optimizer_of: str | None = None) -> Export:
+    """`plan` as `target` takes it (see TARGETS). `optimizer_of`: the model file's name where it defines its own
+    optimizer() (see defines_optimizer), which the plan was measured with and a target that writes AdamW does not
+    express."""
     makers = {"hf": _hf, "lightning": _lightning, "accelerate": _accelerate, "torchtune": _torchtune}
     if target not in makers:
         raise OomtuneError(f"--to {target!r}: expected one of {', '.join(TARGETS)}")
     values, unexpressed = makers[target](plan)
+    if optimizer_of and target in _OWN_OPTIMIZER:
+        unexpressed.append(f"optimizer: {optimizer_of}'s own optimizer(), which the plan was measured with; "
+                           f"{_OWN_OPTIMIZER[target]}")
     return Export(target, values, tuple(unexpressed))
+
+
+def defines_optimizer(model_path: str | Path) -> bool:
+    """Whether the model file binds `optimizer` at its top level (a def, an assignment, an import), read with `ast`:
+    the file is not run (no torch, nothing it prints lands in the export). A file that is missing, unreadable or
+    not Python is False: export never fails on it."""
+    p = Path(model_path)
+    if p.suffix != ".py":
+        return False
+    try:
+        stack = list(ast.parse(p.read_bytes()).body)
+    except (OSError, SyntaxError, ValueError, RecursionError, MemoryError):
+        return False
+    while stack:  # top-level statements, and those inside if / try / with / for / while at the top level
+        node = stack.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            if node.name == "optimizer":
+                return True
+            continue
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            if any((a.asname or a.name.split(".")[0]) == "optimizer" for a in node.names):
+                return True
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(isinstance(n, ast.Name) and n.id == "optimizer" for t in targets for n in ast.walk(t)):
+                return True
+        for attr in ("body", "orelse", "finalbody", "handlers"):
+            stack.extend(getattr(node, attr, None) or [])
+    return False
 
 
 def _common_unexpressed(plan: Plan, where: str) -> list[str]:

@@ -8,7 +8,7 @@ from importlib.util import find_spec
 
 import pytest
 
-from oomtune.config.export import export
+from oomtune.config.export import defines_optimizer, export
 from oomtune.config.loading import load_config
 from oomtune.config.output import write_config
 from oomtune.config.schema import Config, Plan
@@ -132,3 +132,67 @@ def test_the_exported_hf_arguments_train_a_small_hf_model_with_trainer(tmp_path)
     out = trainer.train()
     assert trainer.state.global_step == 3 and torch.isfinite(torch.tensor(out.training_loss))
     assert trainer.args.gradient_accumulation_steps == 8 and trainer.args.per_device_train_batch_size == 2
+
+
+SGD_MODEL = '''import torch
+
+DEFAULTS = {"batch": 2, "context": 8}
+
+
+def build_model():
+    return torch.nn.Linear(8, 8)
+
+
+def make_batch(batch_size, context_length, device):
+    return torch.randn(batch_size, context_length, 8, device=device)
+
+
+def optimizer(params, lr):  # one state buffer a parameter (momentum), where AdamW keeps two
+    return torch.optim.SGD(params, lr=lr, momentum=0.9)
+'''
+
+
+def config_for(tmp_path, model_text: str | None) -> str:
+    """best.yaml for tmp_path/model.py (written where model_text is given; missing otherwise)."""
+    if model_text is not None:
+        (tmp_path / "model.py").write_text(model_text)
+    path = tmp_path / "best.yaml"
+    write_config(Config(model="model.py", plan=PLANS["fp32"]), path, tmp_path / "model.py", "test")
+    return path
+
+
+@pytest.mark.parametrize("target", ["hf", "lightning", "accelerate", "torchtune"])
+def test_a_model_files_own_optimizer_is_not_expressed_where_the_target_writes_adamw(target, tmp_path):
+    path = config_for(tmp_path, SGD_MODEL)
+    r = run_cli("export", "--config", path, "--to", target)
+    assert r.exit_code == 0, r.output
+    writes_adamw = target in ("hf", "torchtune")
+    assert ("not expressed: optimizer: model.py's own optimizer()" in r.stderr) == writes_adamw, r.stderr
+    if writes_adamw:
+        assert "AdamW" in r.stderr and ("optimizer._component_" if target == "torchtune" else "Trainer(optimizers=")\
+            in r.stderr
+        strict = run_cli("export", "--config", path, "--to", target, "--strict")
+        assert strict.exit_code == 2 and strict.stdout == ""
+        assert f"--strict: {target} cannot express " in strict.stderr and "optimizer (each is named" in strict.stderr
+    assert load_config(path).model == "model.py"  # read, never rewritten
+
+
+@pytest.mark.parametrize("model_text", [SGD_MODEL.split("\n\ndef optimizer")[0] + "\n", None, "def optimizer(:\n"],
+                         ids=["no-optimizer", "missing", "not-python"])
+def test_no_optimizer_note_without_an_optimizer_hook_or_a_readable_model_file(model_text, tmp_path):
+    path = config_for(tmp_path, model_text)
+    for target in ("hf", "torchtune"):
+        r = run_cli("export", "--config", path, "--to", target)
+        assert r.exit_code == 0 and "not expressed: optimizer" not in r.stderr, r.output
+        assert "not expressed: context_length" in r.stderr or target == "torchtune"
+
+
+@pytest.mark.parametrize("text, found", [
+    (SGD_MODEL, True), ("from hooks import make_sgd as optimizer\n", True), ("optimizer = make_sgd\n", True),
+    ("try:\n    from hooks import optimizer\nexcept ImportError:\n    pass\n", True),
+    ("def build_model():\n    optimizer = None\n", False), ("optimizer_8bit = True\n", False), ("", False),
+])
+def test_defines_optimizer_reads_the_files_top_level_without_running_it(text, found, tmp_path):
+    (tmp_path / "m.py").write_text("raise SystemExit(3)\n" + text)  # never run
+    assert defines_optimizer(tmp_path / "m.py") is found
+    assert defines_optimizer(tmp_path / "absent.py") is False and defines_optimizer(tmp_path) is False
