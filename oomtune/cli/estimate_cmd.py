@@ -79,7 +79,8 @@ def _ladder(job, gpu: str | None, as_json: bool) -> None:
 
     def details():
         title = "breakdown" if result.config is not None else "breakdown of the smallest plan"
-        out.print(breakdown_table(result.breakdown, result.breakdown_plan, result.search.limit_bytes, title))
+        out.print(breakdown_table(result.breakdown, result.breakdown_plan, result.search.limit_bytes, title,
+                                  result.search.static.optimizer_name))
         print_levers(result.levers, result.breakdown_plan)
 
     render_search(result.search, job.out if result.config else None, as_json, "estimate", extra, details,

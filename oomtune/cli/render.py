@@ -176,8 +176,10 @@ def render_search(result, out_path: Path | None, as_json: bool, verb: str, extra
         raise typer.Exit(1)
 
 
-def breakdown_table(bd, plan, limit_bytes: int | None = None, title: str = "breakdown") -> Table:
-    from ..memory.breakdown import PART_HELP, PART_LABELS
+def breakdown_table(bd, plan, limit_bytes: int | None = None, title: str = "breakdown",
+                    optimizer: str | None = None) -> Table:
+    """`optimizer`: the optimizer's class name, where not the default AdamW (the model file's optimizer())."""
+    from ..memory.breakdown import PART_HELP, PART_LABELS, optimizer_help
 
     table = Table(title=f"{title}: peak in {bd.phase} - {plan.describe()}", title_justify="left",
                   box=box.SIMPLE_HEAD, pad_edge=False)
@@ -185,7 +187,8 @@ def breakdown_table(bd, plan, limit_bytes: int | None = None, title: str = "brea
         table.add_column(col, justify=just, no_wrap=col != "what")
     peak = bd.tensor_peak_bytes or 1
     for name, n in bd.part_bytes().items():
-        table.add_row(PART_LABELS[name], fmt_bytes(n), f"{n / peak:.0%}", f"[dim]{PART_HELP[name]}[/]")
+        what = optimizer_help(plan, optimizer) if name == "optimizer_state" else PART_HELP[name]
+        table.add_row(PART_LABELS[name], fmt_bytes(n), f"{n / peak:.0%}", f"[dim]{what}[/]")
     table.add_section()
     table.add_row("[bold]tensor peak[/]", f"[bold]{fmt_bytes(bd.tensor_peak_bytes)}[/]", "", "[dim]the parts' sum[/]")
     card = bd.margin.startswith("card:")
@@ -289,7 +292,7 @@ def render_what_if(result, as_json: bool) -> None:
     else:
         for line in ((note,) if note else ()) + result.notes:
             err.print(f"[yellow]note:[/] {escape(line)}")
-        out.print(breakdown_table(result.breakdown, plan, result.limit_bytes, "estimate"))
+        out.print(breakdown_table(result.breakdown, plan, result.limit_bytes, "estimate", result.optimizer))
         if result.fits is not None:
             verdict = "[bold green]fits[/]" if result.fits else "[bold red]does not fit[/]"
             out.print(f"{verdict}: peak {fmt_bytes(result.breakdown.peak_bytes)} vs {fmt_bytes(result.limit_bytes)} "

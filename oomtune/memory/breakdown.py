@@ -124,6 +124,15 @@ PART_LABELS = {
 }
 
 
+def optimizer_help(plan: Plan, name: str | None) -> str:
+    """PART_HELP's optimizer line for `plan` and the optimizer's class name (None: the default AdamW)."""
+    if plan.optimizer_8bit:
+        return "8-bit moments, a scale/256"
+    if name in (None, "AdamW", "Adam"):
+        return PART_HELP["optimizer_state"]
+    return f"{name}'s state"
+
+
 PART_HELP = {  # short: the CLI's table fits 80 columns
     "parameters": "weights and buffers",
     "gradients": "backward to zero_grad",

@@ -139,6 +139,7 @@ class WhatIf:
     levers: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()  # how it was measured, where not on fake tensors
     note: str | None = None  # about the card (no_bf16_note)
+    optimizer: str | None = None  # "your optimizer()" where the model file has its own (None: the default AdamW)
 
     @property
     def fits(self) -> bool | None:
@@ -154,14 +155,15 @@ def what_if(model_file: ModelFile, plan: Plan, device: FakeDevice, *, bounded: b
     check_headroom(headroom)
     check_steps(steps)
     bd, computed = computing_where_needed(device, model_file.label, lambda: breakdown(model_file, plan, device, steps))
+    own = "your optimizer()" if model_file.has("optimizer") else None
     if not bounded:  # no budget given: the breakdown alone (it lifts the device's budget anyway)
-        return WhatIf(plan, bd, None, None, headroom, notes=computed)
+        return WhatIf(plan, bd, None, None, headroom, notes=computed, optimizer=own)
     limit = int(device.budget_bytes * (1 - headroom))
     lev: tuple[str, ...] = ()
     if bd.peak_bytes > limit:
         static = static_memory(model_file)
         lev = tuple(levers_that_help(bd, static, limit, device.margin, headroom, plan, None))
-    return WhatIf(plan, bd, limit, device.budget_bytes, headroom, lev, computed)
+    return WhatIf(plan, bd, limit, device.budget_bytes, headroom, lev, computed, optimizer=own)
 
 
 def no_bf16_note(device: FakeDevice | None, precision: str | None) -> str | None:
