@@ -253,10 +253,12 @@ class LadderSearch:
             objective: Objective = "fit", past: Sequence[Rung] = (), accumulation: bool = True) -> LadderResult:
         """Climb `rungs`; then `past` (the rungs past accumulation, cheapest first), only while no rung fits
         micro-batch 1 at the target context: the first of them that does ends the climb (accumulation does the
-        rest). `accumulation=False`: a plan must fit the whole batch at once."""
+        rest). `accumulation=False`: a plan must fit the whole batch at once, and `past` is climbed while no rung
+        fits the whole batch at the target context."""
         results: list[RungResult] = []
+        reach = 1 if accumulation else batch  # the micro-batch at the target context that needs no costlier lever
         for i, rung in enumerate([*rungs, *past]):
-            if i >= len(rungs) and any(r.context_length == context for r in results):
+            if i >= len(rungs) and any(r.context_length == context and r.micro_batch_size >= reach for r in results):
                 break  # the target context is reached: no costlier lever is needed
             r = self.search_rung(rung, batch, context, min_context)
             results.append(r)

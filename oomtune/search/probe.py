@@ -107,7 +107,8 @@ def _record(trial: Trial, seconds: float, world_size: int = 1, host: int = 0, bu
                        host_peak_bytes=host or None, build_seconds=round(build, 3))
 
 
-def why_nothing_fits(ladder: LadderResult, targets: Targets, static: StaticMemory, limit: int, world: int) -> str:
+def why_nothing_fits(ladder: LadderResult, targets: Targets, static: StaticMemory, limit: int, world: int,
+                     accumulation: bool = True) -> str:
     found = [r for r in ladder.rungs if r.found]
     if not found:
         results = {t.result for t in ladder.trials if t.point.micro_batch_size == 1} or \
@@ -120,6 +121,11 @@ def why_nothing_fits(ladder: LadderResult, targets: Targets, static: StaticMemor
                 f"activations. {allow} a larger --budget or a smaller model.")
     best = max(found, key=lambda r: (r.context_length, r.micro_batch_size))
     per_rank = targets.batch // world
+    if not accumulation:
+        return (f"nothing fits in {format_bytes(limit)} with the whole batch of {per_rank} per rank at once "
+                f"(accumulation is not in --levers): at most micro-batch {best.micro_batch_size} fits "
+                f"({best.rung.name}, context {best.context_length}). Add accumulation to --levers, or lower --batch "
+                f"to {best.micro_batch_size * world}.")
     return (f"nothing fits in {format_bytes(limit)} with the global batch kept at {targets.batch}: micro-batch "
             f"{best.micro_batch_size} fits ({best.rung.name}, context {best.context_length}), but reaching "
             f"{per_rank} per rank needs gradient accumulation, which keeps every gradient "
@@ -226,7 +232,8 @@ def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: 
     climbed_past = len(ladder.rungs) > len(rungs)
     notes += computed + (past.notes() if climbed_past or ladder.choice is None else ())
     if ladder.choice is None:
-        why = why_nothing_fits(ladder, targets, floor if climbed_past else static, limit, world) + \
+        why = why_nothing_fits(ladder, targets, floor if climbed_past else static, limit, world,
+                               "accumulation" in levers) + \
             no_fsdp_note(no_fsdp)
         return ProbeResult(ladder, records, static, targets, limit, None, why, world, device.budget_bytes, notes,
                            past=past, prior=report)

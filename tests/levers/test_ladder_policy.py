@@ -49,6 +49,22 @@ def test_without_accumulation_a_plan_must_fit_the_whole_batch():
     small = LadderSearch(measure, LIMIT).run([FP32, AMP, CKPT], batch=4, context=512, min_context=512,
                                              past=[TRUE, EIGHT, OFFLOAD], accumulation=False)
     assert (small.choice.rung, small.choice.micro_batch_size, small.choice.grad_accum_steps) == (TRUE, 4, 1)
+    # without accumulation the climb goes on while no rung fits the whole batch: bf16-true fits 15 of 16 at 512
+    # (800 + 64 x 15 + 10 = 1770), +8bit all 16 (500 + 1024 + 10); the climb used to end at bf16-true, with none
+    sixteen = LadderSearch(measure, LIMIT).run([FP32, AMP, CKPT], batch=16, context=512, min_context=512,
+                                               past=[TRUE, EIGHT, OFFLOAD], accumulation=False)
+    assert [r.rung for r in sixteen.rungs] == [FP32, AMP, CKPT, TRUE, EIGHT]
+    assert (sixteen.choice.rung, sixteen.choice.micro_batch_size, sixteen.choice.grad_accum_steps) == (EIGHT, 16, 1)
+
+
+def test_without_accumulation_in_levers_nothing_fits_says_so(tmp_path):
+    """device: cpu. Without accumulation the whole batch must fit at once; where it does not, the reason names
+    the lever left out and the batch that would fit (it said accumulation was tried and no accumulated plan fit)."""
+    r = run_cli("probe", EXAMPLES / "tiny_gpt.py", "--device", "cpu", "--budget", "12MiB", "--batch", "32",
+                "--context", "64", "--levers", "amp,checkpointing", "--out", tmp_path / "x.yaml")
+    assert r.exit_code == 1, r.output
+    assert "(accumulation is not in --levers): at most micro-batch " in r.stderr, r.stderr
+    assert "Add accumulation to --levers, or lower --batch to" in r.stderr and "accumulated plan" not in r.stderr
 
 
 def test_probe_climbs_past_accumulation_where_fp32_state_alone_is_over_the_budget(tmp_path):
