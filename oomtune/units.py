@@ -50,6 +50,11 @@ def format_bytes(n: int | float | None) -> str:
     raise AssertionError("unreachable")
 
 
+def counted(n: int, noun: str) -> str:
+    """"1 trial", "3 trials": `noun` singular, an s added where n is not 1."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 def utc_now() -> str:
     """Now, as every file oomtune writes records it: '2026-12-01T10:08:56+00:00'."""
     return dt.datetime.now(dt.timezone.utc).replace(microsecond=0).isoformat()

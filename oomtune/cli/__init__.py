@@ -21,8 +21,17 @@ app = typer.Typer(
 )
 
 
+def _print_version(asked: bool) -> None:
+    if asked:
+        from .. import __version__
+
+        print(f"oomtune {__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
-def _root() -> None:
+def _root(version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,
+                                       help="Print oomtune's version and exit.")) -> None:
     """oomtune: probe, estimate, train and check PyTorch training configurations that fit in memory."""
 
 

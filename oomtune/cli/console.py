@@ -2,11 +2,26 @@
 
 from __future__ import annotations
 
+import os
+import sys
+
 from rich.console import Console
 
 from ..units import format_bytes
 
-out = Console(highlight=False)
+SIGPIPE_EXIT = 128 + 13  # what a shell reports for a program SIGPIPE ended
+
+
+class _Console(Console):
+    def on_broken_pipe(self) -> None:
+        """stdout's reader left (`oomtune estimate ... | head`): stop quietly with the code a program SIGPIPE ended
+        gets (rich's own exits 1, which reads as "does not fit")."""
+        self.quiet = True
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's flush at exit must not fail
+        raise SystemExit(SIGPIPE_EXIT)
+
+
+out = _Console(highlight=False)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 RESULT_STYLE = {"fits": "green", "oom": "red", "over-headroom": "yellow"}

@@ -18,7 +18,7 @@ from rich.markup import escape
 
 from ..dist.launch import worker_rank
 from ..errors import PEER_FAILED, OomtuneError, first_line
-from .console import err
+from .console import err, out
 
 
 def _drop_record(record: logging.LogRecord) -> bool:
@@ -133,6 +133,8 @@ def user_errors(debug: bool):
         raise typer.Exit(130) from None
     except (typer.Exit, typer.Abort):
         raise
+    except BrokenPipeError:  # stdout's reader left (`| head`) while print() wrote: as the console does
+        out.on_broken_pipe()
     except Exception as e:
         if debug:
             traceback.print_exc()

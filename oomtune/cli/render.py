@@ -15,6 +15,7 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from ..config.writing import to_dict
+from ..units import counted
 from .chart import peak_chart
 from .console import RESULT_SHORT, RESULT_STYLE, err, fmt_bytes, out
 from .guard import stop_if_interrupted
@@ -156,7 +157,7 @@ def render_search(result, out_path: Path | None, as_json: bool, verb: str, extra
             out.print(f"[bold green]plan:[/] {result.config.plan.describe()}")
             out.print(f"      peak {fmt_bytes(fb.peak_bytes)} of {fmt_bytes(result.limit_bytes)} allowed "
                       f"(budget {fmt_bytes(fb.budget_bytes)}, {fb.headroom:.0%} headroom){tps}; "
-                      f"{len(result.records)} trials{prior_text(result.prior)}")
+                      f"{counted(len(result.records), 'trial')}{prior_text(result.prior)}")
             if fb.host_peak_bytes:
                 out.print(f"      host memory {fmt_bytes(fb.host_peak_bytes)} for the offloaded parts"
                           + (" (estimated: check the machine has it free)" if fb.estimated else ""))

@@ -120,8 +120,8 @@ def check_what_if_options(micro_batch: int | None, precision: str | None, checkp
     if micro_batch is None:
         given = [k for k, v in plan_opts.items() if v is not None]
         if given:
-            raise OomtuneError(f"{', '.join(given)} describe one plan: give --micro-batch too "
-                               "(without them estimate runs the whole ladder)")
+            raise OomtuneError(f"{', '.join(given)} {'describes' if len(given) == 1 else 'describe'} one plan: give "
+                               "--micro-batch too (without --micro-batch, estimate runs the whole ladder)")
         return False
     for name, v in (("--batch", batch), ("--min-context", min_context)):
         if v is not None:

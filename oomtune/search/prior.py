@@ -13,6 +13,7 @@ from ..errors import first_line
 from ..memory.devices import Device, FakeDevice, TrackedDevice
 from ..memory.replay import Lines, Trace
 from ..model_file import ModelFile
+from ..units import counted
 from .certify import RungPrior, priors_from
 from .trial import TrialResult, run_trial
 
@@ -38,7 +39,7 @@ class PriorReport:
 
     def counts(self) -> str:
         """"9 fake trials" or "5 fake trials + 4 replayed"."""
-        return f"{self.trials} fake trials" + (f" + {self.replayed} replayed" if self.replayed else "")
+        return counted(self.trials, "fake trial") + (f" + {self.replayed} replayed" if self.replayed else "")
 
     def to_json(self) -> dict:
         return {"used": self.missing is None, "fake_trials": self.trials, "replayed_trials": self.replayed,

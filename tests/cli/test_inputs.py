@@ -356,3 +356,20 @@ def test_debug_adds_the_traceback_and_keeps_the_exit_code(tmp_path, write_model)
     broken = write_model(TINY_MODEL.replace("    return Net()", "    raise ValueError('no')"))
     r = run_cli("probe", broken, "--device", "cpu", "--budget", "8MiB", "--out", tmp_path / "b.yaml", "--debug")
     assert r.exit_code == 2 and "Traceback" in r.stderr and "ValueError: no" in r.stderr, r.output
+
+
+def test_version_and_a_reader_that_leaves_early():
+    """`oomtune --version` prints the version; `oomtune estimate ... | head -1` (the reader gone before the tables
+    are written) stops quietly with the code a program SIGPIPE ended gets, 141 (it was 1: "does not fit")."""
+    import subprocess
+    import sys
+
+    from oomtune import __version__
+
+    r = run_cli("--version")
+    assert r.exit_code == 0 and r.stdout.strip() == f"oomtune {__version__}", r.output
+    p = subprocess.Popen([sys.executable, "-m", "oomtune", "estimate", str(EXAMPLES / "tiny_gpt.py"), *ESTIMATE],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    p.stdout.close()  # before the first table: its write meets a closed pipe
+    _, stderr = p.communicate(timeout=120)
+    assert p.returncode == 141 and b"Error" not in stderr and b"error" not in stderr, stderr.decode()[-2000:]
