@@ -64,7 +64,7 @@ def gpus(
 ):
     """List every GPU NVML sees: memory total/used/free, the processes using it, driver and CUDA versions,
     bf16 support. Exit 0 (with a message) where there is no NVIDIA driver."""
-    with user_errors(debug):
+    with user_errors(debug, as_json):
         from ..memory import nvml
 
         report = nvml.query()

@@ -4,6 +4,7 @@ ranks prefixes its rank and exits 3 when it only stopped because a peer did."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -112,10 +113,11 @@ def _remember_sigint():
 
 
 @contextmanager
-def user_errors(debug: bool):
+def user_errors(debug: bool, as_json: bool = False):
     """One project error -> one line on stderr and its exit code; anything else -> a short line + exit 1; with
-    `debug` the traceback first, and the same line and code. A worker on several ranks prefixes its rank, and exits
-    3 when it only stopped because a peer did."""
+    `debug` the traceback first, and the same line and code; with `as_json` (--json) also {"error", "exit_code"} on
+    stdout, where a script parses the result. A worker on several ranks prefixes its rank, and exits 3 when it only
+    stopped because a peer did."""
     rank = worker_rank()
     who = escape(f"[rank {rank}] ") if rank is not None else ""
     _quiet_torch_noise(debug)
@@ -127,6 +129,7 @@ def user_errors(debug: bool):
         if debug:  # the traceback, then the same line and exit code as without --debug (2: bad input)
             traceback.print_exc()
         err.print(f"[bold red]error:[/] {who}{escape(e.message)}")
+        _json_error(as_json, e.message, e.exit_code)
         raise typer.Exit(e.exit_code) from None
     except KeyboardInterrupt:
         err.print("[yellow]interrupted[/]")
@@ -145,4 +148,10 @@ def user_errors(debug: bool):
             raise typer.Exit(PEER_FAILED) from None
         err.print(f"[bold red]error:[/] {who}{type(e).__name__}: {escape(first)}" +
                   ("" if debug else " (rerun with --debug for the traceback)"))
+        _json_error(as_json, f"{type(e).__name__}: {first}", 1)
         raise typer.Exit(1) from None
+
+
+def _json_error(as_json: bool, message: str, code: int) -> None:
+    if as_json:
+        print(json.dumps({"error": message, "exit_code": code}, indent=2))

@@ -80,7 +80,7 @@ def probe(
 
     On several GPUs: [cyan]oomtune probe model.py --nproc-per-node 4[/] (all ranks run each trial; +fsdp rung).
     """
-    with user_errors(debug):
+    with user_errors(debug, as_json):
         from ..api import prepare_probe
         from ..dist.launch import Launch, run
         from ..search.probe import check_ranks_batch

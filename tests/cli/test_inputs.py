@@ -373,3 +373,13 @@ def test_version_and_a_reader_that_leaves_early():
     p.stdout.close()  # before the first table: its write meets a closed pipe
     _, stderr = p.communicate(timeout=120)
     assert p.returncode == 141 and b"Error" not in stderr and b"error" not in stderr, stderr.decode()[-2000:]
+
+
+def test_json_output_names_the_error_on_stdout(tmp_path, write_model):
+    """With --json a script parses stdout: bad input puts {"error", "exit_code"} there too (it left stdout empty),
+    and the one line on stderr as always."""
+    broken = write_model("def build_model(:\n")
+    r = run_cli("probe", broken, "--device", "cpu", "--budget", "8MiB", "--out", tmp_path / "x.yaml", "--json")
+    assert r.exit_code == 2, r.output
+    assert json.loads(r.stdout) == {"error": "model.py: syntax error at line 1: invalid syntax", "exit_code": 2}
+    assert r.stderr.strip() == "error: model.py: syntax error at line 1: invalid syntax"
