@@ -44,6 +44,7 @@ from .events import Checkpointed, Event, Note, Started, StepDone, TrainResult
 from .inputs import Inputs, check_inputs, device_kind, resolve_device
 from .losses import LossWatch, NonFiniteLoss, tainted_buffer
 from .metrics import StepMetrics, Window
+from .notes import run_notes
 from .recovery import RecoveryPolicy, Retry, Stop
 from .rng import capture_rng, restore_rng, seed_everything
 from .rundir import RunLog, open_run_dir
@@ -95,7 +96,7 @@ class Trainer:
                                        main=self.dist.is_main, fsdp=inputs.plan.sharding == "fsdp",
                                        resumed_from=inputs.resumed_from, run_dir=inputs.run_dir)
         self.watch = LossWatch(self.model_file)  # stands in for the model file in the step: a NaN loss stops it
-        self.notes = [Note(n) for n in inputs.resume_notes]  # said once training has started
+        self.notes = run_notes(inputs, step, device, self.device)  # said once training has started
         self.t: Training | None = None  # built by run()
         self.metrics = StepMetrics(self.dist, self.device, self.log)
 

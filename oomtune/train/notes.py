@@ -1,0 +1,58 @@
+"""What `oomtune train` says before its first step about settings that would surprise: a warmup as long as the run,
+and a plan made for a GPU trained on the simulated cpu device because there is none here. Library code: it returns
+the notes; the trainer reports them as events and the CLI prints them."""
+
+from __future__ import annotations
+
+import torch
+
+from ..config.schema import FoundBy
+from ..errors import OomtuneError
+from ..memory.cards import find_gpu
+from ..memory.devices import Device
+from ..units import format_bytes
+from .events import Note
+from .inputs import Inputs
+
+
+def run_notes(inputs: Inputs, start_step: int, requested: str | None, device: Device) -> list[Note]:
+    """The notes for a run of `inputs` from `start_step` on `device`, asked for as `requested` (--device, or None):
+    the device's, the warmup's, then those of the resume."""
+    found, cfg, notes = inputs.file_config.found_by, inputs.cfg, []
+    if _trains_for_a_gpu_without_one(found, requested, device):
+        notes.append(Note(_no_gpu_note(found, device), warning=True))
+    if cfg.warmup_steps >= cfg.steps > start_step:
+        notes.append(Note(f"warmup ({cfg.warmup_steps} steps) is as long as the run ({cfg.steps} steps): the "
+                          f"learning rate never reaches {cfg.lr:g}; pass --warmup-steps (fewer than {cfg.steps})",
+                          warning=True))
+    return notes + [Note(n) for n in inputs.resume_notes]
+
+
+def _trains_for_a_gpu_without_one(found: FoundBy | None, requested: str | None, device: Device) -> bool:
+    """The plan was found for a GPU (on one, or on a simulated device standing in for one), and it trains on the
+    simulated cpu device because `auto` found no GPU here (not because the config or --device asked for cpu)."""
+    if found is None or device.kind != "cpu" or torch.cuda.is_available():
+        return False
+    for_a_gpu = found.device in ("cuda", "fake") or found.card is not None
+    by_auto = requested == "auto" or (requested is None and found.device not in ("cuda", "cpu"))
+    return for_a_gpu and by_auto
+
+
+def _no_gpu_note(found: FoundBy, device: Device) -> str:
+    gpu = found.gpu_name.removesuffix(" (estimated)")
+    if found.card:
+        try:
+            gpu = find_gpu(found.card).name
+        except OomtuneError:  # a card this version's table lacks: the name the config recorded
+            pass
+    budget = format_bytes(found.budget_bytes)
+    if found.device == "cuda":
+        how = f"probed on {gpu} (cuda, budget {budget})"
+    else:
+        gpu = gpu if gpu.startswith(("a ", "fake")) else f"a {gpu}"
+        how = f"{'estimated' if found.estimated else 'probed'} for {gpu} ({found.device} device, budget {budget})"
+    line = f"this plan was {how}; no GPU here, so it trains on the cpu device"
+    if device.budget_bytes == found.budget_bytes:
+        return line + ", simulating that budget" + (" and card" if device.card is not None else "")
+    return (line + f" in a simulated budget of {format_bytes(device.budget_bytes)}, not the plan's (--budget "
+            f"{budget.replace(' ', '')} simulates it)")
