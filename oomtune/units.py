@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import datetime as dt
 import re
+from typing import TYPE_CHECKING
 
 from .errors import OomtuneError
+
+if TYPE_CHECKING:
+    from .memory.cards import GpuSpec
 
 _UNITS = {
     "": 1, "b": 1,
@@ -36,6 +40,26 @@ def parse_budget(text: str, capacity_bytes: int | None = None) -> int:
     if value <= 0:
         raise OomtuneError(f"budget {text!r}: must be more than zero bytes")
     return value
+
+
+def card_budget(budget: str, card: GpuSpec | None, capacity_bytes: int | None = None) -> int:
+    """--budget where a card is simulated (--gpu): a size, or a percentage of the card's memory (of `capacity_bytes`
+    where the card has none, or there is no card); never more than the card's memory, which it could not give."""
+    memory = card.memory_bytes if card is not None else None
+    budget_bytes = parse_budget(budget, memory or capacity_bytes)
+    if memory is not None and budget_bytes > memory:
+        raise OomtuneError(f"--budget {format_bytes(budget_bytes)} is more than the {card.name}'s "
+                           f"{format_bytes(memory)}")
+    return budget_bytes
+
+
+def card_memory(card: GpuSpec, gpu: str | None = None) -> int:
+    """The budget --gpu means without --budget: the card's memory. The generic card has none (`gpu`: the name the
+    user gave)."""
+    if card.memory_bytes is None:
+        raise OomtuneError(f"--gpu {gpu or card.aliases[0]} has no memory size: give --budget too (e.g. --budget "
+                           "24GiB)")
+    return card.memory_bytes
 
 
 def format_bytes(n: int | float | None) -> str:

@@ -17,11 +17,14 @@ from .render import check_json, render_check, snapshot_written
 @app.command()
 def check(
     config_path: ConfigOpt,
-    budget: Annotated[str | None, budget_option("the config's found_by.budget_bytes", "Memory to fit in")] = None,
+    budget: Annotated[str | None, budget_option("with --gpu the card's memory, else the config's "
+                                                "found_by.budget_bytes", "Memory to fit in; with a card at most "
+                                                "its memory, and a percentage of it (80%)")] = None,
     device: Annotated[str, device_option("fake (default: no GPU, estimated) | cpu (real compute, simulated memory) | "
                                          "cuda (the real GPU).")] = "fake",
-    gpu: Annotated[str | None, typer.Option("--gpu", help="fake / cpu: account like this card (default: the card the "
-                                            "config was found with, found_by.card).")] = None,
+    gpu: Annotated[str | None, typer.Option("--gpu", help="fake / cpu: account like this card, in its memory unless "
+                                            "--budget says otherwise (default: the card the config was found with, "
+                                            "found_by.card, in the config's budget).")] = None,
     headroom: Annotated[float | None, typer.Option(help="Fraction of the budget kept free (default: the "
                                                    "config's).")] = None,
     margin: Annotated[str | None, typer.Option("--margin", help="fake / cpu. Default: the margin the config "
@@ -36,7 +39,7 @@ def check(
 
     Example: [cyan]oomtune check --config best.yaml[/]
     """
-    with user_errors(debug):
+    with user_errors(debug, as_json):
         from ..api import check as run_check
 
         result = run_check(config_path, device=device, budget=budget, headroom=headroom, margin=margin, steps=steps,

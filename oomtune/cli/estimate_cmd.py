@@ -38,7 +38,7 @@ EstimateObjectiveOpt = Annotated[str, typer.Option(help="fit: the first rung tha
 MicroBatchOpt = Annotated[int | None, typer.Option("--micro-batch", help="Estimate this one plan instead of running "
                                                    "the ladder: its breakdown, and whether it fits.")]
 PrecisionOpt = Annotated[str | None, typer.Option("--precision", help="With --micro-batch: fp32 | bf16 | fp16 "
-                                                  "(default fp32).")]
+                                                  "| bf16-true (default fp32).")]
 CheckpointingOpt = Annotated[bool | None, typer.Option("--checkpointing/--no-checkpointing", help="With --micro-batch: "
                                                        "activation checkpointing.")]
 GradAccumOpt = Annotated[int | None, typer.Option("--grad-accum", help="With --micro-batch: accumulation steps "
@@ -90,8 +90,9 @@ def _ladder(job, gpu: str | None, as_json: bool) -> None:
 @app.command()
 def estimate(
     model: ModelArg,
-    budget: Annotated[str | None, budget_option("none: give --budget or --gpu", "The GPU memory to fit in: 24GiB, "
-                                                "80GB; with --gpu also a percentage (80%)")] = None,
+    budget: Annotated[str | None, budget_option("--gpu's memory; without --gpu, none: give one", "The GPU memory to "
+                                                "fit in: 24GiB, 80GB; with --gpu at most the card's memory, and also "
+                                                "a percentage of it (80%)")] = None,
     gpu: GpuOpt = None,
     margin: MarginOpt = None,
     batch: BatchOpt = None,
@@ -120,7 +121,7 @@ def estimate(
     What-if: [cyan]oomtune estimate model.py --budget 24GiB --micro-batch 8 --context 1024 --precision bf16
     --checkpointing[/]
     """
-    with user_errors(debug):
+    with user_errors(debug, as_json):
         from .. import api
         from ..search.options import check_estimate_options, check_what_if_options, parse_levers
 

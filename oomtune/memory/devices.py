@@ -21,7 +21,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..errors import OomtuneError
-from ..units import format_bytes, parse_budget
+from ..units import card_budget, format_bytes, parse_budget
 from .allocator import CachingAllocatorModel, OutOfMemory
 from .cards import GpuSpec
 from .cuda_autocast import cuda_autocast
@@ -314,9 +314,10 @@ class FakeDevice(TrackedDevice):
     def __init__(self, budget: str | None = None, *, gpu: GpuSpec | None = None, margin: AnyMargin | None = None,
                  may_compute: bool = True, never_runs_out: bool = False, traces: bool = False):
         capacity = gpu.memory_bytes if gpu is not None else None
-        if budget is None and capacity is None:
-            raise OomtuneError("--device fake has no memory of its own: give --budget (e.g. --budget 24GiB) or a "
-                               "card, --gpu NAME (e.g. --gpu a100-80)")
+        if budget is None and capacity is None:  # (the generic card: --gpu generic, or probe's without --gpu)
+            nor = " (nor has the generic card)" if gpu is not None else ""
+            raise OomtuneError(f"--device fake has no memory of its own{nor}: give --budget (e.g. --budget 24GiB) or "
+                               "a card, --gpu NAME (e.g. --gpu a100-80)")
         budget_bytes = parse_budget(budget, capacity) if budget else capacity
         if margin is None and gpu is None:
             margin = parse_margin(None)
@@ -371,6 +372,8 @@ def make_device(kind: str = "auto", budget: str | None = None, card: GpuSpec | N
         from .cuda import CudaDevice
 
         return CudaDevice(budget)
+    if budget and card is not None:  # the user's --budget with --gpu: no more than the card has
+        card_budget(budget, card)
     if kind == "cpu":
         return CpuDevice(budget, card)
     if kind == "fake":

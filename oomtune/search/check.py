@@ -13,7 +13,7 @@ from ..memory.cards import GENERIC, GpuSpec, find_gpu
 from ..memory.devices import CpuDevice, Device, FakeDevice, TrackedDevice, make_device
 from ..memory.margin import AnyMargin, Margin, parse_margin
 from ..model_file import ModelFile, eager_note
-from ..units import parse_budget
+from ..units import card_budget, card_memory, format_bytes
 from .options import check_headroom, check_steps
 from .trial import computing_where_needed, run_trial
 
@@ -83,10 +83,28 @@ def card_of(config: Config, gpu: str | None) -> GpuSpec | None:
     return dataclasses.replace(card, context_bytes=0) if fb.device == "cuda" else card
 
 
+def check_budget(config: Config, budget: str | None, gpu: str | None, spec: GpuSpec | None) -> int:
+    """--budget (a percentage of the card's memory, never more than it); else, with --gpu, that card's memory, as
+    estimate's (the config's budget was the memory of the device it was found on); else the config's."""
+    if budget is not None:
+        return card_budget(budget, spec)
+    if gpu is not None and spec is not None:
+        return card_memory(spec, gpu)
+    fb = config.found_by
+    if fb is None:
+        raise OomtuneError("the config has no found_by section to take the budget from: give --budget")
+    memory = spec.memory_bytes if spec is not None else None
+    if memory is not None and fb.budget_bytes > memory:
+        raise OomtuneError(f"the config's budget {format_bytes(fb.budget_bytes)} (found_by.budget_bytes) is more than "
+                           f"the {spec.name}'s {format_bytes(memory)}: give --budget")
+    return fb.budget_bytes
+
+
 def check(config: Config, model_file: ModelFile, *, device_kind: str = "fake", budget: str | None = None,
           headroom: float | None = None, margin: str | None = None, steps: int = TRIAL_STEPS,
           gpu: str | None = None) -> CheckResult:
-    """Re-measure the config's plan and say whether it still fits the config's budget (or --budget)."""
+    """Re-measure the config's plan and say whether it still fits the config's budget (or --budget, or --gpu's
+    memory: check_budget)."""
     if device_kind not in CHECK_DEVICES:
         raise OomtuneError(f"--device {device_kind!r}: expected one of {', '.join(CHECK_DEVICES)}")
     if margin is not None and device_kind == "cuda":  # it measures the real thing
@@ -103,12 +121,7 @@ def check(config: Config, model_file: ModelFile, *, device_kind: str = "fake", b
     if gpu is not None and device_kind == "cuda":
         raise OomtuneError(f"--gpu {gpu} is for the simulated devices (--device fake or cpu): cuda is the card itself")
     spec = card_of(config, gpu) if device_kind != "cuda" else None
-    if budget is None:
-        if fb is None:
-            raise OomtuneError("the config has no found_by section to take the budget from: give --budget")
-        budget_bytes = fb.budget_bytes
-    else:
-        budget_bytes = parse_budget(budget, spec.memory_bytes if spec is not None else None)
+    budget_bytes = check_budget(config, budget, gpu, spec)
     clamped_from = None
     if device_kind == "fake":
         device: Device = FakeDevice(str(budget_bytes), gpu=spec, margin=check_margin(config, margin, spec))

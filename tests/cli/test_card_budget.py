@@ -1,0 +1,120 @@
+"""A card (`--gpu NAME`) and a budget (`--budget`) together: check with --gpu and no --budget checks in the card's
+memory (as estimate does), a budget over the card's memory is refused wherever the two meet, and the generic card,
+which has no memory of its own, asks for --budget. Bad input is one line and exit 2."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+import oomtune
+from oomtune.config.loading import load_config
+from oomtune.errors import OomtuneError
+from oomtune.memory.cards import find_gpu
+
+from ..conftest import EXAMPLES, run_cli
+
+TINY_GPT = EXAMPLES / "tiny_gpt.py"
+H100 = find_gpu("h100")
+OVER_T4 = "--budget 32.00 GiB is more than the Tesla T4's 15.00 GiB"
+NO_SIZE = "--gpu generic has no memory size: give --budget too (e.g. --budget 24GiB)"
+
+
+def one_line_error(r, *needles: str) -> None:
+    assert r.exit_code == 2, r.output
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:"), r.stderr
+    assert "Traceback" not in r.output
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+@pytest.fixture(scope="module")
+def cpu_config(tmp_path_factory):
+    """A config probed on the cpu device in 12 MiB (a few seconds)."""
+    out = tmp_path_factory.mktemp("card_budget") / "tmp.yaml"
+    r = run_cli("probe", TINY_GPT, "--device", "cpu", "--budget", "12MiB", "--out", out)
+    assert r.exit_code == 0, r.output
+    return out
+
+
+# -- 1. check --gpu without --budget: the card's memory, not the budget of the device the config was found on ----
+
+def test_check_with_a_card_and_no_budget_checks_in_the_cards_memory(cpu_config):
+    r = run_cli("check", "--config", cpu_config, "--gpu", "h100", "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["budget_bytes"] == H100.memory_bytes
+    text = run_cli("check", "--config", cpu_config, "--gpu", "h100")
+    assert text.exit_code == 0, text.output
+    assert "budget 79.65 GiB" in text.stdout and "still fits" in text.stdout
+
+
+def test_check_without_a_card_or_budget_keeps_the_configs_budget(cpu_config):
+    r = run_cli("check", "--config", cpu_config, "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["budget_bytes"] == 12 * 1024**2
+
+
+def test_check_with_a_card_and_a_budget_takes_the_budget(cpu_config):
+    for budget, expected in (("15GiB", 15 * 1024**3), ("90%", int(find_gpu("t4").memory_bytes * 0.9))):
+        r = run_cli("check", "--config", cpu_config, "--gpu", "t4", "--budget", budget, "--json")
+        assert r.exit_code == 0, r.output
+        assert json.loads(r.stdout)["budget_bytes"] == expected
+
+
+# -- 2. a budget over the card's memory is refused, wherever a card and an absolute budget meet ------------------
+
+COMMANDS = {  # where a card and a budget meet, besides check
+    "estimate": ("estimate", TINY_GPT),
+    "what-if": ("estimate", TINY_GPT, "--micro-batch", "1", "--context", "32"),
+    "probe-cpu": ("probe", TINY_GPT, "--device", "cpu"),
+    "probe-fake": ("probe", TINY_GPT, "--device", "fake"),
+}
+
+
+@pytest.mark.parametrize("name", list(COMMANDS))
+def test_a_budget_over_the_cards_memory_is_refused(name, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # (the config they would write: best.yaml)
+    one_line_error(run_cli(*COMMANDS[name], "--gpu", "t4", "--budget", "32GiB"), OVER_T4)
+    assert not (tmp_path / "best.yaml").exists()
+
+
+def test_check_refuses_a_budget_over_the_cards_memory(cpu_config):
+    one_line_error(run_cli("check", "--config", cpu_config, "--gpu", "t4", "--budget", "32GiB"), OVER_T4)
+
+
+def test_a_budget_up_to_the_cards_memory_is_accepted():
+    for budget in ("15GiB", "100%", "90%"):
+        r = run_cli("estimate", TINY_GPT, "--gpu", "t4", "--budget", budget, "--micro-batch", "1", "--context", "32")
+        assert r.exit_code == 0, (budget, r.output)
+
+
+def test_check_refuses_a_configs_budget_over_its_cards_memory(cpu_config):
+    """A config that says it was found as a T4 in 32 GiB (written before budgets were checked) names the config's
+    budget, not a --budget nobody gave."""
+    config = load_config(cpu_config)
+    bad = dataclasses.replace(config, found_by=dataclasses.replace(config.found_by, card="t4",
+                                                                   budget_bytes=32 * 1024**3))
+    with pytest.raises(OomtuneError, match=r"the config's budget 32.00 GiB \(found_by.budget_bytes\) is more than "
+                                           r"the Tesla T4's 15.00 GiB"):
+        oomtune.check(bad, model=TINY_GPT)
+
+
+# -- 3. the generic card has no memory of its own: --budget, said as such ------------------------------------------
+
+@pytest.mark.parametrize("name", ["estimate", "what-if"])
+def test_the_generic_card_without_a_budget_asks_for_one(name, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    one_line_error(run_cli(*COMMANDS[name], "--gpu", "generic"), NO_SIZE)
+
+
+def test_probe_on_the_fake_device_with_the_generic_card_and_no_budget_says_the_card_has_none(tmp_path):
+    """(probe's fake device takes the generic card without --gpu too: the line holds for both)"""
+    one_line_error(run_cli(*COMMANDS["probe-fake"], "--gpu", "generic", "--out", tmp_path / "best.yaml"),
+                   "--device fake has no memory of its own (nor has the generic card): give --budget")
+
+
+def test_check_with_the_generic_card_and_no_budget_asks_for_one(cpu_config):
+    one_line_error(run_cli("check", "--config", cpu_config, "--gpu", "generic"), NO_SIZE)
