@@ -16,7 +16,8 @@ ToOpt = Annotated[str, typer.Option("--to", help="hf (TrainingArguments keyword 
                                     "(Trainer keyword arguments and the DataLoader batch size, JSON) | accelerate "
                                     "(an accelerate config, YAML) | torchtune (recipe overrides, key=value).")]
 StrictOpt = Annotated[bool, typer.Option("--strict/--no-strict", help="Exit 2 when the target cannot express "
-                                         "every plan key (default: print what it can, name the rest on stderr).")]
+                                         "every plan key, or the model file's own optimizer() (default: print what "
+                                         "it can, name the rest on stderr).")]
 
 
 @app.command()
