@@ -44,15 +44,15 @@ class Job:
     device: object = None
     dist: object = None
     notes: list[str] = field(default_factory=list)
-    where: tuple = ("auto", None, None)  # probe: the device kind, budget and card connect() makes the device from
+    where: tuple = ("auto", None, None, None)  # probe: the device kind, budget, card and margin of its device
 
     def connect(self, dist_timeout: float = 0.0, launched: bool = False) -> Job:
         """The probe's device (auto: cuda where PyTorch sees a GPU, else cpu), and its ranks where torchrun
         `launched` this process."""
         from .search.probe import probe_on_ranks
 
-        kind, budget, gpu = self.where
-        self.device, self.dist = probe_on_ranks(kind, budget, dist_timeout, launched, gpu)
+        kind, budget, gpu, margin = self.where
+        self.device, self.dist = probe_on_ranks(kind, budget, dist_timeout, launched, gpu, margin)
         return self
 
     def run(self, on_start: OnStart = None, on_trial: OnTrial = None, on_begin: Callable | None = None):
@@ -91,7 +91,7 @@ def prepare_probe(model, *, batch: int | None = None, context: int | None = None
                   headroom: float = HEADROOM, steps: int = TRIAL_STEPS, objective: str = "fit", amp: str = "auto",
                   levers: str | None = None, prior: bool | None = None, out: str | Path | None = None,
                   memory_snapshot: str | Path | None = None, on_ranks: bool = False,
-                  header: str | None = None) -> Job:
+                  header: str | None = None, margin: str | None = None) -> Job:
     """Everything `probe` checks before its first trial (the options, `out`, the snapshot's path, the model, the
     targets); `on_ranks`: the job runs on several ranks (no snapshot there, no prior)."""
     from .memory import snapshot
@@ -109,21 +109,21 @@ def prepare_probe(model, *, batch: int | None = None, context: int | None = None
     options = {"headroom": headroom, "steps": steps, "objective": objective, "amp": amp, "levers": allowed,
                "prior": prior}
     return Job("probe", model_file, targets, options, out, header or f"written by oomtune.probe({model_file.label})",
-               _path(memory_snapshot), where=(device, budget, gpu))
+               _path(memory_snapshot), where=(device, budget, gpu, margin))
 
 
 def probe(model, *, batch: int | None = None, context: int | None = None, min_context: int | None = None,
           device: str = "auto", budget: str | None = None, gpu: str | None = None, headroom: float = HEADROOM,
           steps: int = TRIAL_STEPS, objective: str = "fit", amp: str = "auto", levers: str | None = None,
           prior: bool | None = None, out: str | Path | None = None, memory_snapshot: str | Path | None = None,
-          on_start: OnStart = None, on_trial: OnTrial = None):
+          on_start: OnStart = None, on_trial: OnTrial = None, margin: str | None = None):
     """`oomtune probe` on one process: the ladder on `device` (auto: cuda where PyTorch sees a GPU, else cpu),
     starting from the estimate where `prior` (None: on cuda only). Returns the ProbeResult (`.plan` and `.config`
     None when nothing fits); `out`: also write the config there; `memory_snapshot`: the plan's trial, for
     PyTorch's memory viewer."""
     job = prepare_probe(model, batch=batch, context=context, min_context=min_context, device=device, budget=budget,
                         gpu=gpu, headroom=headroom, steps=steps, objective=objective, amp=amp, levers=levers,
-                        prior=prior, out=out, memory_snapshot=memory_snapshot)
+                        prior=prior, out=out, memory_snapshot=memory_snapshot, margin=margin)
     result = job.connect().run(on_start, on_trial)
     job.write(result)
     return result

@@ -22,6 +22,7 @@ from .options import (
     HeadroomOpt,
     JsonOpt,
     LeversOpt,
+    MarginOpt,
     MasterAddrOpt,
     MasterPortOpt,
     MinContextOpt,
@@ -57,6 +58,7 @@ def probe(
                                          "nothing).")] = "auto",
     budget: Annotated[str | None, budget_option("the GPU's free memory; cpu: available RAM; fake: --gpu's")] = None,
     gpu: GpuOpt = None,
+    margin: MarginOpt = None,
     headroom: HeadroomOpt = HEADROOM,
     steps: StepsOpt = TRIAL_STEPS,
     objective: ObjectiveOpt = "fit",
@@ -88,7 +90,7 @@ def probe(
         rank = worker_rank()
         job = prepare_probe(model, batch=batch, context=context, min_context=min_context, device=device,
                             budget=budget, gpu=gpu, headroom=headroom, steps=steps, objective=objective, amp=amp,
-                            levers=levers, prior=prior,
+                            levers=levers, prior=prior, margin=margin,
                             out=out_path if rank in (None, 0) else None,  # the launcher and rank 0, which writes it
                             memory_snapshot=memory_snapshot, on_ranks=nproc_per_node is not None or rank is not None,
                             header=f"written by `oomtune probe {model}` — edit `train:` freely")
@@ -97,7 +99,8 @@ def probe(
             launch.check()
             check_ranks_batch(job.targets, launch.world_size)
             run(launch, ["probe", str(model), *flags(batch=batch, context=context, min_context=min_context,
-                                                     device=device, budget=budget, gpu=gpu, headroom=headroom,
+                                                     device=device, budget=budget, gpu=gpu, margin=margin,
+                                                     headroom=headroom,
                                                      steps=steps,
                                                      objective=objective, amp=amp, levers=levers, out=out_path,
                                                      prior=prior is True, no_prior=prior is False,

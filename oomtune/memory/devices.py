@@ -188,7 +188,7 @@ class TrackedDevice(Device):
         self.tracker.budget_bytes = self.tensor_budget(budget_bytes)
         if self.tracker.budget_bytes <= 0:
             raise OomtuneError(f"budget {format_bytes(budget_bytes)} is not more than what a GPU needs beyond tensors "
-                               f"({self.margin.text()}): give a larger --budget")
+                               f"({self.margin.text()}): give a larger --budget, or --margin 0 to count tensors alone")
 
     def supports_bf16(self) -> bool:
         return self.card is None or self.card.bf16
@@ -362,8 +362,10 @@ def resolve_kind(kind: str) -> str:
     return kind
 
 
-def make_device(kind: str = "auto", budget: str | None = None, card: GpuSpec | None = None) -> Device:
-    """A device of `kind` (auto: see resolve_kind) under `budget`; a simulated one accounting like `card`."""
+def make_device(kind: str = "auto", budget: str | None = None, card: GpuSpec | None = None,
+                margin: AnyMargin | None = None) -> Device:
+    """A device of `kind` (auto: see resolve_kind) under `budget`; a simulated one accounting like `card`, with
+    `margin` (None: the device's default) for what a GPU needs beyond tensors."""
     kind = resolve_kind(kind)
     if kind == "cuda":
         if card is not None:
@@ -375,9 +377,9 @@ def make_device(kind: str = "auto", budget: str | None = None, card: GpuSpec | N
     if budget and card is not None:  # the user's --budget with --gpu: no more than the card has
         card_budget(budget, card)
     if kind == "cpu":
-        return CpuDevice(budget, card)
+        return CpuDevice(budget, card, margin)
     if kind == "fake":
-        return FakeDevice(budget, gpu=card)
+        return FakeDevice(budget, gpu=card, margin=margin)
     raise OomtuneError(f"--device {kind!r}: expected one of {', '.join(DEVICE_KINDS)}")
 
 

@@ -16,6 +16,7 @@ from ..errors import BAD_INPUT, OomtuneError
 from ..memory.breakdown import StaticMemory, static_memory
 from ..memory.cards import GENERIC, find_gpu
 from ..memory.devices import Device, make_device, resolve_kind
+from ..memory.margin import parse_margin
 from ..model_file import ModelFile, eager_note
 from ..units import format_bytes, utc_now
 from .certify import CertifyingSearch
@@ -320,11 +321,15 @@ def check_ranks_batch(targets: Targets, world_size: int) -> None:
 
 
 def probe_on_ranks(kind: str, budget: str | None, dist_timeout: float, launched: bool,
-                   gpu: str | None = None) -> tuple[Device, Dist]:
-    """The device a probe runs on (with `gpu`, a simulated one accounting like that card), and its ranks: a worker
-    torchrun started joins the others (on cuda this picks its own GPU, before the device is made); one process has
-    LOCAL."""
+                   gpu: str | None = None, margin: str | None = None) -> tuple[Device, Dist]:
+    """The device a probe runs on (with `gpu`, a simulated one accounting like that card; `margin`, a simulated
+    one's rule for what a GPU needs beyond tensors), and its ranks: a worker torchrun started joins the others (on
+    cuda this picks its own GPU, before the device is made); one process has LOCAL."""
     kind = resolve_kind(kind)
+    if margin is not None and kind == "cuda":
+        raise OomtuneError("--margin is for the simulated devices (--device cpu or fake): on cuda what a GPU needs "
+                           "beyond tensors is measured", BAD_INPUT)
     card = find_gpu(gpu) if gpu else (GENERIC if kind == "fake" else None)  # fake stands in for a card: estimate's
+    rule = parse_margin(margin) if margin is not None else None
     dist = init(kind, "ddp", dist_timeout) if launched else LOCAL
-    return make_device(kind, budget, card), dist
+    return make_device(kind, budget, card, rule), dist

@@ -118,3 +118,17 @@ def test_probe_on_the_fake_device_with_the_generic_card_and_no_budget_says_the_c
 
 def test_check_with_the_generic_card_and_no_budget_asks_for_one(cpu_config):
     one_line_error(run_cli("check", "--config", cpu_config, "--gpu", "generic"), NO_SIZE)
+
+
+def test_probe_takes_a_margin_on_the_simulated_devices(tmp_path):
+    """device: fake. probe --device fake counts a card's margin (512 MiB of assumed CUDA context): a small budget
+    needs --margin 0 to probe the tensors alone, as estimate and check allow (probe had no --margin); the error
+    says so. On cuda what a GPU needs beyond tensors is measured: --margin there is bad input."""
+    args = ("probe", EXAMPLES / "tiny_gpt.py", "--device", "fake", "--budget", "12MiB", "--out", tmp_path / "f.yaml")
+    without = run_cli(*args)
+    assert without.exit_code == 2 and without.stderr.strip().endswith("or --margin 0 to count tensors alone")
+    r = run_cli(*args, "--margin", "0", "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["fits"] and load_config(tmp_path / "f.yaml").found_by.device == "fake"
+    cuda = run_cli("probe", EXAMPLES / "tiny_gpt.py", "--device", "cuda", "--margin", "0", "--out", tmp_path / "c.yaml")
+    assert cuda.exit_code == 2 and "--margin is for the simulated devices" in cuda.stderr, cuda.output
