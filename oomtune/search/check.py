@@ -72,15 +72,17 @@ def card_of(config: Config, gpu: str | None) -> GpuSpec | None:
     fb = config.found_by
     if fb is None:
         return None
-    if fb.card is not None:
-        return find_gpu(fb.card)
-    if fb.device not in ("fake", "cuda") or not fb.gpu_name:
-        return None
-    try:
-        card = find_gpu(fb.gpu_name.removesuffix(" (estimated)"))
-    except OomtuneError:
-        card = GENERIC if fb.device == "cuda" else None
-    return dataclasses.replace(card, context_bytes=0) if fb.device == "cuda" else card
+    card = None
+    for name in (fb.card, fb.gpu_name.removesuffix(" (estimated)") if fb.device in ("fake", "cuda") else None):
+        try:
+            card = find_gpu(name) if name else None
+        except OomtuneError:  # a real GPU the table does not know (its card is named after the driver's name)
+            continue
+        if card is not None:
+            break
+    if fb.device != "cuda":
+        return card
+    return dataclasses.replace(card or GENERIC, context_bytes=0)
 
 
 def check_budget(config: Config, budget: str | None, gpu: str | None, spec: GpuSpec | None) -> int:
@@ -93,8 +95,8 @@ def check_budget(config: Config, budget: str | None, gpu: str | None, spec: GpuS
     fb = config.found_by
     if fb is None:
         raise OomtuneError("the config has no found_by section to take the budget from: give --budget")
-    memory = spec.memory_bytes if spec is not None else None
-    if memory is not None and fb.budget_bytes > memory:
+    memory = spec.memory_bytes if spec is not None and fb.device != "cuda" else None  # (a GPU's own may pass
+    if memory is not None and fb.budget_bytes > memory:  # the table's by a little: ECC off, a variant)
         raise OomtuneError(f"the config's budget {format_bytes(fb.budget_bytes)} (found_by.budget_bytes) is more than "
                            f"the {spec.name}'s {format_bytes(memory)}: give --budget")
     return fb.budget_bytes

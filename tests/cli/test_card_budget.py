@@ -132,3 +132,28 @@ def test_probe_takes_a_margin_on_the_simulated_devices(tmp_path):
     assert json.loads(r.stdout)["fits"] and load_config(tmp_path / "f.yaml").found_by.device == "fake"
     cuda = run_cli("probe", EXAMPLES / "tiny_gpt.py", "--device", "cuda", "--margin", "0", "--out", tmp_path / "c.yaml")
     assert cuda.exit_code == 2 and "--margin is for the simulated devices" in cuda.stderr, cuda.output
+
+
+@pytest.mark.parametrize(("card", "gpu_name", "expected"), [
+    ("nvidiartxa6000", "NVIDIA RTX A6000", "a generic sm80 card"),  # not in the table: named after the driver
+    ("h200", "NVIDIA H200", "H200"),
+])
+def test_check_of_a_config_probed_on_a_gpu_uses_its_cards_rules_without_a_context(cpu_config, tmp_path, card,
+                                                                                     gpu_name, expected):
+    """device: fake. A config probed on cuda records its card (the table's alias, or one made from the driver's
+    name where the table has none) and a budget from which its own CUDA context was already gone: check on fake
+    takes that card's rules (else the generic ones) with no context (it failed with "--gpu 'nvidiartxa6000': not in
+    the table", and a table card's assumed 512 MiB context was counted twice)."""
+    from oomtune.config.writing import save_config
+    from oomtune.search.check import card_of
+
+    config = load_config(cpu_config)
+    found = dataclasses.replace(config.found_by, device="cuda", estimated=False, gpu_name=gpu_name, card=card,
+                                budget_bytes=256 * 1024**2)
+    path = tmp_path / "cuda.yaml"
+    save_config(dataclasses.replace(config, found_by=found), path)
+    spec = card_of(load_config(path), None)
+    assert (spec.name, spec.context_bytes) == (expected, 0)
+    r = run_cli("check", "--config", path, "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["budget_bytes"] == 256 * 1024**2
