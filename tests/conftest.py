@@ -81,6 +81,16 @@ def write_model(tmp_path):
     return write
 
 
+def one_line_error(r, *needles: str) -> None:
+    """A CLI result that is bad input: exit 2, one line on stderr ("error: ..."), no traceback, naming `needles`."""
+    assert r.exit_code == 2, r.output
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:"), r.stderr
+    assert "Traceback" not in r.output
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
 def run_cli(*args: str):
     """Run the CLI in-process; returns typer's Result (exit_code, stdout, stderr)."""
     from typer.testing import CliRunner

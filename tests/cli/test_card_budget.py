@@ -14,21 +14,12 @@ from oomtune.config.loading import load_config
 from oomtune.errors import OomtuneError
 from oomtune.memory.cards import find_gpu
 
-from ..conftest import EXAMPLES, run_cli
+from ..conftest import EXAMPLES, one_line_error, run_cli
 
 TINY_GPT = EXAMPLES / "tiny_gpt.py"
 H100 = find_gpu("h100")
 OVER_T4 = "--budget 32.00 GiB is more than the Tesla T4's 15.00 GiB"
 NO_SIZE = "--gpu generic has no memory size: give --budget too (e.g. --budget 24GiB)"
-
-
-def one_line_error(r, *needles: str) -> None:
-    assert r.exit_code == 2, r.output
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error:"), r.stderr
-    assert "Traceback" not in r.output
-    for needle in needles:
-        assert needle in lines[0], lines[0]
 
 
 @pytest.fixture(scope="module")

@@ -18,18 +18,9 @@ from oomtune.config.schema import Config, Plan, TrainConfig
 from oomtune.config.writing import save_config
 from oomtune.errors import ConfigError, OomtuneError
 
-from ..conftest import EXAMPLES, TINY_MODEL, run_cli
+from ..conftest import EXAMPLES, TINY_MODEL, one_line_error, run_cli
 
 ESTIMATE = ("--budget", "400KiB", "--margin", "0")  # the tiny model's ladder on the fake device: a second or two
-
-
-def one_line_error(r, *needles: str) -> None:
-    assert r.exit_code == 2, r.output
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error:"), r.stderr
-    assert "Traceback" not in r.output
-    for needle in needles:
-        assert needle in lines[0], lines[0]
 
 
 @pytest.fixture
