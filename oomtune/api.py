@@ -138,7 +138,7 @@ def prepare_estimate(model, *, budget: str | None = None, gpu: str | None = None
     """Everything `estimate` checks before its first trial, and its fake device (`notes`: what the user should
     know about the card before it runs)."""
     from .memory import snapshot
-    from .search.estimate import no_bf16_note
+    from .search.estimate import make_fake_device, no_bf16_note
     from .search.options import check_estimate_options, check_world, parse_levers, resolve_targets
 
     check_estimate_options(objective, headroom, steps, amp)
@@ -149,7 +149,7 @@ def prepare_estimate(model, *, budget: str | None = None, gpu: str | None = None
     model_file = model_file_of(model)
     _check_named(out, model, model_file)
     targets = resolve_targets(model_file, batch, context, min_context)
-    device = _fake_device(budget, gpu, margin)
+    device = make_fake_device(budget, gpu, margin)
     options = {"headroom": headroom, "steps": steps, "objective": objective, "amp": amp, "levers": allowed,
                "world_size": world_size, "sharding": sharding}
     header = header or (f"written by oomtune.estimate({model_file.label}): predicted on fake tensors, never measured "
@@ -182,7 +182,7 @@ def what_if(model, micro_batch: int, *, context: int | None = None, precision: s
     """`oomtune estimate --micro-batch`: one plan's breakdown on fake tensors and, given a budget or a card,
     whether it fits. Returns the WhatIf (`.plan`, `.breakdown`, `.fits`, `.levers`, `.note`)."""
     from .memory import snapshot
-    from .search.estimate import no_bf16_note, what_if_plan
+    from .search.estimate import make_fake_device, no_bf16_note, what_if_plan
     from .search.estimate import what_if as run_what_if
     from .search.options import check_estimate_options, check_what_if_options, check_world
 
@@ -193,26 +193,10 @@ def what_if(model, micro_batch: int, *, context: int | None = None, precision: s
     model_file = model_file_of(model)
     plan = what_if_plan(model_file, micro_batch, context, precision, checkpointing, grad_accum, world_size, sharding)
     bounded = bool(budget or gpu)
-    device = _fake_device(budget if bounded else str(1 << 50), gpu, margin)
+    device = make_fake_device(budget if bounded else str(1 << 50), gpu, margin)
     result = run_what_if(model_file, plan, device, bounded=bounded, headroom=headroom, steps=steps)
     _snapshot_of(memory_snapshot, model_file, plan, device, steps, before_writing)
     return result.with_note(no_bf16_note(device, plan.precision))
-
-
-def _fake_device(budget: str | None, gpu: str | None, margin: str | None):
-    """estimate's fake device (search.estimate.make_fake_device), where a card and a budget are checked together:
-    --gpu without --budget is the card's memory (the generic card has none), and a budget is no more than it."""
-    from .memory.cards import find_gpu
-    from .search.estimate import make_fake_device
-    from .units import card_budget, card_memory
-
-    if gpu:
-        spec = find_gpu(gpu)
-        if budget is None:
-            card_memory(spec, gpu)
-        else:
-            card_budget(budget, spec)
-    return make_fake_device(budget, gpu, margin)
 
 
 def check(config: str | Path | Config, *, model=None, device: str = "fake", budget: str | None = None,

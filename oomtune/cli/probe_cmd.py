@@ -130,5 +130,5 @@ def _say_what_runs(job, as_json: bool, estimating: bool) -> None:
               f"context {targets.context}" + (f" (min {targets.min_context})"
                                               if targets.min_context < targets.context else ""))
     if estimating:
-        err.print("  [dim]estimating every rung on fake tensors first (no device memory), then two trials a rung "
+        err.print("  [dim]estimating every rung on fake tensors first (no device memory), then certifying each "
                   "on the device[/]")

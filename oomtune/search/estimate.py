@@ -17,6 +17,7 @@ from ..memory.cards import GENERIC, find_gpu
 from ..memory.devices import Device, FakeDevice
 from ..memory.margin import AnyMargin, parse_margin
 from ..model_file import ModelFile
+from ..units import card_budget, card_memory
 from .ladder import LadderResult, Point
 from .options import LEVERS, check_estimate_options, check_headroom, check_steps, check_world, resolve_targets
 from .past import PastRungs
@@ -58,10 +59,15 @@ class RecordingTrials:
 
 def make_fake_device(budget: str | None, gpu: str | None, margin: str | None) -> FakeDevice:
     """--budget / --gpu / --margin -> the fake device that stands in for that GPU: without --gpu, a card of the
-    budget's memory with the generic profile's rules (cards.GENERIC); without --margin, the card's own margin."""
+    budget's memory with the generic profile's rules (cards.GENERIC); without --margin, the card's own margin.
+    --gpu without --budget is the card's memory (the generic card has none); a budget is no more than it."""
     spec = find_gpu(gpu) if gpu else None
-    if budget is None and (spec is None or spec.memory_bytes is None):
-        raise OomtuneError("say how much memory to fit in: --budget 24GiB or --gpu NAME (e.g. --gpu a100-80)")
+    if budget is None:
+        if spec is None:
+            raise OomtuneError("say how much memory to fit in: --budget 24GiB or --gpu NAME (e.g. --gpu a100-80)")
+        card_memory(spec, gpu)
+    elif spec is not None:
+        card_budget(budget, spec)
     return FakeDevice(budget, gpu=spec or GENERIC, margin=parse_margin(margin) if margin is not None else None)
 
 
