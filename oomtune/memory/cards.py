@@ -70,7 +70,7 @@ GPUS: tuple[GpuSpec, ...] = (
     GpuSpec("GeForce RTX 4090", 24564 * MiB, (8, 9), ("rtx4090", "4090")),
     GpuSpec("L4", 23034 * MiB, (8, 9), ("l4",)),
     GpuSpec("A10", 23028 * MiB, (8, 6), ("a10", "a10g")),
-    GpuSpec("A100 40GB", 40960 * MiB, (8, 0), ("a100-40", "a100-40gb", "a100")),
+    GpuSpec("A100 40GB", 40960 * MiB, (8, 0), ("a100-40", "a100-40gb")),
     GpuSpec("A100 80GB", 81920 * MiB, (8, 0), ("a100-80", "a100-80gb")),
     GpuSpec("H100 80GB", 81559 * MiB, (9, 0), ("h100", "h100-80", "h100-80gb")),
     GpuSpec("H200", 143771 * MiB, (9, 0), ("h200", "h200-141gb")),
@@ -79,6 +79,10 @@ GPUS: tuple[GpuSpec, ...] = (
 # `estimate --budget` without --gpu: a card of that memory with Ampere's rules (bf16, flash attention, PyTorch's
 # sm80 cuBLAS workspace). It is named wherever an estimate made with it is shown.
 GENERIC = GpuSpec("a generic sm80 card", None, (8, 0), ("generic",))
+
+
+# a model sold with more than one memory size: which one the user has changes every estimate
+AMBIGUOUS = {"a100": "a100-40 (40 GB) or a100-80 (80 GB)"}
 
 
 def card_for(name: str, memory_bytes: int, compute_capability: tuple[int, int]) -> GpuSpec:
@@ -116,6 +120,8 @@ def _key(name: str) -> str:
 def find_gpu(name: str) -> GpuSpec:
     """`--gpu` lookup, forgiving about case, spaces and dashes: 'A100-80', 'rtx 4090', 'NVIDIA H100', 'generic'."""
     k = _key(name)
+    if k in AMBIGUOUS:
+        raise OomtuneError(f"--gpu {name!r} names more than one card: {AMBIGUOUS[k]}")
     for spec in (*GPUS, GENERIC):
         if k in {_key(spec.name), *(_key(a) for a in spec.aliases)}:
             return spec

@@ -23,10 +23,16 @@ LEVERS = ("amp", "checkpointing", "accumulation", "fsdp", "bf16-true", "8bit", "
 
 
 def parse_levers(text: str | None) -> frozenset[str]:
-    """--levers amp,checkpointing,accumulation: the set the ladder may use (None: every lever)."""
+    """--levers amp,checkpointing,accumulation: the set the ladder may use (None: every lever; "none": no lever,
+    the fp32 rung alone with the whole batch at once)."""
     if text is None:
         return frozenset(LEVERS)
+    if text.strip().lower() == "none":  # the fp32 rung alone, the whole batch at once
+        return frozenset()
     names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise OomtuneError(f"--levers {text!r} names no lever: leave it out to allow every lever, or say none for "
+                           "the fp32 rung alone")
     unknown = [n for n in names if n not in LEVERS]
     if unknown:
         raise OomtuneError(f"--levers {text!r}: unknown {', '.join(unknown)} (expected names from "

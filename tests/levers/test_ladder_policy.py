@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from oomtune.config.loading import load_config
 from oomtune.search.ladder import LadderSearch, Measurement, Point, Rung
 
@@ -163,3 +165,16 @@ def test_a_card_without_bf16_offloads_in_fp32(tmp_path):
     plan = load_config(out).plan
     assert (plan.precision, plan.optimizer_8bit, plan.offload_optimizer) == ("fp32", True, True)
     assert plan.activation_checkpointing and plan.global_batch_size == 8
+
+
+def test_levers_none_is_the_fp32_rung_alone_and_an_empty_list_is_refused():
+    """device: none. An empty --levers is a script's unset variable more often than a choice: it is refused, and
+    `none` says the same thing on purpose."""
+    from oomtune.errors import OomtuneError
+    from oomtune.search.options import LEVERS, parse_levers
+
+    assert parse_levers("none") == frozenset() and parse_levers(None) == frozenset(LEVERS)
+    assert parse_levers(" amp, accumulation ") == {"amp", "accumulation"}
+    for empty in ("", " , "):
+        with pytest.raises(OomtuneError, match="names no lever"):
+            parse_levers(empty)

@@ -4,6 +4,7 @@ Devices: cpu and fake."""
 import pytest
 
 from oomtune.config.schema import Plan
+from oomtune.errors import OomtuneError
 from oomtune.memory.cards import GENERIC, MiB, card_for, cublas_workspace_bytes, find_gpu
 from oomtune.memory.devices import CpuDevice, FakeDevice
 from oomtune.memory.margin import CardMargin, Margin, parse_margin
@@ -146,6 +147,7 @@ def test_with_a_card_the_cpu_devices_budget_is_the_cards_memory():
     ("NVIDIA A100-PCIE-40GB", 40536, (8, 0), "a100-40"),  # ECC on: a few hundred MiB less
     ("NVIDIA H100 80GB HBM3", 81559, (9, 0), "h100"),
     ("NVIDIA GeForce RTX 4090", 24564, (8, 9), "rtx4090"),
+    ("NVIDIA A100", 81920, (8, 0), "a100-80"),  # the bare model name: its memory says which
     ("NVIDIA H100 NVL", 95830, (9, 0), None),  # another card of that model: its own memory
     ("NVIDIA A100-SXM4-80GB", 81920, (9, 0), None),  # not the table's capability
     ("NVIDIA RTX A6000", 49140, (8, 6), None),  # not in the table
@@ -158,3 +160,10 @@ def test_the_driver_names_a_table_card_by_its_model_memory_and_capability(driver
         assert (spec.name, spec.memory_bytes, spec.compute_capability) == (driver, mib * MiB, cc)
     else:
         assert spec is find_gpu(table)
+
+
+def test_a_model_name_sold_in_two_memory_sizes_is_refused_naming_both():
+    """device: none. --gpu a100 could be 40 or 80 GB, which changes every estimate: the user says which."""
+    with pytest.raises(OomtuneError, match=r"a100-40 \(40 GB\) or a100-80 \(80 GB\)"):
+        find_gpu("A100")
+    assert find_gpu("a100-40").memory_bytes == 40960 * MiB
