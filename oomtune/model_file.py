@@ -194,6 +194,10 @@ class ModelFile:
         if stray:
             raise self.fail("blocks", f"returned modules that are not in the model ({stray} of {len(found)}): "
                                       "return submodules of the model it is given")
+        if any(b is model or b is getattr(model, "_orig_mod", None) for b in found):
+            raise self.fail("blocks", "returned the model itself: checkpointed whole, its backward recomputes the "
+                                      "whole forward at once and saves nothing; return its repeated layers "
+                                      "(e.g. model.layers)")
         return found
 
     def supports_checkpointing(self, model: nn.Module) -> bool:

@@ -103,6 +103,7 @@ def test_a_model_error_on_fake_tensors_prints_no_torch_traceback(tmp_path):
      "submodules of the model it is given"),
     ("return list(Net().blocks)", "blocks() returned modules that are not in the model (2 of 2)"),
     ("return [model.out, nn.Linear(1, 1)]", "blocks() returned modules that are not in the model (1 of 2)"),
+    ("return [model]", "blocks() returned the model itself: checkpointed whole"),
 ])
 def test_a_bad_blocks_hook_fails_before_any_trial(write_model, hook, message):
     path = write_model(TINY_MODEL + f"\ndef blocks(model):\n    {hook}\n")

@@ -95,6 +95,17 @@ class BlockwiseAdamW8bit(torch.optim.Optimizer):
                 if not self.state[p]:
                     self.state[p].update(self._init_state(p))
 
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's, keeping the saved dtypes: torch casts every floating-point state tensor to its parameter's dtype,
+        which would make a bf16 parameter's fp32 moments and scales bf16 (the step then mixes dtypes and fails)."""
+        saved = [{k: v for k, v in state_dict["state"].get(i, {}).items() if torch.is_tensor(v)}
+                 for g in state_dict["param_groups"] for i in g["params"]]
+        super().load_state_dict(state_dict)
+        params = [p for g in self.param_groups for p in g["params"]]
+        for p, tensors in zip(params, saved, strict=True):
+            for k, v in tensors.items():
+                self.state[p][k] = v.to(p.device, copy=True)
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = closure() if closure is not None else None
