@@ -25,7 +25,7 @@ AmpOpt = Annotated[str, typer.Option("--amp", help="Mixed precision for the amp 
 LeversOpt = Annotated[str | None, typer.Option(
     "--levers", help="The levers the ladder may use, comma-separated (default: all): amp, checkpointing, "
     "accumulation, fsdp, then past accumulation bf16-true, 8bit, nf4, offload, offload-activations (climbed only "
-    "where the others cannot fit micro-batch 1 at the target context). amp,checkpointing,accumulation is the "
+    "where the others fit no plan at the target context). amp,checkpointing,accumulation is the "
     "classic ladder; none: the fp32 rung alone, the whole batch at once.")]
 OutOpt = Annotated[Path, typer.Option("--out", "-o", help="Where to write the config.")]
 SnapshotOpt = Annotated[Path | None, typer.Option(

@@ -251,14 +251,13 @@ class LadderSearch:
     # -- the ladder ------------------------------------------------------------------------------
     def run(self, rungs: Sequence[Rung], batch: int, context: int, min_context: int,
             objective: Objective = "fit", past: Sequence[Rung] = (), accumulation: bool = True) -> LadderResult:
-        """Climb `rungs`; then `past` (the rungs past accumulation, cheapest first), only while no rung fits
-        micro-batch 1 at the target context: the first of them that does ends the climb (accumulation does the
-        rest). `accumulation=False`: a plan must fit the whole batch at once, and `past` is climbed while no rung
+        """Climb `rungs`; then `past` (the rungs past accumulation, cheapest first), only while no plan fits at
+        the target context: the first rung whose plan does (micro-batch 1 and accumulation, at least) ends the
+        climb. `accumulation=False`: a plan must fit the whole batch at once, and `past` is climbed while no rung
         fits the whole batch at the target context."""
         results: list[RungResult] = []
-        reach = 1 if accumulation else batch  # the micro-batch at the target context that needs no costlier lever
         for i, rung in enumerate([*rungs, *past]):
-            if i >= len(rungs) and any(r.context_length == context and r.micro_batch_size >= reach for r in results):
+            if i >= len(rungs) and self._reached(results, batch, context, objective, accumulation):
                 break  # the target context is reached: no costlier lever is needed
             r = self.search_rung(rung, batch, context, min_context)
             results.append(r)
@@ -266,6 +265,17 @@ class LadderSearch:
                 break
         choice = self.choose(results, batch, context, objective, accumulation)
         return LadderResult(tuple(results), choice, tuple(self.trials))
+
+    def _reached(self, results: Sequence[RungResult], batch: int, context: int, objective: Objective,
+                 accumulation: bool) -> bool:
+        """Does a plan fit at the target context? A micro-batch that fits alone there is not enough: accumulation
+        keeps every gradient alive through the next micro-step, so its plan is verified (the trials choose() runs
+        at the end anyway, where it fits)."""
+        reach = 1 if accumulation else batch
+        if not any(r.context_length == context and (r.micro_batch_size or 0) >= reach for r in results):
+            return False
+        choice = self.choose(results, batch, context, objective, accumulation)
+        return choice is not None and choice.context_length == context
 
     def _trial(self, rung: Rung, b: int, t: int, accum: int = 1) -> Trial | None:
         return self._seen.get(Point(rung, b, t, accum))

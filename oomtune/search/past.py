@@ -1,6 +1,6 @@
-"""The rungs past accumulation, climbed only where the usual ones (fp32, amp, checkpointing, fsdp) cannot fit
-micro-batch 1 at the target context: each adds one lever to the one before, cheapest first in speed and
-exactness, so the last combines them all (the guides' "combine two or more"):
+"""The rungs past accumulation, climbed only where the usual ones (fp32, amp, checkpointing, fsdp) fit no plan
+at the target context (micro-batch 1 with accumulation, at least): each adds one lever to the one before, cheapest
+first in speed and exactness, so the last combines them all (the guides' "combine two or more"):
 
     bf16-true -> +8bit -> +nf4 (a model with frozen Linear weights) -> +offload -> +offload-activations
 

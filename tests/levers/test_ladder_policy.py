@@ -35,9 +35,14 @@ def test_the_rungs_past_accumulation_are_climbed_only_where_the_others_cannot_re
     assert r.rungs[-1].context_length == 512 and r.choice.rung == TRUE
     assert r.choice.micro_batch_size * r.choice.grad_accum_steps == 64  # the global batch kept
 
-    easy = LadderSearch(measure, LIMIT)  # a context the usual rungs reach: no rung past accumulation is tried
-    r = easy.run([FP32, AMP, CKPT], batch=64, context=64, min_context=64, past=[TRUE, EIGHT, OFFLOAD])
-    assert all(t.point.rung in (FP32, AMP, CKPT) for t in easy.trials)
+    easy = LadderSearch(measure, LIMIT)  # a plan the usual rungs fit (fp32 2 x 2): no rung past accumulation
+    r = easy.run([FP32, AMP, CKPT], batch=4, context=64, min_context=64, past=[TRUE, EIGHT, OFFLOAD])
+    assert all(t.point.rung in (FP32, AMP, CKPT) for t in easy.trials) and r.choice.context_length == 64
+    # at batch 64 they fit a micro-batch at 64 alone, but no accumulated plan (10 bytes a micro-step here): the
+    # climb goes on to bf16-true, whose plan fits (it used to stop, with nothing found)
+    hard = LadderSearch(measure, LIMIT).run([FP32, AMP, CKPT], batch=64, context=64, min_context=64,
+                                            past=[TRUE, EIGHT, OFFLOAD])
+    assert hard.rungs[0].micro_batch_size >= 1 and hard.choice.rung == TRUE
 
 
 def test_without_accumulation_a_plan_must_fit_the_whole_batch():
@@ -178,3 +183,24 @@ def test_levers_none_is_the_fp32_rung_alone_and_an_empty_list_is_refused():
     for empty in ("", " , "):
         with pytest.raises(OomtuneError, match="names no lever"):
             parse_levers(empty)
+
+
+def test_the_climb_goes_on_where_micro_batch_1_fits_alone_but_no_accumulated_plan_does():
+    """Accumulation keeps every gradient alive through the next micro-step: bf16-true fits micro-batch 1 at 512
+    alone (800 + 64 + 10 = 874) but not 1 x 64 with its gradients held (+ 1000 here); the climb used to end at
+    bf16-true and say nothing fits, where +8bit (whose gradients this model holds at 200) fits the plan."""
+    held = {TRUE: 1000, EIGHT: 200}
+
+    def measure_accumulating(p: Point) -> Measurement:
+        m = measure(p)
+        extra = held.get(p.rung, 0) if p.grad_accum_steps > 1 else 0
+        if m.oom or m.peak_bytes + extra > BUDGET:
+            return Measurement(oom=True)
+        return Measurement(oom=False, peak_bytes=m.peak_bytes + extra)
+
+    s = LadderSearch(measure_accumulating, LIMIT)
+    r = s.run([FP32, AMP, CKPT], batch=64, context=512, min_context=512, past=[TRUE, EIGHT, OFFLOAD])
+    assert [x.rung for x in r.rungs] == [FP32, AMP, CKPT, TRUE, EIGHT]
+    assert r.rungs[3].context_length == 512 and r.rungs[3].micro_batch_size >= 1  # fits alone, not accumulated
+    assert r.choice.rung == EIGHT and r.choice.micro_batch_size * r.choice.grad_accum_steps == 64
+    assert not any(t.point.rung == OFFLOAD for t in s.trials)  # +8bit's plan fits: the climb ends there
