@@ -164,16 +164,16 @@ def render_search(result, out_path: Path | None, as_json: bool, verb: str, extra
             out.print(f"[bold]wrote[/] {out_path}   next: [cyan]oomtune train --config {out_path}[/]")
             note = divisor_note(result)
             if note:
-                out.print(f"[yellow]note:[/] {note}")
+                out.print(f"[yellow]note:[/] {escape(note)}")
             if kept_train:
                 out.print(f"      kept the [bold]train:[/] section {out_path} already had (the plan and found_by "
                           "are new)")
         for note in result.notes:
-            out.print(f"[yellow]note:[/] {note}")
+            out.print(f"[yellow]note:[/] {escape(note)}")
         if details is not None:
             details()
     if result.config is None:
-        err.print(f"[bold red]{verb}:[/] {result.why_nothing_fits}")
+        err.print(f"[bold red]{verb}:[/] {escape(result.why_nothing_fits)}")
         raise typer.Exit(1)
 
 

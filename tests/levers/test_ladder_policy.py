@@ -113,6 +113,11 @@ def test_a_missing_library_skips_its_rung_with_a_note_and_a_config_that_needs_it
     report = json.loads(r.stdout)
     assert report["levers_not_used"]["nf4"] == "NF4 frozen weights need torchao (pip install 'oomtune[finetune]')"
     assert "nf4" not in " ".join(x["rung"] for x in report["rungs"])
+    # printed where the climb went past accumulation, the extra's brackets are text, not rich markup
+    text = run_cli("probe", model, "--device", "cpu", "--budget", "300KiB", "--context", "1", "--batch", "8",
+                   "--out", tmp_path / "p.yaml")
+    assert text.exit_code == 0 and "bf16-true" in text.stdout, text.output
+    assert "NF4 frozen weights need torchao (pip install 'oomtune[finetune]')" in " ".join(text.stdout.split())
     cfg = tmp_path / "nf4.yaml"
     cfg.write_text(f"model: {model}\nplan:\n  micro_batch_size: 2\n  context_length: 1\n  nf4_frozen_weights: true\n")
     t = run_cli("train", "--config", cfg, "--device", "cpu", "--steps", "2", "--run-dir", tmp_path / "run")
