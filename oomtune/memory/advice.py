@@ -36,13 +36,21 @@ def levers_that_help(bd: MemoryBreakdown, static: StaticMemory, limit_bytes: int
     skipped = past.skipped if past is not None else {}
     out: list[str] = []
 
-    def enough(saved_tensor_bytes: int) -> str:
-        return "enough" if bd.tensor_peak_bytes - saved_tensor_bytes <= tensor_room else "not enough alone"
+    def enough(saved: int) -> str:
+        # the peak less what the lever saves, with the margin the device adds to it (a card's: the allocator model's
+        # reserved bytes less the same, its rounding and cached blocks kept)
+        reserved = bd.modelled_reserved_bytes
+        after = margin.total(bd.tensor_peak_bytes - saved, reserved - saved if reserved is not None else None)
+        return "enough" if after <= limit_bytes else "not enough alone"
 
     def why(lever: str) -> str:
         return f"; the ladder could not use it: {skipped[lever]}" if lever in skipped else ""
 
     opt = bd.optimizer_state_bytes
+    if plan.precision != "bf16-true":  # autocast keeps fp32 weights, their gradients and fp32 optimizer state
+        saved = (bd.parameters_bytes + bd.gradients_bytes + (0 if plan.optimizer_8bit else opt)) // 2
+        out.append(f"bf16 weights, gradients and optimizer state, no fp32 copy (--levers bf16-true): saves about "
+                   f"{format_bytes(saved)} ({enough(saved)}){why('bf16-true')}")
     if opt and not plan.optimizer_8bit and not plan.offload_optimizer:
         saved = opt * 3 // 4
         out.append(f"8-bit optimizer state (--levers 8bit): {static.optimizer_name} state {format_bytes(opt)} -> "
