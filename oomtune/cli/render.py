@@ -159,7 +159,7 @@ def render_search(result, out_path: Path | None, as_json: bool, verb: str, extra
                       f"(budget {fmt_bytes(fb.budget_bytes)}, {fb.headroom:.0%} headroom){tps}; "
                       f"{counted(len(result.records), 'trial')}{prior_text(result.prior)}")
             if fb.host_peak_bytes:
-                out.print(f"      host memory {fmt_bytes(fb.host_peak_bytes)} for the offloaded parts"
+                out.print(f"      host memory {fmt_bytes(fb.host_peak_bytes)} {host_use(result.config.plan)}"
                           + (" (estimated: check the machine has it free)" if fb.estimated else ""))
             out.print(f"[bold]wrote[/] {out_path}   next: [cyan]oomtune train --config {out_path}[/]")
             note = divisor_note(result)
@@ -175,6 +175,14 @@ def render_search(result, out_path: Path | None, as_json: bool, verb: str, extra
     if result.config is None:
         err.print(f"[bold red]{verb}:[/] {escape(result.why_nothing_fits)}")
         raise typer.Exit(1)
+
+
+def host_use(plan) -> str:
+    """What a plan's host memory is for: the offloaded parts, and an NF4 model's build (quantized after it)."""
+    uses = ["for the offloaded parts"] if plan.offload_optimizer or plan.offload_activations else []
+    if plan.nf4_frozen_weights:
+        uses.append("for building the model, whose frozen weights are quantized to NF4 after")
+    return " and ".join(uses) or "for the offloaded parts"
 
 
 def breakdown_table(bd, plan, limit_bytes: int | None = None, title: str = "breakdown",
@@ -210,7 +218,7 @@ def breakdown_table(bd, plan, limit_bytes: int | None = None, title: str = "brea
         table.add_row("allocator model", fmt_bytes(bd.modelled_reserved_bytes), f"{over:+.0%}",
                       "[dim]what CUDA's caching allocator would reserve for these tensors (not in the peak)[/]")
     if bd.host_bytes:
-        table.add_row("host memory", fmt_bytes(bd.host_bytes), "", "[dim]offloaded: not in the GPU's peak[/]")
+        table.add_row("host memory", fmt_bytes(bd.host_bytes), "", f"[dim]{host_use(plan)}: not in the GPU's peak[/]")
     if limit_bytes is not None:
         table.add_row("allowed", fmt_bytes(limit_bytes), "", "[dim]budget less headroom[/]")
     return table

@@ -37,7 +37,7 @@ COMMENTS = {
     "found_by.headroom": "fraction of the budget kept free (fragmentation, longer batches)",
     "found_by.peak_bytes": "measured peak of the plan",
     "found_by.breakdown": "what the peak is made of; the parts sum to tensor_peak_bytes",
-    "found_by.host_peak_bytes": "host RAM the offloaded parts held at most (estimate: check your machine has it)",
+    "found_by.host_peak_bytes": "host RAM the plan held at most: offloaded parts, an NF4 model built before quantizing",
     "found_by.notes": "how the plan was measured, where that is not what one would assume",
     "found_by.card": "the card's rules a simulated device accounted by (--gpu): autocast, attention, allocator",
     "found_by.prior": "how the probe's trials were chosen: certified from the estimate, or why not",

@@ -138,9 +138,10 @@ class Recorder:
         """Tag the live storages of tensors (or containers of them)."""
         for obj in objs:
             for t in _tensors(obj):
-                rec = self.record_of(t)
-                if rec is not None:
-                    rec.tags.add(tag)
+                for leaf in _leaves(t):
+                    rec = self.record_of(leaf)
+                    if rec is not None:
+                        rec.tags.add(tag)
 
     def record_of(self, t: torch.Tensor) -> StorageRecord | None:
         if is_traceable_wrapper_subclass(t):  # a DTensor: its local shard
@@ -159,3 +160,16 @@ class Recorder:
         """Was it still alive when the stretch of work that made it ended (kept for later, not scratch)?"""
         end = self.span_ends[rec.span]
         return end is None or rec.died is None or rec.died > end
+
+
+def _leaves(t: torch.Tensor):
+    """The tensors holding a tensor's storage: a wrapper subclass's inner ones (an NF4 weight's codes and scales,
+    a DTensor's shard), else itself."""
+    if not is_traceable_wrapper_subclass(t):
+        yield t
+        return
+    names, _ = t.__tensor_flatten__()
+    for name in names:
+        inner = getattr(t, name, None)
+        if isinstance(inner, torch.Tensor):
+            yield from _leaves(inner)

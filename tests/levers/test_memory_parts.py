@@ -77,6 +77,18 @@ def test_nf4_frozen_weights_are_half_a_byte_plus_block_scales(write_model):
     assert s.gradients_bytes == 4 * N  # the trained one only
 
 
+@needs_torchao
+def test_the_breakdown_counts_nf4_weights_as_parameters(write_model):
+    """device: fake. An NF4 weight is a wrapper tensor; its storages are its inner codes and scales, which the
+    breakdown tagged as nothing (they showed as temporaries)."""
+    from oomtune.memory.breakdown import breakdown
+
+    mf = load_model_file(write_model(FROZEN))
+    plan = Plan(4, 1, nf4_frozen_weights=True)
+    bd = breakdown(mf, plan, FakeDevice("1GiB"))
+    assert bd.parameters_bytes == static_memory(mf, plan, "nf4").weights_bytes == N // 2 + N // 64 + 3 * 512 + 4 * N
+
+
 def test_the_offloaded_optimizer_holds_nothing_on_the_device_and_all_of_it_on_the_host(write_model):
     mf = load_model_file(write_model(TRAINED))
     s = static_memory(mf, Plan(1, 1, offload_optimizer=True), "offload")
