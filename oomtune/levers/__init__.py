@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ..errors import BAD_INPUT, OomtuneError
+from ..memory.on_host import CudaOnHost
 
 EXTRA = "pip install 'oomtune[finetune]'"
 LIBRARY_LEVERS = ("optimizer_8bit", "nf4_frozen_weights")
@@ -54,7 +55,7 @@ def build_model(model_file, plan, device) -> nn.Module:
     as loading a quantized checkpoint does: the device never holds the unquantized weights."""
     dtype = _default_dtype(torch.bfloat16) if plan.precision == "bf16-true" else contextlib.nullcontext()
     if plan.nf4_frozen_weights:
-        with dtype, device.host(), torch.device("cpu"):
+        with dtype, device.host(), torch.device("cpu"), CudaOnHost():  # (its own .to("cuda") too: quantized first)
             model = model_file.build()
             prepare_model(model, plan, model_file.label, device.computes)
         relocate(model, device)

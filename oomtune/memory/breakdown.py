@@ -23,6 +23,7 @@ from ..step import as_on_cuda
 from ..units import format_bytes
 from .devices import FakeDevice, TrackedDevice
 from .fakes import real_code_paths
+from .on_host import CudaOnHost
 from .recorder import Recorder
 from .tracker import MemoryTracker
 
@@ -87,7 +88,8 @@ def static_memory(model_file: ModelFile, plan: Plan | None = None, levers: str =
 
     tracker = MemoryTracker()
     with FakeTensorMode(allow_non_fake_inputs=True), real_code_paths(), tracker, torch.device("cpu"):
-        model = model_file.build()
+        with CudaOnHost():
+            model = model_file.build()
         nf4 = sum(m.weight.numel() for m in frozen_linears(model))
         if plan is not None:
             prepare_model(model, plan, model_file.label, computes=False)

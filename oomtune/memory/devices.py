@@ -28,6 +28,7 @@ from .cuda_autocast import cuda_autocast
 from .cuda_kernels import cuda_kernels
 from .fakes import real_code_paths
 from .margin import AnyMargin, CardMargin, Margin, parse_margin
+from .on_host import CudaOnHost
 from .reading import Reading
 from .replay import Lines, Trace, replay
 from .tracker import MemoryTracker, simulated_oom_message, system_memory
@@ -192,6 +193,12 @@ class TrackedDevice(Device):
 
     def supports_bf16(self) -> bool:
         return self.card is None or self.card.bf16
+
+    @contextlib.contextmanager
+    def placement(self) -> Iterator[None]:
+        """As the device's, and a model file's own `.to("cuda")` lands here too (on_host.py)."""
+        with torch.device(self.torch_device), CudaOnHost():
+            yield
 
     def _accounting(self) -> contextlib.AbstractContextManager:
         if self.card is None:
