@@ -42,6 +42,7 @@ UNINITIALIZED = frozenset(op for op in (_aten.empty.memory_format, _aten.empty_s
 SHADOW = "_oomtune_value"  # the attribute holding a FakeTensor's real copy
 MAX_SHADOW_ELEMENTS = 1 << 22  # larger results are not copied (their values are not read by code that branches)
 _LOCAL_SCALAR = torch.ops.aten._local_scalar_dense.default
+_EMBEDDING = torch.ops.aten.embedding.default
 _UNKNOWN = object()
 
 
@@ -191,6 +192,8 @@ class Values(TorchDispatchMode):
         if func in METADATA_OPS:  # a tensor's device (wrapper subclasses ask for it all the time): no values
             return func(*args, **(kwargs or {}))
         kwargs = kwargs or {}
+        if func is _EMBEDDING:
+            self._check_indices(args[0], args[1])
         try:
             out = func(*args, **kwargs)
         except DataDependentOutputException:
@@ -214,6 +217,17 @@ class Values(TorchDispatchMode):
             if isinstance(fake, FakeTensor):
                 self._attach(fake, value)
         return out
+
+    def _check_indices(self, weight: torch.Tensor, indices: torch.Tensor) -> None:
+        """An embedding's known indices past its rows fail as the real op does (a context longer than the model's
+        positions: fake tensors alone would look it up and go on)."""
+        known = self._known(indices)
+        if known is None or not known.numel():
+            return
+        with _disable_current_modes():
+            low, high = int(known.min()), int(known.max())
+        if low < 0 or high >= weight.shape[0]:
+            raise IndexError("index out of range in self")
 
     def _read(self, func, args, kwargs):
         """A value read (`.item()`, `bool(t)`, torch.equal): the real answer, else 0 for a scalar."""

@@ -54,6 +54,23 @@ def test_values_computed_from_the_batch_are_read_as_real_ones_give_them():
         assert int((positions * mask).max()) == 3
 
 
+def test_an_embedding_past_its_rows_fails_as_on_real_tensors():
+    """Positions past a model's table (a context longer than it was built for) are known values: the lookup fails
+    as the cpu's does, where fake tensors alone would go on (and the estimate said the plan fits)."""
+    table = nn.Embedding(8, 4)
+    with pytest.raises(IndexError, match="index out of range in self"):
+        table(torch.arange(9))
+    with fake():
+        fake_table = nn.Embedding(8, 4)
+        assert fake_table(torch.arange(8)).shape == (8, 4)
+        with pytest.raises(IndexError, match="index out of range in self"):
+            fake_table(torch.arange(9))
+        with pytest.raises(IndexError, match="index out of range in self"):
+            fake_table(torch.tensor([-1]))
+        unknown = nn.Linear(4, 1)(torch.ones(3, 4)).long().squeeze(1)  # from weights: no values, no check
+        assert fake_table(unknown).shape == (3, 4)
+
+
 def test_values_that_come_from_weights_are_unknown():
     """A weight has no values on the fake device: a scalar read of one reads 0 (GradScaler's found-inf: finite), an
     output shape from one raises NeedsValues (the search then computes on the cpu)."""
