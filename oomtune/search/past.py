@@ -78,5 +78,6 @@ def _why_not(lever: str, static: StaticMemory, label: str, has_optimizer_hook: b
     if key in ("optimizer_8bit", "offload_optimizer") and has_optimizer_hook:
         return f"{label} defines its own optimizer, and this lever replaces only the default AdamW"
     if key == "nf4_frozen_weights" and not static.nf4_elements:
-        return f"{label} has no frozen nn.Linear (or Conv1D) weights (NF4 is for a PEFT LoRA model's base layers)"
+        return (f"{label} has no frozen nn.Linear (or Conv1D) weights of a whole number of NF4 blocks (64 x 256 "
+                "elements; NF4 is for a PEFT LoRA model's base layers, the output head kept)")
     return missing_library(key, device_kind)

@@ -135,12 +135,15 @@ def why_nothing_fits(ladder: LadderResult, targets: Targets, static: StaticMemor
 
 
 def check_static_fits(static: StaticMemory, device: Device, limit_bytes: int, headroom: float,
-                      world_size: int = 1) -> None:
+                      world_size: int = 1, past: PastRungs | None = None) -> None:
+    """The floor fits the limit, else exit 2, saying which levers past accumulation the ladder could not use."""
     if static.floor_bytes // world_size > limit_bytes:  # FSDP shards it across the ranks
+        unused = "; ".join(past.notes()) if past is not None else ""
         raise OomtuneError(
             f"budget {format_bytes(device.budget_bytes)} ({format_bytes(limit_bytes)} after {headroom:.0%} "
             f"headroom) is too small for the weights alone: {static.describe()}"
-            + (f", {format_bytes(static.floor_bytes // world_size)} per rank" if world_size > 1 else ""),
+            + (f", {format_bytes(static.floor_bytes // world_size)} per rank" if world_size > 1 else "")
+            + (f" ({unused})" if unused else ""),
             BAD_INPUT,
         )
 
@@ -202,7 +205,7 @@ def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: 
     sharded_by, no_fsdp = fsdp_reach(device, world, sharding)
     rungs, past, floor = all_rungs(model_file, device, amp, static, world, sharding, levers, limit, sharded_by,
                                    statics[1] if statics else None)
-    check_static_fits(floor, device, limit, headroom, sharded_by)
+    check_static_fits(floor, device, limit, headroom, sharded_by, past)
     notes = measurement_notes(model_file, static, device)
     check_prior(prior, device.kind, world > 1)
     estimating = device.kind == "cuda" and world == 1 if prior is None else prior

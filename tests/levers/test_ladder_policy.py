@@ -118,6 +118,10 @@ def test_a_missing_library_skips_its_rung_with_a_note_and_a_config_that_needs_it
                    "--out", tmp_path / "p.yaml")
     assert text.exit_code == 0 and "bf16-true" in text.stdout, text.output
     assert "NF4 frozen weights need torchao (pip install 'oomtune[finetune]')" in " ".join(text.stdout.split())
+    named = run_cli("probe", model, "--device", "cpu", "--budget", "200KiB", "--context", "1", "--batch", "8",
+                    "--levers", "nf4,accumulation", "--out", tmp_path / "p.yaml")  # the lever asked for, unusable
+    assert named.exit_code == 2 and "too small for the weights alone" in named.stderr
+    assert "(no nf4 rung: NF4 frozen weights need torchao" in " ".join(named.stderr.split()), named.stderr
     cfg = tmp_path / "nf4.yaml"
     cfg.write_text(f"model: {model}\nplan:\n  micro_batch_size: 2\n  context_length: 1\n  nf4_frozen_weights: true\n")
     t = run_cli("train", "--config", cfg, "--device", "cpu", "--steps", "2", "--run-dir", tmp_path / "run")
