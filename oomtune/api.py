@@ -178,9 +178,10 @@ def what_if(model, micro_batch: int, *, context: int | None = None, precision: s
             checkpointing: bool | None = None, grad_accum: int | None = None, budget: str | None = None,
             gpu: str | None = None, margin: str | None = None, headroom: float = HEADROOM,
             steps: int = TRIAL_STEPS, world_size: int = 1, sharding: str | None = None,
-            memory_snapshot: str | Path | None = None, before_writing: Hook = None):
+            memory_snapshot: str | Path | None = None, before_writing: Hook = None, levers: str | None = None):
     """`oomtune estimate --micro-batch`: one plan's breakdown on fake tensors and, given a budget or a card,
-    whether it fits. Returns the WhatIf (`.plan`, `.breakdown`, `.fits`, `.levers`, `.note`)."""
+    whether it fits; `levers`: the levers past accumulation the plan uses (8bit, nf4, offload, ...). Returns the
+    WhatIf (`.plan`, `.breakdown`, `.fits`, `.levers`, `.note`)."""
     from .memory import snapshot
     from .search.estimate import make_fake_device, no_bf16_note, what_if_plan
     from .search.estimate import what_if as run_what_if
@@ -191,7 +192,8 @@ def what_if(model, micro_batch: int, *, context: int | None = None, precision: s
     check_world(world_size, sharding)
     snapshot.check_path(_path(memory_snapshot), others=(_model_path(model),))
     model_file = model_file_of(model)
-    plan = what_if_plan(model_file, micro_batch, context, precision, checkpointing, grad_accum, world_size, sharding)
+    plan = what_if_plan(model_file, micro_batch, context, precision, checkpointing, grad_accum, world_size, sharding,
+                        levers)
     bounded = bool(budget or gpu)
     device = make_fake_device(budget if bounded else str(1 << 50), gpu, margin)
     result = run_what_if(model_file, plan, device, bounded=bounded, headroom=headroom, steps=steps)

@@ -123,7 +123,7 @@ def estimate(
     """
     with user_errors(debug, as_json):
         from .. import api
-        from ..search.options import check_estimate_options, check_what_if_options, parse_levers
+        from ..search.options import check_estimate_options, check_what_if_options
 
         if not check_what_if_options(micro_batch, precision, checkpointing, grad_accum, batch, min_context):
             job = api.prepare_estimate(model, budget=budget, gpu=gpu, margin=margin, batch=batch, context=context,
@@ -136,10 +136,9 @@ def estimate(
             _ladder(job, gpu, as_json)
             return
         check_estimate_options(objective, headroom, steps, amp)  # options the one plan ignores, still checked
-        parse_levers(levers)
         result = api.what_if(model, micro_batch, context=context, precision=precision, checkpointing=checkpointing,
                              grad_accum=grad_accum, budget=budget, gpu=gpu, margin=margin, headroom=headroom,
                              steps=steps, world_size=world_size, sharding=sharding, memory_snapshot=memory_snapshot,
-                             before_writing=stop_if_interrupted)
+                             before_writing=stop_if_interrupted, levers=levers)
         snapshot_written(memory_snapshot, result.plan)
         render_what_if(result, as_json)

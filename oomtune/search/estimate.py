@@ -19,8 +19,16 @@ from ..memory.margin import AnyMargin, parse_margin
 from ..model_file import ModelFile
 from ..units import card_budget, card_memory
 from .ladder import LadderResult, Point
-from .options import LEVERS, check_estimate_options, check_headroom, check_steps, check_world, resolve_targets
-from .past import PastRungs
+from .options import (
+    LEVERS,
+    check_estimate_options,
+    check_headroom,
+    check_steps,
+    check_world,
+    parse_levers,
+    resolve_targets,
+)
+from .past import PAST_LEVERS, PastRungs
 from .probe import ProbeResult, all_rungs, fsdp_reach, ladder_rungs, no_fsdp_note, plan_of, probe
 from .trial import TrialResult, computing_where_needed, run_trial
 
@@ -184,12 +192,31 @@ def no_bf16_note(device: FakeDevice | None, precision: str | None) -> str | None
 
 def what_if_plan(model_file: ModelFile, micro_batch: int, context: int | None, precision: str | None,
                  checkpointing: bool | None, grad_accum: int | None, world_size: int = 1,
-                 sharding: str | None = None) -> Plan:
-    """The one plan estimate's what-if options describe (fp32, no checkpointing, no accumulation unless given)."""
+                 sharding: str | None = None, levers: str | None = None) -> Plan:
+    """The one plan estimate's what-if options describe (fp32, no checkpointing, no accumulation unless given);
+    `levers`: the levers past accumulation it uses (what_if_levers)."""
     targets = resolve_targets(model_file, None, context, None)
-    plan = Plan(micro_batch, targets.context, precision or "fp32", bool(checkpointing),
-                grad_accum if grad_accum is not None else 1,
-                world_size=world_size, sharding=sharding or ("ddp" if world_size > 1 else "none"))
+    past = what_if_levers(levers, precision)
+    plan = Plan(micro_batch, targets.context, "bf16-true" if past.pop("bf16-true", False) else precision or "fp32",
+                bool(checkpointing), grad_accum if grad_accum is not None else 1,
+                world_size=world_size, sharding=sharding or ("ddp" if world_size > 1 else "none"), **past)
     if plan.activation_checkpointing and not static_memory(model_file).checkpointing_supported:
         raise OomtuneError(f"{model_file.label}: --checkpointing, but no blocks to wrap (define blocks(model))")
     return plan
+
+
+def what_if_levers(levers: str | None, precision: str | None) -> dict[str, bool]:
+    """--levers with --micro-batch: the levers past accumulation the one plan uses, as plan keys (bf16-true: the
+    precision). The others are the plan's own options (--precision, --checkpointing, --grad-accum)."""
+    if levers is None:
+        return {}
+    names = parse_levers(levers)
+    usual = sorted(n for n in names if n in ("amp", "checkpointing", "accumulation", "fsdp"))
+    if usual:
+        raise OomtuneError(f"--levers {levers!r} with --micro-batch names the levers past accumulation the plan "
+                           f"uses; {', '.join(usual)} {'is' if len(usual) == 1 else 'are'} the plan's own "
+                           "--precision, --checkpointing, --grad-accum, --sharding")
+    if "bf16-true" in names and precision not in (None, "bf16-true"):
+        raise OomtuneError(f"--levers bf16-true is a precision: it cannot go with --precision {precision}")
+    out = {PAST_LEVERS[n][0]: True for n in names if n in PAST_LEVERS}
+    return out | ({"bf16-true": True} if "bf16-true" in names else {})

@@ -197,6 +197,24 @@ def test_what_if_one_plan(tmp_path):
     assert short.exit_code == 1 and json.loads(short.stdout)["fits"] is False
 
 
+def test_what_if_one_plan_with_levers_past_accumulation():
+    """device: fake. --levers with --micro-batch puts those levers on the one plan (they were ignored): the 8-bit
+    state is a quarter of AdamW's and more (a scale per 256), offload leaves no optimizer state on the device and
+    holds it on the host; bf16-true is the plan's precision. The usual levers are the plan's own options."""
+    base = ("estimate", EXAMPLES / "tiny_gpt.py", "--micro-batch", "2", "--context", "64", "--margin", "0", "--json")
+    plain, eight, off = (json.loads(run_cli(*base, *extra).stdout) for extra in
+                         ((), ("--levers", "8bit"), ("--levers", "bf16-true,8bit,offload")))
+    assert eight["plan"]["optimizer_8bit"] and not plain["plan"]["optimizer_8bit"]
+    assert plain["breakdown"]["optimizer_state_bytes"] / 4 < eight["breakdown"]["optimizer_state_bytes"] < \
+        plain["breakdown"]["optimizer_state_bytes"] / 2
+    assert off["plan"]["precision"] == "bf16-true" and off["plan"]["offload_optimizer"]
+    assert off["breakdown"]["optimizer_state_bytes"] == 0 and off["breakdown"]["host_bytes"] > 0
+    for bad, why in ((("--levers", "amp"), "amp is the plan's own"),
+                     (("--levers", "bf16-true", "--precision", "fp16"), "cannot go with --precision fp16")):
+        r = run_cli(*base, *bad)
+        assert r.exit_code == 2 and why in json.loads(r.stdout)["error"]
+
+
 # -- check ---------------------------------------------------------------------------------------
 
 def test_check_passes_unchanged_and_fails_after_a_wider_layer(write_model, tmp_path):
