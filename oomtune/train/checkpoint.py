@@ -166,7 +166,20 @@ def _read(p: Path) -> Any:
         raise CheckpointError(f"checkpoint not found: {p}") from None
     except Exception as e:  # truncated zip, bit rot, a file that is not a checkpoint, a pickled object
         raise CheckpointError(f"checkpoint {p} {unreadable_because(p, e)}") from None
+    damaged = _zip_damage(p)  # torch.load reads the parts without checking their CRCs: flipped bytes load silently
+    if damaged is not None:
+        raise CheckpointError(f"checkpoint {p} {damaged}")
     return state
+
+
+def _zip_damage(p: Path) -> str | None:
+    """Why the zip archive torch.save wrote is damaged (a part whose bytes fail its CRC, or no index), else None."""
+    try:
+        with zipfile.ZipFile(p) as z:
+            bad = z.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError):
+        return f"is truncated or damaged: {p.stat().st_size:,} bytes without a complete zip index (a copy cut short?)"
+    return f"is damaged: its part {bad} fails its checksum" if bad is not None else None
 
 
 def unreadable_because(p: Path, e: BaseException) -> str:
@@ -182,13 +195,9 @@ def unreadable_because(p: Path, e: BaseException) -> str:
         return "is empty (0 bytes)"
     if head != b"PK\x03\x04":
         return f"is not a checkpoint: {size:,} bytes that are not a PyTorch file (torch.save writes a zip archive)"
-    try:
-        with zipfile.ZipFile(p) as z:
-            bad = z.testzip()
-    except (zipfile.BadZipFile, OSError, EOFError, ValueError):
-        return f"is truncated or damaged: {size:,} bytes without a complete zip index (a copy cut short?)"
-    if bad is not None:
-        return f"is damaged: its part {bad} fails its checksum"
+    damaged = _zip_damage(p)
+    if damaged is not None:
+        return damaged
     if isinstance(e, pickle.UnpicklingError):  # weights_only refused an object
         return f"holds something other than tensors and plain values ({first_line(e)})"
     return f"cannot be read ({type(e).__name__}: {first_line(e)})"

@@ -159,7 +159,11 @@ def test_a_broken_latest_checkpoint_is_named_in_plain_words_and_the_older_intact
     run = case_dir / "run"
     latest = run / "ckpt-00000006.pt"
     good = latest.read_bytes()
-    for data, needle in [(good[: len(good) // 3], "is truncated or damaged"),
+    flipped = bytearray(good)  # bytes inside a tensor's part: torch.load reads them without checking its CRC
+    middle = len(good) // 2
+    flipped[middle:middle + 64] = bytes(b ^ 0xC8 for b in flipped[middle:middle + 64])
+    for data, needle in [(bytes(flipped), "is damaged: its part "),
+                         (good[: len(good) // 3], "is truncated or damaged"),
                          (b"not a checkpoint at all\n", "is not a checkpoint: 24 bytes"),
                          (b"", "is empty (0 bytes)")]:
         latest.write_bytes(data)
