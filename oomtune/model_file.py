@@ -9,12 +9,11 @@ hook, while an out-of-memory error passes through untouched for the search to ca
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import inspect
 import reprlib
 import sys
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,8 +22,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
+from .checkpointing import block_stacks, checkpointed, enable_hf_checkpointing, hf_checkpointing, running_stats_kept
 from .errors import ModelFileError, OomtuneError, first_line
 from .memory.devices import is_oom
 
@@ -204,15 +203,15 @@ class ModelFile:
         """Also validates a `blocks` hook, so static_memory (before any trial) rejects a bad one."""
         if self.has("blocks"):
             return bool(self._hooked_blocks(model))
-        return _hf_checkpointing(model) is not None or bool(self.blocks(model))
+        return hf_checkpointing(model) is not None or bool(self.blocks(model))
 
     def enable_checkpointing(self, model: nn.Module) -> None:
         """Recompute each block's activations in backward instead of keeping them: Hugging Face models (PEFT-wrapped
         too) through their own switch, the rest by wrapping `blocks`."""
-        enable = None if self.has("blocks") else _hf_checkpointing(model)
+        enable = None if self.has("blocks") else hf_checkpointing(model)
         if enable is not None:
             with self.user_code(f"the model's {enable.__name__}()"):
-                _enable_hf_checkpointing(model, enable)
+                enable_hf_checkpointing(model, enable)
             return
         blocks = self.blocks(model)
         if not blocks:
@@ -221,7 +220,7 @@ class ModelFile:
                 "modules); define blocks(model)"
             )
         for block in blocks:
-            block.forward = _checkpointed(block.forward)
+            block.forward = checkpointed(block.forward, running_stats_kept(block))
 
     def batches(self, hook: str, batch_size: int, context_length: int, device: torch.device) -> Iterator[Batch]:
         """The iterator of `hook` (train_batches / eval_batches, which the caller checked the file has)."""
@@ -231,28 +230,6 @@ class ModelFile:
         except TypeError:
             raise self.fail(hook, f"returned {reprlib.repr(returned)} ({type(returned).__name__}); expected an "
                                   "iterable of batches (a generator that yields them, or a list)") from None
-
-
-STACK_SHARE = 0.25  # a stack with under this share of the largest stack's parameters is not a block stack
-
-
-def block_stacks(model: nn.Module) -> list[nn.ModuleList]:
-    """The nn.ModuleLists whose members all have one type (an encoder's and a decoder's layers are two), largest
-    (by parameters) first; one inside another that was taken is part of it; one with under STACK_SHARE of the
-    largest one's parameters (two output heads beside twelve layers) is not a stack of blocks."""
-    def size(m: nn.Module) -> int:
-        return sum(p.numel() for p in m.parameters())
-
-    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) and len({type(x) for x in m}) == 1]
-    lists = sorted((m for m in lists if size(m)), key=size, reverse=True)
-    taken: list[nn.ModuleList] = []
-    inside: set[int] = set()
-    for stack in lists:
-        if id(stack) in inside or size(stack) < STACK_SHARE * size(lists[0]):
-            continue
-        taken.append(stack)
-        inside.update(id(m) for m in stack.modules())
-    return taken
 
 
 def is_compiled(model: nn.Module) -> bool:
@@ -269,41 +246,6 @@ def eager_note(label: str, device_kind: str, training: bool = False) -> str:
             "measured compiled)")
     return (f"{label}: build_model() returns a torch.compile'd model, but torch.compile does not run under the "
             f"{device_kind} device's memory tracker: {what}")
-
-
-def _hf_checkpointing(model: nn.Module) -> Callable | None:
-    """A Hugging Face model's own checkpointing switch (transformers 5 renamed it), through a PEFT wrapper too."""
-    for name in ("activation_checkpointing_enable", "gradient_checkpointing_enable"):
-        enable = getattr(model, name, None)
-        if callable(enable):
-            return enable
-    return None
-
-
-def _enable_hf_checkpointing(model: nn.Module, enable: Callable) -> None:
-    """Non-reentrant checkpointing, which needs no input that requires grad; where transformers is too old to be
-    told so (reentrant), a model whose input embeddings are frozen (PEFT) gets `enable_input_require_grads`, or
-    no gradient would flow back through the checkpointed layers to the adapters."""
-    key = "activation_checkpointing_kwargs" if enable.__name__.startswith("activation") else \
-        "gradient_checkpointing_kwargs"
-    try:
-        enable(**{key: {"use_reentrant": False}})
-    except TypeError:  # transformers before 4.35: reentrant only
-        enable()
-        embeddings = getattr(model, "get_input_embeddings", lambda: None)()
-        frozen = embeddings is not None and not any(p.requires_grad for p in embeddings.parameters())
-        if frozen and callable(getattr(model, "enable_input_require_grads", None)):
-            model.enable_input_require_grads()
-
-
-def _checkpointed(forward: Callable) -> Callable:
-    @functools.wraps(forward)
-    def run(*args, **kwargs):
-        if not torch.is_grad_enabled():  # eval: nothing to save, nothing to recompute
-            return forward(*args, **kwargs)
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
-
-    return run
 
 
 def _exit_call(e: SystemExit) -> str:

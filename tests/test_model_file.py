@@ -299,3 +299,55 @@ class Broken(torch.autograd.Function):
     line = probe_error(write_model(src))
     assert line == ("error: model.py: the backward pass of the model raised RuntimeError: recomputed tensors do not "
                     "match")
+
+
+BATCH_NORMED = """
+import torch
+from torch import nn
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(4, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        return x + torch.relu(self.bn(self.conv(x)))
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x.square().mean()
+
+def build_model():
+    torch.manual_seed(0)
+    return Net()
+
+def make_batch(batch_size, context_length, device):
+    return torch.randn(batch_size, 4, context_length, context_length, device=device)
+
+def loss(model, batch):
+    return model(batch)
+"""
+
+
+def test_checkpointed_batch_norms_update_their_running_statistics_once_a_step(write_model):
+    """device: none (real tensors). Backward's recompute of a checkpointed block ran its batch norms' training
+    forward again: running mean and variance moved twice a step, and the batch count said 2."""
+    mf = load_model_file(write_model(BATCH_NORMED))
+    plain, wrapped = mf.build(), mf.build()
+    mf.enable_checkpointing(wrapped)
+    torch.manual_seed(1)
+    x = torch.randn(3, 4, 5, 5)
+    for model in (plain, wrapped):
+        mf.loss(model, x).backward()
+    for a, b in zip(plain.modules(), wrapped.modules(), strict=True):
+        if isinstance(a, nn.BatchNorm2d):
+            assert int(b.num_batches_tracked) == 1
+            assert torch.equal(a.running_mean, b.running_mean) and torch.equal(a.running_var, b.running_var)
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(plain.parameters(), wrapped.parameters(), strict=True))

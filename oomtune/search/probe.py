@@ -136,7 +136,8 @@ def why_nothing_fits(ladder: LadderResult, targets: Targets, static: StaticMemor
 
 def check_static_fits(static: StaticMemory, device: Device, limit_bytes: int, headroom: float,
                       world_size: int = 1, past: PastRungs | None = None) -> None:
-    """The floor fits the limit, else exit 2, saying which levers past accumulation the ladder could not use."""
+    """The floor fits the limit, else exit 2, saying which levers past accumulation `past` could not use (the
+    user's --levers named them)."""
     if static.floor_bytes // world_size > limit_bytes:  # FSDP shards it across the ranks
         unused = "; ".join(past.notes()) if past is not None else ""
         raise OomtuneError(
@@ -205,7 +206,7 @@ def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: 
     sharded_by, no_fsdp = fsdp_reach(device, world, sharding)
     rungs, past, floor = all_rungs(model_file, device, amp, static, world, sharding, levers, limit, sharded_by,
                                    statics[1] if statics else None)
-    check_static_fits(floor, device, limit, headroom, sharded_by, past)
+    check_static_fits(floor, device, limit, headroom, sharded_by, past if levers != frozenset(LEVERS) else None)
     notes = measurement_notes(model_file, static, device)
     check_prior(prior, device.kind, world > 1)
     estimating = device.kind == "cuda" and world == 1 if prior is None else prior

@@ -1,0 +1,95 @@
+"""Activation checkpointing of a model file's model: the block stacks the default wraps, a Hugging Face model's own
+switch, and the wrapper that recomputes a block in backward (keeping batch norms' running statistics as one forward
+left them)."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+STACK_SHARE = 0.25  # a stack with under this share of the largest stack's parameters is not a block stack
+
+
+def block_stacks(model: nn.Module) -> list[nn.ModuleList]:
+    """The nn.ModuleLists whose members all have one type (an encoder's and a decoder's layers are two), largest
+    (by parameters) first; one inside another that was taken is part of it; one with under STACK_SHARE of the
+    largest one's parameters (two output heads beside twelve layers) is not a stack of blocks."""
+    def size(m: nn.Module) -> int:
+        return sum(p.numel() for p in m.parameters())
+
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) and len({type(x) for x in m}) == 1]
+    lists = sorted((m for m in lists if size(m)), key=size, reverse=True)
+    taken: list[nn.ModuleList] = []
+    inside: set[int] = set()
+    for stack in lists:
+        if id(stack) in inside or size(stack) < STACK_SHARE * size(lists[0]):
+            continue
+        taken.append(stack)
+        inside.update(id(m) for m in stack.modules())
+    return taken
+
+
+def hf_checkpointing(model: nn.Module) -> Callable | None:
+    """A Hugging Face model's own checkpointing switch (transformers 5 renamed it), through a PEFT wrapper too."""
+    for name in ("activation_checkpointing_enable", "gradient_checkpointing_enable"):
+        enable = getattr(model, name, None)
+        if callable(enable):
+            return enable
+    return None
+
+
+def enable_hf_checkpointing(model: nn.Module, enable: Callable) -> None:
+    """Non-reentrant checkpointing, which needs no input that requires grad; where transformers is too old to be
+    told so (reentrant), a model whose input embeddings are frozen (PEFT) gets `enable_input_require_grads`, or
+    no gradient would flow back through the checkpointed layers to the adapters."""
+    key = "activation_checkpointing_kwargs" if enable.__name__.startswith("activation") else \
+        "gradient_checkpointing_kwargs"
+    try:
+        enable(**{key: {"use_reentrant": False}})
+    except TypeError:  # transformers before 4.35: reentrant only
+        enable()
+        embeddings = getattr(model, "get_input_embeddings", lambda: None)()
+        frozen = embeddings is not None and not any(p.requires_grad for p in embeddings.parameters())
+        if frozen and callable(getattr(model, "enable_input_require_grads", None)):
+            model.enable_input_require_grads()
+
+
+def checkpointed(forward: Callable, context_fn: Callable | None = None) -> Callable:
+    extra = {"context_fn": context_fn} if context_fn is not None else {}
+
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        if not torch.is_grad_enabled():  # eval: nothing to save, nothing to recompute
+            return forward(*args, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, **extra, **kwargs)
+
+    return run
+
+
+def running_stats_kept(block: nn.Module) -> Callable | None:
+    """For a block with batch norms that track running statistics: checkpoint's context_fn that puts their running
+    mean, variance and batch count back after backward's recompute (the recomputed forward updated them a second
+    time a step: twice the momentum, twice the count). None where the block has none."""
+    norms = [m for m in block.modules()
+             if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats]
+    if not norms:
+        return None
+
+    @contextlib.contextmanager
+    def restored():
+        with torch.no_grad():
+            saved = [(b, b.clone()) for m in norms for b in (m.running_mean, m.running_var, m.num_batches_tracked)
+                     if b is not None]
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for b, value in saved:
+                    b.copy_(value)
+
+    return lambda: (contextlib.nullcontext(), restored())
