@@ -297,24 +297,29 @@ class LadderSearch:
         if not accumulation:
             picks = [r for r in picks if r.micro_batch_size == batch]
         if objective == "fit":
-            return self._largest_plan(picks, batch)
+            return self._largest_plan(picks, batch, [r.rung for r in results])
         for r in picks:  # accumulation keeps gradients alive across micro-steps: it can fail where b_S fit
             choice = self._with_accumulation(r, batch)
             if choice is not None:
                 return choice
         return None
 
-    def _largest_plan(self, picks: Sequence[RungResult], batch: int) -> Choice | None:
+    def _largest_plan(self, picks: Sequence[RungResult], batch: int, order: Sequence[Rung]) -> Choice | None:
         """The largest verified plan among `picks` (in order: the longest context, then the largest divisor of B
         each fits): a rung's plan steps below its divisor where accumulation does not fit, so a later rung whose
-        divisor is larger is verified too, until none could do better; ties go to the earlier rung."""
+        divisor is larger is verified too, until none could do better. Ties go to the earlier rung of the ladder
+        (`order`): where a plan stepped down to a divisor an earlier rung also fits, that rung's plan is verified
+        too (a cheaper rung: no checkpointing's recompute, say)."""
         best: Choice | None = None
         for r in picks:
-            if best is not None and (r.context_length < best.context_length
-                                     or largest_divisor_at_most(batch, r.micro_batch_size) <= best.micro_batch_size):
+            d = largest_divisor_at_most(batch, r.micro_batch_size)
+            if best is not None and (r.context_length < best.context_length or d < best.micro_batch_size):
                 break
-            choice = self._with_accumulation(r, batch, floor=best.micro_batch_size if best else 0)
-            if choice is not None:  # (larger than `best`: the floor saw to that)
+            if best is not None and d == best.micro_batch_size and order.index(r.rung) > order.index(best.rung):
+                continue  # the same plan on a later rung: no better
+            floor = best.micro_batch_size - (d == best.micro_batch_size) if best else 0
+            choice = self._with_accumulation(r, batch, floor=floor)
+            if choice is not None:  # (larger than `best`, or as large on an earlier rung: the floor saw to that)
                 best = choice
         return best
 

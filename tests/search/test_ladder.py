@@ -203,3 +203,19 @@ def test_the_answer_equals_exhaustive_search(batch, slope):
     r = s.search_rung(FP32, batch=batch, context=16, min_context=16)
     truth = max(b for b in range(1, batch + 1) if peak(Point(FP32, b, 16)) <= LIMIT)
     assert r.micro_batch_size == truth
+
+
+def test_a_plan_that_steps_down_to_what_an_earlier_rung_fits_goes_to_the_earlier_rung():
+    """amp fits micro-batch 18 alone, checkpointing 32; accumulation holds 250 more bytes, so checkpointing's 32 x 2
+    does not fit and its plan steps down to 16 x 4, which amp fits too: the plan is amp's (no recompute), where it
+    used to be checkpointing's."""
+    def peak(p: Point) -> int:
+        per_sample = {FP32: 200, AMP: 90, CKPT: 40}[p.rung]
+        return 100 + per_sample * p.micro_batch_size + (250 if p.grad_accum_steps > 1 else 0) + (
+            200 if p.rung == CKPT and p.grad_accum_steps > 1 else 0)
+
+    s = LadderSearch(fake_device(peak), LIMIT)
+    r = s.run([FP32, AMP, CKPT], batch=64, context=8, min_context=8)
+    assert [x.micro_batch_size for x in r.rungs] == [8, 18, 42]
+    assert (r.choice.rung, r.choice.micro_batch_size, r.choice.grad_accum_steps) == (AMP, 16, 4)
+    assert [z for z in sizes(s) if z[2] > 1] == [(32, 8, 2, "verify"), (16, 8, 4, "verify"), (16, 8, 4, "verify")]
