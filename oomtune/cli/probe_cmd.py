@@ -129,6 +129,9 @@ def _say_what_runs(job, as_json: bool, estimating: bool) -> None:
     err.print(f"probing [bold]{job.model_file.label}[/] on {job.device.name}{ranks}: batch {targets.batch}, "
               f"context {targets.context}" + (f" (min {targets.min_context})"
                                               if targets.min_context < targets.context else ""))
+    if job.device.kind == "cpu" and getattr(job.device, "card", None) is None:
+        err.print("  [dim]counting memory as the CPU's kernels use it (math attention, CPU autocast); add --gpu NAME "
+                  "(or generic) to count it as a CUDA card would[/]")
     if estimating:
         err.print("  [dim]estimating every rung on fake tensors first (no device memory), then certifying each "
                   "on the device[/]")

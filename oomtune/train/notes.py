@@ -49,7 +49,7 @@ def _no_gpu_note(found: FoundBy, device: Device) -> str:
     if found.device == "cuda":
         how = f"probed on {gpu} (cuda, budget {budget})"
     else:
-        gpu = gpu if gpu.startswith(("a ", "fake")) else f"a {gpu}"
+        gpu = gpu if gpu.startswith(("a ", "an ", "fake")) else f"{'an' if gpu[:1] in 'AEIOUaeiou8' else 'a'} {gpu}"
         how = f"{'estimated' if found.estimated else 'probed'} for {gpu} ({found.device} device, budget {budget})"
     line = f"this plan was {how}; no GPU here, so it trains on the cpu device"
     if device.budget_bytes == found.budget_bytes:
