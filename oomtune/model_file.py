@@ -139,6 +139,10 @@ class ModelFile:
             loss = out.get("loss")
         if isinstance(loss, torch.Tensor):
             return loss
+        if loss is None and (hasattr(out, "loss") or isinstance(out, dict) and "loss" in out):
+            raise ModelFileError(f"{self.label}: the model returned {_describe(out)} whose loss is None (a Hugging "
+                                 "Face model computes it only when the batch has labels: add a 'labels' entry, or "
+                                 "define loss(model, batch))")
         raise ModelFileError(
             f"{self.label}: the model returned {_describe(out)}; the default loss takes a scalar, "
             "(logits, loss) or an object with .loss — define loss(model, batch)"

@@ -175,6 +175,11 @@ def test_default_loss_explains_an_output_it_cannot_read(write_model):
     mf = load_model_file(write_model(src))
     with pytest.raises(ModelFileError, match="the model returned a list of .*define loss\\(model, batch\\)"):
         mf.loss(mf.build(), mf.batch(2, 3, torch.device("cpu")))
+    no_labels = TINY_MODEL.replace("return nn.functional.cross_entropy(self.out(x).mean(1), y)",
+                                   "return types.SimpleNamespace(logits=x, loss=None)")  # HF without labels
+    mf = load_model_file(write_model("import types\n" + no_labels, name="nolabels.py"))
+    with pytest.raises(ModelFileError, match="whose loss is None .*add a 'labels' entry"):
+        mf.loss(mf.build(), mf.batch(2, 3, torch.device("cpu")))
 
 
 def test_default_blocks_are_every_stack_of_one_type_of_module():
