@@ -117,7 +117,9 @@ class Trainer:
             try:
                 if self.inputs.resumed_from is not None and self.state.step < self.cfg.steps:
                     self.state.phase = Phase.DATA
-                    stream.skip(self.state.step * self.batches_per_step)  # replay the data stream to where it stood
+                    n = self.state.step * self.batches_per_step  # replay the data stream to where it stood
+                    self.on_event(Note(f"replaying the data to step {self.state.step}: {n:,} batches drawn, dropped"))
+                    stream.skip(n)
                 first_loss, last_loss, last_eval, stopping = self._loop(stream, base_lrs, stop)
             except NonFiniteLoss as e:
                 failure = e.with_traceback(None)  # its frames hold the step's tensors; nothing there to debug
