@@ -137,7 +137,8 @@ def prior_text(prior) -> str:
 
 def render_search(result, out_path: Path | None, as_json: bool, verb: str, extra_json: dict | None = None,
                   details=None, kept_train: bool = False) -> None:
-    """Shared by probe and estimate: the tables, the plan, where it was written; exit 1 if nothing fits.
+    """Shared by probe and estimate: the tables, the plan, where it was written; exit 1 if nothing fits (2 where the
+    budget is under the weights, gradients and optimizer state: estimate's bad input).
     estimate adds keys to the JSON (`extra_json`) and prints its breakdown after the tables (`details()`).
     `kept_train`: the config already at out_path was an oomtune config, and its train: section was kept."""
     from ..search.probe import divisor_note
@@ -174,7 +175,7 @@ def render_search(result, out_path: Path | None, as_json: bool, verb: str, extra
             details()
     if result.config is None:
         err.print(f"[bold red]{verb}:[/] {escape(result.why_nothing_fits)}")
-        raise typer.Exit(1)
+        raise typer.Exit(2 if result.too_small else 1)  # a budget under the weights is bad input, as probe's
 
 
 def host_use(plan) -> str:

@@ -140,8 +140,8 @@ class Device:
 
     @contextlib.contextmanager
     def placement(self) -> Iterator[None]:
-        """Tensors created inside land on this device by default (model building, batches)."""
-        with torch.device(self.torch_device):
+        """Tensors made inside land here by default (model, batches); simulated: `.to("cuda")` too (on_host.py)."""
+        with torch.device(self.torch_device), CudaOnHost() if self.kind != "cuda" else contextlib.nullcontext():
             yield
 
     def release(self) -> None:
@@ -193,12 +193,6 @@ class TrackedDevice(Device):
 
     def supports_bf16(self) -> bool:
         return self.card is None or self.card.bf16
-
-    @contextlib.contextmanager
-    def placement(self) -> Iterator[None]:
-        """As the device's, and a model file's own `.to("cuda")` lands here too (on_host.py)."""
-        with torch.device(self.torch_device), CudaOnHost():
-            yield
 
     def _accounting(self) -> contextlib.AbstractContextManager:
         if self.card is None:

@@ -37,7 +37,8 @@ class StorageRecord:
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # oomtune/
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _STDLIB = os.path.abspath(sysconfig.get_paths()["stdlib"]) + os.sep
-_OURS_SKIPPED = tuple(_PACKAGE + p for p in ("memory" + os.sep, "dist" + os.sep, "model_file.py", "files.py"))
+_OURS_SKIPPED = tuple(_PACKAGE + p for p in ("memory" + os.sep, "dist" + os.sep, "model_file.py", "checkpointing.py",
+                                           "files.py"))
 _DRIVERS = tuple(_PACKAGE + p for p in ("search" + os.sep, "cli" + os.sep, "api.py", "train" + os.sep))
 MAX_FRAMES = 16
 

@@ -122,7 +122,7 @@ def _estimate(model_file, device, targets, headroom, steps, objective, amp, on_s
     if device.margin.total(floor.floor_bytes // sharded_by) > limit:
         # nothing can fit: skip the ladder (every trial would run out) and explain with the smallest plan
         search = ProbeResult(LadderResult((), None, ()), [], static, targets, limit, None, world_size=world,
-                             budget_bytes=device.budget_bytes, notes=past.notes(), past=past)
+                             budget_bytes=device.budget_bytes, notes=past.notes(), past=past, too_small=True)
     else:
         search = probe(model_file, device, targets, headroom=headroom, steps=steps, objective=objective, amp=amp,
                        command="estimate", on_start=on_start, on_trial=on_trial, dist=dist, sharding=sharding,

@@ -72,6 +72,7 @@ class ProbeResult:
     notes: tuple[str, ...] = ()  # what the ladder left out, and why
     past: PastRungs | None = None  # the rungs past accumulation it could climb, and the levers it could not use
     prior: PriorReport | None = None  # the fake pre-estimate the rungs were certified from (None: none was tried)
+    too_small: bool = False  # the budget is under the floor (estimate: bad input, exit 2, as probe's error is)
 
     @property
     def plan(self):

@@ -57,13 +57,16 @@ def test_each_rung_picks_the_largest_micro_batch_that_fits(tiny_gpt, peaks, budg
     assert result.config.found_by.peak_bytes <= limit
 
 
+CLASSIC = frozenset({"amp", "checkpointing", "accumulation"})  # no rung past accumulation
+
 def test_when_only_accumulation_could_keep_the_batch_and_it_does_not_fit_the_reason_says_so(tiny_gpt):
     """device: cpu. At context 256 under 6.1 MiB, micro-batch 2 fits with checkpointing, but 8 = 4 x 2 (or 2 x 4,
     1 x 8) keeps the gradients alive through the next micro-step and none of those fits: no plan keeps the global
     batch at 8. (At context 64 the optimizer step's foreach temporaries outweigh the activations, so accumulation
-    costs nothing there.)"""
+    costs nothing there.) The classic ladder: with the levers past accumulation the climb goes on to bf16-true,
+    whose plan fits (test_then_the_climb_goes_past_accumulation)."""
     t = 256
-    result = probe(tiny_gpt, CpuDevice("6.1MiB"), resolve_targets(tiny_gpt, B, t, None))
+    result = probe(tiny_gpt, CpuDevice("6.1MiB"), resolve_targets(tiny_gpt, B, t, None), levers=CLASSIC)
     limit = int(6.1 * MiB * 0.9)
     best = max(r.micro_batch_size or 0 for r in result.ladder.rungs)
     assert 1 < best < B and result.config is None
@@ -75,6 +78,15 @@ def test_when_only_accumulation_could_keep_the_batch_and_it_does_not_fit_the_rea
     assert result.why_nothing_fits.startswith(
         f"nothing fits in 5.49 MiB with the global batch kept at 8: micro-batch {best} fits (checkpointing")
     assert f"Lower --batch to {best}" in result.why_nothing_fits
+
+
+def test_then_the_climb_goes_past_accumulation(tiny_gpt):
+    """device: cpu. The same case with every lever: checkpointing fits micro-batch 2 at context 256 alone but no
+    accumulated plan, so the ladder goes on to bf16-true, which keeps the batch at 8 (it used to stop there)."""
+    result = probe(tiny_gpt, CpuDevice("6.1MiB"), resolve_targets(tiny_gpt, B, 256, None))
+    plan = result.config.plan
+    assert plan.precision == "bf16-true" and plan.global_batch_size == B and plan.context_length == 256
+    assert result.ladder.rungs[2].rung.name == "checkpointing" and (result.ladder.rungs[2].micro_batch_size or 0) > 1
 
 
 def test_cli_writes_a_config_that_round_trips_and_json_for_ci(tmp_path):
