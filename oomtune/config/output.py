@@ -16,7 +16,8 @@ from .writing import save_config
 
 def check_out(out_path: Path, model: Path) -> TrainConfig | None:
     """--out, checked before a single trial runs (and again just before writing): not the model file; absent or an
-    oomtune config (never a folder, a device, a pipe, nor a file of yours that is anything else); in a folder that
+    oomtune config of the same model file (never a folder, a device, a pipe, another model's config, nor a file of
+    yours that is anything else); in a folder that
     exists or can be made, and can be written. Returns the train: section of the config already there, which the
     new config keeps (None when there is none)."""
     p = Path(out_path)
@@ -30,13 +31,18 @@ def check_out(out_path: Path, model: Path) -> TrainConfig | None:
         train = None
         if p.exists():
             try:
-                train = load_config(p).train
+                existing = load_config(p)
+                train = existing.train
             except (OomtuneError, ValueError) as e:  # not YAML, not a config, not text
                 why = str(e).removeprefix(f"{p}: ")
                 raise OomtuneError(f"--out {p} exists and is not an oomtune config ({why}): not overwriting it; "
                                    "choose another --out or move it away") from None
             except OSError as e:
                 raise OomtuneError(f"--out {p} exists and cannot be read ({e.strerror or e})") from None
+            theirs = Path(existing.model).name
+            if theirs != model.name:
+                raise OomtuneError(f"--out {p} is the config of {theirs}, not {model.name}: not replacing another "
+                                   "model's plan; choose another --out or move it away")
         folder = nearest_existing(p.absolute().parent)  # written with its missing folders made
         if not folder.is_dir():
             raise OomtuneError(f"--out {p}: {folder} is not a folder")

@@ -63,6 +63,12 @@ def test_out_that_is_another_file_of_yours_is_refused(write_model, tmp_path, no_
     binary.write_bytes(b"\x80\x81\xff")
     one_line_error(run_cli("estimate", model, *ESTIMATE, "--out", binary), "not an oomtune config")
     assert binary.read_bytes() == b"\x80\x81\xff"
+    theirs = tmp_path / "theirs.yaml"  # another model's config: its plan is not replaced by this model's
+    theirs.write_text("model: convnet.py\nplan:\n  micro_batch_size: 4\n  context_length: 8\n")
+    before = theirs.read_text()
+    one_line_error(run_cli("estimate", model, *ESTIMATE, "--out", theirs),
+                   f"--out {theirs} is the config of convnet.py, not model.py")
+    assert theirs.read_text() == before
 
 
 # -- 2. an existing config's train: section is kept ----------------------------------------------
