@@ -103,11 +103,27 @@ def estimate(model_file: ModelFile, device: FakeDevice, targets, *, headroom: fl
     check_world(world_size, sharding)
     ranks = (fake_world(world_size) if world_size > 1 or sharding in ("ddp", "fsdp")
              else contextlib.nullcontext(LOCAL))
+    told = _once(on_trial)  # a rerun computing on the cpu (computing_where_needed) repeats the trials it told of
     with ranks as d:
         result, computed = computing_where_needed(device, model_file.label, lambda: _estimate(
-            model_file, device, targets, headroom, steps, objective, amp, on_start, on_trial, d, sharding, levers))
+            model_file, device, targets, headroom, steps, objective, amp, on_start, told, d, sharding, levers))
     result.search.notes += computed  # where the breakdown needed the values (the probe notes its own ladder's)
     return result
+
+
+def _once(on_trial: Callable[[TrialRecord], None] | None) -> Callable[[TrialRecord], None] | None:
+    """`on_trial`, told of each trial once: the same plan with the same result and peak is not told again."""
+    if on_trial is None:
+        return None
+    seen: set[tuple] = set()
+
+    def told(rec: TrialRecord) -> None:
+        key = (rec.rung, rec.micro_batch_size, rec.context_length, rec.grad_accum_steps, rec.result, rec.peak_bytes)
+        if key not in seen:
+            seen.add(key)
+            on_trial(rec)
+
+    return told
 
 
 def _estimate(model_file, device, targets, headroom, steps, objective, amp, on_start, on_trial, dist,
