@@ -89,19 +89,6 @@ def test_the_probes_prior_never_computes_a_model_whose_shapes_need_values():
     assert not any("computed on the cpu" in n for n in result.notes)
 
 
-def test_an_estimate_that_computes_instead_tells_each_trial_once():
-    """device: fake, then the cpu computing (the MoE's routing). The rerun on computed tensors repeats the trials
-    the fake run finished before it met nonzero: the progress printed the first of them twice."""
-    import oomtune
-
-    told = []
-    result = oomtune.estimate(MODELS / "moe_nonzero.py", gpu="generic", budget="650MiB", batch=8,
-                              on_trial=lambda rec: told.append(rec))
-    keys = [(r.rung, r.micro_batch_size, r.context_length, r.grad_accum_steps) for r in told]
-    assert len(keys) == len(set(keys)) == len(result.search.records)
-    assert any("computed on the cpu" in n for n in result.search.notes)
-
-
 def test_a_frozen_base_has_no_gradients_or_optimizer_state_and_tied_weights_count_once():
     """device: fake (static memory). LoRA: gradients and AdamW's two moments for the adapters only. moved.py: its
     head is its embedding (counted once), its frozen block has none."""

@@ -298,3 +298,44 @@ def test_bf16_on_a_card_without_it_gets_a_note_and_the_same_memory(tmp_path):
     ladder = run_cli("estimate", EXAMPLES / "tiny_gpt.py", "--gpu", "t4", "--amp", "bf16", "--batch", "2",
                      "--context", "32", "--out", tmp_path / "best.yaml")
     assert ladder.exit_code == 0 and "note: Tesla T4 has no native bf16" in ladder.stderr
+
+
+ROUTED = """
+import torch
+from torch import nn
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.wide = nn.Linear(64, 4096)
+        self.out = nn.Linear(64, 1)
+
+    def forward(self, x):
+        h = torch.relu(self.wide(x))  # most of a trial's memory, before the routing reads values
+        keep = (h[:, :64] > 0).any(1).nonzero().squeeze(1)  # data-dependent: the fake device cannot
+        return self.out(x[keep] + h[keep, :64]).square().mean()
+
+def build_model():
+    return Net()
+
+def make_batch(batch_size, context_length, device):
+    return torch.randn(batch_size, 64, device=device)
+
+def loss(model, batch):
+    return model(batch)
+"""
+
+
+def test_an_estimate_that_computes_instead_tells_each_trial_once(write_model):
+    """devices: fake, then the cpu computing. The target (64) runs out of memory on fake tensors before the routing;
+    micro-batch 1 meets nonzero, and the estimate reruns on computed tensors, repeating the target's trial: the
+    progress printed it twice."""
+    import oomtune
+
+    told = []
+    result = oomtune.estimate(write_model(ROUTED), budget="1MiB", margin="0", batch=64, context=1,
+                              on_trial=told.append)
+    keys = [(r.rung, r.micro_batch_size, r.context_length, r.grad_accum_steps) for r in told]
+    assert any("computed on the cpu" in n for n in result.search.notes)
+    assert told[0].micro_batch_size == 64 and told[0].result == "oom"
+    assert len(keys) == len(set(keys)) == len(result.search.records)
