@@ -93,7 +93,7 @@ def test_a_budget_too_small_to_replicate_the_model_makes_the_probe_pick_fsdp(tmp
     assert abs(result["peak_bytes"] - predicted["peak_bytes"]) <= unit
     one = run_cli("estimate", model, *args, "--margin", "0", "--sharding", "none", "--out", tmp_path / "one.yaml",
                   "--levers", "amp,checkpointing,accumulation")
-    assert one.exit_code == 1  # one process cannot fit it on the classic ladder: the weights alone are over
+    assert one.exit_code == 2  # one process cannot fit it on the classic ladder: the weights alone are over
 
 
 def test_where_torch_cannot_run_fsdp_off_cuda_the_ladder_leaves_that_rung_out_and_says_so(tmp_path, monkeypatch):
@@ -115,7 +115,7 @@ def test_where_torch_cannot_run_fsdp_off_cuda_the_ladder_leaves_that_rung_out_an
     fake = make_device("fake", "1GiB")
     assert [r.name for r in ladder_rungs(fake, "auto", True, world_size=2)] == ["fp32", "amp", "checkpointing"]
     r = run_cli("estimate", model, *args, "--json", "--out", tmp_path / "e.yaml")
-    assert r.exit_code == 1, r.output  # replicated, the weights alone are over: without fsdp nothing fits
+    assert r.exit_code == 2, r.output  # replicated, the weights alone are over: without fsdp nothing fits
     assert json.loads(r.stdout)["why_nothing_fits"].endswith(f"No fsdp rung was tried: {why}.")
     r = run_cli("estimate", model, *args, "--sharding", "fsdp", "--out", tmp_path / "f.yaml")
     assert r.exit_code == 2 and r.stderr.strip().splitlines()[-1] == f"error: --sharding fsdp: {why}", r.output
