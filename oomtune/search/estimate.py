@@ -212,20 +212,20 @@ def what_if_plan(model_file: ModelFile, micro_batch: int, context: int | None, p
     """The one plan estimate's what-if options describe (fp32, no checkpointing, no accumulation unless given);
     `levers`: the levers past accumulation it uses (what_if_levers)."""
     targets = resolve_targets(model_file, None, context, None)
-    past = what_if_levers(levers, precision)
-    plan = Plan(micro_batch, targets.context, "bf16-true" if past.pop("bf16-true", False) else precision or "fp32",
-                bool(checkpointing), grad_accum if grad_accum is not None else 1,
+    precision, past = what_if_levers(levers, precision)
+    plan = Plan(micro_batch, targets.context, precision or "fp32", bool(checkpointing),
+                grad_accum if grad_accum is not None else 1,
                 world_size=world_size, sharding=sharding or ("ddp" if world_size > 1 else "none"), **past)
     if plan.activation_checkpointing and not static_memory(model_file).checkpointing_supported:
         raise OomtuneError(f"{model_file.label}: --checkpointing, but no blocks to wrap (define blocks(model))")
     return plan
 
 
-def what_if_levers(levers: str | None, precision: str | None) -> dict[str, bool]:
-    """--levers with --micro-batch: the levers past accumulation the one plan uses, as plan keys (bf16-true: the
-    precision). The others are the plan's own options (--precision, --checkpointing, --grad-accum)."""
+def what_if_levers(levers: str | None, precision: str | None) -> tuple[str | None, dict[str, bool]]:
+    """--levers with --micro-batch: (the plan's precision, bf16-true where named; the levers past accumulation it
+    uses, as plan keys). The others are the plan's own options (--precision, --checkpointing, --grad-accum)."""
     if levers is None:
-        return {}
+        return precision, {}
     names = parse_levers(levers)
     usual = sorted(n for n in names if n in ("amp", "checkpointing", "accumulation", "fsdp"))
     if usual:
@@ -234,5 +234,5 @@ def what_if_levers(levers: str | None, precision: str | None) -> dict[str, bool]
                            "--precision, --checkpointing, --grad-accum, --sharding")
     if "bf16-true" in names and precision not in (None, "bf16-true"):
         raise OomtuneError(f"--levers bf16-true is a precision: it cannot go with --precision {precision}")
-    out = {PAST_LEVERS[n][0]: True for n in names if n in PAST_LEVERS}
-    return out | ({"bf16-true": True} if "bf16-true" in names else {})
+    return ("bf16-true" if "bf16-true" in names else precision), {PAST_LEVERS[n][0]: True for n in names
+                                                                   if n in PAST_LEVERS}

@@ -6,40 +6,31 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-VOCAB, WIDTH = 128, 32
+VOCAB, WIDTH = 96, 24
 DEFAULTS = {"batch": 4, "context": 16}
 
 
-class Block(nn.Module):
+class LM(nn.Module):
     def __init__(self):
         super().__init__()
-        self.fc = nn.Linear(WIDTH, WIDTH)
-        self.register_buffer("scale", torch.ones(WIDTH, device="cuda"))
+        self.tokens = nn.Embedding(VOCAB, WIDTH)
+        self.layers = nn.ModuleList(nn.Sequential(nn.LayerNorm(WIDTH), nn.Linear(WIDTH, WIDTH)) for _ in range(2))
+        self.register_buffer("gain", torch.full((WIDTH,), 0.5, device="cuda"))
+        self.logits = nn.Linear(WIDTH, VOCAB)
 
-    def forward(self, x):
-        return x + F.gelu(self.fc(x)) * self.scale
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, WIDTH)
-        self.blocks = nn.ModuleList(Block() for _ in range(3))
-        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
-
-    def forward(self, x, y):
-        h = self.embed(x)
-        for block in self.blocks:
-            h = block(h)
-        return F.cross_entropy(self.head(h).flatten(0, 1), y.flatten())
+    def forward(self, ids, targets):
+        h = self.tokens(ids)
+        for layer in self.layers:
+            h = h + self.gain * torch.tanh(layer(h))
+        return F.cross_entropy(self.logits(h).transpose(1, 2), targets)
 
 
 def build_model():
-    model = Net().to("cuda")
-    model.head.cuda()
+    model = LM().to("cuda")
+    model.logits.cuda()
     return model
 
 
 def make_batch(batch_size, context_length, device):
-    x = torch.randint(0, VOCAB, (batch_size, context_length), device=device)
-    return x, torch.roll(x, -1, dims=1)
+    ids = torch.randint(0, VOCAB, (batch_size, context_length), device=device)
+    return ids, torch.roll(ids, 1, dims=1)
