@@ -213,28 +213,18 @@ def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: 
     estimating = device.kind == "cuda" and world == 1 if prior is None else prior
     if on_begin is not None:  # the input is good: the search begins (True: with the estimate on fake tensors)
         on_begin(estimating)
-    report = run_prior(lambda fake, trial: probe(model_file, fake, targets, headroom=headroom, steps=steps,
-                                                 objective=objective, amp=amp, command="estimate", levers=levers,
-                                                 statics=(static, floor), trial=trial, prior=False),
-                       device, model_file.label) if estimating else None
-
-    reuse = {"models": ModelCache()} if trial is run_trial else {}  # (estimate's recording trials build each time)
-    trials = _Trials(lambda point: trial(model_file, plan_of(point, world), device, steps=steps, dist=dist, **reuse),
-                     world, on_start, on_trial)
+    with settled_objects():  # one full collection; then each trial's walks only what the trials made
+        report = run_prior(lambda fake, trial: probe(model_file, fake, targets, headroom=headroom, steps=steps,
+                                                     objective=objective, amp=amp, command="estimate",
+                                                     levers=levers, statics=(static, floor), trial=trial,
+                                                     prior=False),
+                           device, model_file.label) if estimating else None
+        reuse = {"models": ModelCache()} if trial is run_trial else {}  # (estimate's recording trials build anew)
+        trials = _Trials(lambda point: trial(model_file, plan_of(point, world), device, steps=steps, dist=dist,
+                                             **reuse), world, on_start, on_trial)
+        ladder, computed = computing_where_needed(device, model_file.label, lambda: _climb(
+            trials, limit, report, rungs, past, targets, world, objective, "accumulation" in levers))
     records, host = trials.records, trials.host
-
-    def climb() -> LadderResult:
-        records.clear()
-        search = (CertifyingSearch(trials.measure, limit, report.priors, on_trial=trials.collect)
-                  if report and report.priors else LadderSearch(trials.measure, limit, on_trial=trials.collect))
-        ladder = search.run(rungs, targets.batch // world, targets.context, targets.min_context, objective,
-                            past=past.rungs, accumulation="accumulation" in levers)
-        if isinstance(search, CertifyingSearch):
-            report.fell_back = tuple(search.fell_back)
-        return ladder
-
-    with settled_objects():  # each trial's garbage collection walks only what the trials made
-        ladder, computed = computing_where_needed(device, model_file.label, climb)
     climbed_past = len(ladder.rungs) > len(rungs)
     notes += computed + (past.notes() if climbed_past or ladder.choice is None else ())
     if ladder.choice is None:
@@ -257,6 +247,21 @@ def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: 
     config = Config(model=str(model_file.path), plan=plan_of(chosen, world), found_by=found)
     return ProbeResult(ladder, records, static, targets, limit, config, world_size=world, notes=notes,
                        budget_bytes=device.budget_bytes, past=past, prior=report)
+
+
+def _climb(trials: _Trials, limit: int, report: PriorReport | None, rungs: list[Rung], past: PastRungs,
+           targets: Targets, world: int, objective: Objective, accumulation: bool) -> LadderResult:
+    """The search on the device: certified from the prior's rungs where there is one (the rungs it could not
+    certify go into report.fell_back), else the ladder's own. Run afresh (records cleared) where it reruns on
+    computed tensors."""
+    trials.records.clear()
+    search = (CertifyingSearch(trials.measure, limit, report.priors, on_trial=trials.collect)
+              if report and report.priors else LadderSearch(trials.measure, limit, on_trial=trials.collect))
+    ladder = search.run(rungs, targets.batch // world, targets.context, targets.min_context, objective,
+                        past=past.rungs, accumulation=accumulation)
+    if isinstance(search, CertifyingSearch):
+        report.fell_back = tuple(search.fell_back)
+    return ladder
 
 
 def all_rungs(model_file: ModelFile, device: Device, amp: str, static: StaticMemory, world: int,
