@@ -133,6 +133,8 @@ def check(config: Config, model_file: ModelFile, *, device_kind: str = "fake", b
         device, clamped_from = _cuda_device(budget_bytes, clamp=budget is None)
         budget_bytes = device.budget_bytes
     limit = int(budget_bytes * (1 - headroom))
+    if budget is not None or gpu is not None:  # (the config's own budget: a model grown past it no longer fits)
+        check_floor(model_file, config.plan, device.kind, budget_bytes, limit, headroom)
     old_bd = fb.breakdown if fb is not None else None
     old_peak = fb.peak_bytes if fb is not None else None
     if isinstance(device, TrackedDevice):
@@ -146,6 +148,21 @@ def check(config: Config, model_file: ModelFile, *, device_kind: str = "fake", b
     return CheckResult(fits, config.plan, device.kind, budget_bytes, headroom, limit, old_peak,
                        None if r.oom else r.peak_bytes, old_bd, None, r.oom_message, clamped_from,
                        measured_on=device)
+
+
+def check_floor(model_file: ModelFile, plan: Plan, kind: str, budget_bytes: int, limit: int,
+                headroom: float) -> None:
+    """A budget the user gave (--budget, --gpu's memory) that the plan's weights, gradients and optimizer state
+    alone exceed is bad input (exit 2), as for probe and estimate; on cuda the real run says so itself."""
+    if kind == "cuda":
+        return
+    levers = [name for name, on in (("bf16-true", plan.precision == "bf16-true"), ("8-bit AdamW", plan.optimizer_8bit),
+                                    ("optimizer offload", plan.offload_optimizer),
+                                    ("NF4 weights", plan.nf4_frozen_weights)) if on]
+    static = static_memory(model_file, plan, " + ".join(levers))
+    if static.floor_bytes > limit:
+        raise OomtuneError(f"budget {format_bytes(budget_bytes)} ({format_bytes(limit)} after {headroom:.0%} "
+                           f"headroom) is too small for the plan's weights alone: {static.describe()}")
 
 
 def _cuda_device(budget_bytes: int, clamp: bool) -> tuple[Device, int | None]:

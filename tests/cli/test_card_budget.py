@@ -148,3 +148,15 @@ def test_check_of_a_config_probed_on_a_gpu_uses_its_cards_rules_without_a_contex
     r = run_cli("check", "--config", path, "--json")
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["budget_bytes"] == 256 * 1024**2
+
+
+# -- 3. a budget the user gives that the weights alone exceed is bad input, as for probe and estimate ------------
+
+@pytest.mark.parametrize("device", ["fake", "cpu"])
+def test_check_with_a_budget_under_the_weights_is_bad_input_and_the_config_stays(cpu_config, device):
+    before = cpu_config.read_bytes()
+    one_line_error(run_cli("check", "--config", cpu_config, "--device", device, "--budget", "2MiB"),
+                   "budget 2.00 MiB", "too small for the plan's weights alone", "weights 1.02 MiB")
+    assert cpu_config.read_bytes() == before
+    r = run_cli("check", "--config", cpu_config, "--device", device, "--budget", "6MiB")  # over the floor: a check
+    assert r.exit_code == 1 and "no longer fits" in r.output, r.output
