@@ -95,10 +95,15 @@ def _report(result, config: Path, run_dir_given: bool) -> None:
         out.print(f"nothing to do: the run in {result.run_dir} is at step {result.step}, already at or past "
                   f"--steps {result.steps} (raise --steps to train longer); checkpoint {result.checkpoint}")
         return
-    losses = (f"loss {result.first_loss:.4f} -> {result.last_loss:.4f}"
-              if result.first_loss is not None and result.last_loss is not None else "no steps run")
+    first, last = result.first_loss, result.last_loss
+    losses = ("no steps run" if first is None or last is None
+              else f"loss {last:.4f}" if f"{first:.4f}" == f"{last:.4f}"  # one logged step (a short resume)
+              else f"loss {first:.4f} -> {last:.4f}")
     ev = f", eval loss {result.eval_loss:.4f}" if result.eval_loss is not None else ""
-    out.print(f"[bold green]trained[/] {result.step}/{result.steps} steps in {result.seconds:.1f}s: {losses}{ev}")
+    resumed = (f" ({result.step - result.start_step} this run, from step {result.start_step})"
+               if result.start_step else "")
+    out.print(f"[bold green]trained[/] {result.step}/{result.steps} steps{resumed} in {result.seconds:.1f}s: "
+              f"{losses}{ev}")
     out.print(f"metrics {result.run_dir / 'metrics.jsonl'}; checkpoint {result.checkpoint}")
 
 

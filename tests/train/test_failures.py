@@ -33,8 +33,20 @@ def test_a_train_batches_error_mid_run_saves_the_last_finished_step_and_resume_g
     assert (error["step"], error["phase"], error["checkpoint"]) == (6, "data", "ckpt-00000005.pt")
 
     (case_dir / "fail-at").unlink()
-    assert train("--run-dir", "run", "--resume", "--checkpoint-interval", "3").exit_code == 0
+    resumed = train("--run-dir", "run", "--resume", "--checkpoint-interval", "3")
+    assert resumed.exit_code == 0
+    assert "trained 10/10 steps (5 this run, from step 5)" in resumed.stdout and " -> " in resumed.stdout
     assert losses(run) == pytest.approx(losses(case_dir / "ref"), rel=1e-6)
+
+
+def test_a_resume_with_one_step_left_reports_that_steps_loss_alone(case_dir):
+    (case_dir / "fail-at").write_text("11")  # fails at step 6: the checkpoint is step 5's
+    assert train("--checkpoint-interval", "100", "--steps", "6").exit_code == 2
+    (case_dir / "fail-at").unlink()
+    one = train("--resume")
+    assert one.exit_code == 0, one.output
+    summary = " ".join(one.stdout.split())
+    assert "trained 6/6 steps (1 this run, from step 5)" in summary and "->" not in summary, summary
 
 
 def test_an_empty_eval_batches_at_the_first_evaluation_saves_that_step(case_dir):
