@@ -112,6 +112,24 @@ def _resumed_settings(cfg: TrainConfig, in_file: TrainConfig, state: dict,
                      "(for example --steps) to change one",)
 
 
+def resumed_device(state: dict | None, device: str | None, budget: str | None) -> tuple[str | None, str | None,
+                                                                                    tuple[str, ...]]:
+    """(device, budget, notes): a resumed run trains on the device and in the budget it started with (the
+    checkpoint's `run_on`: --device and --budget as given then), except where flags say otherwise now."""
+    run_on = (state or {}).get("run_on")
+    if not isinstance(run_on, dict):  # a fresh run, or a checkpoint from before run_on
+        return device, budget, ()
+    taken = []
+    if device is None and run_on.get("device") is not None:
+        device = run_on["device"]
+        taken.append(f"--device {device}")
+    if budget is None and device == run_on["device"] and run_on.get("budget") is not None:
+        budget = run_on["budget"]
+        taken.append(f"--budget {budget}")
+    note = (f"resuming with {' '.join(taken)}, as the run started (pass the flag to change it)",) if taken else ()
+    return device, budget, note
+
+
 def plan_for_ranks(plan: Plan, world_size: int, where: str) -> Plan:
     """`plan` (from the config or a checkpoint) on this run's number of ranks, same global batch."""
     if plan.world_size == world_size and (world_size == 1 or plan.sharding != "none"):

@@ -41,7 +41,7 @@ from .checkpoint import KEEP
 from .checkpointer import checkpointer_for, restore, resume_notes
 from .data import DataStream, Shares
 from .events import Checkpointed, Event, Note, Started, StepDone, TrainResult
-from .inputs import Inputs, check_inputs, device_kind, resolve_device
+from .inputs import Inputs, check_inputs, device_kind, resolve_device, resumed_device
 from .losses import LossWatch, NonFiniteLoss, tainted_buffer
 from .metrics import StepMetrics, Window
 from .notes import run_notes
@@ -74,14 +74,13 @@ class Trainer:
         world = int(os.environ["WORLD_SIZE"]) if launched_by_torchrun() else 1
         self.inputs: Inputs = check_inputs(config_path, overrides, resume=resume, world_size=world)
         inputs = self.inputs
-        self.cfg = inputs.cfg
-        self.model_file = inputs.model_file
-        self.on_event = on_event or _ignore
+        self.cfg, self.model_file, self.on_event = inputs.cfg, inputs.model_file, on_event or _ignore
+        device, budget, resumed_on = resumed_device(inputs.resume_state, device, budget)
+        self.run_on = {"device": device, "budget": budget}  # as asked (in the checkpoints: a resume asks the same)
         kind = device_kind(inputs.file_config, device)
         self.dist = init(kind, inputs.plan.sharding, dist_timeout)  # cuda: also picks this rank's GPU
         self.log = RunLog(inputs.run_dir, enabled=self.dist.is_main)  # rank 0 writes the run dir's logs
-        if rank_budgets and self.dist.rank in rank_budgets:
-            budget = rank_budgets[self.dist.rank]
+        budget = rank_budgets.get(self.dist.rank, budget) if rank_budgets else budget
         self.device = resolve_device(inputs.file_config, kind, budget)
         self.cuda = self.device.torch_device.type == "cuda"
         step = int(inputs.resume_state["step"]) if inputs.resume_state else 0
@@ -96,7 +95,7 @@ class Trainer:
                                        main=self.dist.is_main, fsdp=inputs.plan.sharding == "fsdp",
                                        resumed_from=inputs.resumed_from, run_dir=inputs.run_dir)
         self.watch = LossWatch(self.model_file)  # stands in for the model file in the step: a NaN loss stops it
-        self.notes = run_notes(inputs, step, device, self.device)  # said once training has started
+        self.notes = run_notes(inputs, step, device, self.device) + [Note(n) for n in resumed_on]  # said later
         self.t: Training | None = None  # built by run()
         self.metrics = StepMetrics(self.dist, self.device, self.log)
 
@@ -371,7 +370,7 @@ class Trainer:
             "data": {"batch_size": self.inputs.data_batch, "batches": s.step * self.batches_per_step,
                      "hook": self.data_hook},
             "scaler": t.scaler.state_dict(), "train": to_dict(self.cfg), "model_file": str(self.model_file.path),
-            "torch_version": str(torch.__version__),
+            "torch_version": str(torch.__version__), "run_on": self.run_on,
         }
         path = self.checkpointer.save(self.inputs.run_dir, meta, capture_rng(self.cuda), t, keep)
         s.last_checkpoint, s.checkpoint_step = path, s.step

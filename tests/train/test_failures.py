@@ -49,6 +49,21 @@ def test_a_resume_with_one_step_left_reports_that_steps_loss_alone(case_dir):
     assert "trained 6/6 steps (1 this run, from step 5)" in summary and "->" not in summary, summary
 
 
+def test_a_resume_without_flags_trains_on_the_device_and_in_the_budget_the_run_started_with(case_dir):
+    (case_dir / "fail-at").write_text("11")
+    first = run_cli("train", "--config", "best.yaml", "--device", "cpu", "--budget", "900MiB")
+    assert first.exit_code == 2
+    (case_dir / "fail-at").unlink()
+    resumed = run_cli("train", "--config", "best.yaml", "--resume")
+    assert resumed.exit_code == 0, resumed.output
+    said = " ".join(resumed.stderr.split())
+    assert "resuming with --device cpu --budget 900MiB, as the run started" in said, said
+    assert "cpu device, 900.00 MiB" in said or "900.00 MiB" in said, said
+    again = run_cli("train", "--config", "best.yaml", "--resume", "--budget", "800MiB", "--steps", "11")
+    said = " ".join(again.stderr.split())
+    assert again.exit_code == 0 and "--budget 800MiB" not in said and "800.00 MiB" in said, said
+
+
 def test_an_empty_eval_batches_at_the_first_evaluation_saves_that_step(case_dir):
     model = case_dir / "model.py"
     model.write_text(model.read_text() + "\ndef eval_batches(batch_size, context_length, device):\n    return []\n")
