@@ -80,15 +80,16 @@ def _peer_failure(e: BaseException) -> bool:
         "NCCL communicator was aborted", "[gloo/"))
 
 
-_interrupted = False  # Ctrl-C came during this command (see _on_sigint)
+_interrupted = 0  # the signal (SIGINT: Ctrl-C, SIGTERM) that came during this command (see _on_signal)
 
 
-def _on_sigint(signum, frame) -> None:
-    """Python's own Ctrl-C, remembered: a KeyboardInterrupt raised while a finalizer runs (torch's storage
-    weakrefs, in every trial) is printed and dropped by Python, and the search would go on to write its
-    config. `stop_if_interrupted` turns the remembered one back into an interruption."""
+def _on_signal(signum, frame) -> None:
+    """Ctrl-C (or SIGTERM: a scheduler, `timeout`, `kill`) as Python's own Ctrl-C, remembered: a KeyboardInterrupt
+    raised while a finalizer runs (torch's storage weakrefs, in every trial) is printed and dropped by Python, and
+    the search would go on to write its config. `stop_if_interrupted` turns the remembered one back into an
+    interruption. Training installs its own handlers over these (train/signals.py: it checkpoints first)."""
     global _interrupted
-    _interrupted = True
+    _interrupted = signum
     raise KeyboardInterrupt
 
 
@@ -99,17 +100,18 @@ def stop_if_interrupted() -> None:
 
 
 @contextmanager
-def _remember_sigint():
+def _remember_signals():
     global _interrupted
-    _interrupted = False
-    own = threading.current_thread() is threading.main_thread() and \
-        signal.getsignal(signal.SIGINT) is signal.default_int_handler  # not where Ctrl-C is ignored (nohup, &)
-    previous = signal.signal(signal.SIGINT, _on_sigint) if own else None
+    _interrupted = 0
+    main = threading.current_thread() is threading.main_thread()
+    defaults = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
+    own = {sig: signal.signal(sig, _on_signal) for sig, default in defaults.items()  # not where a signal is
+           if main and signal.getsignal(sig) is default}  # ignored (nohup, &) or someone else handles it
     try:
         yield
     finally:
-        if own:
-            signal.signal(signal.SIGINT, previous)
+        for sig, previous in own.items():
+            signal.signal(sig, previous)
 
 
 @contextmanager
@@ -123,7 +125,7 @@ def user_errors(debug: bool, as_json: bool = False):
     _quiet_torch_noise(debug)
     _quiet_libraries(debug)
     try:
-        with _remember_sigint():
+        with _remember_signals():
             yield
     except OomtuneError as e:
         if debug:  # the traceback, then the same line and exit code as without --debug (2: bad input)
@@ -132,8 +134,11 @@ def user_errors(debug: bool, as_json: bool = False):
         _json_error(as_json, e.message, e.exit_code)
         raise typer.Exit(e.exit_code) from None
     except KeyboardInterrupt:
-        err.print("[yellow]interrupted[/]")
-        raise typer.Exit(130) from None
+        terminated = _interrupted == signal.SIGTERM
+        err.print(f"[yellow]{'terminated (SIGTERM)' if terminated else 'interrupted'}[/]")
+        code = 128 + (signal.SIGTERM if terminated else signal.SIGINT)
+        _json_error(as_json, "terminated" if terminated else "interrupted", code)
+        raise typer.Exit(code) from None
     except (typer.Exit, typer.Abort):
         raise
     except BrokenPipeError:  # stdout's reader left (`| head`) while print() wrote: as the console does

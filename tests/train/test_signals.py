@@ -156,3 +156,44 @@ def test_sigkill_during_a_checkpoint_write_leaves_the_last_checkpoint_whole_and_
     print(f"SIGKILL in the step-20 write; resumed from 10 vs uninterrupted: largest |difference| {worst:.3g}")
 
 
+
+
+# -- probe and estimate: SIGTERM (a scheduler's, `timeout`'s) stops the search, says so and writes nothing --------
+
+SLOW_MODEL = '''
+import time
+from pathlib import Path
+import torch
+from torch import nn
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 4)
+
+    def forward(self, x, y):
+        return nn.functional.cross_entropy(self.lin(x).mean(1), y)
+
+def build_model():
+    return Net()
+
+def make_batch(batch_size, context_length, device):
+    (Path(__file__).parent / "searching").touch()
+    time.sleep(0.2)
+    return torch.randn(batch_size, context_length, 16, device=device), torch.randint(0, 4, (batch_size,), device=device)
+'''
+
+
+@pytest.mark.parametrize("command", ["probe", "estimate"])
+def test_sigterm_stops_a_search_with_one_line_and_exit_143_and_no_config(command, tmp_path):
+    (tmp_path / "model.py").write_text(SLOW_MODEL)
+    out = tmp_path / "best.yaml"
+    device = ("--device", "cpu") if command == "probe" else ("--margin", "0")
+    proc = oomtune(command, tmp_path / "model.py", *device, "--budget", "64MiB", "--batch", "64", "--context", "8",
+                   "--out", out, cwd=tmp_path)
+    wait_for((tmp_path / "searching").exists, 120, "the first trial", proc)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, stderr
+    assert "terminated (SIGTERM)" in stderr and "Traceback" not in stderr, stderr
+    assert not out.exists()
