@@ -42,6 +42,7 @@ class StaticMemory:
     nf4_elements: int = 0  # elements of frozen Linear weights the NF4 lever can store in 4 bits
     host_bytes: int = 0  # what the plan's offload levers hold in host memory instead
     levers: str = ""  # the levers past accumulation this was measured with ("" for none)
+    weights_dtype: str | None = None  # "bfloat16" / "float16": every trained weight is built in it (else None)
 
     @property
     def total_bytes(self) -> int:
@@ -91,6 +92,8 @@ def static_memory(model_file: ModelFile, plan: Plan | None = None, levers: str =
         with CudaOnHost():
             model = model_file.build()
         nf4 = sum(m.weight.numel() for m in frozen_linears(model))
+        low = {p.dtype for p in model.parameters() if p.requires_grad and p.is_floating_point()}
+        low = str(low.pop()).removeprefix("torch.") if low in ({torch.float16}, {torch.bfloat16}) else None
         if plan is not None:
             prepare_model(model, plan, model_file.label, computes=False)
         weights = tracker.live_bytes
@@ -113,7 +116,7 @@ def static_memory(model_file: ModelFile, plan: Plan | None = None, levers: str =
         host = tracker.host_live_bytes
         del model, params, opt
     return StaticMemory(weights, grads, optimizer_state, name, checkpointing, compiled, temporaries, nf4, host,
-                        levers)
+                        levers, low)
 
 
 PART_LABELS = {

@@ -269,6 +269,8 @@ def all_rungs(model_file: ModelFile, device: Device, amp: str, static: StaticMem
               floor: StaticMemory | None = None) -> tuple[list[Rung], PastRungs, StaticMemory]:
     """The usual rungs, those past accumulation, and the floor the budget is checked against (`floor`: measured
     already)."""
+    if static.weights_dtype is not None and amp == "auto":  # 16-bit weights: autocast would only copy them
+        levers = levers - {"amp"}
     rungs = ladder_rungs(device, amp, static.checkpointing_supported, world, sharding, levers)
     past = past_rungs(device, rungs[-1].precision, static, model_file.label, model_file.has("optimizer"), levers,
                       world)
@@ -316,6 +318,10 @@ def measurement_notes(model_file: ModelFile, static: StaticMemory, device: Devic
     notes = () if static.checkpointing_supported else (no_checkpointing_note(model_file),)
     if static.compiled and device.kind != "cuda":
         notes += (eager_note(model_file.label, device.kind),)
+    if static.weights_dtype is not None:
+        notes += (f"{model_file.label}'s trained weights are {static.weights_dtype}, as build_model() returns them: "
+                  f"every plan trains them in {static.weights_dtype} (its 'fp32' means no autocast), and the ladder "
+                  "has no amp rung (autocast would only add copies of them)",)
     return notes
 
 

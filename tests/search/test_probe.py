@@ -315,3 +315,29 @@ def test_a_model_whose_memory_is_not_a_line_in_the_batch_misleads_a_replay_not_t
     plans = {prior: probe(mf, CpuDevice("60MiB"), targets, amp="bf16", prior=prior).config.plan
              for prior in (False, True)}
     assert plans[True] == plans[False]
+
+
+@pytest.mark.parametrize("dtype", ["half", "bfloat16", "float"])
+def test_a_model_built_in_16_bits_has_no_amp_rung_and_a_note_saying_what_fp32_means(dtype, write_model):
+    """device: cpu. build_model() returning `.half()` / `.bfloat16()`: autocast would only copy the weights (and
+    on the CPU mixes fp16 weights with bf16 activations), so the ladder has no amp rung, and the plan's 'fp32'
+    (no autocast) is explained. An fp32 model keeps its amp rung. An explicit --amp keeps it too."""
+    from ..conftest import TINY_MODEL
+
+    source = (TINY_MODEL.replace("return Net()", f"return Net().{dtype}()")
+              .replace("16, device=device)", f"16, device=device).{dtype}()"))
+    mf = load_model_file(write_model(source))
+    targets = resolve_targets(mf, 8, 4, None)
+    result = probe(mf, CpuDevice("64MiB"), targets, levers=CLASSIC, objective="throughput")  # every rung searched
+    names = [r.rung.name for r in result.ladder.rungs]
+    notes = " ".join(result.notes)
+    if dtype == "float":
+        assert "amp" in names and "trained weights are" not in notes
+        return
+    wanted = {"half": "float16", "bfloat16": "bfloat16"}[dtype]
+    assert "amp" not in names and names[0] == "fp32" and len(names) >= 2, names
+    assert f"trained weights are {wanted}" in notes and "no amp rung" in notes
+    if dtype == "half":  # (autocast to bf16 over fp16 weights: the CPU's autocast mixes the two)
+        return
+    explicit = probe(mf, CpuDevice("64MiB"), targets, levers=CLASSIC, objective="throughput", amp="bf16")
+    assert "amp" in [r.rung.name for r in explicit.ladder.rungs]
