@@ -113,15 +113,17 @@ def probe(
                 raise typer.Exit(1)
             return
         with trial_progress(not as_json) as (on_start, on_trial):
-            result = job.run(on_start, on_trial, on_begin=lambda estimating: _say_what_runs(job, as_json, estimating))
+            result = job.run(on_start, on_trial, on_begin=lambda estimating: _say_what_runs(
+                job, as_json, estimating, no_gpu=device == "auto" and budget is None and gpu is None))
         stop_if_interrupted()  # a Ctrl-C during the search writes nothing, even one Python dropped
         kept = job.write(result, before_writing=stop_if_interrupted)  # (the snapshot's trial runs first)
         snapshot_written(memory_snapshot, result.plan)
         render_search(result, out_path if result.config else None, as_json, "probe", kept_train=kept)
 
 
-def _say_what_runs(job, as_json: bool, estimating: bool) -> None:
-    """The header, once the input is checked (a budget below the weights is an error, not a probe that began)."""
+def _say_what_runs(job, as_json: bool, estimating: bool, no_gpu: bool = False) -> None:
+    """The header, once the input is checked (a budget below the weights is an error, not a probe that began).
+    `no_gpu`: --device auto found none, and no --budget or --gpu said what memory to fit."""
     if as_json:
         return
     targets, dist = job.targets, job.dist
@@ -129,7 +131,11 @@ def _say_what_runs(job, as_json: bool, estimating: bool) -> None:
     err.print(f"probing [bold]{job.model_file.label}[/] on {job.device.name}{ranks}: batch {targets.batch}, "
               f"context {targets.context}" + (f" (min {targets.min_context})"
                                               if targets.min_context < targets.context else ""))
-    if job.device.kind == "cpu" and getattr(job.device, "card", None) is None:
+    if no_gpu and job.device.kind == "cpu":
+        err.print("  [yellow]no GPU found[/]: probing the CPU in this machine's free RAM, counting memory as its "
+                  "kernels use it; for a GPU's plan add --gpu NAME (its memory, counted as CUDA does), or run "
+                  "[cyan]oomtune estimate --gpu NAME[/]")
+    elif job.device.kind == "cpu" and getattr(job.device, "card", None) is None:
         err.print("  [dim]counting memory as the CPU's kernels use it (math attention, CPU autocast); add --gpu NAME "
                   "(or generic) to count it as a CUDA card would[/]")
     if estimating:
