@@ -59,16 +59,17 @@ def _ladder(job, gpu: str | None, as_json: bool) -> None:
     from ..config.writing import to_dict
 
     device, targets, world_size = job.device, job.targets, job.options["world_size"]
-    if not as_json:
+    if not as_json:  # (--json has them in its JSON)
         for note in job.notes:
             err.print(f"[yellow]note:[/] {escape(note)}")
-        ranks = f" x {world_size} ranks" if world_size > 1 else ""
-        err.print(f"estimating [bold]{job.model_file.label}[/] for {device.name}{ranks}, budget "
-                  f"{fmt_bytes(device.budget_bytes)} (fake tensors: nothing runs on a GPU): batch {targets.batch}, "
-                  f"context {targets.context}"
-                  + (f" (min {targets.min_context})" if targets.min_context < targets.context else ""))
-        err.print(f"  {escape(card_line(device, gpu))}")
-    with trial_progress(not as_json) as (on_start, on_trial):
+    # the header and the trials on stderr, with --json too: its stdout holds the JSON alone
+    ranks = f" x {world_size} ranks" if world_size > 1 else ""
+    err.print(f"estimating [bold]{job.model_file.label}[/] for {device.name}{ranks}, budget "
+              f"{fmt_bytes(device.budget_bytes)} (fake tensors: nothing runs on a GPU): batch {targets.batch}, "
+              f"context {targets.context}"
+              + (f" (min {targets.min_context})" if targets.min_context < targets.context else ""))
+    err.print(f"  {escape(card_line(device, gpu))}")
+    with trial_progress() as (on_start, on_trial):
         result = job.run(on_start, on_trial)
     stop_if_interrupted()  # a Ctrl-C during the search writes nothing, even one Python dropped
     kept = job.write(result, before_writing=stop_if_interrupted)  # (the snapshot's trial runs first)

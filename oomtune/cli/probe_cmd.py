@@ -112,20 +112,19 @@ def probe(
             if job.run().config is None:
                 raise typer.Exit(1)
             return
-        with trial_progress(not as_json) as (on_start, on_trial):
+        with trial_progress() as (on_start, on_trial):  # stderr: --json's stdout holds the JSON alone
             result = job.run(on_start, on_trial, on_begin=lambda estimating: _say_what_runs(
-                job, as_json, estimating, no_gpu=device == "auto" and budget is None and gpu is None))
+                job, estimating, no_gpu=device == "auto" and budget is None and gpu is None))
         stop_if_interrupted()  # a Ctrl-C during the search writes nothing, even one Python dropped
         kept = job.write(result, before_writing=stop_if_interrupted)  # (the snapshot's trial runs first)
         snapshot_written(memory_snapshot, result.plan)
         render_search(result, out_path if result.config else None, as_json, "probe", kept_train=kept)
 
 
-def _say_what_runs(job, as_json: bool, estimating: bool, no_gpu: bool = False) -> None:
-    """The header, once the input is checked (a budget below the weights is an error, not a probe that began).
+def _say_what_runs(job, estimating: bool, no_gpu: bool = False) -> None:
+    """The header (stderr, with --json too), once the input is checked (a budget below the weights is an error, not
+    a probe that began).
     `no_gpu`: --device auto found none, and no --budget or --gpu said what memory to fit."""
-    if as_json:
-        return
     targets, dist = job.targets, job.dist
     ranks = f" x {dist.world_size} ranks" if dist.grouped else ""
     err.print(f"probing [bold]{job.model_file.label}[/] on {job.device.name}{ranks}: batch {targets.batch}, "

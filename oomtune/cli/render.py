@@ -59,11 +59,8 @@ def _with_accumulation(r) -> str:
 
 
 @contextmanager
-def trial_progress(enabled: bool):
+def trial_progress():
     """A spinner with the trial in flight; each finished trial is printed above it (stderr)."""
-    if not enabled:
-        yield (lambda point: None), (lambda rec: stop_if_interrupted())
-        return
     progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), TextColumn("[dim]{task.completed} trials"),
                         TimeElapsedColumn(), console=err, transient=True)
     task = progress.add_task("starting", total=None)

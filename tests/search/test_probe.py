@@ -95,7 +95,8 @@ def test_cli_writes_a_config_that_round_trips_and_json_for_ci(tmp_path):
     r = run_cli("probe", EXAMPLES / "conv_net.py", "--device", "cpu", "--budget", "8MiB", "--batch", "8",
                 "--context", "64", "--out", out, "--json")
     assert r.exit_code == 0, r.output
-    data = json.loads(r.stdout)
+    data = json.loads(r.stdout)  # stdout: the JSON alone; the header and a line per trial went to stderr
+    assert r.stderr.startswith("probing conv_net.py on cpu") and r.stderr.count(" b=") == len(data["trials"])
     cfg = load_config(out)
     assert data["plan"] == {
         "micro_batch_size": cfg.plan.micro_batch_size, "context_length": 64, "precision": cfg.plan.precision,
