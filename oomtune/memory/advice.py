@@ -81,8 +81,9 @@ def levers_that_help(bd: MemoryBreakdown, static: StaticMemory, limit_bytes: int
                        f"{format_bytes(bd.activations_bytes)}{why('offload-activations')}")
         if plan.context_length > 1:  # a model whose context is 1 has none shorter
             out.append(f"a shorter context (--min-context): activations + temporaries are {format_bytes(act)}")
-    bigger = [g.name for g in GPUS if int(g.memory_bytes * (1 - headroom)) >= max(bd.peak_bytes, limit_bytes + 1)]
+    bigger = sorted((g for g in GPUS if int(g.memory_bytes * (1 - headroom)) >= max(bd.peak_bytes, limit_bytes + 1)),
+                    key=lambda g: g.memory_bytes)  # the smallest that would hold it first
     if bigger:
-        out.append(f"a larger GPU: {', '.join(bigger)}")
+        out.append(f"a larger GPU: {', '.join(g.name for g in bigger[:3])}" + (" or larger" if bigger[3:] else ""))
     return out
 

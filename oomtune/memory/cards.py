@@ -64,12 +64,16 @@ def cublas_workspace_bytes(compute_capability: tuple[int, int]) -> int:
 
 
 GPUS: tuple[GpuSpec, ...] = (
+    GpuSpec("Tesla V100 16GB", 16160 * MiB, (7, 0), ("v100-16", "v100-16gb")),
+    GpuSpec("Tesla V100 32GB", 32510 * MiB, (7, 0), ("v100-32", "v100-32gb")),
     GpuSpec("Tesla T4", 15360 * MiB, (7, 5), ("t4",)),
     GpuSpec("GeForce RTX 3060", 12288 * MiB, (8, 6), ("rtx3060", "3060")),
     GpuSpec("GeForce RTX 3090", 24576 * MiB, (8, 6), ("rtx3090", "3090")),
     GpuSpec("GeForce RTX 4090", 24564 * MiB, (8, 9), ("rtx4090", "4090")),
     GpuSpec("L4", 23034 * MiB, (8, 9), ("l4",)),
     GpuSpec("A10", 23028 * MiB, (8, 6), ("a10", "a10g")),
+    GpuSpec("RTX A6000", 49140 * MiB, (8, 6), ("a6000", "rtxa6000")),
+    GpuSpec("L40S", 46068 * MiB, (8, 9), ("l40s",)),
     GpuSpec("A100 40GB", 40960 * MiB, (8, 0), ("a100-40", "a100-40gb")),
     GpuSpec("A100 80GB", 81920 * MiB, (8, 0), ("a100-80", "a100-80gb")),
     GpuSpec("H100 80GB", 81559 * MiB, (9, 0), ("h100", "h100-80", "h100-80gb")),
@@ -82,7 +86,7 @@ GENERIC = GpuSpec("a generic sm80 card", None, (8, 0), ("generic",))
 
 
 # a model sold with more than one memory size: which one the user has changes every estimate
-AMBIGUOUS = {"a100": "a100-40 (40 GB) or a100-80 (80 GB)"}
+AMBIGUOUS = {"a100": "a100-40 (40 GB) or a100-80 (80 GB)", "v100": "v100-16 (16 GB) or v100-32 (32 GB)"}
 
 
 def card_for(name: str, memory_bytes: int, compute_capability: tuple[int, int]) -> GpuSpec:

@@ -126,14 +126,14 @@ def test_probe_takes_a_margin_on_the_simulated_devices(tmp_path):
 
 
 @pytest.mark.parametrize(("card", "gpu_name", "expected"), [
-    ("nvidiartxa6000", "NVIDIA RTX A6000", "a generic sm80 card"),  # not in the table: named after the driver
+    ("nvidiartxa4000", "NVIDIA RTX A4000", "a generic sm80 card"),  # not in the table: named after the driver
     ("h200", "NVIDIA H200", "H200"),
 ])
 def test_check_of_a_config_probed_on_a_gpu_uses_its_cards_rules_without_a_context(cpu_config, tmp_path, card,
                                                                                      gpu_name, expected):
     """device: fake. A config probed on cuda records its card (the table's alias, or one made from the driver's
     name where the table has none) and a budget from which its own CUDA context was already gone: check on fake
-    takes that card's rules (else the generic ones) with no context (it failed with "--gpu 'nvidiartxa6000': not in
+    takes that card's rules (else the generic ones) with no context (it failed with "--gpu 'nvidiartxa4000': not in
     the table", and a table card's assumed 512 MiB context was counted twice)."""
     from oomtune.config.writing import save_config
     from oomtune.search.check import card_of

@@ -150,7 +150,10 @@ def test_with_a_card_the_cpu_devices_budget_is_the_cards_memory():
     ("NVIDIA A100", 81920, (8, 0), "a100-80"),  # the bare model name: its memory says which
     ("NVIDIA H100 NVL", 95830, (9, 0), None),  # another card of that model: its own memory
     ("NVIDIA A100-SXM4-80GB", 81920, (9, 0), None),  # not the table's capability
-    ("NVIDIA RTX A6000", 49140, (8, 6), None),  # not in the table
+    ("NVIDIA RTX A6000", 49140, (8, 6), "a6000"),
+    ("Tesla V100-SXM2-32GB", 32510, (7, 0), "v100-32"),
+    ("Tesla V100-PCIE-16GB", 16160, (7, 0), "v100-16"),
+    ("NVIDIA RTX A4000", 16376, (8, 6), None),  # not in the table
 ])
 def test_the_driver_names_a_table_card_by_its_model_memory_and_capability(driver, mib, cc, table):
     """device: none. The card a CUDA device reports (cuda.py) is the table's where its name, or its model with the

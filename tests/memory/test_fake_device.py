@@ -7,7 +7,7 @@ from torch import nn
 from oomtune.config.schema import Plan
 from oomtune.errors import OomtuneError
 from oomtune.memory.breakdown import breakdown
-from oomtune.memory.cards import GPUS, find_gpu
+from oomtune.memory.cards import GPUS, card_for, find_gpu
 from oomtune.memory.devices import CpuDevice, FakeDevice, make_device
 from oomtune.memory.margin import Margin, parse_margin
 from oomtune.model_file import load_model_file
@@ -280,3 +280,14 @@ def test_item_on_fake_tensors_reads_zero_except_for_known_constants():
         step = torch.tensor(0.0)
         step += 1  # a small constant the fake mode follows, as an optimizer's step count
         assert step.item() == 1.0
+
+
+def test_cards_sold_in_two_sizes_are_refused_by_model_alone_and_found_by_size_or_driver_name():
+    for model, sizes in (("v100", ("v100-16", "v100-32")), ("a100", ("a100-40", "a100-80"))):
+        with pytest.raises(OomtuneError, match=f"names more than one card: {sizes[0]} .* or {sizes[1]}"):
+            find_gpu(model)
+    assert find_gpu("V100-32GB").compute_capability == (7, 0) and find_gpu("v100-16").bf16 is False
+    assert card_for("Tesla V100-SXM2-32GB", 32510 * 2**20, (7, 0)) is find_gpu("v100-32")
+    assert card_for("Tesla V100-PCIE-16GB", 16160 * 2**20, (7, 0)) is find_gpu("v100-16")
+    assert card_for("NVIDIA RTX A6000", 49140 * 2**20, (8, 6)) is find_gpu("a6000")
+    assert find_gpu("NVIDIA L40S").memory_bytes == 46068 * 2**20
