@@ -292,14 +292,15 @@ def render_what_if(result, as_json: bool) -> None:
     """estimate --micro-batch: one plan's breakdown and, given a budget, whether it fits (exit 1 if not)."""
     plan, note = result.plan, result.note
     if as_json:
-        print(json.dumps({"estimated": True, "plan": to_dict(plan), "fits": result.fits,
+        print(json.dumps({"estimated": True, "card": result.card, "plan": to_dict(plan), "fits": result.fits,
                           "budget_bytes": result.budget_bytes, "limit_bytes": result.limit_bytes,
                           "breakdown": to_dict(result.breakdown), "levers": list(result.levers),
                           **({"note": note} if note else {}), "notes": list(result.notes)}, indent=2))
     else:
         for line in ((note,) if note else ()) + result.notes:
             err.print(f"[yellow]note:[/] {escape(line)}")
-        out.print(breakdown_table(result.breakdown, plan, result.limit_bytes, "estimate", result.optimizer))
+        title = f"estimate for {result.card}" if result.card else "estimate"
+        out.print(breakdown_table(result.breakdown, plan, result.limit_bytes, title, result.optimizer))
         if result.fits is not None:
             verdict = "[bold green]fits[/]" if result.fits else "[bold red]does not fit[/]"
             out.print(f"{verdict}: peak {fmt_bytes(result.breakdown.peak_bytes)} vs {fmt_bytes(result.limit_bytes)} "

@@ -170,6 +170,7 @@ class WhatIf:
     notes: tuple[str, ...] = ()  # how it was measured, where not on fake tensors
     note: str | None = None  # about the card (no_bf16_note)
     optimizer: str | None = None  # "your optimizer()" where the model file has its own (None: the default AdamW)
+    card: str | None = None  # the card whose rules it was counted by ("Tesla T4", "a generic sm80 card")
 
     @property
     def fits(self) -> bool | None:
@@ -186,14 +187,15 @@ def what_if(model_file: ModelFile, plan: Plan, device: FakeDevice, *, bounded: b
     check_steps(steps)
     bd, computed = computing_where_needed(device, model_file.label, lambda: breakdown(model_file, plan, device, steps))
     own = "your optimizer()" if model_file.has("optimizer") else None
+    card = device.name.removesuffix(" (estimated)")
     if not bounded:  # no budget given: the breakdown alone (it lifts the device's budget anyway)
-        return WhatIf(plan, bd, None, None, headroom, notes=computed, optimizer=own)
+        return WhatIf(plan, bd, None, None, headroom, notes=computed, optimizer=own, card=card)
     limit = int(device.budget_bytes * (1 - headroom))
     lev: tuple[str, ...] = ()
     if bd.peak_bytes > limit:
         static = static_memory(model_file)
         lev = tuple(levers_that_help(bd, static, limit, device.margin, headroom, plan, None))
-    return WhatIf(plan, bd, limit, device.budget_bytes, headroom, lev, computed, optimizer=own)
+    return WhatIf(plan, bd, limit, device.budget_bytes, headroom, lev, computed, optimizer=own, card=card)
 
 
 def no_bf16_note(device: FakeDevice | None, precision: str | None) -> str | None:

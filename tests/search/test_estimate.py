@@ -195,6 +195,9 @@ def test_what_if_one_plan(tmp_path):
     assert fits.exit_code == 0 and json.loads(fits.stdout)["fits"] is True
     short = run_cli(*args, "--budget", str(int(peak / 0.9) - 512))
     assert short.exit_code == 1 and json.loads(short.stdout)["fits"] is False
+    assert report["card"] == "a generic sm80 card"  # whose rules counted it, named: in the JSON and the table
+    on_t4 = run_cli(*args[:-1], "--gpu", "t4")
+    assert on_t4.exit_code == 0 and on_t4.stdout.startswith("estimate for Tesla T4:"), on_t4.output
 
 
 def test_what_if_one_plan_with_levers_past_accumulation():
