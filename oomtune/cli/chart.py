@@ -7,7 +7,7 @@ from rich.text import Text
 
 from .console import fmt_bytes
 
-MARKS = "o+*#@%&"  # one per rung, in ladder order
+MARKS = "o+*#@%&$=~^"  # one per rung, in ladder order (at most 9: fp32, amp, checkpointing, fsdp, 5 past those)
 WIDTH, HEIGHT = 64, 14
 
 

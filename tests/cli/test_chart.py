@@ -29,3 +29,12 @@ def test_each_rungs_trials_the_oom_marks_and_the_limit_line_are_drawn():
 
 def test_no_chart_from_a_single_size():
     assert peak_chart([record("fp32", 16, 5 * MiB)], 10 * MiB) is None
+
+
+def test_every_rung_of_the_longest_ladder_has_its_own_mark():
+    rungs = ["fp32", "amp", "checkpointing", "bf16-true", "bf16-true+8bit", "bf16-true+8bit+offload",
+             "bf16-true+8bit+offload+offload-activations", "bf16-true+8bit+offload+offload-activations+nf4", "fsdp"]
+    records = [record(r, b, (i + b) * MiB) for i, r in enumerate(rungs) for b in (1, 2)]
+    legend = peak_chart(records, 100 * MiB).plain.split("micro-batch 1 .. 2", 1)[1]
+    marks = [legend.split(f" {r}   ")[0].split()[-1] for r in rungs]  # the mark just before each name
+    assert len(set(marks)) == len(rungs), marks
