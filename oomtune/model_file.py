@@ -285,9 +285,7 @@ def load_model_file(path: str | Path) -> ModelFile:
         raise ModelFileError(f"model file {p}: cannot be imported")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses / pickling inside the file need their module registered
-    folder = str(p.resolve().parent)
-    if folder not in sys.path:  # as `python model.py` would: the file imports its neighbours (`from model import GPT`)
-        sys.path.append(folder)
+    folder = _neighbours_first(p.resolve().parent)
     try:
         spec.loader.exec_module(module)
     except SyntaxError as e:
@@ -300,7 +298,40 @@ def load_model_file(path: str | Path) -> ModelFile:
     except Exception as e:
         sys.modules.pop(name, None)
         raise ModelFileError(f"{p.name}: importing it raised {_raised(e)}") from e
+    finally:  # back where it was on sys.path, else last: a neighbour named like a library shadows none for oomtune
+        if folder[0] in sys.path:
+            sys.path.remove(folder[0])
+        sys.path.insert(len(sys.path) if folder[1] is None else folder[1], folder[0])
     return checked(module, p.resolve())
+
+
+_FOLDERS: set[str] = set()  # the folders model files were loaded from
+
+
+def _neighbours_first(folder: Path) -> tuple[str, int | None]:
+    """As `python model.py` would: the file imports its neighbours (`from model import GPT`), its own folder first
+    on sys.path while it is imported (returned, with where it was on sys.path before, None: not there; the caller
+    puts it back there, else last). A neighbour another model file's folder imported under the same name (two
+    projects' `utils.py`, loaded one after the other through the API) is dropped from sys.modules, so this file
+    imports its own."""
+    here = str(folder)
+    was = sys.path.index(here) if here in sys.path else None
+    if was is not None:
+        sys.path.remove(here)
+    sys.path.insert(0, here)
+    _FOLDERS.add(here)
+    others = _FOLDERS - {here}
+    names = {f.stem for f in folder.glob("*.py")} | {d.name for d in folder.iterdir() if (d / "__init__.py").is_file()}
+    for name in names:
+        module = sys.modules.get(name)
+        file = getattr(module, "__file__", None)
+        if file is None:
+            continue
+        home = Path(file).resolve().parent
+        if str(home.parent if hasattr(module, "__path__") else home) in others:  # (a package: its folder's)
+            for loaded in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
+                del sys.modules[loaded]
+    return here, was
 
 
 def checked(module, path: Path) -> ModelFile:

@@ -32,6 +32,24 @@ def test_missing_file(tmp_path):
     assert probe_error(tmp_path / "nope.py") == f"error: model file not found: {tmp_path / 'nope.py'}"
 
 
+def test_two_model_files_each_import_their_own_neighbour_of_the_same_name(tmp_path):
+    """Two projects' folders, each a model file and a `helpers.py` it imports, loaded one after the other in one
+    process (the API, a notebook): each gets its own helpers (the second got the first's from sys.modules), and
+    sys.path keeps the folders last, as it was."""
+    files = []
+    for width in (8, 24):
+        folder = tmp_path / f"project{width}"
+        folder.mkdir()
+        (folder / "helpers.py").write_text(f"WIDTH = {width}\n")
+        source = TINY_MODEL.replace("import torch\n", "import torch\nfrom helpers import WIDTH\n", 1)
+        (folder / "model.py").write_text(source.replace("nn.Linear(16, 4)", "nn.Linear(16, WIDTH)"))
+        files.append(folder / "model.py")
+    before = list(sys.path)
+    widths = [load_model_file(f).build().out.out_features for f in files]
+    assert widths == [8, 24]
+    assert sys.path[:len(before)] == before and set(sys.path[len(before):]) == {str(f.parent) for f in files}
+
+
 def test_syntax_error_names_the_line(write_model):
     path = write_model("def build_model(:\n    pass\n")
     assert probe_error(path).startswith("error: model.py: syntax error at line 1")
