@@ -145,7 +145,11 @@ def test_a_write_that_fails_after_the_search_is_exit_2_one_line(write_model, tmp
     monkeypatch.setattr("oomtune.config.writing.atomic_write", full)
     out = tmp_path / "best.yaml"
     r = run_cli("estimate", write_model(), *ESTIMATE, "--batch", "2", "--context", "4", "--out", out, "--json")
-    one_line_error(r, "cannot write the config", "No space left on device")
+    assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+    said = r.stderr.strip().splitlines()  # the search's header and trials (stderr, --json too), then one line
+    assert [line for line in said if line.startswith("error:")] == said[-1:], r.stderr
+    assert "cannot write the config" in said[-1] and "No space left on device" in said[-1]
+    assert "No space left on device" in json.loads(r.stdout)["error"]
     assert not out.exists()
 
 
