@@ -104,7 +104,9 @@ def _remember_signals():
     global _interrupted
     _interrupted = 0
     main = threading.current_thread() is threading.main_thread()
-    defaults = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
+    defaults = {signal.SIGINT: signal.default_int_handler}
+    if worker_rank() is None:  # (a rank: the launcher's agent stops the others with SIGTERM, and reads -15 so)
+        defaults[signal.SIGTERM] = signal.SIG_DFL
     own = {sig: signal.signal(sig, _on_signal) for sig, default in defaults.items()  # not where a signal is
            if main and signal.getsignal(sig) is default}  # ignored (nohup, &) or someone else handles it
     try:
