@@ -374,3 +374,38 @@ def test_checkpointed_batch_norms_update_their_running_statistics_once_a_step(wr
             assert int(b.num_batches_tracked) == 1
             assert torch.equal(a.running_mean, b.running_mean) and torch.equal(a.running_var, b.running_var)
     assert all(torch.equal(p.grad, q.grad) for p, q in zip(plain.parameters(), wrapped.parameters(), strict=True))
+
+
+DEEPCOPIED = '''
+import copy
+import torch
+from torch import nn
+
+class M(nn.Module):
+    def __init__(self):
+        super().__init__()
+        layer = nn.Linear(64, 64)
+        self.blocks = nn.ModuleList([copy.deepcopy(layer) for _ in range(2)])  # as nn.TransformerEncoder does
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x.pow(2).mean()
+
+def build_model():
+    return M()
+
+def make_batch(batch_size, context_length, device):
+    return torch.randn(batch_size, context_length, 64, device=device)
+'''
+
+
+def test_a_model_built_with_deepcopy_climbs_to_the_bf16_true_rung_on_fake_tensors(write_model, tmp_path):
+    """device: fake. A deep-copied fake parameter is memoised by another converter's memo and describer; the
+    bf16-true cast swaps it, which those weak references refused ("Couldn't swap Linear.weight", exit 1)."""
+    r = run_cli("estimate", write_model(DEEPCOPIED), "--budget", "80KiB", "--margin", "0", "--batch", "4",
+                "--context", "16", "--out", tmp_path / "best.yaml", "--json")
+    assert r.exit_code == 0, r.output
+    import json
+
+    assert json.loads(r.stdout)["plan"]["precision"] == "bf16-true"

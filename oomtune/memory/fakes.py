@@ -22,6 +22,7 @@ cpu device (and the GPU) would:
 from __future__ import annotations
 
 import contextlib
+import gc
 import sys
 import weakref
 from collections.abc import Iterator
@@ -30,6 +31,7 @@ import torch
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_leaves, tree_map_only
+from torch.utils.weak import WeakIdRef
 
 from ..errors import OomtuneError
 from .tracker import METADATA_OPS
@@ -62,15 +64,25 @@ _SWAP = torch.utils.swap_tensors
 
 
 def _forget(t: torch.Tensor) -> None:
-    """Drop the fake mode's weak references to `t`: its memo entries and, for a constant, its alias list."""
+    """Drop the fake mode's weak references to `t`: its memo entries (the converter's, and its meta converter's,
+    where `copy.deepcopy` made it: nn.TransformerEncoder's layers), and, for a constant, its alias list."""
     if not isinstance(t, FakeTensor) or not weakref.getweakrefcount(t):
         return
     converter = t.fake_mode.fake_tensor_converter
-    memo = converter.tensor_memo
-    for key in [k for k, v in list(memo.items()) if v is t]:
-        del memo[key]
+    meta = getattr(getattr(converter, "meta_converter", None), "tensor_memo", {})  # (a deep copy's, by its id)
+    for memo in (converter.tensor_memo, meta):
+        for key in [k for k, v in list(memo.items()) if v is t]:
+            del memo[key]
     for refs in getattr(converter, "constant_storage_mapping", {}).values():
         refs[:] = [r for r in refs if r() is not t]
+    for ref in weakref.getweakrefs(t):  # a deep copy's entries in another converter's memo and its describer's
+        for d in gc.get_referrers(ref):  # id lookup (found the slow way: only deep-copied tensors get here)
+            if not isinstance(d, dict):
+                continue
+            if isinstance(ref, weakref.KeyedRef) and d.get(ref.key) is ref:
+                del d[ref.key]
+            elif isinstance(ref, WeakIdRef) and any(k is ref for k in d):
+                del d[ref]
 
 
 def _swap_fakes(t1: torch.Tensor, t2: torch.Tensor) -> None:
