@@ -9,7 +9,7 @@ import typer
 
 from ..config.schema import TRIAL_STEPS
 from . import app
-from .guard import stop_if_interrupted, user_errors
+from .guard import print_json, stop_if_interrupted, user_errors
 from .options import ConfigOpt, DebugOpt, JsonOpt, SnapshotOpt, budget_option, device_option
 from .render import check_json, render_check, snapshot_written
 
@@ -46,7 +46,7 @@ def check(
                            gpu=gpu, memory_snapshot=memory_snapshot, before_writing=stop_if_interrupted)
         snapshot_written(memory_snapshot, result.plan)
         if as_json:
-            print(json.dumps(check_json(result), indent=2))
+            print_json(json.dumps(check_json(result), indent=2))
         else:
             render_check(result, config_path)
         if not result.fits:

@@ -11,7 +11,7 @@ from rich.table import Table
 
 from . import app
 from .console import fmt_bytes, out
-from .guard import user_errors
+from .guard import print_json, user_errors
 from .options import DebugOpt, JsonOpt
 
 
@@ -69,7 +69,7 @@ def gpus(
 
         report = nvml.query()
         if as_json:
-            print(json.dumps(report_json(report), indent=2))
+            print_json(json.dumps(report_json(report), indent=2))
             return
         if not report.available:
             out.print(f"[yellow]no NVIDIA GPU visible:[/] NVML is unavailable ({report.reason}); is the NVIDIA "

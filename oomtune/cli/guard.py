@@ -126,6 +126,25 @@ def user_errors(debug: bool, as_json: bool = False):
     who = escape(f"[rank {rank}] ") if rank is not None else ""
     _quiet_torch_noise(debug)
     _quiet_libraries(debug)
+    if as_json:  # what the model file prints goes to stderr: stdout holds the JSON alone (print_json)
+        _json_stdout.append(sys.stdout)
+        sys.stdout = sys.stderr
+    try:
+        yield from _reporting_errors(debug, as_json, rank, who)
+    finally:
+        if as_json:
+            sys.stdout = _json_stdout.pop()
+
+
+_json_stdout: list = []  # under --json, the real stdout (sys.stdout is stderr meanwhile)
+
+
+def print_json(text: str) -> None:
+    """--json's output: to the real stdout, where a script parses it."""
+    print(text, file=_json_stdout[-1] if _json_stdout else sys.stdout, flush=True)
+
+
+def _reporting_errors(debug: bool, as_json: bool, rank, who: str):
     try:
         with _remember_signals():
             yield
@@ -161,4 +180,4 @@ def user_errors(debug: bool, as_json: bool = False):
 
 def _json_error(as_json: bool, message: str, code: int) -> None:
     if as_json:
-        print(json.dumps({"error": message, "exit_code": code}, indent=2))
+        print_json(json.dumps({"error": message, "exit_code": code}, indent=2))

@@ -18,7 +18,7 @@ from ..config.writing import to_dict
 from ..units import counted
 from .chart import peak_chart
 from .console import RESULT_SHORT, RESULT_STYLE, err, fmt_bytes, out
-from .guard import stop_if_interrupted
+from .guard import print_json, stop_if_interrupted
 
 
 def rung_label(rung: str, precision: str) -> str:
@@ -141,7 +141,8 @@ def render_search(result, out_path: Path | None, as_json: bool, verb: str, extra
     from ..search.probe import divisor_note
 
     if as_json:
-        print(json.dumps(result_json(result, out_path) | {"kept_train": kept_train} | (extra_json or {}), indent=2))
+        report = result_json(result, out_path) | {"kept_train": kept_train} | (extra_json or {})
+        print_json(json.dumps(report, indent=2))
     else:
         if result.records:  # none when the estimate knew without a trial that nothing fits
             out.print(trials_table(result.records))
@@ -292,7 +293,7 @@ def render_what_if(result, as_json: bool) -> None:
     """estimate --micro-batch: one plan's breakdown and, given a budget, whether it fits (exit 1 if not)."""
     plan, note = result.plan, result.note
     if as_json:
-        print(json.dumps({"estimated": True, "card": result.card, "plan": to_dict(plan), "fits": result.fits,
+        print_json(json.dumps({"estimated": True, "card": result.card, "plan": to_dict(plan), "fits": result.fits,
                           "budget_bytes": result.budget_bytes, "limit_bytes": result.limit_bytes,
                           "breakdown": to_dict(result.breakdown), "levers": list(result.levers),
                           **({"note": note} if note else {}), "notes": list(result.notes)}, indent=2))

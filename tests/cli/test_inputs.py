@@ -400,3 +400,18 @@ def test_auto_without_a_gpu_says_the_budget_is_the_machines_ram(extra, write_mod
     assert ("no GPU found: probing the CPU in this machine's free RAM" in said) is (extra == ()), said
     if extra == ():
         assert "--gpu NAME" in said and "oomtune estimate --gpu NAME" in said
+
+
+# -- 11. --json: what the model file prints goes to stderr, so stdout parses -----------------------------------
+
+def test_a_model_file_that_prints_leaves_json_stdout_parseable(write_model, tmp_path):
+    model = write_model("print('building the model...')\n" + TINY_MODEL.replace(
+        "    return Net()", "    print('layers: 2')\n    return Net()"))
+    out = tmp_path / "best.yaml"
+    for args in (("estimate", model, *ESTIMATE, "--batch", "2", "--context", "4", "--out", out),
+                 ("probe", model, "--device", "cpu", "--budget", "64MiB", "--batch", "2", "--context", "4",
+                  "--out", out),
+                 ("check", "--config", out)):
+        r = run_cli(*args, "--json")
+        assert r.exit_code == 0, r.output
+        assert "fits" in json.loads(r.stdout) and "layers: 2" in r.stderr
