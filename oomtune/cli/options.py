@@ -8,6 +8,8 @@ from typing import Annotated
 
 import typer
 
+from ..memory.cards import GENERIC, GPUS
+
 ModelArg = Annotated[Path, typer.Argument(help="Your model file (build_model, make_batch, optional hooks).")]
 ConfigOpt = Annotated[Path, typer.Option("--config", "-c", help="The config `oomtune probe` (or estimate) wrote.")]
 
@@ -37,8 +39,8 @@ JsonOpt = Annotated[bool, typer.Option("--json/--no-json", help="Print the resul
 DebugOpt = Annotated[bool, typer.Option("--debug/--no-debug", help="Show full tracebacks instead of one-line errors.")]
 GpuOpt = Annotated[str | None, typer.Option(
     "--gpu", help="Account like this CUDA card (simulated devices: fake, cpu): its memory, CUDA autocast's policy, the "
-    "attention kernel it would pick, its CUDA context, cuBLAS workspaces and caching allocator. One of t4, rtx3060, "
-    "rtx3090, rtx4090, l4, a10, a100-40, a100-80, h100, h200, generic.")]
+    "attention kernel it would pick, its CUDA context, cuBLAS workspaces and caching allocator. One of "
+    f"{', '.join(spec.aliases[0] for spec in (*GPUS, GENERIC))}.")]
 MarginOpt = Annotated[str | None, typer.Option(
     "--margin", help="A flat rule instead of the card's own margin (its CUDA context, cuBLAS workspaces and caching "
     "allocator, modelled): a fixed part + a percentage of the tensor peak, e.g. 512MiB+5%; 0 turns it off.")]
