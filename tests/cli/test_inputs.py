@@ -385,33 +385,3 @@ def test_json_output_names_the_error_on_stdout(tmp_path, write_model):
     assert json.loads(r.stdout) == {"error": "model.py: syntax error at line 1: invalid syntax", "exit_code": 2}
     assert r.stderr.strip() == "error: model.py: syntax error at line 1: invalid syntax"
 
-
-# -- 10. --device auto on a machine without a GPU says the budget is its RAM, and how to get a GPU's plan ------------
-
-@pytest.mark.parametrize("extra", [(), ("--device", "cpu"), ("--budget", "64MiB"), ("--gpu", "t4")])
-def test_auto_without_a_gpu_says_the_budget_is_the_machines_ram(extra, write_model, tmp_path, monkeypatch):
-    """device: cpu (what auto picks here; torch.cuda.is_available made False where the tests run on a GPU)."""
-    import torch
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    r = run_cli("probe", write_model(), "--batch", "2", "--context", "4", "--out", tmp_path / "best.yaml", *extra)
-    assert r.exit_code == 0, r.output
-    said = " ".join(r.stderr.split())
-    assert ("no GPU found: probing the CPU in this machine's free RAM" in said) is (extra == ()), said
-    if extra == ():
-        assert "--gpu NAME" in said and "oomtune estimate --gpu NAME" in said
-
-
-# -- 11. --json: what the model file prints goes to stderr, so stdout parses -----------------------------------
-
-def test_a_model_file_that_prints_leaves_json_stdout_parseable(write_model, tmp_path):
-    model = write_model("print('building the model...')\n" + TINY_MODEL.replace(
-        "    return Net()", "    print('layers: 2')\n    return Net()"))
-    out = tmp_path / "best.yaml"
-    for args in (("estimate", model, *ESTIMATE, "--batch", "2", "--context", "4", "--out", out),
-                 ("probe", model, "--device", "cpu", "--budget", "64MiB", "--batch", "2", "--context", "4",
-                  "--out", out),
-                 ("check", "--config", out)):
-        r = run_cli(*args, "--json")
-        assert r.exit_code == 0, r.output
-        assert "fits" in json.loads(r.stdout) and "layers: 2" in r.stderr

@@ -1,0 +1,42 @@
+"""--device auto without a GPU says what budget it took; --json keeps stdout for the JSON alone."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ..conftest import TINY_MODEL, run_cli
+
+ESTIMATE = ("--budget", "400KiB", "--margin", "0")  # the tiny model's ladder on the fake device: a second or two
+
+
+# -- 1. --device auto on a machine without a GPU says the budget is its RAM, and how to get a GPU's plan ------------
+
+@pytest.mark.parametrize("extra", [(), ("--device", "cpu"), ("--budget", "64MiB"), ("--gpu", "t4")])
+def test_auto_without_a_gpu_says_the_budget_is_the_machines_ram(extra, write_model, tmp_path, monkeypatch):
+    """device: cpu (what auto picks here; torch.cuda.is_available made False where the tests run on a GPU)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    r = run_cli("probe", write_model(), "--batch", "2", "--context", "4", "--out", tmp_path / "best.yaml", *extra)
+    assert r.exit_code == 0, r.output
+    said = " ".join(r.stderr.split())
+    assert ("no GPU found: probing the CPU in this machine's free RAM" in said) is (extra == ()), said
+    if extra == ():
+        assert "--gpu NAME" in said and "oomtune estimate --gpu NAME" in said
+
+
+# -- 2. --json: what the model file prints goes to stderr, so stdout parses -----------------------------------
+
+def test_a_model_file_that_prints_leaves_json_stdout_parseable(write_model, tmp_path):
+    model = write_model("print('building the model...')\n" + TINY_MODEL.replace(
+        "    return Net()", "    print('layers: 2')\n    return Net()"))
+    out = tmp_path / "best.yaml"
+    for args in (("estimate", model, *ESTIMATE, "--batch", "2", "--context", "4", "--out", out),
+                 ("probe", model, "--device", "cpu", "--budget", "64MiB", "--batch", "2", "--context", "4",
+                  "--out", out),
+                 ("check", "--config", out)):
+        r = run_cli(*args, "--json")
+        assert r.exit_code == 0, r.output
+        assert "fits" in json.loads(r.stdout) and "layers: 2" in r.stderr
