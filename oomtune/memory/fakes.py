@@ -75,8 +75,8 @@ def _forget(t: torch.Tensor) -> None:
             del memo[key]
     for refs in getattr(converter, "constant_storage_mapping", {}).values():
         refs[:] = [r for r in refs if r() is not t]
-    for ref in weakref.getweakrefs(t):  # a deep copy's entries in another converter's memo and its describer's
-        for d in gc.get_referrers(ref):  # id lookup (found the slow way: only deep-copied tensors get here)
+    for ref in weakref.getweakrefs(t):  # what is left: a deep copy's entries in another converter's memo and its
+        for d in gc.get_referrers(ref):  # describer's id lookup, found the slow way (none left for other tensors)
             if not isinstance(d, dict):
                 continue
             if isinstance(ref, weakref.KeyedRef) and d.get(ref.key) is ref:
