@@ -30,7 +30,8 @@ def check(
     margin: Annotated[str | None, typer.Option("--margin", help="fake / cpu. Default: the margin the config "
                                                "was estimated with; for a config probed on a GPU 512MiB+5%; for one "
                                                "probed on cpu 0 (with a card: the card's).")] = None,
-    steps: Annotated[int, typer.Option(help="Optimizer steps to run (2: optimizer state exists).")] = TRIAL_STEPS,
+    steps: Annotated[int, typer.Option(help="Optimizer steps to run, at least 2 (default 2: the optimizer state "
+                                       "exists when the peak is read).")] = TRIAL_STEPS,
     memory_snapshot: SnapshotOpt = None,
     as_json: JsonOpt = False,
     debug: DebugOpt = False,

@@ -16,8 +16,9 @@ ToOpt = Annotated[str, typer.Option("--to", help="hf (TrainingArguments keyword 
                                     "(Trainer keyword arguments and the DataLoader batch size, JSON) | accelerate "
                                     "(an accelerate config, YAML) | torchtune (recipe overrides, key=value).")]
 StrictOpt = Annotated[bool, typer.Option("--strict/--no-strict", help="Exit 2 when the target cannot express "
-                                         "every plan key, or the model file's own optimizer() (default: print what "
-                                         "it can, name the rest on stderr).")]
+                                         "every plan key, or the model file's own optimizer(); what any training "
+                                         "script sets (the sequence length, a DataLoader's batch size) is not "
+                                         "refused (default: print what it can, name the rest on stderr).")]
 
 
 @app.command()
@@ -35,6 +36,8 @@ def export(config_path: ConfigOpt, to: ToOpt, strict: StrictOpt = False, debug: 
         config = load_config(config_path)
         model = config.model_path(config_path)
         result = make_export(config.plan, to, model.name if defines_optimizer(model) else None)
+        for line in result.in_your_code:
+            err.print(f"[cyan]set in your code:[/] {escape(line)}")
         for line in result.unexpressed:
             err.print(f"[yellow]not expressed:[/] {escape(line)}")
         if strict and result.unexpressed:

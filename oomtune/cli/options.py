@@ -21,7 +21,8 @@ ContextOpt = Annotated[int | None, typer.Option("--context", "-t", help="Target 
 MinContextOpt = Annotated[int | None, typer.Option("--min-context", help="Shortest context you accept (default: T, "
                                                    "i.e. never cut).")]
 HeadroomOpt = Annotated[float, typer.Option("--headroom", help="Fraction of the budget kept free.")]
-StepsOpt = Annotated[int, typer.Option("--steps", help="Optimizer steps per trial (2: optimizer state exists).")]
+StepsOpt = Annotated[int, typer.Option("--steps", help="Optimizer steps per trial, at least 2 (default 2: the "
+                                        "optimizer state exists when the peak is read).")]
 AmpOpt = Annotated[str, typer.Option("--amp", help="Mixed precision for the amp rungs: auto (bf16 where the device "
                                      "has it, else fp16) | bf16 | fp16.")]
 LeversOpt = Annotated[str | None, typer.Option(

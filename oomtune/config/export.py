@@ -2,13 +2,17 @@
 torchtune recipe overrides. No torch here; nothing is imported from those libraries (the tests load each export
 into the real class).
 
-Each export returns what the target expresses, and names every plan key it cannot express, with what to do
-instead: the caller prints those on stderr, and refuses them under --strict."""
+Each export returns what the target expresses; what the user's own code sets as for any run (the data's sequence
+length, and for Accelerate the DataLoader's batch size and the accumulation steps); and every plan key the target
+cannot express, with what to do instead. The caller prints the last two on stderr, and refuses the last under
+--strict."""
 
 from __future__ import annotations
 
 import ast
+import importlib.util
 from dataclasses import dataclass, field
+from functools import cache
 from pathlib import Path
 
 from ..errors import OomtuneError
@@ -22,6 +26,7 @@ class Export:
     target: str
     values: dict  # what the target takes (JSON-able)
     unexpressed: tuple[str, ...] = field(default=())  # "key: what to do instead", one a plan key it cannot take
+    in_your_code: tuple[str, ...] = field(default=())  # "key: where", one a plan key set where every run sets it
 
     def text(self) -> str:
         """What `oomtune export` prints: JSON for hf and lightning, YAML for accelerate, key=value for torchtune."""
@@ -54,7 +59,12 @@ def export(plan: Plan, target: str, optimizer_of: str | None = None) -> Export:
     if optimizer_of and target in _OWN_OPTIMIZER:
         unexpressed.append(f"optimizer: {optimizer_of}'s own optimizer(), which the plan was measured with; "
                            f"{_OWN_OPTIMIZER[target]}")
-    return Export(target, values, tuple(unexpressed))
+    yours = [line for line in unexpressed if line.startswith(_IN_YOUR_CODE)]
+    return Export(target, values, tuple(line for line in unexpressed if line not in yours), tuple(yours))
+
+
+# what a training script sets for any run, so no target's arguments hold it: --strict does not refuse these
+_IN_YOUR_CODE = ("context_length: ", "micro_batch_size: ", "grad_accum_steps: ")
 
 
 def defines_optimizer(model_path: str | Path) -> bool:
@@ -99,7 +109,7 @@ def _hf(plan: Plan) -> tuple[dict, list[str]]:
     kw = {"per_device_train_batch_size": plan.micro_batch_size,
           "gradient_accumulation_steps": plan.grad_accum_steps,
           "bf16": plan.precision == "bf16", "fp16": plan.precision == "fp16",
-          "gradient_checkpointing": plan.activation_checkpointing,
+          _hf_checkpointing_key(): plan.activation_checkpointing,
           "optim": "adamw_torch_8bit" if plan.optimizer_8bit else "adamw_torch"}
     out = _common_unexpressed(plan, "the tokenizer's max_length; TRL's SFTConfig(max_length=...)")
     if plan.sharding == "fsdp":
@@ -115,6 +125,25 @@ def _hf(plan: Plan) -> tuple[dict, list[str]]:
         out.append(f"world_size: {plan.world_size} ranks are the launch's: torchrun --nproc-per-node "
                    f"{plan.world_size}")
     return kw, out
+
+
+@cache
+def _hf_checkpointing_key() -> str:
+    """`activation_checkpointing` where the installed transformers' TrainingArguments has it (it deprecates the old
+    name), else `gradient_checkpointing` (every version since 4.11). Read from its source with `ast`: importing
+    transformers would import torch."""
+    try:
+        spec = importlib.util.find_spec("transformers")
+        source = Path(spec.submodule_search_locations[0], "training_args.py") if spec else None
+        tree = ast.parse(source.read_bytes()) if source is not None else None
+    except (OSError, SyntaxError, ValueError, TypeError, IndexError, ImportError):
+        tree = None
+    for node in tree.body if tree is not None else ():
+        if isinstance(node, ast.ClassDef) and node.name == "TrainingArguments":
+            if any(isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)
+                   and n.target.id == "activation_checkpointing" for n in node.body):
+                return "activation_checkpointing"
+    return "gradient_checkpointing"
 
 
 _LIGHTNING_PRECISION = {"fp32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed", "bf16-true": "bf16-true"}
@@ -149,9 +178,10 @@ def _accelerate(plan: Plan) -> tuple[dict, list[str]]:
                               "fsdp_offload_params": False, "fsdp_state_dict_type": "SHARDED_STATE_DICT"}
     out = _common_unexpressed(plan, "your DataLoader's")
     out.append(f"micro_batch_size: {plan.micro_batch_size} is your DataLoader's batch_size (per process)")
-    out.append(f"grad_accum_steps: {plan.grad_accum_steps} is Accelerator(gradient_accumulation_steps="
-               f"{plan.grad_accum_steps}) with `with accelerator.accumulate(model):` (the config file has no key "
-               "for it outside DeepSpeed)")
+    if plan.grad_accum_steps > 1:
+        out.append(f"grad_accum_steps: {plan.grad_accum_steps} is Accelerator(gradient_accumulation_steps="
+                   f"{plan.grad_accum_steps}) with `with accelerator.accumulate(model):` (the config file has no key "
+                   "for it outside DeepSpeed)")
     if plan.activation_checkpointing and plan.sharding != "fsdp":
         out.append("activation_checkpointing: the config takes it only with FSDP; call "
                    "model.gradient_checkpointing_enable() (or torch.utils.checkpoint)")

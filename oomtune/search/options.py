@@ -78,8 +78,11 @@ def check_headroom(headroom: float, where: str = "--headroom") -> None:
 
 
 def check_steps(steps: int) -> None:
-    if steps < 1:  # no step, no peak: a trial needs at least one
-        raise OomtuneError(f"--steps must be at least 1, got {steps}")
+    """At least 2: the first step makes the optimizer state, and only a later step's forward and backward run
+    beside it. One step reads a peak without it: a plan that does not fit would pass."""
+    if steps < 2:
+        raise OomtuneError(f"--steps must be at least 2 (the optimizer state the first step makes is held through "
+                           f"the next one's forward and backward), got {steps}")
 
 
 def check_search_options(headroom: float, steps: int, objective: str, amp: str) -> None:

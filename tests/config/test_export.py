@@ -40,18 +40,23 @@ needs = {name: pytest.mark.skipif(find_spec(name) is None, reason=f"{name} is no
 @needs["accelerate"]
 @pytest.mark.parametrize("name", ["fp32", "bf16+ckpt", "bf16-true+8bit"])
 def test_the_hf_export_is_training_arguments(name, tmp_path):
+    import warnings
+
     from transformers import TrainingArguments
 
     plan = PLANS[name]
     e = export(plan, "hf")
-    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, **e.values)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # a deprecated key (gradient_checkpointing in transformers 5)
+        args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, **e.values)
     assert args.per_device_train_batch_size == plan.micro_batch_size
     assert args.gradient_accumulation_steps == plan.grad_accum_steps
     assert (args.bf16, args.fp16) == (plan.precision == "bf16", plan.precision == "fp16")
     assert args.gradient_checkpointing == plan.activation_checkpointing
     assert args.optim.value == ("adamw_torch_8bit" if plan.optimizer_8bit else "adamw_torch")
     keys = {line.split(":")[0] for line in e.unexpressed}
-    assert "context_length" in keys and ("precision" in keys) == (plan.precision == "bf16-true")
+    assert ("precision" in keys) == (plan.precision == "bf16-true") and "context_length" not in keys
+    assert [line.split(":")[0] for line in e.in_your_code] == ["context_length"]
 
 
 @needs["lightning"]
@@ -81,8 +86,9 @@ def test_the_accelerate_export_is_a_config_accelerate_loads(name, tmp_path):
     path = tmp_path / "accelerate.yaml"
     path.write_text(e.text())
     cfg = load_config_from_file(str(path))
-    assert f"grad_accum_steps: {plan.grad_accum_steps} is Accelerator(gradient_accumulation_steps=" in \
-        " ".join(e.unexpressed)
+    assert (f"grad_accum_steps: {plan.grad_accum_steps} is Accelerator(gradient_accumulation_steps=" in
+            " ".join(e.in_your_code)) == (plan.grad_accum_steps > 1)
+    assert not any(line.startswith(("context_length", "micro_batch_size", "grad_accum")) for line in e.unexpressed)
     assert str(cfg.mixed_precision) == {"fp32": "no", "bf16": "bf16", "fp16": "fp16", "bf16-true": "no"}[
         plan.precision]
     assert cfg.num_processes == plan.world_size and str(cfg.distributed_type) in ("NO", "DistributedType.NO")
@@ -108,7 +114,8 @@ def test_the_cli_names_what_a_target_cannot_express_and_strict_refuses(tmp_path)
     assert "not expressed: offload_optimizer" in r.stderr and "not expressed: offload_activations" in r.stderr
     strict = run_cli("export", "--config", path, "--to", "hf", "--strict")
     assert strict.exit_code == 2 and strict.stdout == ""
-    assert "--strict: hf cannot express context_length, offload_optimizer, offload_activations" in strict.stderr
+    assert "--strict: hf cannot express offload_optimizer, offload_activations (each" in strict.stderr
+    assert "set in your code: context_length: 32 is your data's sequence length" in strict.stderr
     bad = run_cli("export", "--config", path, "--to", "keras")
     assert bad.exit_code == 2 and "--to 'keras': expected one of hf, lightning, accelerate, torchtune" in bad.stderr
     assert load_config(path).plan == PLANS["fp16+offload"]  # read, never rewritten
@@ -184,7 +191,7 @@ def test_no_optimizer_note_without_an_optimizer_hook_or_a_readable_model_file(mo
     for target in ("hf", "torchtune"):
         r = run_cli("export", "--config", path, "--to", target)
         assert r.exit_code == 0 and "not expressed: optimizer" not in r.stderr, r.output
-        assert "not expressed: context_length" in r.stderr or target == "torchtune"
+        assert "set in your code: context_length" in r.stderr or target == "torchtune"
 
 
 @pytest.mark.parametrize("text, found", [
@@ -196,3 +203,16 @@ def test_defines_optimizer_reads_the_files_top_level_without_running_it(text, fo
     (tmp_path / "m.py").write_text("raise SystemExit(3)\n" + text)  # never run
     assert defines_optimizer(tmp_path / "m.py") is found
     assert defines_optimizer(tmp_path / "absent.py") is False and defines_optimizer(tmp_path) is False
+
+
+@pytest.mark.parametrize("target", ["hf", "lightning", "accelerate", "torchtune"])
+def test_strict_passes_a_plan_each_target_expresses(target, tmp_path):
+    """What every training script sets (the sequence length; Accelerate's DataLoader batch size and accumulation)
+    is named on stderr and not refused: --strict refuses only levers the target's arguments cannot switch on."""
+    plan = Plan(4, 64, "fp32" if target == "torchtune" else "bf16", False, 2)
+    path = tmp_path / "best.yaml"
+    write_config(Config(model="model.py", plan=plan), path, tmp_path / "model.py", "test")
+    r = run_cli("export", "--config", path, "--to", target, "--strict")
+    assert r.exit_code == 0, r.output
+    assert "not expressed" not in r.stderr and r.stdout.strip()
+    assert ("set in your code: context_length: 64" in r.stderr) == (target != "torchtune")  # (its max_seq_len)
