@@ -10,10 +10,11 @@ __all__ = ["OomtuneError", "check", "estimate", "probe"]
 
 def __getattr__(name: str):
     """The API, imported on first use (torch with it), so that `import oomtune` stays light."""
-    if name in ("probe", "estimate", "check"):
-        from . import api
+    if name in ("probe", "estimate", "check", "api"):
+        import importlib
 
-        return getattr(api, name)
+        api = importlib.import_module(".api", __name__)  # (`from . import api` would ask this function again)
+        return api if name == "api" else getattr(api, name)
     if name == "OomtuneError":
         from .errors import OomtuneError
 

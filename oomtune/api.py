@@ -15,6 +15,7 @@ called after the last trial and before any file is written (the commands stop th
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +23,23 @@ from pathlib import Path
 from .config.schema import HEADROOM, TRIAL_STEPS, Config, TrialRecord
 from .errors import OomtuneError
 from .model_file import ModelFile, model_file_of
+
+
+def keeps_callers_rng(fn: Callable) -> Callable:
+    """`fn` leaves the caller's random number generators as they were: trials build models and draw batches, and a
+    notebook that seeded torch should not see its stream move. The CPU generator, and CUDA's where CUDA was already
+    in use (forking it would start CUDA, and take a context's memory, in a process that may not use the GPU)."""
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        import torch
+
+        cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+        with torch.random.fork_rng(devices=cuda):
+            return fn(*args, **kwargs)
+
+    return wrapped
+
 
 OnStart = Callable | None
 OnTrial = Callable[[TrialRecord], None] | None
@@ -55,6 +73,7 @@ class Job:
         self.device, self.dist = probe_on_ranks(kind, budget, dist_timeout, launched, gpu, margin)
         return self
 
+    @keeps_callers_rng
     def run(self, on_start: OnStart = None, on_trial: OnTrial = None, on_begin: Callable | None = None):
         """The search; `on_begin(estimating)` (probe) once its input is checked, before the first trial (True:
         the estimate on fake tensors runs first)."""
@@ -70,6 +89,7 @@ class Job:
         return run_probe(self.model_file, self.device, self.targets, on_start=on_start, on_trial=on_trial,
                          dist=self.dist, on_begin=on_begin, **self.options)
 
+    @keeps_callers_rng
     def write(self, result, before_writing: Hook = None) -> bool:
         """The snapshot's trial of the plan found (estimate: of the plan it broke down, the smallest where nothing
         fits), then `before_writing`, then the config to `out` (where given and something fits) and the snapshot.
@@ -174,6 +194,7 @@ def estimate(model, *, budget: str | None = None, gpu: str | None = None, margin
     return result
 
 
+@keeps_callers_rng
 def what_if(model, micro_batch: int, *, context: int | None = None, precision: str | None = None,
             checkpointing: bool | None = None, grad_accum: int | None = None, budget: str | None = None,
             gpu: str | None = None, margin: str | None = None, headroom: float = HEADROOM,
@@ -201,6 +222,7 @@ def what_if(model, micro_batch: int, *, context: int | None = None, precision: s
     return result.with_note(no_bf16_note(device, plan.precision))
 
 
+@keeps_callers_rng
 def check(config: str | Path | Config, *, model=None, device: str = "fake", budget: str | None = None,
           headroom: float | None = None, margin: str | None = None, gpu: str | None = None,
           steps: int = TRIAL_STEPS, memory_snapshot: str | Path | None = None, before_writing: Hook = None):

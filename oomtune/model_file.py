@@ -13,11 +13,11 @@ import importlib.util
 import inspect
 import reprlib
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import torch
@@ -356,12 +356,19 @@ def checked(module, path: Path) -> ModelFile:
 
 def model_file_of(model) -> ModelFile:
     """A model file from a path, or from a module or object that has the hooks (a notebook's namespace, a class
-    instance): a module imported from a file keeps that file's path (a config written for it names the file);
-    another object is labelled by its type and cannot be named in a config `oomtune train` loads."""
+    instance, a dict of them by name): a module imported from a file keeps that file's path (a config written for
+    it names the file); another object is labelled by its type and cannot be named in a config `oomtune train`
+    loads."""
     if isinstance(model, ModelFile):
         return model
     if isinstance(model, (str, Path)):
         return load_model_file(model)
+    if isinstance(model, Mapping):  # {"build_model": ..., "make_batch": ...}: the hooks by name
+        unknown = sorted(str(k) for k in model if not (isinstance(k, str) and k.isidentifier()))
+        if unknown:
+            raise ModelFileError(f"<dict>: the hooks are named by strings like 'build_model', got {unknown[0]}")
+        model = SimpleNamespace(**model)
+        return checked(model, Path("<dict>"))
     file = getattr(model, "__file__", None)
     path = Path(file).resolve() if isinstance(file, str) and file.endswith(".py") else \
         Path(f"<{getattr(model, '__name__', type(model).__name__)}>")

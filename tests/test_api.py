@@ -91,3 +91,47 @@ def test_what_if_and_prior_mistakes_are_named_before_the_model_is_loaded(tmp_pat
         api.what_if(missing, 4, precision="fp8", gpu="t4")
     with pytest.raises(oomtune.OomtuneError, match="not on the fake device"):
         oomtune.probe(missing, device="fake", gpu="t4", prior=True)
+
+
+def test_a_dict_of_hooks_works_and_the_api_module_is_an_attribute():
+    import subprocess
+    import sys
+
+    hooks = {"build_model": TinyMLP().build_model, "make_batch": TinyMLP().make_batch, "loss": TinyMLP().loss}
+    assert oomtune.estimate(hooks, gpu="t4", batch=8, context=8).plan.micro_batch_size == 8
+    with pytest.raises(oomtune.OomtuneError, match="missing required function build_model"):
+        oomtune.estimate({"make_batch": TinyMLP().make_batch}, budget="1GiB")
+    fresh = subprocess.run([sys.executable, "-c", "import oomtune; print(oomtune.api.__name__)"],
+                           capture_output=True, text=True, timeout=120)  # (no earlier call imported it)
+    assert fresh.returncode == 0 and fresh.stdout.strip() == "oomtune.api", fresh.stderr
+
+
+@pytest.mark.parametrize("kw, said", [
+    ({"batch": "16"}, "--batch must be a whole number, got '16' (str)"),
+    ({"batch": 8.5}, "--batch must be a whole number, got 8.5 (float)"),
+    ({"context": True}, "--context must be a whole number, got True (bool)"),
+    ({"steps": "2"}, "--steps must be a whole number, got '2' (str)"),
+    ({"steps": 1}, "--steps must be at least 2"),
+    ({"headroom": "0.1"}, "--headroom must be a number in [0, 1), got '0.1' (str)"),
+])
+def test_a_wrong_type_is_the_one_line_error_naming_the_value(kw, said):
+    with pytest.raises(oomtune.OomtuneError) as e:
+        oomtune.estimate(TinyMLP(), **({"budget": "600MiB"} | kw))
+    assert said in str(e.value)
+
+
+def test_a_numpy_integer_is_a_whole_number(tmp_path):
+    np = pytest.importorskip("numpy")
+    out = tmp_path / "best.yaml"
+    result = oomtune.estimate(EXAMPLES / "mlp_dict.py", budget="600MiB", batch=np.int64(8), out=out)
+    assert result.plan.global_batch_size == 8 and load_config(out).found_by.target_batch == 8  # (YAML: a plain int)
+
+
+def test_the_functions_leave_the_callers_random_stream_where_it_was():
+    """device: cpu (probe) and fake (estimate, check): trials build models and draw batches."""
+    torch.manual_seed(1234)
+    expected = torch.rand(3)
+    torch.manual_seed(1234)
+    oomtune.probe(TinyMLP(), device="cpu", budget="16MiB", batch=4, context=8)
+    oomtune.estimate(TinyMLP(), budget="600MiB", batch=4, context=8)
+    assert torch.equal(torch.rand(3), expected)

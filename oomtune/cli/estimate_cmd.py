@@ -23,7 +23,6 @@ from .options import (
     MarginOpt,
     MinContextOpt,
     ModelArg,
-    OutOpt,
     SnapshotOpt,
     StepsOpt,
     budget_option,
@@ -110,7 +109,8 @@ def estimate(
     grad_accum: GradAccumOpt = None,
     world_size: WorldSizeOpt = 1,
     sharding: ShardingOpt = None,
-    out_path: OutOpt = Path("best.yaml"),
+    out_path: Annotated[Path | None, typer.Option("--out", "-o", help="Where to write the ladder's config (default "
+                                                  "best.yaml; with --micro-batch nothing is written).")] = None,
     memory_snapshot: SnapshotOpt = None,
     as_json: JsonOpt = False,
     debug: DebugOpt = False,
@@ -124,19 +124,23 @@ def estimate(
     """
     with user_errors(debug, as_json):
         from .. import api
+        from ..errors import OomtuneError
         from ..search.options import check_estimate_options, check_what_if_options
 
         if not check_what_if_options(micro_batch, precision, checkpointing, grad_accum, batch, min_context):
             job = api.prepare_estimate(model, budget=budget, gpu=gpu, margin=margin, batch=batch, context=context,
                                        min_context=min_context, headroom=headroom, steps=steps, objective=objective,
                                        amp=amp, levers=levers, world_size=world_size, sharding=sharding,
-                                       out=out_path, memory_snapshot=memory_snapshot,
+                                       out=out_path or Path("best.yaml"), memory_snapshot=memory_snapshot,
                                        header=f"written by `oomtune estimate {model}`: predicted on fake tensors, "
                                               "never measured on a GPU (check it with `oomtune probe` there) - edit "
                                               "`train:` freely")
             _ladder(job, gpu, as_json)
             return
         check_estimate_options(objective, headroom, steps, amp)  # options the one plan ignores, still checked
+        if out_path is not None:
+            raise OomtuneError(f"--out {out_path}: with --micro-batch, estimate writes no config (the plan is yours "
+                               "already; drop --out, or run the ladder without --micro-batch to write one)")
         result = api.what_if(model, micro_batch, context=context, precision=precision, checkpointing=checkpointing,
                              grad_accum=grad_accum, budget=budget, gpu=gpu, margin=margin, headroom=headroom,
                              steps=steps, world_size=world_size, sharding=sharding, memory_snapshot=memory_snapshot,

@@ -21,6 +21,9 @@ def check_out(out_path: Path, model: Path) -> TrainConfig | None:
     exists or can be made, and can be written. Returns the train: section of the config already there, which the
     new config keeps (None when there is none)."""
     p = Path(out_path)
+    if str(out_path) == "-":  # (not standard output: the command's own report is printed there)
+        raise OomtuneError("--out -: the config is written to a file, not to standard output: name one (e.g. --out "
+                           "best.yaml; --json prints the plan)")
     try:
         if p.resolve() == model.resolve() or (p.exists() and model.exists() and os.path.samefile(p, model)):
             raise OomtuneError(f"--out {p} is the model file: the config needs another name (e.g. --out best.yaml)")

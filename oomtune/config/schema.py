@@ -244,6 +244,8 @@ class FoundBy:
     def __post_init__(self):
         if self.budget_bytes <= 0:  # `check` re-measures against it
             raise ConfigError(f"found_by.budget_bytes must be more than 0, got {self.budget_bytes}")
+        if self.peak_bytes < 0:  # `check` compares the new peak with it
+            raise ConfigError(f"found_by.peak_bytes must be 0 or more, got {self.peak_bytes}")
 
 
 @dataclass(frozen=True)

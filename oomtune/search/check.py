@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from ..config.schema import HEADROOM, TRIAL_STEPS, Config, MemoryBreakdown, Plan
+from ..config.schema import HEADROOM, TRIAL_STEPS, Config, FoundBy, MemoryBreakdown, Plan
 from ..errors import OomtuneError
 from ..memory.breakdown import breakdown, breakdown_difference, static_memory
 from ..memory.cards import GENERIC, GpuSpec, find_gpu
@@ -137,17 +137,36 @@ def check(config: Config, model_file: ModelFile, *, device_kind: str = "fake", b
         check_floor(model_file, config.plan, device.kind, budget_bytes, limit, headroom)
     old_bd = fb.breakdown if fb is not None else None
     old_peak = fb.peak_bytes if fb is not None else None
+    versions = version_notes(fb)
     if isinstance(device, TrackedDevice):
         bd, computed = computing_where_needed(device, model_file.label,
                                               lambda: breakdown(model_file, config.plan, device, steps))
         notes = (eager_note(model_file.label, device.kind),) if static_memory(model_file).compiled else ()
         return CheckResult(bd.peak_bytes <= limit, config.plan, device.kind, budget_bytes, headroom, limit,
-                           old_peak, bd.peak_bytes, old_bd, bd, notes=notes + computed, measured_on=device)
+                           old_peak, bd.peak_bytes, old_bd, bd, notes=notes + computed + versions, measured_on=device)
     r = run_trial(model_file, config.plan, device, steps)
     fits = not r.oom and r.peak_bytes is not None and r.peak_bytes <= limit
     return CheckResult(fits, config.plan, device.kind, budget_bytes, headroom, limit, old_peak,
-                       None if r.oom else r.peak_bytes, old_bd, None, r.oom_message, clamped_from,
+                       None if r.oom else r.peak_bytes, old_bd, None, r.oom_message, clamped_from, versions,
                        measured_on=device)
+
+
+def version_notes(fb: FoundBy | None) -> tuple[str, ...]:
+    """A note where the config was found with another release of torch or oomtune than this check runs: a peak
+    that moved may be theirs (a kernel, an allocator, the accounting), not the model's."""
+    import torch
+
+    from .. import __version__
+
+    if fb is None:
+        return ()
+    changed = [f"{name} {then} (now {now})" for name, then, now in (
+        ("torch", fb.torch_version, str(torch.__version__)), ("oomtune", fb.oomtune_version, __version__))
+        if then.split("+")[0] != now.split("+")[0]]  # (a CUDA and a CPU build of one torch: the same release)
+    if not changed:
+        return ()
+    return (f"the config was found with {' and '.join(changed)}: where the peak moved, the versions may have moved "
+            "it, not the model",)
 
 
 def check_floor(model_file: ModelFile, plan: Plan, kind: str, budget_bytes: int, limit: int,

@@ -4,6 +4,7 @@ amp, ranks, and estimate's what-if options. Each bad value is one line naming wh
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 from ..config.schema import PRECISIONS, TRIAL_STEPS
@@ -40,6 +41,14 @@ def parse_levers(text: str | None) -> frozenset[str]:
     return frozenset(names)
 
 
+def whole(value, where: str) -> int:
+    """`value` where a count is asked (the Python API passes what it is given): an int, not a bool, a float or a
+    string; one line naming `where` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):  # (numpy's integers are Integral)
+        raise OomtuneError(f"{where} must be a whole number, got {value!r} ({type(value).__name__})")
+    return int(value)
+
+
 @dataclass(frozen=True)
 class Targets:
     batch: int  # B: the global batch to keep exact
@@ -62,6 +71,7 @@ def resolve_targets(model_file: ModelFile, batch: int | None, context: int | Non
             return "--" + key.replace("_", "-")
         return f"{model_file.label} DEFAULTS[{key!r}]" if key in d else f"the default {key}"
 
+    b, t, t_min = (whole(v, source(key)) for key, v in (("batch", b), ("context", t), ("min_context", t_min)))
     for key, v in (("batch", b), ("context", t), ("min_context", t_min)):
         if v < 1:
             raise OomtuneError(f"{source(key)} must be at least 1, got {v}")
@@ -73,6 +83,8 @@ def resolve_targets(model_file: ModelFile, batch: int | None, context: int | Non
 
 def check_headroom(headroom: float, where: str = "--headroom") -> None:
     """`where` names where the value came from: the flag, or the config's key."""
+    if isinstance(headroom, bool) or not isinstance(headroom, (int, float)):
+        raise OomtuneError(f"{where} must be a number in [0, 1), got {headroom!r} ({type(headroom).__name__})")
     if not 0 <= headroom < 1:  # NaN fails this too
         raise OomtuneError(f"{where} must be in [0, 1), got {headroom}")
 
@@ -80,7 +92,7 @@ def check_headroom(headroom: float, where: str = "--headroom") -> None:
 def check_steps(steps: int) -> None:
     """At least 2: the first step makes the optimizer state, and only a later step's forward and backward run
     beside it. One step reads a peak without it: a plan that does not fit would pass."""
-    if steps < 2:
+    if whole(steps, "--steps") < 2:
         raise OomtuneError(f"--steps must be at least 2 (the optimizer state the first step makes is held through "
                            f"the next one's forward and backward), got {steps}")
 
@@ -110,9 +122,8 @@ def check_estimate_options(objective: str, headroom: float, steps: int = TRIAL_S
     check_search_options(headroom, steps, objective, amp)
 
 
-
 def check_world(world_size: int, sharding: str | None) -> None:
-    if world_size < 1:
+    if whole(world_size, "--world-size") < 1:
         raise OomtuneError(f"--world-size must be at least 1, got {world_size}")
     if sharding is not None and sharding not in ("none", "ddp", "fsdp"):
         raise OomtuneError(f"--sharding {sharding!r}: expected none, ddp or fsdp")
@@ -139,6 +150,6 @@ def check_what_if_options(micro_batch: int | None, precision: str | None, checkp
     if precision is not None and precision not in PRECISIONS:
         raise OomtuneError(f"--precision {precision!r}: expected one of {', '.join(PRECISIONS)}")
     for name, v in (("--micro-batch", micro_batch), ("--grad-accum", grad_accum)):
-        if v is not None and v < 1:
+        if v is not None and whole(v, name) < 1:
             raise OomtuneError(f"{name} must be at least 1, got {v}")
     return True

@@ -1,0 +1,80 @@
+"""The CI gate and what the commands write: --steps reads a peak beside the optimizer state, --out names a file,
+check notes a config found with other releases, and a config's recorded peak is checked. Device: fake (estimate,
+check), cpu (probe)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ..conftest import one_line_error, run_cli
+
+ESTIMATE = ("--budget", "400KiB", "--margin", "0", "--batch", "2", "--context", "4")
+
+
+@pytest.fixture
+def config(write_model, tmp_path):
+    """An estimate's config of the tests' tiny model (fake device)."""
+    out = tmp_path / "best.yaml"
+    r = run_cli("estimate", write_model(), *ESTIMATE, "--out", out)
+    assert r.exit_code == 0, r.output
+    return out
+
+
+def test_one_step_is_refused_it_reads_the_peak_without_the_optimizer_state(config, write_model, tmp_path):
+    """A plan that fits with one step's peak and not with the second's passed `check --steps 1`."""
+    from oomtune.config.loading import load_config
+    from oomtune.memory.devices import CpuDevice
+    from oomtune.model_file import load_model_file
+    from oomtune.search.trial import run_trial
+
+    plan = load_config(config).plan
+    model = load_model_file(write_model())
+    one, two = (run_trial(model, plan, CpuDevice("1GiB"), steps=s).peak_bytes for s in (1, 2))
+    assert one < two  # (the AdamW state: two moments a weight)
+    for args in (("check", "--config", config), ("estimate", write_model(), *ESTIMATE),
+                 ("probe", write_model(), "--device", "cpu", "--budget", "64MiB")):
+        one_line_error(run_cli(*args, "--steps", "1"), "--steps must be at least 2", "got 1")
+
+
+def test_out_dash_and_a_what_ifs_out_are_refused_and_write_nothing(write_model, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for args in (("estimate", write_model(), *ESTIMATE), ("probe", write_model(), "--device", "cpu", "--budget",
+                                                           "64MiB", "--batch", "2", "--context", "4")):
+        one_line_error(run_cli(*args, "--out", "-"), "--out -: the config is written to a file")
+    r = run_cli("estimate", write_model(), "--budget", "400KiB", "--micro-batch", "2", "--context", "4", "--out",
+                "what.yaml")
+    one_line_error(r, "--out what.yaml: with --micro-batch, estimate writes no config")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.py"]
+    plain = run_cli("estimate", write_model(), "--budget", "400KiB", "--margin", "0", "--micro-batch", "2",
+                    "--context", "4")
+    assert plain.exit_code == 0 and not (tmp_path / "best.yaml").exists(), plain.output
+
+
+@pytest.mark.parametrize("recorded, noted", [("2.5.1+cu124", True), (None, False)])
+def test_check_notes_a_config_found_with_another_torch_release(recorded, noted, config):
+    """Only the release counts: a config probed with the CUDA build of this torch, checked with the CPU build, is
+    the same torch."""
+    import torch
+
+    text = config.read_text()
+    ours = str(torch.__version__)
+    same_release = ours.split("+")[0] + "+cu128"
+    assert f"torch_version: {ours}" in text
+    config.write_text(text.replace(f"torch_version: {ours}", f"torch_version: {recorded or same_release}"))
+    r = run_cli("check", "--config", config, "--json")
+    assert r.exit_code == 0, r.output
+    notes = json.loads(r.stdout)["notes"]
+    said = [n for n in notes if n.startswith("the config was found with torch")]
+    assert bool(said) is noted, notes
+    if noted:
+        assert said == [f"the config was found with torch 2.5.1+cu124 (now {ours}): where the peak moved, the "
+                        "versions may have moved it, not the model"]
+
+
+def test_a_negative_recorded_peak_is_bad_input(config):
+    text = config.read_text()
+    peak = next(line for line in text.splitlines() if line.startswith("  peak_bytes: "))
+    config.write_text(text.replace(peak, "  peak_bytes: -5"))
+    one_line_error(run_cli("check", "--config", config), "found_by.peak_bytes must be 0 or more, got -5")
