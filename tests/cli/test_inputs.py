@@ -158,10 +158,10 @@ def test_a_write_that_fails_after_the_search_is_exit_2_one_line(write_model, tmp
 def test_steps_0_is_bad_input(write_model, tmp_path):
     model, config = write_model(), tmp_path / "best.yaml"
     assert run_cli("estimate", model, *ESTIMATE, "--batch", "2", "--context", "4", "--out", config).exit_code == 0
-    one_line_error(run_cli("check", "--config", config, "--steps", "0"), "--steps must be at least 1")
+    one_line_error(run_cli("check", "--config", config, "--steps", "0"), "--steps must be at least 2")
     one_line_error(run_cli("estimate", EXAMPLES / "tiny_gpt.py", "--budget", "1GiB", "--micro-batch", "4",
-                           "--context", "64", "--steps", "0"), "--steps must be at least 1")
-    one_line_error(run_cli("estimate", model, *ESTIMATE, "--steps", "0"), "--steps must be at least 1")
+                           "--context", "64", "--steps", "0"), "--steps must be at least 2")
+    one_line_error(run_cli("estimate", model, *ESTIMATE, "--steps", "0"), "--steps must be at least 2")
 
 
 @pytest.mark.parametrize("args, needle", [
@@ -182,7 +182,7 @@ def test_plan_mode_checks_the_same_options_as_the_ladder(args, needle, write_mod
 
 @pytest.mark.parametrize("args, needle", [
     (("--headroom", "2"), "--headroom must be in [0, 1)"),
-    (("--steps", "0"), "--steps must be at least 1"),
+    (("--steps", "0"), "--steps must be at least 2"),
     (("--objective", "speed"), "--objective 'speed'"),
     (("--amp", "fp8"), "--amp 'fp8'"),
 ])
