@@ -1,9 +1,12 @@
-"""Model files as Python imports them: their neighbours, and models built with copy.deepcopy on fake tensors."""
+"""Model files as Python imports them: their neighbours, models built with copy.deepcopy on fake tensors, and a
+make_batch that ignores its device argument."""
 
 from __future__ import annotations
 
 import json
 import sys
+
+import pytest
 
 from oomtune.model_file import load_model_file
 
@@ -59,3 +62,24 @@ def test_a_model_built_with_deepcopy_climbs_to_the_bf16_true_rung_on_fake_tensor
                 "--context", "16", "--out", tmp_path / "best.yaml", "--json")
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["plan"]["precision"] == "bf16-true"
+
+
+@pytest.mark.parametrize("device_arg, noted", [("", True), (", device=device", False)])
+def test_a_make_batch_that_ignores_its_device_is_noted_where_the_cpu_cannot_see_it(device_arg, noted, write_model,
+                                                                                    tmp_path):
+    """device: fake (estimate) and cpu (probe). Such a make_batch runs here (the device is the CPU) and fails on a
+    GPU's probe; a make_batch that reads values (meta tensors have none) is not blamed."""
+    source = TINY_MODEL.replace("torch.randn(batch_size, context_length, 16, device=device)",
+                                f"torch.randn(batch_size, context_length, 16{device_arg})")
+    assert (source != TINY_MODEL) is noted
+    model = write_model(source)
+    said = "model.py's make_batch() ignores its device argument"
+    for args in (("estimate", model, "--budget", "400KiB", "--margin", "0"),
+                 ("probe", model, "--device", "cpu", "--budget", "64MiB")):
+        r = run_cli(*args, "--batch", "2", "--context", "4", "--out", tmp_path / "best.yaml", "--json")
+        assert r.exit_code == 0, r.output
+        assert any(said in n for n in json.loads(r.stdout)["notes"]) is noted
+    reads = write_model(source.replace("def make_batch(batch_size, context_length, device):",
+                                       "def make_batch(batch_size, context_length, device):\n"
+                                       "    assert torch.ones(1, device=device).item() == 1"), "reads.py")
+    assert load_model_file(reads).ignores_device(4) is False

@@ -208,7 +208,7 @@ def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: 
     rungs, past, floor = all_rungs(model_file, device, amp, static, world, sharding, levers, limit, sharded_by,
                                    statics[1] if statics else None)
     check_static_fits(floor, device, limit, headroom, sharded_by, past if levers != frozenset(LEVERS) else None)
-    notes = measurement_notes(model_file, static, device)
+    notes = measurement_notes(model_file, static, device, targets.min_context)
     check_prior(prior, device.kind, world > 1)
     estimating = device.kind == "cuda" and world == 1 if prior is None else prior
     if on_begin is not None:  # the input is good: the search begins (True: with the estimate on fake tensors)
@@ -313,9 +313,15 @@ def divisor_note(result: ProbeResult) -> str | None:
             f"--batch {nearest} would run as {fitting} x {nearest // world // fitting}")
 
 
-def measurement_notes(model_file: ModelFile, static: StaticMemory, device: Device) -> tuple[str, ...]:
-    """What the ladder leaves out and how its memory is measured, where either is not what the user would assume."""
+def measurement_notes(model_file: ModelFile, static: StaticMemory, device: Device,
+                      context: int) -> tuple[str, ...]:
+    """What the ladder leaves out and how its memory is measured, where either is not what the user would assume;
+    on the simulated devices, a make_batch() a GPU's probe would refuse (its tensors not on its `device`)."""
     notes = () if static.checkpointing_supported else (no_checkpointing_note(model_file),)
+    if device.kind != "cuda" and model_file.ignores_device(context):
+        notes += (f"{model_file.label}'s make_batch() ignores its device argument (asked for the meta device, it "
+                  "returned tensors elsewhere): this device's tensors are the CPU's, so it ran here, but on a GPU "
+                  "its batch would be on the wrong device: create the tensors with device=device",)
     if static.compiled and device.kind != "cuda":
         notes += (eager_note(model_file.label, device.kind),)
     if static.weights_dtype is not None:
