@@ -87,7 +87,7 @@ def priors_from(ladder: LadderResult) -> dict[Rung, RungPrior]:
         peaks = {t.point.micro_batch_size: t.measurement.predictor_bytes for t in ladder.trials
                  if t.point.rung == r.rung and t.point.context_length == r.context_length
                  and t.point.grad_accum_steps == 1 and t.measurement.predictor_bytes is not None}
-        chosen = c is not None and c.rung == r.rung
+        chosen = c is not None and c.rung == r.rung and c.context_length == r.context_length  # (not cut further)
         plan = c.micro_batch_size if chosen and c.grad_accum_steps > 1 else None
         out[r.rung] = RungPrior(r.context_length, r.micro_batch_size, tuple(sorted(peaks.items())), plan, chosen)
     return out

@@ -4,7 +4,9 @@ Ladder: for each rung in order (fp32, +amp, +checkpointing, and on several ranks
 [T_min, T] at which micro-batch 1 fits (context first: batch can be recovered by accumulation,
 context cannot), then the largest micro-batch b_S <= B at T_S. Stop at the first rung that fits
 (T, B) outright; otherwise take the best rung and add accumulation: micro-batch b (the largest
-divisor of B not above b_S) and B / b accumulation steps, so the global batch stays exactly B.
+divisor of B not above b_S) and B / b accumulation steps, so the global batch stays exactly B. Where not even
+1 x B fits at any rung's T_S (accumulation keeps the gradients alive), the context is cut further, towards T_min
+(shorter_context).
 
 Per rung, memory is close to affine in the micro-batch (strictly: convex, the max over the step of
 lines in b), so two measured peaks predict the largest batch under the limit; the prediction is
@@ -264,7 +266,40 @@ class LadderSearch:
             if objective == "fit" and r.context_length == context and r.micro_batch_size == batch:
                 break
         choice = self.choose(results, batch, context, objective, accumulation)
+        if choice is None and accumulation and batch > 1:
+            choice = self.shorter_context(results, batch, min_context)
         return LadderResult(tuple(results), choice, tuple(self.trials))
+
+    def shorter_context(self, results: Sequence[RungResult], batch: int, min_context: int) -> Choice | None:
+        """No rung's plan fits at its T_S, where micro-batch 1 fits alone: accumulation keeps every gradient alive
+        through the next micro-step, and 1 x B does not fit there. The context is then cut further, as far as
+        T_min: for each rung (the longest T_S first, ties to the earlier rung), the longest context at which
+        1 x B fits, and there the largest plan (largest_batch alone, then a divisor of B that fits accumulated).
+        The longest context wins; a rung whose T_S is no longer than it is not searched."""
+        best: Choice | None = None
+        for r in sorted((r for r in results if r.found), key=lambda r: -r.context_length):
+            if best is not None and r.context_length <= best.context_length:
+                break
+            t = self._longest_accumulated(r.rung, min_context, r.context_length, batch)
+            if t is None or (best is not None and t <= best.context_length):
+                continue
+            alone = self.largest_batch(r.rung, t, batch)
+            best = self._with_accumulation(RungResult(r.rung, t, alone, 0), batch) or best
+        return best
+
+    def _longest_accumulated(self, rung: Rung, min_context: int, context: int, batch: int) -> int | None:
+        """Bisect the candidate contexts in [min_context, context] for the longest at which 1 x batch fits."""
+        plan_fits = lambda t: self.check(Point(rung, 1, t, batch), "context")  # noqa: E731
+        if not plan_fits(min_context):
+            return None
+        cands = context_candidates(min_context, context)
+        lo, hi = 0, len(cands) - 1  # cands[lo] fits; cands[hi] is known not to, unless it is checked and fits
+        if plan_fits(cands[hi]):
+            return cands[hi]
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if plan_fits(cands[mid]) else (lo, mid)
+        return cands[lo]
 
     def _reached(self, results: Sequence[RungResult], batch: int, context: int, objective: Objective,
                  accumulation: bool) -> bool:

@@ -132,7 +132,9 @@ def why_nothing_fits(ladder: LadderResult, targets: Targets, static: StaticMemor
             f"{best.micro_batch_size} fits ({best.rung.name}, context {best.context_length}), but reaching "
             f"{per_rank} per rank needs gradient accumulation, which keeps every gradient "
             f"({format_bytes(static.gradients_bytes)}) alive through the next micro-step, and no accumulated plan "
-            f"fits. Lower --batch to {best.micro_batch_size * world} (no accumulation) or raise --budget.")
+            f"fits, not even 1 x {per_rank} at context {targets.min_context}. Lower --batch to "
+            f"{best.micro_batch_size * world} (no accumulation)"
+            + (", allow a shorter --min-context," if targets.min_context > 1 else "") + " or raise --budget.")
 
 
 def check_static_fits(static: StaticMemory, device: Device, limit_bytes: int, headroom: float,
@@ -295,7 +297,8 @@ def divisor_note(result: ProbeResult) -> str | None:
     ladder = result.ladder
     if result.config is None or ladder.choice is None:
         return None
-    fitting = next((r.micro_batch_size for r in ladder.rungs if r.rung == ladder.choice.rung and r.found), None)
+    fitting = next((r.micro_batch_size for r in ladder.rungs if r.rung == ladder.choice.rung and r.found
+                    and r.context_length == ladder.choice.context_length), None)  # (a context cut for the plan)
     chosen, accum = ladder.choice.micro_batch_size, ladder.choice.grad_accum_steps
     if fitting is None or chosen * 2 > fitting:
         return None

@@ -219,3 +219,34 @@ def test_a_plan_that_steps_down_to_what_an_earlier_rung_fits_goes_to_the_earlier
     assert [x.micro_batch_size for x in r.rungs] == [8, 18, 42]
     assert (r.choice.rung, r.choice.micro_batch_size, r.choice.grad_accum_steps) == (AMP, 16, 4)
     assert [z for z in sizes(s) if z[2] > 1] == [(32, 8, 2, "verify"), (16, 8, 4, "verify"), (16, 8, 4, "verify")]
+
+
+def test_a_context_is_cut_further_where_accumulation_does_not_fit_at_the_rungs_context():
+    """Micro-batch 1 fits alone up to 1024 (checkpointing) and 768 (amp), but accumulation keeps the gradients
+    (300 here) alive: 1 x 8 fits at neither. The context is cut further, towards --min-context: the longest at which
+    1 x 8 fits on the rung with the longest T_S, and there the largest plan. The amp rung (T_S 768) cannot beat 832
+    and is not searched. Before, this was "nothing fits" with a plan at 832 within reach."""
+    def peak(p):
+        per_token = 8 if p.rung == AMP else 6
+        return 500 + 300 * (p.grad_accum_steps > 1) + p.micro_batch_size * p.context_length * per_token // 5
+
+    s = LadderSearch(fake_device(peak), LIMIT)
+    r = s.run([AMP, CKPT], batch=8, context=1024, min_context=128)
+    assert [(x.rung, x.context_length, x.micro_batch_size) for x in r.rungs] == [(AMP, 768, 1), (CKPT, 1024, 1)]
+    c = r.choice
+    assert (c.rung, c.micro_batch_size, c.context_length, c.grad_accum_steps) == (CKPT, 1, 832, 8)
+    tail = [(t.point.rung.name, *size) for t, size in zip(s.trials, sizes(s), strict=True)][12:]
+    assert tail == [("checkpointing", 1, 1024, 8, "verify"), ("amp", 1, 768, 8, "verify"),  # choose(): no plan
+                    ("checkpointing", 1, 128, 8, "context"), ("checkpointing", 1, 576, 8, "context"),
+                    ("checkpointing", 1, 768, 8, "context"), ("checkpointing", 1, 896, 8, "context"),
+                    ("checkpointing", 1, 832, 8, "context"),  # the longest at which 1 x 8 fits: 832
+                    ("checkpointing", 1, 832, 1, "batch"), ("checkpointing", 3, 832, 1, "batch"),
+                    ("checkpointing", 2, 832, 1, "batch")]  # the largest alone there: 1, so 1 x 8
+
+
+def test_nothing_fits_where_even_the_shortest_context_cannot_accumulate():
+    peak = lambda p: 500 + 1500 * (p.grad_accum_steps > 1) + p.micro_batch_size * p.context_length  # noqa: E731
+    s = LadderSearch(fake_device(peak), LIMIT)
+    r = s.run([CKPT], batch=8, context=1024, min_context=128)
+    assert r.choice is None and r.rungs[0].context_length == 1024
+    assert sizes(s)[-1] == (1, 128, 8, "context")  # tried once at --min-context, then given up
