@@ -68,7 +68,7 @@ def _ladder(job, gpu: str | None, as_json: bool) -> None:
               f"context {targets.context}"
               + (f" (min {targets.min_context})" if targets.min_context < targets.context else ""))
     err.print(f"  {escape(card_line(device, gpu))}")
-    with trial_progress() as (on_start, on_trial):
+    with trial_progress(device) as (on_start, on_trial):
         result = job.run(on_start, on_trial)
     stop_if_interrupted()  # a Ctrl-C during the search writes nothing, even one Python dropped
     kept = job.write(result, before_writing=stop_if_interrupted)  # (the snapshot's trial runs first)

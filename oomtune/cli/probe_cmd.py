@@ -112,7 +112,7 @@ def probe(
             if job.run().config is None:
                 raise typer.Exit(1)
             return
-        with trial_progress() as (on_start, on_trial):  # stderr: --json's stdout holds the JSON alone
+        with trial_progress(job.device) as (on_start, on_trial):  # stderr: --json's stdout holds the JSON alone
             result = job.run(on_start, on_trial, on_begin=lambda estimating: _say_what_runs(
                 job, estimating, no_gpu=device == "auto" and budget is None and gpu is None))
         stop_if_interrupted()  # a Ctrl-C during the search writes nothing, even one Python dropped

@@ -59,13 +59,20 @@ def _with_accumulation(r) -> str:
 
 
 @contextmanager
-def trial_progress():
-    """A spinner with the trial in flight; each finished trial is printed above it (stderr)."""
+def trial_progress(device=None):
+    """A spinner with the trial in flight; each finished trial is printed above it (stderr). `device`: the fake
+    device the trials run on, which may start computing (a model that needs tensor values): said once, when it
+    does, as those trials are slower."""
     progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), TextColumn("[dim]{task.completed} trials"),
                         TimeElapsedColumn(), console=err, transient=True)
     task = progress.add_task("starting", total=None)
+    said: list[bool] = []
 
     def on_start(point):
+        if device is not None and device.kind == "fake" and device.computes and not said:
+            said.append(True)
+            progress.console.print("[yellow]note:[/] the model needs tensor values, which fake tensors do not have: "
+                                   "from here the trials are computed on the cpu (slower; up to the budget in RAM)")
         accum = f" x{point.grad_accum_steps} accum" if point.grad_accum_steps > 1 else ""
         progress.update(task, description=f"{point.rung.name}: micro-batch {point.micro_batch_size}, "
                                           f"context {point.context_length}{accum}")

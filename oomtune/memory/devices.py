@@ -195,6 +195,7 @@ class TrackedDevice(Device):
         return self.card is None or self.card.bf16
 
     def _accounting(self) -> contextlib.AbstractContextManager:
+        self.tracker.limit_to_ram(self.computes)  # real tensors: a budget past the RAM must not take the machine down
         if self.card is None:
             return self.tracker
         with contextlib.ExitStack() as stack:  # (what was entered is exited if a later one fails)
@@ -342,8 +343,7 @@ class FakeDevice(TrackedDevice):
         return not self.computes and not isinstance(self.margin, CardMargin)
 
     def compute_instead(self) -> None:
-        """Measure on real tensors from now on: the same tracker, budget and margin, the step computed on the cpu.
-        For a model whose shapes depend on values fake tensors do not have (fakes.NeedsValues)."""
+        """Real tensors from now on, computed on the cpu, same tracker, budget and margin (fakes.NeedsValues)."""
         self.computes = True
 
     def _accounting(self) -> contextlib.AbstractContextManager:

@@ -23,6 +23,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
+from ..errors import OomtuneError
 from ..units import format_bytes
 from .allocator import OutOfMemory, rounded
 
@@ -130,6 +131,8 @@ class MemoryTracker(TorchDispatchMode):
         self.host_live_bytes = 0
         self.host_peak_bytes = 0
         self.host_budget_bytes: int | None = None  # the machine's RAM, where the host can run out
+        # computed tensors (cpu, and fake computing instead) are real: past this much, the machine itself runs out
+        self.ram_limit_bytes: int | None = None
         self._host_sizes: dict[int, int] = {}
         self._hosting = 0
         self.allocator = None  # a CachingAllocatorModel fed every device storage's birth and death, where set
@@ -303,7 +306,22 @@ class MemoryTracker(TorchDispatchMode):
         return out
 
     def _check_budget(self, added: int) -> None:
-        """The CUDA-shaped OOM where the bytes just counted took the live total past the budget."""
+        """The CUDA-shaped OOM where the bytes just counted took the live total past the budget; where they took it
+        past the machine's RAM first (a budget larger than the RAM), one line to say so: not the card's OOM."""
+        if added and self.ram_limit_bytes is not None and self.live_bytes > self.ram_limit_bytes:
+            raise OomtuneError(f"the {self.kind} device's tensors are real and in this machine's RAM: they reached "
+                               f"{format_bytes(self.live_bytes)}, most of the RAM that was free, before the budget "
+                               f"({format_bytes(self.budget_bytes)}): give a --budget of at most "
+                               f"{format_bytes(self.ram_limit_bytes)}, or run `oomtune probe` on the GPU")
         if added and self.budget_bytes is not None and self.live_bytes > self.budget_bytes:
             raise torch.cuda.OutOfMemoryError(
                 simulated_oom_message(added, self.budget_bytes, self.live_bytes - added, self.kind))
+
+    def limit_to_ram(self, computes: bool) -> None:
+        """Where the tensors are real (`computes`) and the budget is more than the RAM free now (with what this
+        tracker counts already, which is in use): stop at 90% of that (_check_budget), before the machine swaps or
+        its OOM killer ends the process."""
+        self.ram_limit_bytes = None
+        if computes and self.budget_bytes is not None:
+            limit = self.live_bytes + int(system_memory()[1] * 0.9)
+            self.ram_limit_bytes = limit if self.budget_bytes > limit else None

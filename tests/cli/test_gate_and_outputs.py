@@ -78,3 +78,38 @@ def test_a_negative_recorded_peak_is_bad_input(config):
     peak = next(line for line in text.splitlines() if line.startswith("  peak_bytes: "))
     config.write_text(text.replace(peak, "  peak_bytes: -5"))
     one_line_error(run_cli("check", "--config", config), "found_by.peak_bytes must be 0 or more, got -5")
+
+
+def test_real_tensors_stop_at_the_machines_ram_not_at_a_larger_budget(write_model, tmp_path, monkeypatch):
+    """device: cpu, its budget (1 GiB) more than the RAM free (made 40 MiB here): the trial that reaches 90% of
+    that stops the command with one line, instead of swapping or being killed; it is not the card's OOM."""
+    import oomtune.memory.tracker as tracker
+
+    monkeypatch.setattr(tracker, "system_memory", lambda: (64 << 20, 40 << 20))
+    model = write_model(TINY_WIDE)
+    r = run_cli("probe", model, "--device", "cpu", "--budget", "1GiB", "--batch", "64", "--context", "256",
+                "--out", tmp_path / "best.yaml")
+    assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+    assert r.stderr.strip().splitlines()[-1] == (
+        "error: the cpu device's tensors are real and in this machine's RAM: they reached 64.00 MiB, most of the RAM "
+        "that was free, before the budget (1.00 GiB): give a --budget of at most 36.00 MiB, or run `oomtune probe` "
+        "on the GPU")
+    assert not (tmp_path / "best.yaml").exists()
+    monkeypatch.setattr(tracker, "system_memory", lambda: (64 << 30, 40 << 30))  # the RAM is there: it runs
+    assert run_cli("probe", model, "--device", "cpu", "--budget", "1GiB", "--batch", "64", "--context", "256",
+                   "--out", tmp_path / "best.yaml").exit_code == 0
+
+
+TINY_WIDE = """
+import torch
+from torch import nn
+
+def build_model():
+    return nn.Linear(1024, 1)
+
+def make_batch(batch_size, context_length, device):
+    return torch.randn(batch_size, context_length, 1024, device=device)  # 1 MiB a sequence of 256
+
+def loss(model, batch):
+    return model(batch).square().mean()
+"""
