@@ -79,6 +79,9 @@ def test_a_make_batch_that_ignores_its_device_is_noted_where_the_cpu_cannot_see_
         r = run_cli(*args, "--batch", "2", "--context", "4", "--out", tmp_path / "best.yaml", "--json")
         assert r.exit_code == 0, r.output
         assert any(said in n for n in json.loads(r.stdout)["notes"]) is noted
+    one = run_cli("estimate", model, "--budget", "400KiB", "--margin", "0", "--micro-batch", "2", "--context", "4",
+                  "--json")  # one plan (what_if)
+    assert one.exit_code == 0 and any(said in n for n in json.loads(one.stdout)["notes"]) is noted, one.output
     reads = write_model(source.replace("def make_batch(batch_size, context_length, device):",
                                        "def make_batch(batch_size, context_length, device):\n"
                                        "    assert torch.ones(1, device=device).item() == 1"), "reads.py")

@@ -66,6 +66,8 @@ def _quiet_torch_noise(debug: bool) -> None:
         log.addFilter(_drop_record)
     # torch < 2.5 warns about its own deprecated torch.cpu.amp.autocast inside checkpoint() on every recompute
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.utils\.checkpoint")
+    if not debug:  # copy.deepcopy of a module built on fake tensors (nn.TransformerEncoder's layers) reads this
+        warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor", category=UserWarning)
 
 
 def _peer_failure(e: BaseException) -> bool:

@@ -232,7 +232,7 @@ def breakdown_table(bd, plan, limit_bytes: int | None = None, title: str = "brea
 
 def print_levers(levers, plan) -> None:
     if levers:
-        out.print(f"[bold]what would help[/] {plan.describe()} fit (estimates):")
+        out.print(f"[bold]what would help[/] {plan.describe(with_global=False)} fit (estimates):")
         for lever in levers:
             out.print(f"  - {lever}")
 

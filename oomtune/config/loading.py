@@ -90,6 +90,9 @@ def load_config(path: str | Path) -> Config:
         raise ConfigError(f"{p} is a folder, not a config file")
     if not p.is_file():
         raise ConfigError(f"config file not found: {p}")
+    if p.suffix == ".py":  # (its YAML error would say nothing of that)
+        raise ConfigError(f"{p} is a Python file (a model file?), not a config: give the YAML config that `oomtune "
+                          "probe` or `oomtune estimate` wrote (e.g. best.yaml)")
     try:
         data = parse(p.read_text(encoding="utf-8"))
     except UnicodeDecodeError as e:

@@ -101,7 +101,9 @@ class Plan:
     def tokens_per_step(self) -> int:
         return self.global_batch_size * self.context_length
 
-    def describe(self) -> str:
+    def describe(self, with_global: bool = True) -> str:
+        """One line; `with_global`: with the global batch (not for a trial's plan, whose accumulation is not the
+        target's)."""
         parts = [f"micro-batch {self.micro_batch_size}", f"context {self.context_length}", self.precision]
         if self.activation_checkpointing:
             parts.append("checkpointing")
@@ -110,7 +112,7 @@ class Plan:
         if self.sharding != "none":
             parts.append(f"{self.sharding} x{self.world_size} rank{'s' if self.world_size > 1 else ''}")
         parts += [label for key, label in LEVER_LABELS.items() if getattr(self, key)]
-        return ", ".join(parts) + f" (global batch {self.global_batch_size})"
+        return ", ".join(parts) + (f" (global batch {self.global_batch_size})" if with_global else "")
 
 
 @dataclass(frozen=True)

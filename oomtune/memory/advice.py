@@ -21,8 +21,8 @@ def why_nothing_fits(bd: MemoryBreakdown, plan: Plan, static: StaticMemory, limi
         return f"{static.describe()}{plus} > {allowed}, before a single activation"
     margin_text = f" + margin {format_bytes(bd.margin_bytes)}" if bd.margin_bytes else ""
     floor = bd.parameters_bytes + bd.gradients_bytes + bd.optimizer_state_bytes
-    return (f"even {plan.describe()} peaks at {format_bytes(bd.peak_bytes)} > {allowed}: weights + gradients + "
-            f"{static.optimizer_name} state {format_bytes(floor)}, the rest "
+    return (f"even {plan.describe(with_global=False)} peaks at {format_bytes(bd.peak_bytes)} > {allowed}: weights "
+            f"+ gradients + {static.optimizer_name} state {format_bytes(floor)}, the rest "
             f"{format_bytes(bd.peak_bytes - bd.margin_bytes - floor)}{margin_text} (peak in {bd.phase})")
 
 

@@ -319,12 +319,9 @@ def divisor_note(result: ProbeResult) -> str | None:
 def measurement_notes(model_file: ModelFile, static: StaticMemory, device: Device,
                       context: int) -> tuple[str, ...]:
     """What the ladder leaves out and how its memory is measured, where either is not what the user would assume;
-    on the simulated devices, a make_batch() a GPU's probe would refuse (its tensors not on its `device`)."""
+    on the simulated devices, a make_batch() a GPU's probe would refuse (device_notes)."""
     notes = () if static.checkpointing_supported else (no_checkpointing_note(model_file),)
-    if device.kind != "cuda" and model_file.ignores_device(context):
-        notes += (f"{model_file.label}'s make_batch() ignores its device argument (asked for the meta device, it "
-                  "returned tensors elsewhere): this device's tensors are the CPU's, so it ran here, but on a GPU "
-                  "its batch would be on the wrong device: create the tensors with device=device",)
+    notes += device_notes(model_file, device, context)
     if static.compiled and device.kind != "cuda":
         notes += (eager_note(model_file.label, device.kind),)
     if static.weights_dtype is not None:
@@ -332,6 +329,15 @@ def measurement_notes(model_file: ModelFile, static: StaticMemory, device: Devic
                   f"every plan trains them in {static.weights_dtype} (its 'fp32' means no autocast), and the ladder "
                   "has no amp rung (autocast would only add copies of them)",)
     return notes
+
+
+def device_notes(model_file: ModelFile, device: Device, context: int) -> tuple[str, ...]:
+    """On the simulated devices, a make_batch() a GPU's probe would refuse: its tensors not on its `device`."""
+    if device.kind == "cuda" or not model_file.ignores_device(context):
+        return ()
+    return (f"{model_file.label}'s make_batch() ignores its device argument (asked for PyTorch's meta device, which "
+            "allocates nothing, it returned tensors elsewhere): this device's tensors are the CPU's, so it ran "
+            "here, but on a GPU its batch would be on the wrong device: create the tensors with device=device",)
 
 
 def no_checkpointing_note(model_file: ModelFile) -> str:

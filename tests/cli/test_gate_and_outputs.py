@@ -113,3 +113,22 @@ def make_batch(batch_size, context_length, device):
 def loss(model, batch):
     return model(batch).square().mean()
 """
+
+
+def test_an_error_in_the_model_names_the_trial_that_met_it(write_model, tmp_path):
+    """device: cpu. A context past the model's 32 positions: the error says which sizes broke it."""
+    model = write_model(TINY_WIDE.replace("def make_batch", "POSITIONS = 32\n\ndef make_batch").replace(
+        "return model(batch).square().mean()",
+        "assert batch.shape[1] <= POSITIONS, 'past the position table'\n    return model(batch).square().mean()"))
+    r = run_cli("probe", model, "--device", "cpu", "--budget", "64MiB", "--batch", "2", "--context", "64",
+                "--min-context", "16", "--out", tmp_path / "best.yaml")
+    assert r.exit_code == 2 and "Traceback" not in r.output, r.output  # (after the probe's header)
+    assert r.stderr.strip().splitlines()[-1] == ("error: model.py: loss() raised AssertionError: past the position "
+                                                 "table (in the trial of micro-batch 2, context 64, fp32)")
+
+
+def test_a_model_file_given_as_the_config_is_named_as_such(write_model):
+    for command in ("check", "train", "export"):
+        args = ("--to", "hf") if command == "export" else ()
+        one_line_error(run_cli(command, "--config", write_model(), *args),
+                       "model.py is a Python file (a model file?), not a config")
