@@ -24,6 +24,8 @@ class OomtuneError(Exception):
 class ModelFileError(OomtuneError):
     """The user's model file is missing, broken, or breaks the contract."""
 
+    raised = False  # an exception the user's code raised (not a broken contract): the trial's sizes may be why
+
 
 class ConfigError(OomtuneError):
     """A config file is missing, malformed, or has an unknown key / wrong type."""

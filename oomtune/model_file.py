@@ -62,7 +62,9 @@ class ModelFile:
         except Exception as e:
             if is_oom(e):
                 raise
-            raise ModelFileError(f"{self.label}: {what} raised {_raised(e)}") from e
+            error = ModelFileError(f"{self.label}: {what} raised {_raised(e)}")
+            error.raised = True
+            raise error from e
 
     def fail(self, hook: str, what: str) -> ModelFileError:
         return ModelFileError(f"{self.label}: {hook}() {what}")

@@ -247,7 +247,7 @@ def run_trial(model_file: ModelFile, plan: Plan, device: Device, steps: int = TR
                 tracker.recorder = tracker.recorder.restarted(tracker)
             step_s, tps, loss, _ = _steps(model_file, plan, device, steps, box, built, observe, dist)
     except ModelFileError as e:  # which sizes broke it (a context past the model's positions, say)
-        if " (in the trial of " not in e.message:
+        if e.raised and " (in the trial of " not in e.message:
             e.message += f" (in the trial of {plan.describe(with_global=False)})"
         raise
     except Exception as e:

@@ -22,6 +22,7 @@ from ..errors import BAD_INPUT, ConfigError, ModelFileError, OomtuneError, first
 from ..memory.cards import find_gpu
 from ..memory.devices import Device, make_device, resolve_kind
 from ..model_file import ModelFile, load_model_file
+from ..units import format_bytes
 from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, older_intact
 from .rundir import METRICS, check_run_dir, no_checkpoint_message
 
@@ -125,7 +126,7 @@ def resumed_device(state: dict | None, device: str | None, budget: str | None) -
         taken.append(f"--device {device}")
     if budget is None and device == run_on["device"] and run_on.get("budget") is not None:
         budget = run_on["budget"]
-        taken.append(f"--budget {budget}")
+        taken.append(f"--budget {format_bytes(int(budget)).replace(' ', '') if budget.isdigit() else budget}")
     note = (f"resuming with {' '.join(taken)}, as the run started (pass the flag to change it)",) if taken else ()
     return device, budget, note
 

@@ -52,12 +52,23 @@ def open_run_dir(run_dir: Path, clean: bool) -> None:
 def no_checkpoint_message(run_dir: Path) -> str:
     """What `--resume` says when `run_dir` has no checkpoint, with a way out."""
     if (run_dir / METRICS).exists():
-        return (f"--resume: the run in {run_dir} stopped before its first checkpoint (ckpt-*), so it cannot be "
-                f"resumed: delete {run_dir / METRICS} and start it over without --resume, or pass --run-dir for a "
-                "new run")
+        steps = _steps_logged(run_dir / METRICS)
+        why = (f"logged steps up to {steps} but holds no checkpoint (ckpt-*): they were deleted, or it stopped "
+               "before its first one" if steps else "stopped before its first checkpoint (ckpt-*)")
+        return (f"--resume: the run in {run_dir} {why}, so it cannot be resumed: delete {run_dir / METRICS} and "
+                "start it over without --resume, or pass --run-dir for a new run")
     gone = "" if run_dir.exists() else ", which does not exist"
     return f"--resume: no checkpoint (ckpt-*) in run dir {run_dir}{gone}; start a run without --resume, or pass the " \
            "--run-dir of one"
+
+
+def _steps_logged(metrics: Path) -> int | None:
+    """The last step metrics.jsonl logged (None where it cannot be read)."""
+    try:
+        lines = metrics.read_text(encoding="utf-8").strip().splitlines()
+        return int(json.loads(lines[-1])["step"]) if lines else None
+    except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError):
+        return None
 
 
 def json_safe(value: Any) -> Any:

@@ -76,13 +76,14 @@ class Trainer:
         inputs = self.inputs
         self.cfg, self.model_file, self.on_event = inputs.cfg, inputs.model_file, on_event or _ignore
         device, budget, resumed_on = resumed_device(inputs.resume_state, device, budget)
-        self.run_on = {"device": device, "budget": budget}  # as asked (in the checkpoints: a resume asks the same)
         kind = device_kind(inputs.file_config, device)
         self.dist = init(kind, inputs.plan.sharding, dist_timeout)  # cuda: also picks this rank's GPU
         self.log = RunLog(inputs.run_dir, enabled=self.dist.is_main)  # rank 0 writes the run dir's logs
         budget = rank_budgets.get(self.dist.rank, budget) if rank_budgets else budget
         self.device = resolve_device(inputs.file_config, kind, budget)
         self.cuda = self.device.torch_device.type == "cuda"
+        # for a resume (checkpoints): on cpu the budget resolved (a new probe may change the config's)
+        self.run_on = {"device": kind, "budget": budget if self.cuda or budget else str(self.device.budget_bytes)}
         step = int(inputs.resume_state["step"]) if inputs.resume_state else 0
         self.state = RunState(inputs.plan, inputs.file_config, step=step, start_step=step,
                               last_checkpoint=inputs.resumed_from,

@@ -64,6 +64,26 @@ def test_a_resume_without_flags_trains_on_the_device_and_in_the_budget_the_run_s
     assert again.exit_code == 0 and "--budget 800MiB" not in said and "800.00 MiB" in said, said
 
 
+def test_a_resume_keeps_the_budget_the_config_gave_when_a_new_probe_changed_it(write_model, tmp_path, monkeypatch):
+    """device: cpu, from the config's found_by (no flags): a probe in 64 MiB, a run, then a new probe's budget in
+    the config; the resume trains in the 64 MiB the run started in, and says so."""
+    from ..conftest import TINY_MODEL
+
+    monkeypatch.chdir(tmp_path)
+    write_model(TINY_MODEL)
+    assert run_cli("probe", "model.py", "--device", "cpu", "--budget", "64MiB", "--batch", "2", "--context", "4",
+                   "--out", "best.yaml").exit_code == 0
+    first = run_cli("train", "--config", "best.yaml", "--steps", "4", "--checkpoint-interval", "2")
+    assert first.exit_code == 0, first.output
+    text = Path("best.yaml").read_text()
+    assert f"budget_bytes: {64 << 20}" in text
+    Path("best.yaml").write_text(text.replace(f"budget_bytes: {64 << 20}", f"budget_bytes: {128 << 20}"))
+    again = run_cli("train", "--config", "best.yaml", "--resume", "--steps", "6")
+    said = " ".join(again.stderr.split())
+    assert again.exit_code == 0 and "resuming with --device cpu --budget 64.00MiB, as the run started" in said, said
+    assert "budget 64.00 MiB" in said and "128.00 MiB" not in said, said
+
+
 def test_an_empty_eval_batches_at_the_first_evaluation_saves_that_step(case_dir):
     model = case_dir / "model.py"
     model.write_text(model.read_text() + "\ndef eval_batches(batch_size, context_length, device):\n    return []\n")
@@ -111,7 +131,10 @@ def test_a_run_dir_without_a_checkpoint_says_how_to_start_over(case_dir):
     line = error_line(train())
     assert "has no checkpoint to resume" in line and f"delete {Path('run') / 'metrics.jsonl'}" in line
     line = error_line(train("--resume"))
-    assert "stopped before its first checkpoint" in line and "without --resume" in line
+    assert "logged steps up to 1 but holds no checkpoint (ckpt-*): they were deleted, or it stopped before its " \
+        "first one" in line and "without --resume" in line
+    (run / "metrics.jsonl").write_text("")  # nothing logged
+    assert "stopped before its first checkpoint (ckpt-*)" in error_line(train("--resume"))
     assert error_line(train("--resume", "--run-dir", "nowhere")).endswith(
         "no checkpoint (ckpt-*) in run dir nowhere, which does not exist; start a run without --resume, or pass the "
         "--run-dir of one")
