@@ -83,18 +83,19 @@ class ModelFile:
         self.check_batch("make_batch", batch, device)
         return batch
 
-    def ignores_device(self, context_length: int) -> bool:
-        """Whether make_batch() puts its tensors where it likes instead of on its `device` argument: asked for the
-        meta device (nothing is allocated), it returns tensors elsewhere. The cpu and fake devices cannot see it
-        (their device is the CPU); on a GPU that batch is on the wrong device. A make_batch that cannot run on
-        meta (it reads values, or calls .cuda()) tells nothing: False."""
-        try:
-            batch = self.module.make_batch(1, context_length, torch.device("meta"))
-        except (Exception, SystemExit):
-            return False
-        parts = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (tuple, list)) else [batch]
-        devices = {t.device.type for t in parts if isinstance(t, torch.Tensor)}
-        return bool(devices) and devices != {"meta"}
+    def sample_tensors(self, context_length: int) -> tuple[list[torch.Tensor], bool] | None:
+        """The tensors of make_batch(1, context_length), and whether they were asked for on PyTorch's meta device
+        (nothing allocated; else, where it cannot run there because it reads values or calls .cuda(), the cpu,
+        for one sequence): what shapes and devices it makes. None where it cannot run on either."""
+        for device in (torch.device("meta"), torch.device("cpu")):
+            try:
+                batch = self.module.make_batch(1, context_length, device)
+            except (Exception, SystemExit):
+                continue
+            parts = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (tuple, list)) \
+                else [batch]
+            return [t for t in parts if isinstance(t, torch.Tensor)], device.type == "meta"
+        return None
 
     def check_batch(self, hook: str, batch: Batch, device: torch.device) -> None:
         if isinstance(batch, (tuple, list, dict)) and not batch:

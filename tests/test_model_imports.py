@@ -85,4 +85,24 @@ def test_a_make_batch_that_ignores_its_device_is_noted_where_the_cpu_cannot_see_
     reads = write_model(source.replace("def make_batch(batch_size, context_length, device):",
                                        "def make_batch(batch_size, context_length, device):\n"
                                        "    assert torch.ones(1, device=device).item() == 1"), "reads.py")
-    assert load_model_file(reads).ignores_device(4) is False
+    from oomtune.memory.devices import CpuDevice
+    from oomtune.search.probe import batch_notes
+
+    assert load_model_file(reads).sample_tensors(4)[1] is False  # (drawn on the cpu, not on meta)
+    assert not any("ignores its device" in n for n in batch_notes(load_model_file(reads), CpuDevice("1GiB"), 4))
+
+
+def test_a_make_batch_shorter_than_the_context_is_noted(write_model, tmp_path):
+    """device: fake. Padding to the longest in the batch (lengths up to a quarter of the context, read with .item(),
+    so it runs on the cpu, not on meta): the plan is sized for short sequences, and real data at full length may
+    not fit. The full-length batch of the same model gets no such note."""
+    head = "def make_batch(batch_size, context_length, device):\n"
+    short = TINY_MODEL.replace(head, head + "    context_length = int(torch.randint(1, context_length // 4 + 1, "
+                                            "()).item())\n")
+    assert short != TINY_MODEL
+    said = "make_batch(batch_size, 64, device) returned no tensor with a dimension of 64"
+    for source, noted in ((short, True), (TINY_MODEL, False)):
+        r = run_cli("estimate", write_model(source), "--budget", "400KiB", "--margin", "0", "--batch", "2",
+                    "--context", "64", "--out", tmp_path / "best.yaml", "--json")
+        assert r.exit_code == 0, r.output
+        assert any(said in n for n in json.loads(r.stdout)["notes"]) is noted

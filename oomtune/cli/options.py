@@ -3,7 +3,6 @@ from any value (the library decides the default); on/off flags are `--x/--no-x`.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Annotated
 
@@ -67,15 +66,7 @@ DistTimeoutOpt = Annotated[float, typer.Option("--dist-timeout", help="Seconds a
 
 def budget_option(default: str, what: str = "Memory to fit in: 24GiB, 512MiB, 80%") -> typer.models.OptionInfo:
     """--budget: the same option everywhere; only what it defaults to differs by command."""
-    return typer.Option("--budget", help=f"{what} (default: {default}).", callback=_with_unit)
-
-
-def _with_unit(value: str | None) -> str | None:
-    """A bare number under 1 MiB is a budget whose unit was left out (`--budget 24` read as 24 bytes)."""
-    if value is not None and re.fullmatch(r"\s*[0-9]*\.?[0-9]+\s*", value) and float(value) < 1 << 20:
-        n = value.strip()
-        raise typer.BadParameter(f"{n} has no unit, so it would be {n} bytes: give one, like {n}GiB or {n}MiB")
-    return value
+    return typer.Option("--budget", help=f"{what}; a bare number is bytes (default: {default}).")
 
 
 def device_option(choices: str) -> typer.models.OptionInfo:

@@ -29,7 +29,7 @@ from .options import (
     resolve_targets,
 )
 from .past import PAST_LEVERS, PastRungs
-from .probe import ProbeResult, all_rungs, device_notes, fsdp_reach, ladder_rungs, no_fsdp_note, plan_of, probe
+from .probe import ProbeResult, all_rungs, batch_notes, fsdp_reach, ladder_rungs, no_fsdp_note, plan_of, probe
 from .trial import TrialResult, computing_where_needed, run_trial
 
 
@@ -186,7 +186,7 @@ def what_if(model_file: ModelFile, plan: Plan, device: FakeDevice, *, bounded: b
     check_headroom(headroom)
     check_steps(steps)
     bd, computed = computing_where_needed(device, model_file.label, lambda: breakdown(model_file, plan, device, steps))
-    computed += device_notes(model_file, device, plan.context_length)
+    computed += batch_notes(model_file, device, plan.context_length)
     own = "your optimizer()" if model_file.has("optimizer") else None
     card = device.name.removesuffix(" (estimated)")
     if not bounded:  # no budget given: the breakdown alone (it lifts the device's budget anyway)

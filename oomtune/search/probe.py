@@ -319,9 +319,9 @@ def divisor_note(result: ProbeResult) -> str | None:
 def measurement_notes(model_file: ModelFile, static: StaticMemory, device: Device,
                       context: int) -> tuple[str, ...]:
     """What the ladder leaves out and how its memory is measured, where either is not what the user would assume;
-    on the simulated devices, a make_batch() a GPU's probe would refuse (device_notes)."""
+    what make_batch() shows of its batches (batch_notes)."""
     notes = () if static.checkpointing_supported else (no_checkpointing_note(model_file),)
-    notes += device_notes(model_file, device, context)
+    notes += batch_notes(model_file, device, context)
     if static.compiled and device.kind != "cuda":
         notes += (eager_note(model_file.label, device.kind),)
     if static.weights_dtype is not None:
@@ -331,13 +331,25 @@ def measurement_notes(model_file: ModelFile, static: StaticMemory, device: Devic
     return notes
 
 
-def device_notes(model_file: ModelFile, device: Device, context: int) -> tuple[str, ...]:
-    """On the simulated devices, a make_batch() a GPU's probe would refuse: its tensors not on its `device`."""
-    if device.kind == "cuda" or not model_file.ignores_device(context):
+def batch_notes(model_file: ModelFile, device: Device, context: int) -> tuple[str, ...]:
+    """What make_batch() shows for one sequence (model_file.sample_tensors): on the simulated devices, tensors not
+    on its `device` (a GPU's probe would refuse them); on any, no sequence of the context's length."""
+    sample = model_file.sample_tensors(context)
+    if sample is None:
         return ()
-    return (f"{model_file.label}'s make_batch() ignores its device argument (asked for PyTorch's meta device, which "
-            "allocates nothing, it returned tensors elsewhere): this device's tensors are the CPU's, so it ran "
-            "here, but on a GPU its batch would be on the wrong device: create the tensors with device=device",)
+    tensors, on_meta = sample
+    notes: tuple[str, ...] = ()
+    if on_meta and device.kind != "cuda" and any(t.device.type != "meta" for t in tensors):
+        notes += (f"{model_file.label}'s make_batch() ignores its device argument (asked for PyTorch's meta device, "
+                  "which allocates nothing, it returned tensors elsewhere): this device's tensors are the CPU's, so "
+                  "it ran here, but on a GPU its batch would be on the wrong device: create the tensors with "
+                  "device=device",)
+    if context > 1 and not any(context in t.shape or context + 1 in t.shape for t in tensors):
+        notes += (f"{model_file.label}'s make_batch(batch_size, {context}, device) returned no tensor with a "
+                  f"dimension of {context}: plans are sized for every sequence at full length, so where yours are "
+                  "shorter than asked (padded to the longest in the batch), real data at full length may not fit; "
+                  "make_batch should return that worst case",)
+    return notes
 
 
 def no_checkpointing_note(model_file: ModelFile) -> str:

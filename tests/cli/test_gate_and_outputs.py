@@ -133,8 +133,3 @@ def test_a_model_file_given_as_the_config_is_named_as_such(write_model):
         one_line_error(run_cli(command, "--config", write_model(), *args),
                        "model.py is a Python file (a model file?), not a config")
 
-
-def test_a_budget_without_its_unit_is_refused(write_model):
-    for args in (("estimate", write_model()), ("probe", write_model(), "--device", "cpu")):
-        r = run_cli(*args, "--budget", "24")
-        assert r.exit_code == 2 and "24 has no unit, so it would be 24 bytes" in " ".join(r.output.split()), r.output
