@@ -43,6 +43,14 @@ class StaticMemory:
     host_bytes: int = 0  # what the plan's offload levers hold in host memory instead
     levers: str = ""  # the levers past accumulation this was measured with ("" for none)
     weights_dtype: str | None = None  # "bfloat16" / "float16": every trained weight is built in it (else None)
+    trained_elements: int = 0  # elements of the trained parameters
+    quantized_elements: int = 0  # of those, in tensors 8-bit AdamW quantizes (the rest keep fp32 moments)
+
+    def adamw8bit_bytes(self) -> int:
+        """8-bit AdamW's state: two 8-bit moments and a 4-byte scale each per 256 elements where it quantizes, two
+        fp32 moments elsewhere (a tensor under 4096 elements: LoRA's adapters often are)."""
+        q = self.quantized_elements
+        return q * 2 + q // 256 * 8 + (self.trained_elements - q) * 8
 
     @property
     def total_bytes(self) -> int:
@@ -85,6 +93,7 @@ def static_memory(model_file: ModelFile, plan: Plan | None = None, levers: str =
     With a `plan`, its levers past accumulation (named `levers`) applied as training applies them: bf16-true and
     NF4 weights, 8-bit AdamW state, the optimizer and its gradients offloaded (counted as host memory)."""
     from ..levers import make_optimizer, prepare_model
+    from ..levers.adamw8bit import quantizes
     from ..levers.nf4 import frozen_linears
 
     tracker = MemoryTracker()
@@ -114,9 +123,11 @@ def static_memory(model_file: ModelFile, plan: Plan | None = None, levers: str =
         name = type(getattr(opt, "inner", opt)).__name__
         compiled = is_compiled(model)
         host = tracker.host_live_bytes
+        trained = sum(p.numel() for p in params)
+        quantized = sum(p.numel() for p in params if quantizes(p))
         del model, params, opt
     return StaticMemory(weights, grads, optimizer_state, name, checkpointing, compiled, temporaries, nf4, host,
-                        levers, low)
+                        levers, low, trained, quantized)
 
 
 PART_LABELS = {

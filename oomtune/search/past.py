@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from ..levers import missing_library
 from ..memory.breakdown import StaticMemory
+from ..units import format_bytes
 from .ladder import Rung
 
 # lever name -> (plan key, what it is): the order they are added in
@@ -58,7 +59,8 @@ def past_rungs(device, amp_dtype: str, static: StaticMemory, label: str, has_opt
     for lever, (key, _) in PAST_LEVERS.items():
         if lever not in levers:
             continue
-        why = _why_not(lever, static, label, has_optimizer_hook, device.kind)
+        why = _why_not(lever, static, label, has_optimizer_hook, device.kind) or \
+            (_no_smaller(static, fields["precision"]) if lever == "8bit" else None)
         if why is not None:
             out.skipped[lever] = why
             continue
@@ -71,6 +73,19 @@ def past_rungs(device, amp_dtype: str, static: StaticMemory, label: str, has_opt
         names.append(lever)
         out.rungs.append(Rung("+".join(names), **fields))
     return out
+
+
+def _no_smaller(static: StaticMemory, precision: str) -> str | None:
+    """Why 8-bit AdamW would not shrink the state it replaces (bf16 moments on the bf16-true rung, else fp32):
+    the tensors it does not quantize keep fp32 moments."""
+    now = static.trained_elements * (4 if precision == "bf16-true" else 8)
+    eight = static.adamw8bit_bytes()
+    if not static.trained_elements or eight < now:
+        return None
+    small = static.trained_elements - static.quantized_elements
+    return (f"8-bit AdamW keeps fp32 moments for tensors under 4096 elements (or not a multiple of 256), and "
+            f"{small:,} of the {static.trained_elements:,} trained elements are in such tensors (LoRA adapters "
+            f"often are): its state would be {format_bytes(eight)}, against {format_bytes(now)} without it")
 
 
 def _why_not(lever: str, static: StaticMemory, label: str, has_optimizer_hook: bool, device_kind: str) -> str | None:

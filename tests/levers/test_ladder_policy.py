@@ -212,3 +212,53 @@ def test_the_climb_goes_on_where_micro_batch_1_fits_alone_but_no_accumulated_pla
     assert r.rungs[3].context_length == 512 and r.rungs[3].micro_batch_size >= 1  # fits alone, not accumulated
     assert r.choice.rung == EIGHT and r.choice.micro_batch_size * r.choice.grad_accum_steps == 64
     assert not any(t.point.rung == OFFLOAD for t in s.trials)  # +8bit's plan fits: the climb ends there
+
+
+# a LoRA-like model: a frozen 256 x 256 base (whole NF4 blocks), trained adapters of 256 x 4 and a 256 x 4 head:
+# every trained tensor is under 4096 elements, which 8-bit AdamW keeps in fp32 moments
+LORA_LIKE = """
+import torch
+from torch import nn
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.base = nn.Linear(256, 256, bias=False)
+        self.base.weight.requires_grad_(False)
+        self.a = nn.Linear(256, 4, bias=False)
+        self.b = nn.Linear(4, 256, bias=False)
+        self.out = nn.Linear(256, 4)
+
+    def forward(self, x, y):
+        x = self.base(x) + self.b(self.a(x))
+        return nn.functional.cross_entropy(self.out(x).mean(1), y)
+
+def build_model():
+    return Net()
+
+def make_batch(batch_size, context_length, device):
+    return (torch.randn(batch_size, context_length, 256, device=device),
+            torch.randint(0, 4, (batch_size,), device=device))
+"""
+
+
+def test_8bit_is_left_out_where_it_would_not_shrink_the_state_and_its_estimate_is_the_levers(write_model, tmp_path):
+    """device: fake. The formula (StaticMemory.adamw8bit_bytes) against the lever's measured state, on a model that
+    quantizes (tiny_gpt) and on one that does not: within the allocator's 512-byte rounding of small tensors."""
+    from oomtune.config.schema import Plan
+    from oomtune.memory.breakdown import static_memory
+    from oomtune.model_file import load_model_file
+
+    lora = write_model(LORA_LIKE)
+    for path in (lora, EXAMPLES / "tiny_gpt.py"):
+        mf = load_model_file(path)
+        formula = static_memory(mf).adamw8bit_bytes()
+        measured = static_memory(mf, Plan(1, 8, "bf16-true", optimizer_8bit=True), "8bit").optimizer_bytes
+        assert formula == pytest.approx(measured, rel=0.05)
+    r = run_cli("estimate", lora, "--budget", "1MiB", "--margin", "0", "--batch", "4", "--context", "16",
+                "--out", tmp_path / "best.yaml", "--json")
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)
+    assert data["levers_not_used"]["8bit"].startswith("8-bit AdamW keeps fp32 moments for tensors under 4096 "
+                                                      "elements (or not a multiple of 256), and 3,076 of the 3,076")
+    assert not any("8bit" in x["rung"] for x in data["rungs"])
