@@ -32,8 +32,9 @@ from .render import breakdown_table, print_levers, render_search, render_what_if
 EstimateContextOpt = Annotated[int | None, typer.Option("--context", "-t", help="Target context length T (with "
                                                         "--micro-batch: the plan's context). Default: DEFAULTS, "
                                                         "else 512.")]
-EstimateObjectiveOpt = Annotated[str, typer.Option(help="fit: the first rung that fits. (throughput needs measured "
-                                                   "speed: use probe.)")]
+EstimateObjectiveOpt = Annotated[str, typer.Option(help="fit: the first rung that fits the whole batch at the "
+                                                   "target context, else the largest plan at the longest context. "
+                                                   "(throughput needs measured speed: use probe.)")]
 MicroBatchOpt = Annotated[int | None, typer.Option("--micro-batch", help="Estimate this one plan instead of running "
                                                    "the ladder: its breakdown, and whether it fits.")]
 PrecisionOpt = Annotated[str | None, typer.Option("--precision", help="With --micro-batch: fp32 | bf16 | fp16 "

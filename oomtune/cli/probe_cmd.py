@@ -43,8 +43,9 @@ PriorOpt = Annotated[bool | None, typer.Option("--prior/--no-prior", help="Estim
                                                "certify each rung's boundary on the device (two trials a rung where "
                                                "the estimate is right; the search where it is off). --no-prior: the "
                                                "search alone. Default: --prior on cuda, --no-prior on cpu.")]
-ObjectiveOpt = Annotated[str, typer.Option(help="fit: the first rung that fits; throughput: the fastest fitting rung "
-                                           "(measures them all).")]
+ObjectiveOpt = Annotated[str, typer.Option(help="fit: the first rung that fits the whole batch at the target "
+                                           "context, else the largest plan at the longest context (the earlier rung on "
+                                           "a tie); throughput: the fastest fitting rung (measures them all).")]
 
 
 @app.command()
