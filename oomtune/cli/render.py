@@ -275,6 +275,9 @@ def render_check(result, config_path: Path) -> None:
             n = getattr(result.new, key)
             table.add_row(label, fmt_bytes(o), fmt_bytes(n), _delta(n - o) if o is not None else "-")
         out.print(table)
+        if result.old is None:
+            out.print("[dim]  (no old column: the config records the peak alone, as `probe` writes it; `oomtune "
+                      "estimate` writes one with its breakdown)[/]")
     for note in result.notes:
         out.print(f"[yellow]note:[/] {escape(note)}")
     if result.fits:
