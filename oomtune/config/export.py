@@ -41,6 +41,9 @@ class Export:
         return "\n".join(f"{k}={_override(v)}" for k, v in self.values.items())
 
 
+# what a training script sets for any run, so no target's arguments hold it: --strict does not refuse these
+_IN_YOUR_CODE = ("context_length: ", "micro_batch_size: ", "grad_accum_steps: ")
+
 # the targets that write an optimizer (AdamW), and what to do instead where the model file has its own optimizer()
 _OWN_OPTIMIZER = {"hf": "optim here is AdamW (adamw_torch), whose state may not fit the plan: pass yours as "
                         "Trainer(optimizers=(optimizer, None))",
@@ -62,9 +65,6 @@ def export(plan: Plan, target: str, optimizer_of: str | None = None) -> Export:
     yours = [line for line in unexpressed if line.startswith(_IN_YOUR_CODE)]
     return Export(target, values, tuple(line for line in unexpressed if line not in yours), tuple(yours))
 
-
-# what a training script sets for any run, so no target's arguments hold it: --strict does not refuse these
-_IN_YOUR_CODE = ("context_length: ", "micro_batch_size: ", "grad_accum_steps: ")
 
 
 def defines_optimizer(model_path: str | Path) -> bool:
