@@ -36,6 +36,9 @@ def test_moving_and_casting_a_fake_model_keeps_its_parameters_ties_and_frozen_on
         assert isinstance(model.embed.weight, FakeTensor) and model.embed.weight.dtype == torch.float32
         assert model.embed.weight is weight and model.head.weight is model.embed.weight  # the same Parameter
         assert not model.frozen.weight.requires_grad and model.embed.weight.requires_grad
+    from oomtune.memory import fakes
+
+    assert torch.utils.swap_tensors is fakes._SWAP, "a swappable_fakes() block left torch's swap_tensors patched"
     with FakeTensorMode(allow_non_fake_inputs=True), torch.device("cpu"):  # without it, torch refuses the swap
         with pytest.raises(RuntimeError, match="Couldn't swap"):
             nn.Linear(4, 4).to("cpu")
