@@ -24,6 +24,7 @@ from ..errors import OomtuneError
 from ..units import card_budget, format_bytes, parse_budget
 from .allocator import CachingAllocatorModel, OutOfMemory
 from .cards import GpuSpec
+from .cpu_kernels import CpuKernelBuffers
 from .cuda_autocast import cuda_autocast
 from .cuda_kernels import cuda_kernels
 from .fakes import real_code_paths
@@ -99,9 +100,7 @@ class Device:
         devices, CPU tensors the tracker counts as host memory, apart from the device's budget."""
         return self.host_ledger().hosting()
 
-    @property
-    def pin_memory(self) -> bool:
-        return False
+    pin_memory = False  # (CudaDevice: True)
 
     def mark(self, reading: Reading, phase: str | None) -> None:
         """Close the running phase (record its peak) and start `phase`."""
@@ -351,6 +350,7 @@ class FakeDevice(TrackedDevice):
             return super()._accounting()
         with contextlib.ExitStack() as stack:  # a fresh FakeTensorMode per measured stretch; the tracker innermost
             stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+            stack.enter_context(CpuKernelBuffers())  # oneDNN's LSTM workspace, as the cpu device's kernels make it
             stack.enter_context(real_code_paths())  # .to() swaps, values of masks, libraries' tracing checks
             stack.enter_context(super()._accounting())
             return stack.pop_all()

@@ -106,8 +106,8 @@ class ReplayingTrials:
 def run_prior(run_ladder, device: Device, label: str) -> PriorReport:
     """`run_ladder(fake_device, trial) -> ProbeResult` on the fake device standing in for `device`, with
     ReplayingTrials; the priors of the rungs it searched. Where the fake device cannot stand in or cannot run the
-    model (an op that needs tensor values, too: the prior never computes on the host), the report says why and has
-    none (the device then searches as without a prior)."""
+    model (an op that needs tensor values, too: the prior never computes the model on the host), the report says
+    why and has none (the device then searches as without a prior)."""
     fake = prior_device(device)
     trials = ReplayingTrials()
     start = time.perf_counter()

@@ -1,0 +1,52 @@
+"""Buffers the CPU's own kernels keep that PyTorch's meta kernels give no size, made on the fake device at the size
+the cpu device's real kernels make them, so that the two devices still agree to the byte.
+
+One such kernel so far: nn.LSTM on the CPU runs oneDNN (`aten.mkldnn_rnn_layer`, one call a layer and direction).
+Its fourth output is a workspace kept for the backward (every time step's gates and states, in oneDNN's own padded
+layout), which the meta kernel returns empty: a 2-layer LSTM's saved activations read 2.97 MiB on fake tensors
+against 10.57 MiB computed. The size is oneDNN's to choose and not a formula of the shapes (it moves in 4 KiB pages),
+so it is read from one real call on zeros of the same shapes (the values play no part in it), once a shape.
+
+On a card (`--gpu`) nn.LSTM would run cuDNN, whose reserve space is its own size again: both simulated devices count
+oneDNN's workspace in its place (docs/devices.md).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+_LSTM_LAYER = getattr(getattr(torch.ops.aten, "mkldnn_rnn_layer", None), "default", None)
+_SIZES: dict[tuple, int] = {}  # signature -> workspace elements, for the process (a shape's size never changes)
+
+
+def _signature(args) -> tuple:
+    """What oneDNN's workspace size can depend on: every argument, tensors by shape and dtype."""
+    return tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else
+                 tuple(a) if isinstance(a, (list, tuple)) else a for a in args)
+
+
+class CpuKernelBuffers(TorchDispatchMode):
+    """Enter inside FakeTensorMode (below the tracker): an LSTM layer's workspace is made at oneDNN's size, as an
+    output of that op, where the tracker counts it."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func is _LSTM_LAYER and not kwargs and out[3] is not None and out[3].numel() == 0:
+            size = self._workspace_elements(args)
+            if size:
+                out = (*out[:3], torch.empty(size, dtype=out[3].dtype, device=out[3].device))
+        return out
+
+    def _workspace_elements(self, args) -> int:
+        key = (_signature(args), torch.is_grad_enabled())
+        if key not in _SIZES:
+            with _disable_current_modes():  # (in the caller's grad mode: oneDNN keeps no workspace without grad)
+                real = [torch.zeros(a.shape, dtype=a.dtype) if isinstance(a, torch.Tensor) else a for a in args]
+                workspace = _LSTM_LAYER(*real)[3]
+                _SIZES[key] = 0 if workspace is None else workspace.numel()
+        return _SIZES[key]
+
+
+__all__ = ["CpuKernelBuffers"]
