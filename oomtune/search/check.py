@@ -180,8 +180,9 @@ def check_floor(model_file: ModelFile, plan: Plan, kind: str, budget_bytes: int,
                                     ("NF4 weights", plan.nf4_frozen_weights)) if on]
     static = static_memory(model_file, plan, " + ".join(levers))
     if static.floor_bytes > limit:
-        raise OomtuneError(f"budget {format_bytes(budget_bytes)} ({format_bytes(limit)} after {headroom:.0%} "
-                           f"headroom) is too small for the plan's weights alone: {static.describe()}")
+        after = f" ({format_bytes(limit)} after {headroom:.0%} headroom)" if headroom else ""
+        raise OomtuneError(f"budget {format_bytes(budget_bytes)}{after} is too small for the plan's weights alone: "
+                           f"{static.describe()}")
 
 
 def _cuda_device(budget_bytes: int, clamp: bool) -> tuple[Device, int | None]:

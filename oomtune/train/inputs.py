@@ -204,3 +204,13 @@ def resolve_device(config: Config, kind: str | None, budget: str | None) -> Devi
     if budget is None and probed_here:
         budget = str(found.budget_bytes)
     return make_device(kind, budget, find_gpu(found.card) if probed_here and found.card else None)
+
+
+def check_weights_fit(model_file: ModelFile, plan: Plan, device: Device, world_size: int) -> None:
+    """On the simulated cpu device, a budget that the plan's weights, gradients and optimizer state alone exceed is
+    bad input (exit 2, before anything is written), as for check and probe: no micro-batch could train. On cuda the
+    real run says so itself."""
+    if device.kind == "cpu" and world_size == 1:
+        from ..search.check import check_floor
+
+        check_floor(model_file, plan, device.kind, device.budget_bytes, device.budget_bytes, 0.0)

@@ -41,7 +41,7 @@ from .checkpoint import KEEP
 from .checkpointer import checkpointer_for, restore, resume_notes
 from .data import DataStream, Shares
 from .events import Checkpointed, Event, Note, Started, StepDone, TrainResult
-from .inputs import Inputs, check_inputs, device_kind, resolve_device, resumed_device
+from .inputs import Inputs, check_inputs, check_weights_fit, device_kind, resolve_device, resumed_device
 from .losses import LossWatch, NonFiniteLoss, tainted_buffer
 from .metrics import StepMetrics, Window
 from .notes import run_notes
@@ -81,8 +81,8 @@ class Trainer:
         self.log = RunLog(inputs.run_dir, enabled=self.dist.is_main)  # rank 0 writes the run dir's logs
         budget = rank_budgets.get(self.dist.rank, budget) if rank_budgets else budget
         self.device = resolve_device(inputs.file_config, kind, budget)
-        self.cuda = self.device.torch_device.type == "cuda"
-        # for a resume (checkpoints): on cpu the budget resolved (a new probe may change the config's)
+        check_weights_fit(self.model_file, inputs.plan, self.device, world)
+        self.cuda = self.device.torch_device.type == "cuda"  # run_on, for a resume: on cpu the budget resolved
         self.run_on = {"device": kind, "budget": budget if self.cuda or budget else str(self.device.budget_bytes)}
         step = int(inputs.resume_state["step"]) if inputs.resume_state else 0
         self.state = RunState(inputs.plan, inputs.file_config, step=step, start_step=step,

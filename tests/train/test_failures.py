@@ -248,11 +248,13 @@ def test_a_resume_already_past_steps_says_there_is_nothing_to_do(case_dir):
     assert "trained" not in said
 
 
-def test_a_budget_smaller_than_the_weights_is_bad_input(case_dir):
-    result = train("--budget", "1KiB")
+@pytest.mark.parametrize("budget", ["1KiB", "20KiB"])  # under the weights; over them, under + gradients + AdamW's
+def test_a_budget_smaller_than_the_weights_is_bad_input(case_dir, budget):
+    """Before anything is written (it once trained, fell back to micro-batch 1 and left a run dir and exit 1)."""
+    result = train("--budget", budget, "--run-dir", "fresh")
     assert result.exit_code == 2
-    assert "the weights alone do not fit" in error_line(result)
-    assert steps_saved(case_dir / "run") == []
+    assert f"budget {budget[:-3]}.00 KiB is too small for the plan's weights alone: weights " in error_line(result)
+    assert not (case_dir / "fresh").exists()
 
 
 def test_a_train_batches_that_returns_no_iterable_is_named(case_dir):
