@@ -83,13 +83,13 @@ class ModelFile:
         self.check_batch("make_batch", batch, device)
         return batch
 
-    def sample_tensors(self, context_length: int) -> tuple[list[torch.Tensor], bool] | None:
-        """The tensors of make_batch(1, context_length), and whether they were asked for on PyTorch's meta device
-        (nothing allocated; else, where it cannot run there because it reads values or calls .cuda(), the cpu,
-        for one sequence): what shapes and devices it makes. None where it cannot run on either."""
+    def sample_tensors(self, context_length: int, batch_size: int = 1) -> tuple[list[torch.Tensor], bool] | None:
+        """The tensors of make_batch(batch_size, context_length), and whether they were asked for on PyTorch's meta
+        device (nothing allocated; else, where it cannot run there because it reads values or calls .cuda(), the
+        cpu, for one or two sequences): what shapes and devices it makes. None where it cannot run on either."""
         for device in (torch.device("meta"), torch.device("cpu")):
             try:
-                batch = self.module.make_batch(1, context_length, device)
+                batch = self.module.make_batch(batch_size, context_length, device)
             except (Exception, SystemExit):
                 continue
             parts = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (tuple, list)) \

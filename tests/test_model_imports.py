@@ -106,3 +106,18 @@ def test_a_make_batch_shorter_than_the_context_is_noted(write_model, tmp_path):
                     "--context", "64", "--out", tmp_path / "best.yaml", "--json")
         assert r.exit_code == 0, r.output
         assert any(said in n for n in json.loads(r.stdout)["notes"]) is noted
+
+
+def test_a_make_batch_that_ignores_its_batch_size_is_bad_input(write_model, tmp_path):
+    """device: cpu and fake. It returned 8 examples whatever it was asked for: the probe climbed every rung and
+    reported micro-batch 32 where each trial had run 8 (exit 0). Now one line, exit 2, and no config written."""
+    head = "def make_batch(batch_size, context_length, device):\n"
+    fixed = TINY_MODEL.replace(head, head + "    batch_size = 8\n")
+    assert fixed != TINY_MODEL
+    model = write_model(fixed)
+    for args in (("estimate", model, "--budget", "400KiB", "--margin", "0"),
+                 ("probe", model, "--device", "cpu", "--budget", "64MiB")):
+        r = run_cli(*args, "--batch", "4", "--context", "4", "--out", tmp_path / "best.yaml")
+        assert r.exit_code == 2, r.output
+        assert "make_batch() returned the same shapes for batch_size 1 and 2 ((8, 4, 16)" in " ".join(r.stderr.split())
+        assert not (tmp_path / "best.yaml").exists()

@@ -333,11 +333,17 @@ def measurement_notes(model_file: ModelFile, static: StaticMemory, device: Devic
 
 def batch_notes(model_file: ModelFile, device: Device, context: int) -> tuple[str, ...]:
     """What make_batch() shows for one sequence (model_file.sample_tensors): on the simulated devices, tensors not
-    on its `device` (a GPU's probe would refuse them); on any, no sequence of the context's length."""
+    on its `device` (a GPU's probe would refuse them); on any, no sequence of the context's length. One that
+    ignores its batch_size (the same shapes for 1 and 2) is an error."""
     sample = model_file.sample_tensors(context)
     if sample is None:
         return ()
     tensors, on_meta = sample
+    two = model_file.sample_tensors(context, batch_size=2)
+    if tensors and two is not None and [t.shape for t in two[0]] == [t.shape for t in tensors]:
+        shapes = ", ".join(str(tuple(t.shape)) for t in tensors)
+        raise model_file.fail("make_batch", f"returned the same shapes for batch_size 1 and 2 ({shapes}): it must "
+                                            "return batch_size examples, or every plan is measured at the wrong size")
     notes: tuple[str, ...] = ()
     if on_meta and device.kind != "cuda" and any(t.device.type != "meta" for t in tensors):
         notes += (f"{model_file.label}'s make_batch() ignores its device argument (asked for PyTorch's meta device, "
