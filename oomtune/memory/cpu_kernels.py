@@ -1,11 +1,17 @@
-"""Buffers the CPU's own kernels keep that PyTorch's meta kernels give no size, made on the fake device at the size
-the cpu device's real kernels make them, so that the two devices still agree to the byte.
+"""Where PyTorch's meta kernels differ from the CPU's own: on the fake device, outputs are made as the cpu device's
+real kernels make them, so that the two devices still agree to the byte.
 
-One such kernel so far: nn.LSTM on the CPU runs oneDNN (`aten.mkldnn_rnn_layer`, one call a layer and direction).
-Its fourth output is a workspace kept for the backward (every time step's gates and states, in oneDNN's own padded
-layout), which the meta kernel returns empty: a 2-layer LSTM's saved activations read 2.97 MiB on fake tensors
-against 10.57 MiB computed. The size is oneDNN's to choose and not a formula of the shapes (it moves in 4 KiB pages),
-so it is read from one real call on zeros of the same shapes (the values play no part in it), once a shape.
+Two so far.
+
+- Grouped matmul (`aten._grouped_mm`, the experts of transformers' mixture-of-experts models): the CPU's kernel
+  takes any floating dtype, the meta kernel only CUDA's bf16 ("Expected inputs of BF16 type"), so an fp32 Mixtral
+  failed on fake tensors alone. Its output is shaped from the same op in bf16 and made in the inputs' dtype (or
+  out_dtype), contiguous, as the CPU's kernel makes it.
+- nn.LSTM on the CPU runs oneDNN (`aten.mkldnn_rnn_layer`, one call a layer and direction). Its fourth output is a
+  workspace kept for the backward (every time step's gates and states, in oneDNN's own padded layout), which the
+  meta kernel returns empty: a 2-layer LSTM's saved activations read 2.97 MiB on fake tensors against 10.57 MiB
+  computed. The size is oneDNN's to choose and not a formula of the shapes (it moves in 4 KiB pages), so it is read
+  from one real call on zeros of the same shapes (the values play no part in it), once a shape.
 
 On a card (`--gpu`) nn.LSTM would run cuDNN, whose reserve space is its own size again: both simulated devices count
 oneDNN's workspace in its place (docs/devices.md).
@@ -17,6 +23,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 _LSTM_LAYER = getattr(getattr(torch.ops.aten, "mkldnn_rnn_layer", None), "default", None)
+_GROUPED_MM = getattr(getattr(torch.ops.aten, "_grouped_mm", None), "default", None)
 _SIZES: dict[tuple, int] = {}  # signature -> workspace elements, for the process (a shape's size never changes)
 
 
@@ -32,6 +39,8 @@ class CpuKernelBuffers(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is _GROUPED_MM and args[0].dtype != torch.bfloat16:
+            return _grouped_mm(func, args, kwargs)
         out = func(*args, **kwargs)
         if func is _LSTM_LAYER and not kwargs and out[3] is not None and out[3].numel() == 0:
             size = self._workspace_elements(args)
@@ -47,6 +56,16 @@ class CpuKernelBuffers(TorchDispatchMode):
                 workspace = _LSTM_LAYER(*real)[3]
                 _SIZES[key] = 0 if workspace is None else workspace.numel()
         return _SIZES[key]
+
+
+def _grouped_mm(func, args, kwargs) -> torch.Tensor:
+    """_grouped_mm(self, mat2, offs=None, bias=None, out_dtype=None) in a dtype the meta kernel refuses."""
+    named = dict(zip(("self", "mat2", "offs", "bias", "out_dtype"), args, strict=False)) | kwargs
+    dtype = named.pop("out_dtype", None) or named["self"].dtype
+    as_bf16 = {k: v.to(torch.bfloat16) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+               for k, v in named.items()}
+    a, b = as_bf16.pop("self"), as_bf16.pop("mat2")
+    return torch.empty(func(a, b, **as_bf16).shape, dtype=dtype, device=named["self"].device)
 
 
 __all__ = ["CpuKernelBuffers"]

@@ -181,3 +181,21 @@ def test_library_warnings_show_only_with_debug(tmp_path):
     assert loud.exit_code == quiet.exit_code == 0, quiet.output
     assert any("is_gradient_checkpointing` is deprecated" in m for m in shown_loud), shown_loud
     assert shown_quiet == []
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_an_hf_mixtral_measures_on_fake_tensors_as_on_the_cpu(precision):
+    """device: fake and cpu. Its experts' grouped matmul in fp32 failed on fake tensors alone ("Expected inputs of
+    BF16 type", exit 2, the model blamed), so estimate and check could not run a model that probes and trains."""
+    from oomtune.config.schema import Plan
+    from oomtune.memory.devices import CpuDevice, FakeDevice
+    from oomtune.memory.margin import Margin
+    from oomtune.search.trial import run_trial
+
+    model_file = load_model_file(MODELS / "hf_mixtral_lora.py")
+    plan = Plan(2, 16, precision)
+    cpu = run_trial(model_file, plan, CpuDevice("1GiB"))
+    fake = run_trial(model_file, plan, FakeDevice("1GiB", margin=Margin()))
+    assert not cpu.oom and not fake.oom
+    assert fake.phase_peaks["forward"] == cpu.phase_peaks["forward"]
+    assert fake.peak_allocated_bytes == cpu.peak_allocated_bytes
