@@ -221,11 +221,10 @@ class TrackedDevice(Device):
     def fresh_allocator(self) -> CachingAllocatorModel:
         """The allocator model a measurement starts from (seeded with what the margin holds), before it is fed what
         lives already."""
-        # a breakdown measures a plan that does not fit, too; a device that never runs out frees its cache at the
-        # capacity as the card does, then goes past it
-        lifted = self.tracker.budget_bytes is None and not self.never_runs_out
-        model = CachingAllocatorModel(None if lifted else self.margin.allocator_capacity(self.budget_bytes),
-                                      overflows=self.never_runs_out)
+        # with no budget to run out of (a breakdown's, lifted to measure a plan that does not fit too; the prior's)
+        # it frees its cache at the capacity as the card does, then goes past it: a plan that fits reads as its trial
+        model = CachingAllocatorModel(self.margin.allocator_capacity(self.budget_bytes),
+                                      overflows=self.tracker.budget_bytes is None)
         self.margin.seed(model)  # the budget check made room for it
         return model
 

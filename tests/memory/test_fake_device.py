@@ -326,3 +326,38 @@ def test_an_lstm_counts_onednns_workspace_on_fake_as_on_cpu(write_model, plan):
     assert fake.phase_peaks["forward"] == cpu.phase_peaks["forward"]  # (without it: 57% of the cpu's in fp32)
     # the backward within a 512-byte block a layer: autograd copies the LSTM's bias gradients on fake, not on cpu
     assert abs(fake.peak_allocated_bytes - cpu.peak_allocated_bytes) <= 2 * 512
+
+
+def test_a_breakdown_frees_the_allocators_cache_at_the_budget_as_the_trial_does(write_model):
+    """A card's caching allocator gives back its cached segments before it runs out. The breakdown (check's, with
+    the budget lifted to measure a plan that does not fit) kept them: a plan estimate had just written at
+    --headroom 0 read 8 MiB over its budget in check (exit 1). A 20 MiB temporary, freed, then a 30 MiB one that
+    cannot reuse its segment: at a budget 20 MiB under the uncapped peak the trial fits, and the breakdown agrees."""
+    path = write_model('''
+        import torch
+        from torch import nn
+
+        class Spiky(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = nn.Linear(8, 8)
+
+            def forward(self, x):
+                first = torch.zeros(20 << 18, device=x.device)  # 20 MiB of fp32
+                del first
+                second = torch.zeros(30 << 18, device=x.device)
+                return self.lin(x).sum() + second[0]
+
+        def build_model():
+            return Spiky()
+
+        def make_batch(batch_size, context_length, device):
+            return torch.randn(batch_size, context_length, 8, device=device)
+    ''')
+    mf, plan, card = load_model_file(path), Plan(1, 4, "fp32"), find_gpu("generic")
+    uncapped = run_trial(mf, plan, FakeDevice("80GiB", gpu=card)).peak_bytes
+    budget = f"{uncapped - 20 * MiB}B"
+    capped = run_trial(mf, plan, FakeDevice(budget, gpu=card))
+    assert not capped.oom and capped.peak_bytes <= uncapped - 20 * MiB
+    assert breakdown(mf, plan, FakeDevice(budget, gpu=card)).peak_bytes == capped.peak_bytes
+    assert breakdown(mf, plan, FakeDevice("80GiB", gpu=card)).peak_bytes == uncapped
