@@ -196,14 +196,16 @@ def device_kind(config: Config, kind: str | None) -> str:
 
 def resolve_device(config: Config, kind: str | None, budget: str | None) -> Device:
     """Train where the probe ran unless told otherwise; on the simulated cpu device also in the budget it
-    probed, accounting like the card it probed as (the memory the plan was found for). On cuda the default budget
-    is the card's free memory (of the GPU torch.cuda.set_device chose: one per rank)."""
+    probed, and accounting like the card the plan was found for (probed on cpu or estimated with --gpu: its
+    context, workspaces and allocator, which that budget holds). On cuda the default budget is the card's free
+    memory (of the GPU torch.cuda.set_device chose: one per rank)."""
     kind = device_kind(config, kind)
     found = config.found_by
     probed_here = kind == "cpu" and found is not None and found.device == "cpu"
     if budget is None and probed_here:
         budget = str(found.budget_bytes)
-    return make_device(kind, budget, find_gpu(found.card) if probed_here and found.card else None)
+    as_card = kind == "cpu" and found is not None and found.device in ("cpu", "fake") and found.card
+    return make_device(kind, budget, find_gpu(found.card) if as_card else None)
 
 
 def check_weights_fit(model_file: ModelFile, plan: Plan, device: Device, world_size: int) -> None:
