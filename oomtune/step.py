@@ -46,6 +46,7 @@ class Training:
     on_phase: Callable[[str], None] | None = None  # told "forward" / "backward" / "optimizer" as each starts
     dist: Dist = LOCAL  # the ranks (LOCAL: one process)
     decaying: tuple[bool, ...] = ()  # per param group: built with weight decay (set_weight_decay sets those)
+    micro_losses: torch.Tensor | None = None  # the step in flight's micro-batch losses, from its optimizer phase
 
     @property
     def module(self) -> nn.Module:
@@ -128,8 +129,10 @@ def autocast(t: Training) -> contextlib.AbstractContextManager:
 
 
 def _accumulate(t: Training, micro_batches: Sequence[Batch]) -> torch.Tensor:
+    """-> each micro-batch's loss, in one tensor (one block, in training as in a trial: the trainer's check for a
+    non-finite loss reads them, where a tensor kept per micro-batch put training above the trial's peak)."""
     n = len(micro_batches)
-    total = torch.zeros((), device=t.device.torch_device)
+    losses = torch.zeros(n, device=t.device.torch_device)
     for i, batch in enumerate(micro_batches):
         with micro_step(t.model, t.plan.sharding, last=i == n - 1):
             t.phase("forward")
@@ -139,9 +142,9 @@ def _accumulate(t: Training, micro_batches: Sequence[Batch]) -> torch.Tensor:
             of = "loss()" if t.model_file.has("loss") else "the model"
             with t.model_file.user_code(f"the backward pass of {of}"):  # a recompute mismatch, a custom Function
                 t.scaler.scale(loss / n).backward()  # grads accumulate across micro-steps
-        total += loss.detach().float()
+        losses[i] = loss.detach()
         del loss
-    return total
+    return losses
 
 
 def train_step(t: Training, micro_batches: Sequence[Batch]) -> torch.Tensor:
@@ -150,7 +153,7 @@ def train_step(t: Training, micro_batches: Sequence[Batch]) -> torch.Tensor:
     point; the caller decides when)."""
     n = len(micro_batches)
     fsdp = t.plan.sharding == "fsdp"  # its forward and backward hold collectives
-    total = t.dist.agreed(lambda: _accumulate(t, micro_batches), fsdp)  # every rank: OOM or not
+    t.micro_losses = t.dist.agreed(lambda: _accumulate(t, micro_batches), fsdp)  # every rank: OOM or not
     t.phase("optimizer")
     sync_gradients(t.model, t.plan.sharding, t.dist)  # ddp: averaged once a step; otherwise nothing
     if t.clip_grad_norm is not None:
@@ -159,7 +162,8 @@ def train_step(t: Training, micro_batches: Sequence[Batch]) -> torch.Tensor:
     t.scaler.step(t.optimizer)  # skips the step when fp16 gradients overflowed
     t.scaler.update()
     t.optimizer.zero_grad(set_to_none=True)  # frees gradient memory until the next backward
-    return total / n
+    losses, t.micro_losses = t.micro_losses, None
+    return losses.sum() / n
 
 
 def make_optimizer_state(t: Training) -> torch.Tensor | None:

@@ -7,7 +7,7 @@ micro-batches of the current plan (data.Shares) and hands them to `train_step`. 
 - a `Checkpointer` (checkpointer.py): one file on one process, a DCP folder on a process group;
 - a `RecoveryPolicy` (recovery.py): decides what an out-of-memory error, a diverged loss or an error mid-run does,
   and the trainer carries the decision out (`_fall_back`, `_stop`);
-- `LossWatch` (losses.py), `DataStream` and `Shares` (data.py), `RunLog` (rundir.py), `graceful_stop` (signals.py).
+- `check_losses` (losses.py), `DataStream` and `Shares` (data.py), `RunLog` (rundir.py), `graceful_stop` (signals.py).
 
 Exact resume: a checkpoint holds the model, optimizer, scaler, step and the global RNG states. The data come from a
 private RNG stream (seed + 1) that is swapped in around every draw, so the model's randomness (dropout) and the
@@ -42,7 +42,7 @@ from .checkpointer import checkpointer_for, restore, resume_notes
 from .data import DataStream, Shares
 from .events import Checkpointed, Event, Note, Started, StepDone, TrainResult
 from .inputs import Inputs, check_inputs, check_weights_fit, device_kind, resolve_device, resumed_device
-from .losses import LossWatch, NonFiniteLoss, tainted_buffer
+from .losses import NonFiniteLoss, check_losses, tainted_buffer
 from .metrics import StepMetrics, Window
 from .notes import run_notes
 from .recovery import RecoveryPolicy, Retry, Stop
@@ -95,7 +95,6 @@ class Trainer:
         self.recovery = RecoveryPolicy(inputs.config_path, self.cfg, collective=self.checkpointer.collective,
                                        main=self.dist.is_main, fsdp=inputs.plan.sharding == "fsdp",
                                        resumed_from=inputs.resumed_from, run_dir=inputs.run_dir)
-        self.watch = LossWatch(self.model_file)  # stands in for the model file in the step: a NaN loss stops it
         self.notes = run_notes(inputs, step, device, self.device) + [Note(n) for n in resumed_on]  # said later
         self.t: Training | None = None  # built by run()
         self.metrics = StepMetrics(self.dist, self.device, self.log)
@@ -173,7 +172,6 @@ class Trainer:
                                "(the loss shows the loop runs, not that the model learns)", warning=True))
         if not self.evaluates:
             self.on_event(Note(f"{label} has no eval_batches(): no evaluation", warning=True))
-        self.t.model_file = self.watch
         return base_lrs
 
     def _loop(self, stream: DataStream, base_lrs: list[float],
@@ -213,7 +211,6 @@ class Trainer:
         return first_loss, last_loss, last_eval, stopping
 
     def _train_step(self, batches: list[Batch]) -> torch.Tensor:
-        self.watch.forget()  # this attempt's losses (a retry after an out-of-memory error starts them over)
         return train_step(self.t, self.shares.micro_batches(batches, self.state.plan.micro_batch_size))
 
     def _evaluate(self) -> tuple[float, int]:
@@ -333,7 +330,7 @@ class Trainer:
         """Drop what the step in flight did (half-accumulated gradients, its RNG draws): the state is then that of
         the last finished step, ready to be retried or checkpointed."""
         self.t.model.zero_grad(set_to_none=True)
-        self.watch.forget()
+        self.t.micro_losses = None
         self.device.release()
         if rewind_rng:
             restore_rng(self.state.step_rng, self.cuda)
@@ -341,7 +338,7 @@ class Trainer:
     def _on_phase(self, name: str) -> None:
         self.state.phase = Phase(name)
         if self.state.phase is Phase.OPTIMIZER:  # the micro-batches are done, the update not yet applied
-            self.watch.check(self.dist)
+            check_losses(self.t.micro_losses, self.dist)
 
     # -- building, checkpoints -------------------------------------------------------------------------
     def _build(self) -> Training:

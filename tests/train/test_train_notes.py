@@ -80,7 +80,8 @@ def test_an_estimate_for_a_t4_says_it_trains_on_the_cpu_device_and_in_which_budg
     ram = lambda lines: [re.sub(r"budget of [0-9.]+ \w+", "budget of RAM", n) for n in lines]  # noqa: E731
     assert ram(notes(cfg, device="auto")) == ram(notes(cfg))  # --device auto: the same (the free RAM moves)
     assert notes(cfg, budget="15GiB") == ["this plan was estimated for a Tesla T4 (fake device, budget 15.00 GiB); "
-                                          "no GPU here, so it trains on the cpu device, simulating that budget and card"]
+                                          "no GPU here, so it trains on the cpu device, simulating that budget and "
+                                          "card"]
     before = stderr_before_first_step(run_cli("train", "--config", cfg))
     said = [line for line in before if "no GPU here" in line]
     assert said == ["warning: this plan was estimated for a Tesla T4 (fake device, budget 15.00 GiB); no GPU here, so "

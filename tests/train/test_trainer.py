@@ -263,3 +263,18 @@ def test_train_runs_where_the_plan_was_probed_unless_told_otherwise(tmp_path, wr
     assert_one_line_exit_2(run_cli("train", "--config", cfg, "--device", "fake", "--budget", "1GiB"),
                            "needs a device that computes")
     assert not (tmp_path / "run").exists()
+
+
+def test_training_peaks_where_the_trial_of_its_plan_did_with_accumulation(tmp_path, write_model, monkeypatch):
+    """device: cpu. The trainer kept a tensor per micro-batch's loss (its check for a NaN): each step of an
+    accumulating plan peaked a 512-byte block per micro-batch but the last over the probe's trial (its peak in
+    backward), past the headroom of a tight plan. The step now keeps them in one tensor, in training and in the
+    trial alike. (On make_batch's data, as the trial: a train_batches() may draw batches of other sizes.)"""
+    monkeypatch.chdir(tmp_path)
+    model, plan = write_model(), Plan(2, 64, grad_accum_steps=8)
+    cfg = write_config(tmp_path / "best.yaml", model, {"micro_batch_size": 2, "context_length": 64,
+                                                       "grad_accum_steps": 8},
+                       {"steps": 3, "log_every_n_steps": 1, "run_dir": "run"})
+    train(cfg, device="cpu", budget="1GiB")
+    peaks = [r["peak_bytes"] for r in metrics(tmp_path / "run")]
+    assert peaks[1:] == [peak(model, plan)] * 2, peaks
