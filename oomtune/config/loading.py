@@ -4,6 +4,7 @@ unknown key (named, with the allowed ones), a missing key or a wrong type is one
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from dataclasses import fields
@@ -13,6 +14,8 @@ from typing import Any, Literal
 from ..errors import ConfigError
 from .schema import Config
 from .text import parse
+
+_NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")  # what a float field takes written as a string
 
 
 def _type_name(tp: Any) -> str:
@@ -58,6 +61,8 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
             return value
     elif tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str) and _NUMBER.fullmatch(value.strip()):  # `lr: 3e-4`: YAML 1.1 reads a string
             return float(value)
     elif tp is str:
         if isinstance(value, str):

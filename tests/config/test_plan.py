@@ -69,6 +69,7 @@ def test_model_path_is_stored_relative_to_the_config_wherever_they_share_a_folde
      r"not valid YAML at line 2: key 'model' appears twice \(lines 1 and 2\)"),
     (("  lr: 0.001", "  lr: 0.001\n  lr: 0.1"), r"key 'lr' appears twice"),
     (("budget_bytes: 1048576", "budget_bytes: -1"), r"found_by\.budget_bytes must be more than 0, got -1"),
+    (("  lr: 0.001", "  lr: 3e-4x"), r"train\.lr: expected float, got '3e-4x'"),
 ])
 def test_bad_keys_and_types_are_named(tmp_path, edit, message):
     path = tmp_path / "best.yaml"
@@ -78,6 +79,16 @@ def test_bad_keys_and_types_are_named(tmp_path, edit, message):
     path.write_text(text.replace(edit[0], edit[1], 1))
     with pytest.raises(ConfigError, match=message):
         load_config(path)
+
+
+@pytest.mark.parametrize("written, value", [("3e-4", 3e-4), ("1E-3", 1e-3), ("'2.5e-3'", 2.5e-3), ("0.001", 0.001)])
+def test_a_float_in_exponent_form_is_a_float(tmp_path, written, value):
+    """YAML 1.1 (PyYAML) reads `lr: 3e-4` as the string '3e-4' (it wants `3.0e-4`): how most people write a
+    learning rate, so a float field takes it."""
+    path = tmp_path / "best.yaml"
+    save_config(make_config(), path)
+    path.write_text(path.read_text().replace("  lr: 0.001", f"  lr: {written}", 1))
+    assert load_config(path).train.lr == value
 
 
 def test_missing_keys_and_files_and_bad_yaml(tmp_path):
