@@ -45,6 +45,7 @@ class StaticMemory:
     weights_dtype: str | None = None  # "bfloat16" / "float16": every trained weight is built in it (else None)
     trained_elements: int = 0  # elements of the trained parameters
     quantized_elements: int = 0  # of those, in tensors 8-bit AdamW quantizes (the rest keep fp32 moments)
+    batch_norm: bool = False  # the model has BatchNorm layers (their statistics are a micro-batch's)
 
     def adamw8bit_bytes(self) -> int:
         """8-bit AdamW's state: two 8-bit moments and a 4-byte scale each per 256 elements where it quantizes, two
@@ -125,9 +126,10 @@ def static_memory(model_file: ModelFile, plan: Plan | None = None, levers: str =
         host = tracker.host_live_bytes
         trained = sum(p.numel() for p in params)
         quantized = sum(p.numel() for p in params if quantizes(p))
+        batch_norm = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
         del model, params, opt
     return StaticMemory(weights, grads, optimizer_state, name, checkpointing, compiled, temporaries, nf4, host,
-                        levers, low, trained, quantized)
+                        levers, low, trained, quantized, batch_norm)
 
 
 PART_LABELS = {

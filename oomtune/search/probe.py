@@ -237,6 +237,7 @@ def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: 
                            past=past, prior=report)
     c = ladder.choice
     chosen = Point(c.rung, c.micro_batch_size, c.context_length, c.grad_accum_steps)
+    notes += batch_norm_note(model_file, static, c.micro_batch_size, c.grad_accum_steps)
     found = FoundBy(
         command=command, estimated=device.kind == "fake", device=device.kind, gpu_name=device.name,
         budget_bytes=device.budget_bytes, headroom=headroom, objective=objective,
@@ -329,6 +330,16 @@ def measurement_notes(model_file: ModelFile, static: StaticMemory, device: Devic
                   f"every plan trains them in {static.weights_dtype} (its 'fp32' means no autocast), and the ladder "
                   "has no amp rung (autocast would only add copies of them)",)
     return notes
+
+
+def batch_norm_note(model_file: ModelFile, static: StaticMemory, micro_batch: int, accum: int) -> tuple[str, ...]:
+    """Accumulation is the global batch's gradient, except where BatchNorm normalises each micro-batch alone."""
+    if not static.batch_norm or accum == 1:
+        return ()
+    return (f"{model_file.label} has BatchNorm layers: with accumulation each normalises over its micro-batch of "
+            f"{micro_batch}, not the global batch of {micro_batch * accum}, so training is not that of one batch "
+            "(noisier statistics; at micro-batch 1, none across examples): GroupNorm or LayerNorm do not depend on "
+            "the batch",)
 
 
 def batch_notes(model_file: ModelFile, device: Device, context: int) -> tuple[str, ...]:

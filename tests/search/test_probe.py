@@ -12,7 +12,7 @@ from oomtune.search.options import resolve_targets
 from oomtune.search.probe import probe
 from oomtune.search.trial import run_trial
 
-from ..conftest import EXAMPLES, run_cli
+from ..conftest import EXAMPLES, TINY_MODEL, run_cli
 
 MiB = 1 << 20
 B, T = 8, 64
@@ -342,3 +342,22 @@ def test_a_model_built_in_16_bits_has_no_amp_rung_and_a_note_saying_what_fp32_me
         return
     explicit = probe(mf, CpuDevice("64MiB"), targets, levers=CLASSIC, objective="throughput", amp="bf16")
     assert "amp" in [r.rung.name for r in explicit.ladder.rungs]
+
+
+@pytest.mark.parametrize("norm, noted", [("nn.BatchNorm1d(16)", True), ("nn.GroupNorm(4, 16)", False)])
+def test_a_batchnorm_model_that_accumulates_gets_a_note(norm, noted, write_model, tmp_path):
+    """device: cpu. The YAML says accumulation is "the same result"; with BatchNorm it is not: each micro-batch
+    normalises over itself. A probe that chose micro-batch 1 x 64 for a BatchNorm CNN said nothing."""
+    source = TINY_MODEL.replace("        self.out = nn.Linear(16, 4)\n",
+                                f"        self.out = nn.Linear(16, 4)\n        self.norm = {norm}\n").replace(
+        "        return nn.functional.cross_entropy(", "        x = self.norm(x.transpose(1, 2)).transpose(1, 2)\n"
+                                                      "        return nn.functional.cross_entropy(")
+    assert source.count("self.norm") == 2
+    said = "model.py has BatchNorm layers: with accumulation each normalises over its micro-batch of"
+    for batch, accumulates in (("64", True), ("1", False)):
+        r = run_cli("probe", write_model(source), "--device", "cpu", "--budget", "120KiB", "--batch", batch,
+                    "--context", "8", "--levers", "accumulation", "--out", tmp_path / f"{batch}.yaml", "--json")
+        assert r.exit_code == 0, r.output
+        out = json.loads(r.stdout)
+        assert (out["plan"]["grad_accum_steps"] > 1) is accumulates, out["plan"]
+        assert any(said in n for n in out["notes"]) is (noted and accumulates), out["notes"]
