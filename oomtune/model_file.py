@@ -76,6 +76,12 @@ class ModelFile:
             raise self.fail("build_model", f"returned {type(model).__name__}; expected a torch.nn.Module")
         if not any(p.requires_grad for p in model.parameters()):
             raise self.fail("build_model", "returned a model with no trainable parameters")
+        sparse = next((name for name, m in model.named_modules()
+                       if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse), None)
+        if sparse is not None:
+            raise self.fail("build_model", f"returned a model whose {sparse or 'embedding'} has sparse=True: sparse "
+                                           "gradients are not supported (the training step clips the gradients' "
+                                           "norm, and the memory levers need dense ones): build it with sparse=False")
         return model
 
     def batch(self, batch_size: int, context_length: int, device: torch.device) -> Batch:

@@ -358,3 +358,15 @@ def test_checkpointed_batch_norms_update_their_running_statistics_once_a_step(wr
             assert torch.equal(a.running_mean, b.running_mean) and torch.equal(a.running_var, b.running_var)
     assert all(torch.equal(p.grad, q.grad) for p, q in zip(plain.parameters(), wrapped.parameters(), strict=True))
 
+
+
+def test_a_sparse_embedding_is_named_in_one_line(write_model):
+    """device: cpu. nn.Embedding(sparse=True) ended in a screen of NotImplementedError from the gradient clipping
+    ('linalg_vector_norm' on SparseCPU, exit 1); with SparseAdam as its optimizer(), in "SparseAdam does not support
+    dense gradients" (the floor's zero gradients)."""
+    head = "        self.out = nn.Linear(16, 4)\n"
+    source = TINY_MODEL.replace(head, head + "        self.ids = nn.Embedding(50, 16, sparse=True)\n")
+    assert probe_error(write_model(source)) == (
+        "error: model.py: build_model() returned a model whose ids has sparse=True: sparse gradients are not supported "
+        "(the training step clips the gradients' norm, and the memory levers need dense ones): build it with "
+        "sparse=False")
