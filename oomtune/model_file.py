@@ -144,7 +144,8 @@ class ModelFile:
         return value
 
     def _default_loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
-        """model(*batch) / model(**batch) / model(batch) -> a scalar, (logits, loss), or an object with .loss."""
+        """model(*batch) / model(**batch) / model(batch) -> a scalar, (logits, loss) or (loss, logits), or an object
+        with .loss."""
         with self.user_code("the model's forward"):
             if isinstance(batch, dict):
                 out = model(**batch)
@@ -154,8 +155,12 @@ class ModelFile:
                 out = model(batch)
         if isinstance(out, torch.Tensor):
             return out
-        if isinstance(out, (tuple, list)) and len(out) == 2 and isinstance(out[1], torch.Tensor):
-            return out[1]  # (logits, loss)
+        if isinstance(out, (tuple, list)) and len(out) == 2:
+            scalars = [t for t in out if isinstance(t, torch.Tensor) and t.dim() == 0]
+            if len(scalars) == 1:  # (logits, loss) or (loss, logits)
+                return scalars[0]
+            if isinstance(out[1], torch.Tensor):
+                return out[1]  # (logits, loss)
         loss = getattr(out, "loss", None)
         if loss is None and isinstance(out, dict):
             loss = out.get("loss")

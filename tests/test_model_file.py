@@ -160,7 +160,8 @@ def test_bad_defaults_and_bad_options(write_model):
 # -- default hooks -----------------------------------------------------------------------------------------
 
 def test_default_loss_takes_a_scalar_a_tuple_or_an_object_with_loss(write_model):
-    for forward_returns in ("loss", "(x, loss)", "types.SimpleNamespace(logits=x, loss=loss)", "{'loss': loss}"):
+    for forward_returns in ("loss", "(x, loss)", "(loss, x)", "types.SimpleNamespace(logits=x, loss=loss)",
+                            "{'loss': loss}"):  # ((loss, logits): "a tensor of shape (2, 3, 16); expected a scalar")
         src = TINY_MODEL.replace(
             "return nn.functional.cross_entropy(self.out(x).mean(1), y)",
             f"loss = nn.functional.cross_entropy(self.out(x).mean(1), y)\n        return {forward_returns}",
@@ -168,7 +169,7 @@ def test_default_loss_takes_a_scalar_a_tuple_or_an_object_with_loss(write_model)
         mf = load_model_file(write_model("import types\n" + src, name=f"m{abs(hash(forward_returns))}.py"))
         model = mf.build()
         loss = mf.loss(model, mf.batch(2, 3, torch.device("cpu")))
-        assert loss.dim() == 0 and loss.requires_grad
+        assert loss.dim() == 0 and loss.requires_grad, forward_returns
 
 
 def test_default_loss_explains_an_output_it_cannot_read(write_model):
