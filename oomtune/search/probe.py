@@ -118,9 +118,13 @@ def why_nothing_fits(ladder: LadderResult, targets: Targets, static: StaticMemor
         how = ("runs out of memory" if results <= {"oom"} else "goes over the limit (the budget less the headroom)"
                if "oom" not in results else "runs out of memory or goes over the limit")
         allow = "Allow a shorter --min-context, or use" if targets.min_context > 1 else "Use"  # a context of 1: none
+        least = min(((t.measurement.peak_bytes, t.point.rung.name) for t in ladder.trials
+                     if t.point.micro_batch_size == 1 and t.measurement.peak_bytes), default=None)
+        took = f"; the least it took was {format_bytes(least[0])} ({least[1]})" if least else ""
+        as_built = "" if static.levers else " (the model as built)"
         return (f"nothing fits in {format_bytes(limit)}: micro-batch 1 at context {targets.min_context} {how} on "
-                f"every rung ({', '.join(r.rung.name for r in ladder.rungs)}); {static.describe()} before "
-                f"activations. {allow} a larger --budget or a smaller model.")
+                f"every rung ({', '.join(r.rung.name for r in ladder.rungs)}){took}; {static.describe()}{as_built} "
+                f"before activations. {allow} a larger --budget or a smaller model.")
     best = max(found, key=lambda r: (r.context_length, r.micro_batch_size))
     per_rank = targets.batch // world
     if not accumulation:

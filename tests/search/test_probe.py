@@ -11,6 +11,7 @@ from oomtune.model_file import load_model_file
 from oomtune.search.options import resolve_targets
 from oomtune.search.probe import probe
 from oomtune.search.trial import run_trial
+from oomtune.units import format_bytes
 
 from ..conftest import EXAMPLES, TINY_MODEL, run_cli
 
@@ -226,6 +227,9 @@ def test_what_nothing_fitting_says_names_what_happened_and_only_levers_that_appl
     assert {t["result"] for t in report["trials"] if t["micro_batch_size"] == 1} == {"over-headroom"}  # it ran, but
     assert "oom" in {t["result"] for t in report["trials"]}  # into the headroom (the target batch of 8 ran out)
     assert "goes over the limit (the budget less the headroom) on every rung (fp32, amp)" in report["why_nothing_fits"]
+    least = min(t["peak_bytes"] for t in report["trials"] if t["micro_batch_size"] == 1)  # what micro-batch 1 took,
+    assert f"; the least it took was {format_bytes(least)} (" in report["why_nothing_fits"]  # not just the floor
+    assert "(the model as built) before activations" in report["why_nothing_fits"]
     assert "runs out of memory" not in report["why_nothing_fits"] and "--min-context" not in report["why_nothing_fits"]
     assert report["notes"] == ["no activation checkpointing rung: model.py has no blocks to wrap (no nn.ModuleList "
                                "of same-type modules, no gradient_checkpointing_enable); define blocks(model) to add "
