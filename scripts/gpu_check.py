@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # the checkout, not an installed copy
 sys.path.insert(0, str(ROOT / "scripts"))  # its tables, beside this file
 
-from gpu_tables import Report, TimeBox, memory_table, probe_table  # noqa: E402 - after the path is set
+from gpu_tables import Report, TimeBox, kernel_table, memory_table, probe_table  # noqa: E402 - after the path
 
 OPTIONAL = ("pytest", "pynvml", "yaml", "typer", "rich")
 NO_GPU = 3
@@ -206,6 +206,7 @@ def run_checks(rep: Report, torch, args, deadline: float, out_dir: str | None) -
     try:
         context = memory_table(rep, make_device("cuda"), deadline, gpu)
         probe_table(rep, deadline, context)
+        kernel_table(rep, torch)
     except TimeBox:
         rep.problem("time box hit")
         rep.say(f"\n**time box**: stopped after {args.time_box:.0f} s")

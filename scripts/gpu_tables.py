@@ -346,3 +346,56 @@ def probe_table(rep: Report, deadline: float, context: int | None, make_real=Non
     rep.data["probe"] = data
 
 
+
+
+# -- 4. kernels the fake device follows the CPU for ----------------------------------------------------------------
+
+LSTM_SHAPES = ((8, 64, 128, 128, 2), (32, 128, 256, 256, 2))  # batch, steps, input, hidden, layers
+
+
+def rnn_buffer_bytes(torch, device: str, shape: tuple, dtype) -> int:
+    """What nn.LSTM keeps for its backward beyond tensors the meta kernels size: on the CPU oneDNN's workspaces
+    (aten.mkldnn_rnn_layer's fourth output, per layer), on CUDA cuDNN's reserve space (aten._cudnn_rnn's fourth)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    ops = {"cpu": "mkldnn_rnn_layer", "cuda": "_cudnn_rnn"}
+    seen = []
+
+    class Spy(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.__name__.split(".")[0] == ops[device] and out[3] is not None:
+                seen.append(out[3].untyped_storage().nbytes())
+            return out
+
+    batch, steps, width, hidden, layers = shape
+    lstm = torch.nn.LSTM(width, hidden, num_layers=layers, batch_first=True).to(device, dtype)
+    x = torch.randn(batch, steps, width, device=device, dtype=dtype, requires_grad=True)
+    with Spy():
+        lstm(x)
+    return sum(seen)
+
+
+def kernel_table(rep: Report, torch) -> None:
+    """cuDNN's LSTM reserve space against the oneDNN workspace both simulated devices count in its place, and
+    whether CUDA's grouped matmul takes fp32 (the fake device follows the CPU's, which does)."""
+    from oomtune.units import format_bytes as fb
+
+    rep.say("## kernels the fake device follows the CPU for")
+    rows, data = [], []
+    for shape in LSTM_SHAPES:  # (fp32: the CPU's oneDNN LSTM under autocast is another question)
+        cpu = rnn_buffer_bytes(torch, "cpu", shape, torch.float32)
+        cuda = rnn_buffer_bytes(torch, "cuda", shape, torch.float32)
+        rows.append(["x".join(map(str, shape)), fb(cpu), fb(cuda), pct(cpu, cuda)])
+        data.append({"shape": shape, "onednn_bytes": cpu, "cudnn_reserve_bytes": cuda})
+    rep.say(md_table(["fp32 LSTM batch x steps x input x hidden x layers", "oneDNN workspace (counted)",
+                      "cuDNN reserve (real)", "error"], rows))
+    try:
+        a = torch.randn(64, 32, device="cuda")
+        b = torch.randn(4, 32, 16, device="cuda")
+        torch._grouped_mm(a, b, offs=torch.tensor([16, 32, 48, 64], device="cuda", dtype=torch.int32))
+        grouped = "runs"
+    except Exception as e:  # noqa: BLE001 - what it says is the finding
+        grouped = f"raises {type(e).__name__}: {str(e).splitlines()[0][:120]}"
+    rep.say(f"fp32 torch._grouped_mm on cuda: {grouped}")
+    rep.data["kernels"] = {"lstm": data, "grouped_mm_fp32": grouped}

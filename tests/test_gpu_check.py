@@ -94,3 +94,11 @@ def test_the_probe_table_dry_run_compares_the_plans():
     (row,) = rep.data["probe"]
     assert row["plan"] == "micro-batch 32, context 64, fp32 (global batch 32)" and row["same_plan"] == "yes"
     assert row["trials"] == row["fake_trials"] == 1
+
+
+def test_the_kernel_tables_cpu_side_reads_onednns_lstm_workspaces():
+    """device: cpu (the cuda side needs the GPU). The workspace the fake device counts for an LSTM is there to read,
+    one per layer, and grows with the sequence."""
+    tables = load_tables()
+    short, long = (tables.rnn_buffer_bytes(torch, "cpu", (4, steps, 16, 16, 2), torch.float32) for steps in (8, 64))
+    assert 0 < short < long
