@@ -76,12 +76,11 @@ class ModelFile:
             raise self.fail("build_model", f"returned {type(model).__name__}; expected a torch.nn.Module")
         if not any(p.requires_grad for p in model.parameters()):
             raise self.fail("build_model", "returned a model with no trainable parameters")
-        sparse = next((name for name, m in model.named_modules()
-                       if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse), None)
-        if sparse is not None:
-            raise self.fail("build_model", f"returned a model whose {sparse or 'embedding'} has sparse=True: sparse "
-                                           "gradients are not supported (the training step clips the gradients' "
-                                           "norm, and the memory levers need dense ones): build it with sparse=False")
+        sparse = [n for n, m in model.named_modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse]
+        if sparse:
+            raise self.fail("build_model", f"returned a model whose {sparse[0] or 'embedding'} has sparse=True: sparse "
+                            "gradients are not supported (the training step clips the gradients' norm, and the memory "
+                            "levers need dense ones): build it with sparse=False")
         return model
 
     def batch(self, batch_size: int, context_length: int, device: torch.device) -> Batch:
@@ -144,8 +143,7 @@ class ModelFile:
         return value
 
     def _default_loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
-        """model(*batch) / model(**batch) / model(batch) -> a scalar, (logits, loss) or (loss, logits), or an object
-        with .loss."""
+        """model(*batch) / model(**batch) / model(batch) -> a scalar, (logits, loss), (loss, logits) or .loss."""
         with self.user_code("the model's forward"):
             if isinstance(batch, dict):
                 out = model(**batch)

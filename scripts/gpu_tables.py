@@ -382,8 +382,8 @@ def kernel_table(rep: Report, torch) -> None:
     from oomtune.units import format_bytes as fb
 
     rep.say("## kernels the fake device follows the CPU for")
-    rows, data = [], []
-    for shape in LSTM_SHAPES:  # (fp32: the CPU's oneDNN LSTM under autocast is another question)
+    rows, data = [], []  # (fp32: the CPU's oneDNN LSTM under autocast is another question)
+    for shape in LSTM_SHAPES:
         cpu = rnn_buffer_bytes(torch, "cpu", shape, torch.float32)
         cuda = rnn_buffer_bytes(torch, "cuda", shape, torch.float32)
         rows.append(["x".join(map(str, shape)), fb(cpu), fb(cuda), pct(cpu, cuda)])
@@ -391,8 +391,7 @@ def kernel_table(rep: Report, torch) -> None:
     rep.say(md_table(["fp32 LSTM batch x steps x input x hidden x layers", "oneDNN workspace (counted)",
                       "cuDNN reserve (real)", "error"], rows))
     try:
-        a = torch.randn(64, 32, device="cuda")
-        b = torch.randn(4, 32, 16, device="cuda")
+        a, b = torch.randn(64, 32, device="cuda"), torch.randn(4, 32, 16, device="cuda")
         torch._grouped_mm(a, b, offs=torch.tensor([16, 32, 48, 64], device="cuda", dtype=torch.int32))
         grouped = "runs"
     except Exception as e:  # noqa: BLE001 - what it says is the finding
