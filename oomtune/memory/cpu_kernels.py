@@ -11,7 +11,8 @@ Two so far.
   workspace kept for the backward (every time step's gates and states, in oneDNN's own padded layout), which the
   meta kernel returns empty: a 2-layer LSTM's saved activations read 2.97 MiB on fake tensors against 10.57 MiB
   computed. The size is oneDNN's to choose and not a formula of the shapes (it moves in 4 KiB pages), so it is read
-  from one real call on zeros of the same shapes (the values play no part in it), once a shape.
+  from one real call on zeros of the same shapes (the values play no part in it), once a shape; for a shape that
+  would allocate more than 64 MiB, from smaller ones, scaled (_workspace_bytes).
 
 On a card (`--gpu`) nn.LSTM would run cuDNN, whose reserve space is its own size again: both simulated devices count
 oneDNN's workspace in its place (docs/devices.md).
@@ -19,12 +20,15 @@ oneDNN's workspace in its place (docs/devices.md).
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 _LSTM_LAYER = getattr(getattr(torch.ops.aten, "mkldnn_rnn_layer", None), "default", None)
 _GROUPED_MM = getattr(getattr(torch.ops.aten, "_grouped_mm", None), "default", None)
 _SIZES: dict[tuple, int] = {}  # signature -> workspace elements, for the process (a shape's size never changes)
+_REAL_BYTES = 64 << 20  # the most one real call that reads a workspace's size may allocate, roughly
 
 
 def _signature(args) -> tuple:
@@ -51,11 +55,58 @@ class CpuKernelBuffers(TorchDispatchMode):
     def _workspace_elements(self, args) -> int:
         key = (_signature(args), torch.is_grad_enabled())
         if key not in _SIZES:
-            with _disable_current_modes():  # (in the caller's grad mode: oneDNN keeps no workspace without grad)
-                real = [torch.zeros(a.shape, dtype=a.dtype) if isinstance(a, torch.Tensor) else a for a in args]
-                workspace = _LSTM_LAYER(*real)[3]
-                _SIZES[key] = 0 if workspace is None else workspace.numel()
+            _SIZES[key] = _workspace_bytes(args)
         return _SIZES[key]
+
+
+def _workspace_bytes(args) -> int:
+    """oneDNN's workspace for mkldnn_rnn_layer(args): read from one real call on zeros where that allocates at most
+    _REAL_BYTES; past that (a long context, a large batch or hidden size), from calls at a smaller shape scaled up:
+    the time steps from two lengths (the size is affine in them), the batch and hidden size in proportion (within a
+    few percent, measured), rounded up to whole 4 KiB pages."""
+    steps, batch, width = args[0].shape
+    hidden = args[10]
+    esize = args[0].element_size()
+    weights = lambda h, w: 4 * h * (w + h) * esize  # noqa: E731
+    cost = lambda t, b, h, w: weights(h, w) + t * b * (w + h) * esize + 64 * t * b * h  # noqa: E731 (bytes, roughly)
+    t, b, h, w = steps, batch, hidden, width
+    projected = args[2].shape[-1] != hidden  # (an LSTM with proj_size: its hidden size stays)
+    while cost(t, b, h, w) > _REAL_BYTES:
+        if weights(h, w) > _REAL_BYTES // 4 and h > 8 and not projected:
+            h, w = h // 2, max(1, w // 2)
+        elif b > 1:
+            b = (b + 1) // 2
+        elif t > 2:
+            t //= 2
+        else:
+            break
+    if (t, b, h) == (steps, batch, hidden):
+        return _real_call(args, t, b, h, w)
+    at = _real_call(args, t, b, h, w)
+    if t < steps:  # affine in the steps: its slope from twice as many
+        at += (_real_call(args, 2 * t, b, h, w) - at) / t * (steps - t)
+    return math.ceil(at * batch / b * hidden / h / 4096) * 4096
+
+
+def _real_call(args, steps: int, batch: int, hidden: int, width: int) -> int:
+    """The workspace mkldnn_rnn_layer makes for `args` at another shape, on zeros (outside every mode, in the
+    caller's grad mode: oneDNN keeps none without grad)."""
+    old_hidden, real = args[10], list(args)
+
+    def zeros(t: torch.Tensor, *shape: int) -> torch.Tensor:
+        return torch.zeros(shape if t.numel() else t.shape, dtype=t.dtype)
+
+    with _disable_current_modes():
+        real[0] = zeros(args[0], steps, batch, width)
+        if hidden != old_hidden:
+            real[1], real[2] = zeros(args[1], 4 * hidden, width), zeros(args[2], 4 * hidden, hidden)
+            real[3], real[4] = zeros(args[3], 4 * hidden), zeros(args[4], 4 * hidden)
+        else:
+            real[1:5] = [zeros(a, *a.shape) for a in args[1:5]]
+        real[5], real[6] = (zeros(a, batch, *(a.shape[1:] if hidden == old_hidden else (hidden,))) for a in args[5:7])
+        real[10] = hidden
+        workspace = _LSTM_LAYER(*real)[3]
+    return 0 if workspace is None else workspace.numel()
 
 
 def _grouped_mm(func, args, kwargs) -> torch.Tensor:
