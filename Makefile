@@ -54,7 +54,7 @@ test: lint
 # OUT=dir keeps the report (gpu_check.md, gpu_check.json, gpu_tests.txt).
 GPU_PYTHON ?= python3
 gpu-check:
-	PYTHONPATH=.$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) scripts/gpu_check.py
+	PYTHONPATH=.$${PYTHONPATH:+:$$PYTHONPATH} env -u PYTHONPYCACHEPREFIX $(GPU_PYTHON) scripts/gpu_check.py
 
 # oomtune estimate on GPT-2 small (124M, context 1024): the whole ladder on fake tensors, wall time, trial count
 # and the breakdown against the design's reference figures -> the estimate section of bench/RESULTS.md

@@ -76,7 +76,8 @@ class ModelFile:
             raise self.fail("build_model", f"returned {type(model).__name__}; expected a torch.nn.Module")
         if not any(p.requires_grad for p in model.parameters()):
             raise self.fail("build_model", "returned a model with no trainable parameters")
-        sparse = [n for n, m in model.named_modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse]
+        sparse = [n for n, m in model.named_modules()
+                  if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad]
         if sparse:
             raise self.fail("build_model", f"returned a model whose {sparse[0] or 'embedding'} has sparse=True: sparse "
                             "gradients are not supported (the training step clips the gradients' norm, and the memory "
@@ -143,7 +144,7 @@ class ModelFile:
         return value
 
     def _default_loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
-        """model(*batch) / model(**batch) / model(batch) -> a scalar, (logits, loss), (loss, logits) or .loss."""
+        """model(*batch) / model(**batch) / model(batch) -> a scalar, (logits, loss), or an object with .loss."""
         with self.user_code("the model's forward"):
             if isinstance(batch, dict):
                 out = model(**batch)
@@ -153,12 +154,12 @@ class ModelFile:
                 out = model(batch)
         if isinstance(out, torch.Tensor):
             return out
-        if isinstance(out, (tuple, list)) and len(out) == 2:
-            scalars = [t for t in out if isinstance(t, torch.Tensor) and t.dim() == 0]
-            if len(scalars) == 1:  # (logits, loss) or (loss, logits)
-                return scalars[0]
-            if isinstance(out[1], torch.Tensor):
-                return out[1]  # (logits, loss)
+        if isinstance(out, (tuple, list)) and len(out) == 2 and isinstance(out[1], torch.Tensor):
+            if out[1].dim() and isinstance(out[0], torch.Tensor) and not out[0].dim():
+                raise ModelFileError(f"{self.label}: the model returned (a scalar, a tensor of shape "
+                                     f"{tuple(out[1].shape)}): the default loss takes (logits, loss), the loss "
+                                     "second; return them in that order, or define loss(model, batch)")
+            return out[1]  # (logits, loss)
         loss = getattr(out, "loss", None)
         if loss is None and isinstance(out, dict):
             loss = out.get("loss")
@@ -193,8 +194,7 @@ class ModelFile:
         return len(positional) >= 3 or any(p.kind is p.VAR_POSITIONAL for p in params)
 
     def blocks(self, model: nn.Module) -> list[nn.Module]:
-        """The modules activation checkpointing wraps: the `blocks` hook, else the members of the model's block
-        stacks (see `block_stacks`)."""
+        """What activation checkpointing wraps: the `blocks` hook, else the members of `block_stacks(model)`."""
         if self.has("blocks"):
             return self._hooked_blocks(model)
         return [block for stack in block_stacks(model) for block in stack]

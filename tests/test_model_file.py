@@ -160,8 +160,7 @@ def test_bad_defaults_and_bad_options(write_model):
 # -- default hooks -----------------------------------------------------------------------------------------
 
 def test_default_loss_takes_a_scalar_a_tuple_or_an_object_with_loss(write_model):
-    for forward_returns in ("loss", "(x, loss)", "(loss, x)", "types.SimpleNamespace(logits=x, loss=loss)",
-                            "{'loss': loss}"):  # ((loss, logits): "a tensor of shape (2, 3, 16); expected a scalar")
+    for forward_returns in ("loss", "(x, loss)", "types.SimpleNamespace(logits=x, loss=loss)", "{'loss': loss}"):
         src = TINY_MODEL.replace(
             "return nn.functional.cross_entropy(self.out(x).mean(1), y)",
             f"loss = nn.functional.cross_entropy(self.out(x).mean(1), y)\n        return {forward_returns}",
@@ -170,6 +169,17 @@ def test_default_loss_takes_a_scalar_a_tuple_or_an_object_with_loss(write_model)
         model = mf.build()
         loss = mf.loss(model, mf.batch(2, 3, torch.device("cpu")))
         assert loss.dim() == 0 and loss.requires_grad, forward_returns
+
+
+def test_default_loss_says_it_takes_the_loss_second(write_model):
+    """(loss, logits) read "the default loss gave a tensor of shape ...; expected a scalar". It is not taken as the
+    loss either way round: at micro-batch 1 a squeezed prediction is a scalar too, and would train silently."""
+    src = TINY_MODEL.replace("return nn.functional.cross_entropy(self.out(x).mean(1), y)",
+                             "return nn.functional.cross_entropy(self.out(x).mean(1), y), x")
+    mf = load_model_file(write_model(src))
+    with pytest.raises(ModelFileError, match=r"returned \(a scalar, a tensor of shape \(2, 3, 16\)\): the default loss "
+                                             r"takes \(logits, loss\), the loss second"):
+        mf.loss(mf.build(), mf.batch(2, 3, torch.device("cpu")))
 
 
 def test_default_loss_explains_an_output_it_cannot_read(write_model):
@@ -366,6 +376,9 @@ def test_a_sparse_embedding_is_named_in_one_line(write_model):
     ('linalg_vector_norm' on SparseCPU, exit 1); with SparseAdam as its optimizer(), in "SparseAdam does not support
     dense gradients" (the floor's zero gradients)."""
     head = "        self.out = nn.Linear(16, 4)\n"
+    frozen = TINY_MODEL.replace(head, head + "        self.ids = nn.Embedding(50, 16, sparse=True).requires_grad_("
+                                             "False)\n")  # a frozen one never gets a gradient: fine
+    assert load_model_file(write_model(frozen, name="frozen.py")).build() is not None
     source = TINY_MODEL.replace(head, head + "        self.ids = nn.Embedding(50, 16, sparse=True)\n")
     assert probe_error(write_model(source)) == (
         "error: model.py: build_model() returned a model whose ids has sparse=True: sparse gradients are not supported "

@@ -180,7 +180,9 @@ def check_floor(model_file: ModelFile, plan: Plan, kind: str, budget_bytes: int,
                                     ("NF4 weights", plan.nf4_frozen_weights)) if on]
     static = static_memory(model_file, plan, " + ".join(levers))
     if static.floor_bytes > limit:
-        after = f" ({format_bytes(limit)} after {headroom:.0%} headroom)" if headroom else ""
+        after = (f" ({format_bytes(limit)} after {headroom:.0%} headroom)" if headroom else
+                 f" ({format_bytes(limit)} for tensors, after the card's context and workspaces)"
+                 if limit < budget_bytes else "")
         raise OomtuneError(f"budget {format_bytes(budget_bytes)}{after} is too small for the plan's weights alone: "
                            f"{static.describe()}")
 

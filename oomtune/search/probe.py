@@ -241,7 +241,7 @@ def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: 
                            past=past, prior=report)
     c = ladder.choice
     chosen = Point(c.rung, c.micro_batch_size, c.context_length, c.grad_accum_steps)
-    notes += batch_norm_note(model_file, static, c.micro_batch_size, c.grad_accum_steps)
+    notes += batch_norm_note(model_file, static, c.micro_batch_size, c.grad_accum_steps * world)
     found = FoundBy(
         command=command, estimated=device.kind == "fake", device=device.kind, gpu_name=device.name,
         budget_bytes=device.budget_bytes, headroom=headroom, objective=objective,
@@ -336,12 +336,14 @@ def measurement_notes(model_file: ModelFile, static: StaticMemory, device: Devic
     return notes
 
 
-def batch_norm_note(model_file: ModelFile, static: StaticMemory, micro_batch: int, accum: int) -> tuple[str, ...]:
-    """Accumulation is the global batch's gradient, except where BatchNorm normalises each micro-batch alone."""
-    if not static.batch_norm or accum == 1:
+def batch_norm_note(model_file: ModelFile, static: StaticMemory, micro_batch: int, pieces: int) -> tuple[str, ...]:
+    """Accumulation (and ranks: `pieces` micro-batches a step in all) is the global batch's gradient, except where
+    BatchNorm normalises each micro-batch alone."""
+    if not static.batch_norm or pieces == 1:
         return ()
-    return (f"{model_file.label} has BatchNorm layers: with accumulation each normalises over its micro-batch of "
-            f"{micro_batch}, not the global batch of {micro_batch * accum}, so training is not that of one batch "
+    return (f"{model_file.label} has BatchNorm layers: with accumulation or ranks each normalises over its "
+            f"micro-batch of {micro_batch}, not the global batch of {micro_batch * pieces}, so training is not that "
+            "of one batch "
             "(noisier statistics; at micro-batch 1, none across examples): GroupNorm or LayerNorm do not depend on "
             "the batch",)
 

@@ -202,9 +202,9 @@ def resolve_device(config: Config, kind: str | None, budget: str | None) -> Devi
     kind = device_kind(config, kind)
     found = config.found_by
     probed_here = kind == "cpu" and found is not None and found.device == "cpu"
-    if budget is None and probed_here:
-        budget = str(found.budget_bytes)
     as_card = kind == "cpu" and found is not None and found.device in ("cpu", "fake") and found.card
+    if budget is None and (probed_here or as_card):
+        budget = str(found.budget_bytes)
     return make_device(kind, budget, find_gpu(found.card) if as_card else None)
 
 
@@ -215,4 +215,5 @@ def check_weights_fit(model_file: ModelFile, plan: Plan, device: Device, world_s
     if device.kind == "cpu" and world_size == 1:
         from ..search.check import check_floor
 
-        check_floor(model_file, plan, device.kind, device.budget_bytes, device.budget_bytes, 0.0)
+        check_floor(model_file, plan, device.kind, device.budget_bytes, device.tensor_budget(device.budget_bytes),
+                    0.0)

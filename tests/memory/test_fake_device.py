@@ -402,3 +402,22 @@ def test_a_large_lstms_workspace_is_read_at_a_smaller_shape_and_scaled(monkeypat
     scaled = cpu_kernels._workspace_bytes(args)
     assert abs(scaled - exact) < 0.05 * exact and scaled % 4096 == 0
     assert len(shapes) == 2 and all(t * b * h < 512 * 16 * 256 / 64 for t, b, h, _ in shapes), shapes
+
+
+@pytest.mark.parametrize("dtype, out_dtype", [(torch.float32, None), (torch.float32, torch.float32)])
+def test_a_grouped_matmul_the_cpu_takes_is_shaped_on_fake_tensors_as_the_cpu_makes_it(dtype, out_dtype):
+    """The meta kernel takes bf16 alone (CUDA's rule); the CPU's kernel fp32 too (not bf16 into fp32: "output dtype
+    must match mat_a dtype", as the meta kernel says)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from oomtune.memory.cpu_kernels import CpuKernelBuffers
+
+    def grouped(a, b, offs):
+        return torch._grouped_mm(a, b, offs=offs, out_dtype=out_dtype)
+
+    args = lambda: (torch.randn(12, 8, dtype=dtype), torch.randn(3, 8, 16, dtype=dtype),  # noqa: E731
+                    torch.tensor([4, 8, 12], dtype=torch.int32))
+    real = grouped(*args())
+    with FakeTensorMode(allow_non_fake_inputs=True), CpuKernelBuffers():
+        fake = grouped(*args())
+    assert (fake.shape, fake.dtype, fake.stride()) == (real.shape, real.dtype, real.stride())

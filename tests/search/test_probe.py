@@ -357,7 +357,7 @@ def test_a_batchnorm_model_that_accumulates_gets_a_note(norm, noted, write_model
         "        return nn.functional.cross_entropy(", "        x = self.norm(x.transpose(1, 2)).transpose(1, 2)\n"
                                                       "        return nn.functional.cross_entropy(")
     assert source.count("self.norm") == 2
-    said = "model.py has BatchNorm layers: with accumulation each normalises over its micro-batch of"
+    said = "model.py has BatchNorm layers: with accumulation or ranks each normalises over its micro-batch of"
     for batch, accumulates in (("64", True), ("1", False)):
         r = run_cli("probe", write_model(source), "--device", "cpu", "--budget", "120KiB", "--batch", batch,
                     "--context", "8", "--levers", "accumulation", "--out", tmp_path / f"{batch}.yaml", "--json")

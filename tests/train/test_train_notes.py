@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -93,6 +94,20 @@ def test_an_estimate_for_a_t4_says_it_trains_on_the_cpu_device_and_in_which_budg
     other = stderr_before_first_step(run_cli("train", "--config", cfg, "--budget", "1GiB", "--run-dir", "run2"))
     assert [line for line in other if "no GPU here" in line][0].endswith(
         "in a simulated budget of 1.00 GiB, not the plan's (--budget 15.00GiB simulates it)"), other
+    half = config(dataclasses.replace(FOUND, budget_bytes=T4_BYTES // 2), warmup_steps=1)  # `--budget 7.5GiB`'s
+    said = stderr_before_first_step(run_cli("train", "--config", half, "--run-dir", "run3"))
+    assert "budget 7.50 GiB, accounting as Tesla T4 (sm75)" in said[0], said  # the plan's, not the card's memory
+
+
+def test_a_budget_the_cards_context_and_workspaces_leave_too_little_of_is_bad_input(config):
+    """The weights' floor is checked against what the budget leaves for tensors: the T4's 512 MiB context and its
+    cuBLAS workspaces out of 534 MiB leave 2 MiB, less than tiny_gpt's weights, gradients and AdamW state."""
+    r = run_cli("train", "--config", config(warmup_steps=1), "--budget", "534MiB")
+    assert r.exit_code == 2, r.output
+    said = " ".join(r.stderr.split())
+    assert ("budget 534.00 MiB (2.00 MiB for tensors, after the card's context and workspaces) is too small for the "
+            "plan's weights alone") in said, said
+    assert not (Path("run")).exists()
 
 
 def test_a_plan_probed_on_a_gpu_or_for_a_card_says_so_where_auto_finds_no_gpu(config):
