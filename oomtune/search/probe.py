@@ -337,8 +337,7 @@ def measurement_notes(model_file: ModelFile, static: StaticMemory, device: Devic
 
 
 def batch_norm_note(model_file: ModelFile, static: StaticMemory, micro_batch: int, pieces: int) -> tuple[str, ...]:
-    """Accumulation (and ranks: `pieces` micro-batches a step in all) is the global batch's gradient, except where
-    BatchNorm normalises each micro-batch alone."""
+    """Accumulation and ranks (`pieces` micro-batches a step) make the global batch's gradient, but not BatchNorm's."""
     if not static.batch_norm or pieces == 1:
         return ()
     return (f"{model_file.label} has BatchNorm layers: with accumulation or ranks each normalises over its "
