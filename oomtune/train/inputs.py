@@ -205,7 +205,12 @@ def resolve_device(config: Config, kind: str | None, budget: str | None) -> Devi
     as_card = kind == "cpu" and found is not None and found.device in ("cpu", "fake") and found.card
     if budget is None and (probed_here or as_card):
         budget = str(found.budget_bytes)
-    return make_device(kind, budget, find_gpu(found.card) if as_card else None)
+    if not as_card:
+        return make_device(kind, budget)
+    from ..search.check import check_margin  # (the margin it was found with: an estimate's --margin 0 too)
+
+    card = find_gpu(found.card)
+    return make_device(kind, budget, card, check_margin(config, None, card))
 
 
 def check_weights_fit(model_file: ModelFile, plan: Plan, device: Device, world_size: int) -> None:

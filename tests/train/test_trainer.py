@@ -7,6 +7,7 @@ many times slower with two spinning OpenMP threads), tiny models and few steps."
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import textwrap
 from pathlib import Path
@@ -278,3 +279,18 @@ def test_training_peaks_where_the_trial_of_its_plan_did_with_accumulation(tmp_pa
     train(cfg, device="cpu", budget="1GiB")
     peaks = [r["peak_bytes"] for r in metrics(tmp_path / "run")]
     assert peaks[1:] == [peak(model, plan)] * 2, peaks
+
+
+def test_an_estimate_with_margin_0_trains_on_the_cpu_device_in_its_budget_and_margin(tmp_path, write_model,
+                                                                                   monkeypatch):
+    """device: fake (estimate), then cpu (train). `estimate --margin 0` counts tensors alone on the generic card;
+    training it on the cpu device took the card's own margin (a 512 MiB context) and refused the 400 KiB budget."""
+    monkeypatch.chdir(tmp_path)
+    est = run_cli("estimate", write_model(), "--budget", "400KiB", "--margin", "0", "--batch", "4", "--context", "8",
+                  "--out", "est.yaml", "--json")
+    assert est.exit_code == 0, est.output
+    r = run_cli("train", "--config", "est.yaml", "--device", "cpu", "--steps", "2", "--log-every-n-steps", "1",
+                "--run-dir", "run")
+    assert r.exit_code == 0, r.output
+    assert "budget 400.00 KiB, accounting as a generic sm80 card" in r.stderr, r.stderr
+    assert [m["peak_bytes"] for m in metrics(tmp_path / "run")][-1] == json.loads(est.stdout)["peak_bytes"]
