@@ -22,6 +22,7 @@ from ..errors import BAD_INPUT, ConfigError, ModelFileError, OomtuneError, first
 from ..memory.cards import find_gpu
 from ..memory.devices import Device, make_device, resolve_kind
 from ..model_file import ModelFile, load_model_file
+from ..search.check import check_floor, check_margin
 from ..units import format_bytes
 from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, older_intact
 from .rundir import METRICS, check_run_dir, no_checkpoint_message
@@ -207,9 +208,7 @@ def resolve_device(config: Config, kind: str | None, budget: str | None) -> Devi
         budget = str(found.budget_bytes)
     if not as_card:
         return make_device(kind, budget)
-    from ..search.check import check_margin  # (the margin it was found with: an estimate's --margin 0 too)
-
-    card = find_gpu(found.card)
+    card = find_gpu(found.card)  # and the margin it was found with (an estimate's --margin 0 too)
     return make_device(kind, budget, card, check_margin(config, None, card))
 
 
@@ -218,7 +217,5 @@ def check_weights_fit(model_file: ModelFile, plan: Plan, device: Device, world_s
     bad input (exit 2, before anything is written), as for check and probe: no micro-batch could train. On cuda the
     real run says so itself."""
     if device.kind == "cpu" and world_size == 1:
-        from ..search.check import check_floor
-
         check_floor(model_file, plan, device.kind, device.budget_bytes, device.tensor_budget(device.budget_bytes),
                     0.0)
