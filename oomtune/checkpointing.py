@@ -43,6 +43,22 @@ def hf_checkpointing(model: nn.Module) -> Callable | None:
     return None
 
 
+def checkpoints_itself(model: nn.Module) -> bool:
+    """Whether build_model() returned a Hugging Face model (PEFT-wrapped too) with its own checkpointing already on:
+    every rung then runs with it, and a checkpointing rung would measure the same thing again."""
+    return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
+
+
+def no_checkpointing_note(label: str, itself: bool = False) -> str:
+    """Why a ladder has no checkpointing rung: the model checkpoints itself (a rung would measure the same thing
+    again), or it has nothing to wrap."""
+    if itself:
+        return (f"no activation checkpointing rung: {label}'s build_model() turns the model's own gradient "
+                "checkpointing on, so every rung runs checkpointed already")
+    return (f"no activation checkpointing rung: {label} has no blocks to wrap (no nn.ModuleList of same-type "
+            "modules, no gradient_checkpointing_enable); define blocks(model) to add it")
+
+
 def enable_hf_checkpointing(model: nn.Module, enable: Callable) -> None:
     """Non-reentrant checkpointing, which needs no input that requires grad; where transformers is too old to be
     told so (reentrant), a model whose input embeddings are frozen (PEFT) gets `enable_input_require_grads`, or

@@ -115,11 +115,8 @@ class ModelFile:
             if not tensors:
                 raise self.fail(hook, "returned a dict with no tensors in it")
         else:
-            raise self.fail(
-                hook,
-                f"returned {_describe(batch)}; expected a Tensor, a tuple/list of Tensors, or a dict of "
-                "name -> Tensor",
-            )
+            raise self.fail(hook, f"returned {_describe(batch)}; expected a Tensor, a tuple/list of Tensors, or a "
+                                  "dict of name -> Tensor")
         for t in tensors:
             if t.device.type != device.type:
                 raise self.fail(hook, f"returned a tensor on {t.device}; expected {device} (use its `device` "
@@ -135,10 +132,8 @@ class ModelFile:
         if not isinstance(value, torch.Tensor):
             raise ModelFileError(f"{self.label}: {where} gave {_describe(value)}; expected a scalar Tensor")
         if value.dim() != 0:
-            raise ModelFileError(
-                f"{self.label}: {where} gave a tensor of shape {tuple(value.shape)}; expected a scalar "
-                "(reduce it, e.g. .mean())"
-            )
+            raise ModelFileError(f"{self.label}: {where} gave a tensor of shape {tuple(value.shape)}; expected a "
+                                 "scalar (reduce it, e.g. .mean())")
         if torch.is_grad_enabled() and not value.requires_grad:
             raise ModelFileError(f"{self.label}: {where} does not require grad; is it computed from the model?")
         return value

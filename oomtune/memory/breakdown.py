@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from ..checkpointing import checkpoints_itself
 from ..config.schema import TRIAL_STEPS, MemoryBreakdown, Plan
 from ..dist.group import LOCAL, Dist, ranks_for
 from ..errors import OomtuneError
@@ -46,6 +47,7 @@ class StaticMemory:
     trained_elements: int = 0  # elements of the trained parameters
     quantized_elements: int = 0  # of those, in tensors 8-bit AdamW quantizes (the rest keep fp32 moments)
     batch_norm: bool = False  # the model has BatchNorm layers (their statistics are a micro-batch's)
+    checkpoints_itself: bool = False  # built with its own (Hugging Face) checkpointing on: no checkpointing rung
 
     def adamw8bit_bytes(self) -> int:
         """8-bit AdamW's state: two 8-bit moments and a 4-byte scale each per 256 elements where it quantizes, two
@@ -120,7 +122,8 @@ def static_memory(model_file: ModelFile, plan: Plan | None = None, levers: str =
         opt.step()
         optimizer_state = tracker.live_bytes - weights - grads
         temporaries = tracker.peak_bytes - tracker.live_bytes
-        checkpointing = model_file.supports_checkpointing(model)
+        itself = not model_file.has("blocks") and checkpoints_itself(model)
+        checkpointing = model_file.supports_checkpointing(model) and not itself
         name = type(getattr(opt, "inner", opt)).__name__
         compiled = is_compiled(model)
         host = tracker.host_live_bytes
@@ -129,7 +132,7 @@ def static_memory(model_file: ModelFile, plan: Plan | None = None, levers: str =
         batch_norm = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
         del model, params, opt
     return StaticMemory(weights, grads, optimizer_state, name, checkpointing, compiled, temporaries, nf4, host,
-                        levers, low, trained, quantized, batch_norm)
+                        levers, low, trained, quantized, batch_norm, itself)
 
 
 PART_LABELS = {

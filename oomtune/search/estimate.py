@@ -219,7 +219,11 @@ def what_if_plan(model_file: ModelFile, micro_batch: int, context: int | None, p
     plan = Plan(micro_batch, targets.context, precision or "fp32", bool(checkpointing),
                 grad_accum if grad_accum is not None else 1,
                 world_size=world_size, sharding=sharding or ("ddp" if world_size > 1 else "none"), **past)
-    if plan.activation_checkpointing and not static_memory(model_file).checkpointing_supported:
+    static = static_memory(model_file) if plan.activation_checkpointing else None
+    if static is not None and static.checkpoints_itself:
+        raise OomtuneError(f"{model_file.label}: --checkpointing, but build_model() turns the model's own gradient "
+                           "checkpointing on: every plan is checkpointed already (leave out --checkpointing)")
+    if static is not None and not static.checkpointing_supported:
         raise OomtuneError(f"{model_file.label}: --checkpointing, but no blocks to wrap (define blocks(model))")
     return plan
 

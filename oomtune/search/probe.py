@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import __version__
+from ..checkpointing import no_checkpointing_note
 from ..config.schema import HEADROOM, TRIAL_STEPS, Config, FoundBy, Plan, TrialRecord
 from ..dist.group import LOCAL, Dist, init
 from ..dist.wrap import fsdp_unsupported
@@ -325,7 +326,8 @@ def measurement_notes(model_file: ModelFile, static: StaticMemory, device: Devic
                       context: int) -> tuple[str, ...]:
     """What the ladder leaves out and how its memory is measured, where either is not what the user would assume;
     what make_batch() shows of its batches (batch_notes)."""
-    notes = () if static.checkpointing_supported else (no_checkpointing_note(model_file),)
+    notes = (() if static.checkpointing_supported
+             else (no_checkpointing_note(model_file.label, static.checkpoints_itself),))
     notes += batch_notes(model_file, device, context)
     if static.compiled and device.kind != "cuda":
         notes += (eager_note(model_file.label, device.kind),)
@@ -372,11 +374,6 @@ def batch_notes(model_file: ModelFile, device: Device, context: int) -> tuple[st
                   "shorter than asked (padded to the longest in the batch), real data at full length may not fit; "
                   "make_batch should return that worst case",)
     return notes
-
-
-def no_checkpointing_note(model_file: ModelFile) -> str:
-    return (f"no activation checkpointing rung: {model_file.label} has no blocks to wrap (no nn.ModuleList of "
-            "same-type modules, no gradient_checkpointing_enable); define blocks(model) to add it")
 
 
 def check_ranks_batch(targets: Targets, world_size: int) -> None:

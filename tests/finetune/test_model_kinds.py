@@ -199,3 +199,29 @@ def test_an_hf_mixtral_measures_on_fake_tensors_as_on_the_cpu(precision):
     assert not cpu.oom and not fake.oom
     assert fake.phase_peaks["forward"] == cpu.phase_peaks["forward"]
     assert fake.peak_allocated_bytes == cpu.peak_allocated_bytes
+
+
+def test_a_model_that_checkpoints_itself_gets_no_checkpointing_rung(tmp_path):
+    """device: fake (estimate). build_model() turned the Hugging Face model's own checkpointing on: a checkpointing
+    rung would measure every size again for the same peaks (5 of 16 trials on a cpu probe of it without LoRA), so
+    the ladder has none and says why; asking for --checkpointing is refused with the reason. The same model built
+    without the switch keeps its rung."""
+    from oomtune.memory.breakdown import static_memory
+
+    model = MODELS / "hf_self_checkpointing.py"
+    static = static_memory(load_model_file(model))
+    assert static.checkpoints_itself and not static.checkpointing_supported
+    r = run_cli("estimate", model, "--budget", "6MiB", "--margin", "0", "--out", tmp_path / "e.yaml", "--json")
+    assert r.exit_code == 0, r.output
+    report = json.loads(r.stdout)
+    assert [rung["rung"] for rung in report["rungs"]][:2] == ["fp32", "amp"]
+    assert not any(rung["activation_checkpointing"] for rung in report["rungs"])
+    assert ("no activation checkpointing rung: hf_self_checkpointing.py's build_model() turns the model's own "
+            "gradient checkpointing on, so every rung runs checkpointed already") in report["notes"]
+    what_if = run_cli("estimate", model, "--budget", "6MiB", "--micro-batch", "2", "--checkpointing")
+    assert what_if.exit_code == 2
+    assert "build_model() turns the model's own gradient checkpointing on" in what_if.output
+    plain = tmp_path / "plain.py"  # the same file without the switch
+    plain.write_text(model.read_text().replace("    model.gradient_checkpointing_enable(", "    dict(", 1))
+    static = static_memory(load_model_file(plain))
+    assert static.checkpointing_supported and not static.checkpoints_itself
