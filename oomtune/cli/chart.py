@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from rich.text import Text
 
-from .console import fmt_bytes
+from .console import fmt_bytes, rung_label
 
 MARKS = "o+*#@%&$=~^"  # one per rung, in ladder order (at most 9: fp32, amp, checkpointing, fsdp, 5 past those)
 WIDTH, HEIGHT = 64, 14
@@ -19,7 +19,8 @@ def _points(records) -> dict[str, list[tuple[int, int | None]]]:
         mine = [r for r in records if r.rung == rung and r.grad_accum_steps == 1]
         if mine:
             context = mine[-1].context_length
-            out[rung] = [(r.micro_batch_size, r.peak_bytes if r.result != "oom" else None) for r in mine
+            label = rung_label(rung, mine[-1].precision)  # as the trials and ladder tables name it
+            out[label] = [(r.micro_batch_size, r.peak_bytes if r.result != "oom" else None) for r in mine
                          if r.context_length == context]
     return out
 

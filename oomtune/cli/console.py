@@ -28,5 +28,11 @@ RESULT_STYLE = {"fits": "green", "oom": "red", "over-headroom": "yellow"}
 RESULT_SHORT = {"fits": "fits", "oom": "OOM", "over-headroom": ">limit"}  # >limit: ran, but ate the headroom
 
 
+def rung_label(rung: str, precision: str) -> str:
+    """A rung as every table, chart and progress line names it: its precision and what it adds ("bf16+ckpt")."""
+    return {"fp32": "fp32", "amp": precision, "checkpointing": f"{precision}+ckpt",
+            "fsdp": f"{precision}+fsdp"}.get(rung, rung)
+
+
 def fmt_bytes(n) -> str:
     return format_bytes(n)

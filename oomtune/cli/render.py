@@ -17,13 +17,8 @@ from rich.table import Table
 from ..config.writing import to_dict
 from ..units import counted
 from .chart import peak_chart
-from .console import RESULT_SHORT, RESULT_STYLE, err, fmt_bytes, out
+from .console import RESULT_SHORT, RESULT_STYLE, err, fmt_bytes, out, rung_label
 from .guard import print_json, stop_if_interrupted
-
-
-def rung_label(rung: str, precision: str) -> str:
-    return {"fp32": "fp32", "amp": precision, "checkpointing": f"{precision}+ckpt",
-            "fsdp": f"{precision}+fsdp"}.get(rung, rung)
 
 
 def trials_table(records) -> Table:
@@ -85,7 +80,7 @@ def trial_progress(device=None):
         progress.console.print(
             f"  b={b:<7} T={rec.context_length:<6} "
             f"[{RESULT_STYLE[rec.result]}]{RESULT_SHORT[rec.result]:<6}[/] {fmt_bytes(rec.peak_bytes):>11}  "
-            f"[dim]{rec.rung}[/]"
+            f"[dim]{rung_label(rec.rung, rec.precision)}[/]"
         )
 
     with progress:

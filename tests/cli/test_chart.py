@@ -9,9 +9,10 @@ MiB = 1 << 20
 
 
 def record(rung: str, b: int, peak: int | None, result: str = "fits") -> TrialRecord:
+    precision = "fp32" if rung == "fp32" else "bf16-true" if rung.startswith("bf16-true") else "bf16"
     return TrialRecord(rung=rung, stage="batch", micro_batch_size=b, context_length=64, grad_accum_steps=1,
-                       precision="fp32", activation_checkpointing=False, result=result, peak_bytes=peak,
-                       tokens_per_s=None, seconds=0.1)
+                       precision=precision, activation_checkpointing=rung in ("checkpointing", "fsdp"),
+                       result=result, peak_bytes=peak, tokens_per_s=None, seconds=0.1)
 
 
 def test_each_rungs_trials_the_oom_marks_and_the_limit_line_are_drawn():
@@ -22,7 +23,7 @@ def test_each_rungs_trials_the_oom_marks_and_the_limit_line_are_drawn():
     limit = next(r for r in rows if "6.50 MiB |" in r)
     assert set(limit.split("|", 1)[1]) <= {"-", "o", "+", "."}  # the limit, with what lies on it
     assert rows[0].rstrip().endswith("x")  # micro-batch 16 ran out of memory: top row, right edge
-    assert "o fp32" in text and "+ amp" in text and "x out of memory" in text
+    assert "o fp32" in text and "+ bf16 " in text and "x out of memory" in text  # named as the tables name them
     plotted = "".join(r.split("|", 1)[1] for r in rows if "|" in r)
     assert plotted.count("o") == 2 and plotted.count("+") >= 2
 
@@ -36,5 +37,6 @@ def test_every_rung_of_the_longest_ladder_has_its_own_mark():
              "bf16-true+8bit+offload+offload-activations", "bf16-true+8bit+offload+offload-activations+nf4", "fsdp"]
     records = [record(r, b, (i + b) * MiB) for i, r in enumerate(rungs) for b in (1, 2)]
     legend = peak_chart(records, 100 * MiB).plain.split("micro-batch 1 .. 2", 1)[1]
-    marks = [legend.split(f" {r}   ")[0].split()[-1] for r in rungs]  # the mark just before each name
+    labels = ["fp32", "bf16", "bf16+ckpt", *rungs[3:-1], "bf16+fsdp"]  # as the trials and ladder tables name them
+    marks = [legend.split(f" {r}   ")[0].split()[-1] for r in labels]  # the mark just before each name
     assert len(set(marks)) == len(rungs), marks
