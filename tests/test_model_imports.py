@@ -121,3 +121,26 @@ def test_a_make_batch_that_ignores_its_batch_size_is_bad_input(write_model, tmp_
         assert r.exit_code == 2, r.output
         assert "make_batch() returned the same shapes for batch_size 1 and 2 ((8, 4, 16)" in " ".join(r.stderr.split())
         assert not (tmp_path / "best.yaml").exists()
+
+
+def test_deep_copied_layers_count_once_on_fake_tensors(write_model):
+    """devices: cpu and fake. copy.deepcopy copied each fake parameter's fake mode with it; the mode the trial ran in
+    converted those foreign tensors at each op onto storages of their own, and the fake device counted every copied
+    weight twice from the first forward on (+2 x 16 KiB here; +1 MiB on a user's 4-layer MLP, GiBs on a large
+    nn.TransformerEncoder). Each phase's peak now equals the cpu device's, to the byte, and the copies share the
+    trial's mode."""
+    from oomtune.config.schema import Plan
+    from oomtune.memory.devices import CpuDevice, FakeDevice
+    from oomtune.memory.margin import Margin
+    from oomtune.search.trial import run_trial
+
+    mf = load_model_file(write_model(DEEPCOPIED))
+    for precision in ("fp32", "bf16"):
+        plan = Plan(4, 16, precision)
+        cpu = run_trial(mf, plan, CpuDevice("1GiB"))
+        fake = run_trial(mf, plan, FakeDevice("1GiB", margin=Margin()))
+        assert fake.phase_peaks == cpu.phase_peaks and fake.peak_bytes == cpu.peak_bytes, precision
+    device = FakeDevice("1GiB", margin=Margin())
+    with device.measure():
+        model = mf.build()
+        assert len({id(p.fake_mode) for p in model.parameters()}) == 1

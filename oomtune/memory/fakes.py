@@ -17,6 +17,12 @@ cpu device (and the GPU) would:
    `NeedsValues`, and the search measures on computed tensors instead (see FakeDevice.compute_instead).
 3. Libraries that take a FakeTensor for tracing (transformers' `is_tracing`) are told it is not while a fake
    measurement runs (`library_view`).
+4. `copy.deepcopy` of a module built on fake tensors (nn.TransformerEncoder's layers, PEFT's modules_to_save)
+   deep-copies each FakeTensor's `__dict__`, and its fake mode with it. The copies then belong to a mode of their
+   own: the mode the model runs in takes them as foreign inputs and converts them at every op, into tensors on
+   storages of their own (a second copy of those weights, counted from the first forward on), and the copied
+   mode's internals later crashed the process (a BERT with a deep-copied head: a segfault in the next trial).
+   `one_fake_mode` has a fake mode deep-copy as itself.
 """
 
 from __future__ import annotations
@@ -28,7 +34,12 @@ import weakref
 from collections.abc import Iterator
 
 import torch
-from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensor
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensor,
+    FakeTensorMode,
+)
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_leaves, tree_map_only
 from torch.utils.weak import WeakIdRef
@@ -283,8 +294,28 @@ def library_view() -> Iterator[None]:
             setattr(module, name, original)
 
 
+# -- 4. copies ----------------------------------------------------------------------------------------------------
+
+def _copied_as_itself(mode: FakeTensorMode, memo: dict) -> FakeTensorMode:
+    return mode
+
+
+@contextlib.contextmanager
+def one_fake_mode() -> Iterator[None]:
+    """While inside, `copy.deepcopy` of a FakeTensor makes a FakeTensor of the same fake mode (module doc, 4)."""
+    previous = vars(FakeTensorMode).get("__deepcopy__")
+    FakeTensorMode.__deepcopy__ = _copied_as_itself
+    try:
+        yield
+    finally:
+        if previous is None:
+            del FakeTensorMode.__deepcopy__
+        else:
+            FakeTensorMode.__deepcopy__ = previous
+
+
 @contextlib.contextmanager
 def real_code_paths() -> Iterator[None]:
     """Everything above, for a stretch of work on fake tensors (enter inside FakeTensorMode)."""
-    with swappable_fakes(), library_view(), Values():
+    with swappable_fakes(), library_view(), Values(), one_fake_mode():
         yield
