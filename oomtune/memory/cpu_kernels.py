@@ -1,7 +1,7 @@
 """Where PyTorch's meta kernels differ from the CPU's own: on the fake device, outputs are made as the cpu device's
 real kernels make them, so that the two devices still agree to the byte.
 
-Two so far.
+Three so far.
 
 - Grouped matmul (`aten._grouped_mm`, the experts of transformers' mixture-of-experts models): the CPU's kernel
   takes any floating dtype, the meta kernel only CUDA's bf16 ("Expected inputs of BF16 type"), so an fp32 Mixtral
@@ -13,6 +13,11 @@ Two so far.
   computed. The size is oneDNN's to choose and not a formula of the shapes (it moves in 4 KiB pages), so it is read
   from one real call on zeros of the same shapes (the values play no part in it), once a shape; for a shape that
   would allocate more than 64 MiB, from smaller ones, scaled (_workspace_bytes).
+- GroupNorm of a bf16 or fp16 input with fp32 weights (CPU autocast leaves group_norm's input in bf16): ATen's
+  kernel keeps the mean and reciprocal deviation in fp32 and makes the input's gradient in the input's dtype; the
+  meta kernel makes the statistics in the input's dtype and the gradient in fp32 (a bf16 CNN's backward read
+  +64 KiB on fake tensors, and `check` refused the plan `probe` had just written). Those outputs are made again in
+  ATen's dtypes (group_norm.cpp, shared by the CPU and CUDA).
 
 On a card (`--gpu`) nn.LSTM would run cuDNN, whose reserve space is its own size again: both simulated devices count
 oneDNN's workspace in its place (docs/devices.md).
@@ -27,6 +32,8 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 _LSTM_LAYER = getattr(getattr(torch.ops.aten, "mkldnn_rnn_layer", None), "default", None)
 _GROUPED_MM = getattr(getattr(torch.ops.aten, "_grouped_mm", None), "default", None)
+_GROUP_NORM = torch.ops.aten.native_group_norm.default
+_GROUP_NORM_BACKWARD = torch.ops.aten.native_group_norm_backward.default
 _SIZES: dict[tuple, int] = {}  # signature -> workspace elements, for the process (a shape's size never changes)
 _REAL_BYTES = 64 << 20  # the most one real call that reads a workspace's size may allocate, roughly
 
@@ -46,6 +53,8 @@ class CpuKernelBuffers(TorchDispatchMode):
         if func is _GROUPED_MM and args[0].dtype != torch.bfloat16:
             return _grouped_mm(func, args, kwargs)
         out = func(*args, **kwargs)
+        if func is _GROUP_NORM or func is _GROUP_NORM_BACKWARD:
+            return _group_norm_dtypes(func, args, out)
         if func is _LSTM_LAYER and not kwargs and out[3] is not None and out[3].numel() == 0:
             size = self._workspace_elements(args)
             if size:
@@ -120,3 +129,17 @@ def _grouped_mm(func, args, kwargs) -> torch.Tensor:
 
 
 __all__ = ["CpuKernelBuffers"]
+
+
+def _group_norm_dtypes(func, args, out: tuple) -> tuple:
+    """native_group_norm(X, gamma, beta, ...) -> (Y, mean, rstd), and its backward(dY, X, mean, rstd, gamma, ...)
+    -> (dX, dgamma, dbeta), with the outputs in the dtypes ATen's kernel makes them (module doc)."""
+    def like(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return t if t.dtype == dtype else torch.empty(t.shape, dtype=dtype, device=t.device)
+
+    if func is _GROUP_NORM_BACKWARD:
+        x = args[1]
+        return (None if out[0] is None else like(out[0], x.dtype), *out[1:])
+    x, params = args[0], [t for t in args[1:3] if isinstance(t, torch.Tensor)]
+    mixed = x.dtype in (torch.bfloat16, torch.float16) and any(t.dtype == torch.float32 for t in params)
+    return (out[0], *(like(t, torch.float32) for t in out[1:])) if mixed else out

@@ -107,3 +107,52 @@ def test_a_grouped_matmul_the_cpu_takes_is_shaped_on_fake_tensors_as_the_cpu_mak
     with FakeTensorMode(allow_non_fake_inputs=True), CpuKernelBuffers():
         fake = grouped(*args())
     assert (fake.shape, fake.dtype, fake.stride()) == (real.shape, real.dtype, real.stride())
+
+
+GROUP_NORM_CNN = '''
+    import torch
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.norm = nn.Conv2d(16, 16, 3, padding=1), nn.GroupNorm(4, 16)
+
+        def forward(self, x):
+            return x + torch.relu(self.norm(self.conv(x)))
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stem, self.blocks, self.head = nn.Conv2d(3, 16, 3, padding=1), nn.ModuleList(
+                Block() for _ in range(3)), nn.Linear(16, 10)
+
+        def forward(self, x, y):
+            x = self.stem(x)
+            for b in self.blocks:
+                x = b(x)
+            return nn.functional.cross_entropy(self.head(x.mean((2, 3))), y)
+
+    DEFAULTS = {"batch": 4, "context": 1}
+
+    def build_model():
+        return Net()
+
+    def make_batch(batch_size, context_length, device):
+        return torch.randn(batch_size, 3, 16, 16, device=device), torch.randint(0, 10, (batch_size,), device=device)
+'''
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32", "bf16-true"])
+def test_group_norm_under_cpu_autocast_counts_atens_dtypes_on_fake_as_on_cpu(write_model, precision):
+    """CPU autocast leaves GroupNorm's input in bf16 beside its fp32 weights: ATen keeps the statistics in fp32 and
+    the input's gradient in bf16, the meta kernel the other way round (+64 KiB in backward on fake before, and
+    `check` refused the plan `probe` wrote). Every phase that holds activations now reads the same, to the byte;
+    fp32 and bf16-true, with no mixing, were equal before and stay so."""
+    mf = load_model_file(write_model(GROUP_NORM_CNN))
+    plan = Plan(4, 1, precision)
+    cpu = run_trial(mf, plan, CpuDevice("1GiB"))
+    fake = run_trial(mf, plan, FakeDevice("1GiB", margin=Margin()))
+    for phase in ("forward", "backward", "optimizer"):
+        assert fake.phase_peaks[phase] == cpu.phase_peaks[phase], phase
+    assert fake.peak_allocated_bytes == cpu.peak_allocated_bytes
