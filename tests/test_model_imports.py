@@ -86,7 +86,7 @@ def test_a_make_batch_that_ignores_its_device_is_noted_where_the_cpu_cannot_see_
                                        "def make_batch(batch_size, context_length, device):\n"
                                        "    assert torch.ones(1, device=device).item() == 1"), "reads.py")
     from oomtune.memory.devices import CpuDevice
-    from oomtune.search.probe import batch_notes
+    from oomtune.search.batch_notes import batch_notes
 
     assert load_model_file(reads).sample_tensors(4)[1] is False  # (drawn on the cpu, not on meta)
     assert not any("ignores its device" in n for n in batch_notes(load_model_file(reads), CpuDevice("1GiB"), 4))

@@ -18,6 +18,7 @@ from ..memory.devices import Device, FakeDevice
 from ..memory.margin import AnyMargin, parse_margin
 from ..model_file import ModelFile
 from ..units import card_budget, card_memory
+from .batch_notes import batch_notes
 from .ladder import LadderResult, Point
 from .options import (
     LEVERS,
@@ -29,7 +30,7 @@ from .options import (
     resolve_targets,
 )
 from .past import PAST_LEVERS, PastRungs
-from .probe import ProbeResult, all_rungs, batch_notes, fsdp_reach, ladder_rungs, no_fsdp_note, plan_of, probe
+from .probe import ProbeResult, all_rungs, fsdp_reach, ladder_rungs, no_fsdp_note, plan_of, probe
 from .trial import TrialResult, computing_where_needed, run_trial
 
 

@@ -20,6 +20,7 @@ from ..memory.devices import Device, make_device, resolve_kind
 from ..memory.margin import parse_margin
 from ..model_file import ModelFile, eager_note
 from ..units import format_bytes, utc_now
+from .batch_notes import batch_notes
 from .certify import CertifyingSearch
 from .ladder import LadderResult, LadderSearch, Measurement, Objective, Point, Rung, Trial, largest_divisor_at_most
 from .options import LEVERS, Targets, check_prior, check_search_options
@@ -347,33 +348,6 @@ def batch_norm_note(model_file: ModelFile, static: StaticMemory, micro_batch: in
             "of one batch "
             "(noisier statistics; at micro-batch 1, none across examples): GroupNorm or LayerNorm do not depend on "
             "the batch",)
-
-
-def batch_notes(model_file: ModelFile, device: Device, context: int) -> tuple[str, ...]:
-    """What make_batch() shows for one sequence (model_file.sample_tensors): on the simulated devices, tensors not
-    on its `device` (a GPU's probe would refuse them); on any, no sequence of the context's length. One that
-    ignores its batch_size (the same shapes for 1 and 2) is an error."""
-    sample = model_file.sample_tensors(context)
-    if sample is None:
-        return ()
-    tensors, on_meta = sample
-    two = model_file.sample_tensors(context, batch_size=2)
-    if tensors and two is not None and [t.shape for t in two[0]] == [t.shape for t in tensors]:
-        shapes = ", ".join(str(tuple(t.shape)) for t in tensors)
-        raise model_file.fail("make_batch", f"returned the same shapes for batch_size 1 and 2 ({shapes}): it must "
-                                            "return batch_size examples, or every plan is measured at the wrong size")
-    notes: tuple[str, ...] = ()
-    if on_meta and device.kind != "cuda" and any(t.device.type != "meta" for t in tensors):
-        notes += (f"{model_file.label}'s make_batch() ignores its device argument (asked for PyTorch's meta device, "
-                  "which allocates nothing, it returned tensors elsewhere): this device's tensors are the CPU's, so "
-                  "it ran here, but on a GPU its batch would be on the wrong device: create the tensors with "
-                  "device=device",)
-    if context > 1 and not any(context in t.shape or context + 1 in t.shape for t in tensors):
-        notes += (f"{model_file.label}'s make_batch(batch_size, {context}, device) returned no tensor with a "
-                  f"dimension of {context}: plans are sized for every sequence at full length, so where yours are "
-                  "shorter than asked (padded to the longest in the batch), real data at full length may not fit; "
-                  "make_batch should return that worst case",)
-    return notes
 
 
 def check_ranks_batch(targets: Targets, world_size: int) -> None:
