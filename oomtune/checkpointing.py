@@ -1,6 +1,6 @@
 """Activation checkpointing of a model file's model: the block stacks the default wraps, a Hugging Face model's own
-switch, and the wrapper that recomputes a block in backward (keeping batch norms' running statistics as one forward
-left them)."""
+switch, and the wrapper that recomputes a block in backward (keeping the buffers its forward updates, batch norms'
+running statistics among them, as one forward left them)."""
 
 from __future__ import annotations
 
@@ -87,25 +87,49 @@ def checkpointed(forward: Callable, context_fn: Callable | None = None) -> Calla
     return run
 
 
-def running_stats_kept(block: nn.Module) -> Callable | None:
-    """For a block with batch norms that track running statistics: checkpoint's context_fn that puts their running
-    mean, variance and batch count back after backward's recompute (the recomputed forward updated them a second
-    time a step: twice the momentum, twice the count). None where the block has none."""
-    norms = [m for m in block.modules()
-             if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats]
-    if not norms:
+def _version(t: torch.Tensor) -> int:
+    """Its version counter; -1 for a tensor made under inference_mode, which has none (and is never written)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return -1
+
+
+def buffers_kept(block: nn.Module) -> Callable | None:
+    """For a block with buffers: checkpoint's context_fn that puts back, after backward's recompute, the buffers its
+    forward changed in place, as that forward left them. The recompute runs the training forward again, so without
+    it every update moved twice a step: batch norms' running mean, variance and batch count, a counter, an EMA.
+    Which buffers changed is read from their version counters (in-place writes from Python bump them), so only those
+    are copied; batch norms' running statistics, which their kernel writes without a bump, always are. A buffer the
+    forward replaces with another tensor (`self.buf = ...`) is not seen. None where the block has no buffers."""
+    buffers = list(block.buffers())
+    if not buffers:
         return None
+    stats = {id(b) for m in block.modules() if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats
+             for b in (m.running_mean, m.running_var) if b is not None}
 
-    @contextlib.contextmanager
-    def restored():
-        with torch.no_grad():
-            saved = [(b, b.clone()) for m in norms for b in (m.running_mean, m.running_var, m.num_batches_tracked)
-                     if b is not None]
-        try:
-            yield
-        finally:
+    def contexts():
+        changed: list[torch.Tensor] = []
+
+        @contextlib.contextmanager
+        def forward():
+            before = [_version(b) for b in buffers]
+            try:
+                yield
+            finally:
+                changed[:] = [b for b, v in zip(buffers, before, strict=True) if _version(b) != v or id(b) in stats]
+
+        @contextlib.contextmanager
+        def recompute():
             with torch.no_grad():
-                for b, value in saved:
-                    b.copy_(value)
+                saved = [(b, b.clone()) for b in changed]
+            try:
+                yield
+            finally:
+                with torch.no_grad():
+                    for b, value in saved:
+                        b.copy_(value)
 
-    return lambda: (contextlib.nullcontext(), restored())
+        return forward(), recompute()
+
+    return contexts

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .checkpointing import block_stacks, checkpointed, enable_hf_checkpointing, hf_checkpointing, running_stats_kept
+from .checkpointing import block_stacks, buffers_kept, checkpointed, enable_hf_checkpointing, hf_checkpointing
 from .errors import ModelFileError, OomtuneError, first_line
 from .memory.devices import is_oom
 
@@ -244,7 +244,7 @@ class ModelFile:
                 "modules); define blocks(model)"
             )
         for block in blocks:
-            block.forward = checkpointed(block.forward, running_stats_kept(block))
+            block.forward = checkpointed(block.forward, buffers_kept(block))
 
     def batches(self, hook: str, batch_size: int, context_length: int, device: torch.device) -> Iterator[Batch]:
         """The iterator of `hook` (train_batches / eval_batches, which the caller checked the file has)."""

@@ -371,6 +371,33 @@ def test_checkpointed_batch_norms_update_their_running_statistics_once_a_step(wr
 
 
 
+def test_checkpointed_blocks_update_any_buffer_their_forward_writes_once_a_step(write_model):
+    """device: none (real tensors). Not only batch norms: a block counting its calls and keeping an EMA of its input
+    in buffers (in place) had both moved twice a step by backward's recompute (seen == 2 after one step). A buffer
+    its forward does not write is left alone."""
+    source = BATCH_NORMED.replace("        self.bn = nn.BatchNorm2d(4)\n", """        self.bn = nn.BatchNorm2d(4)
+        self.register_buffer("seen", torch.zeros((), dtype=torch.long))
+        self.register_buffer("ema", torch.zeros(4))
+        self.register_buffer("table", torch.arange(4.0))
+""").replace("        return x + torch.relu(self.bn(self.conv(x)))\n", """        if self.training:
+            with torch.no_grad():
+                self.seen += 1
+                self.ema.mul_(0.9).add_(0.1 * x.mean((0, 2, 3)))
+        return x + torch.relu(self.bn(self.conv(x))) * self.table[None, :, None, None]
+""")
+    mf = load_model_file(write_model(source))
+    plain, wrapped = mf.build(), mf.build()
+    mf.enable_checkpointing(wrapped)
+    x = torch.randn(3, 4, 5, 5)
+    for model in (plain, wrapped):
+        for _ in range(2):
+            mf.loss(model, x).backward()
+    for (name, a), b in zip(plain.named_buffers(), wrapped.buffers(), strict=True):
+        assert torch.equal(a, b), name
+    assert [int(b.seen) for b in wrapped.blocks] == [2, 2]
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(plain.parameters(), wrapped.parameters(), strict=True))
+
+
 def test_a_sparse_embedding_is_named_in_one_line(write_model):
     """device: cpu. nn.Embedding(sparse=True) ended in a screen of NotImplementedError from the gradient clipping
     ('linalg_vector_norm' on SparseCPU, exit 1); with SparseAdam as its optimizer(), in "SparseAdam does not support
