@@ -204,13 +204,24 @@ class LadderSearch:
            what is still unknown (16 for a target of 256), not 2: at tiny batches the weights, gradients
            and optimizer state set the peak, and a line through 1 and 2 would be nearly flat;
         4. the midpoint (bisection): whenever the line predicts a size already known not to fit, i.e. its
-           last prediction ran out of memory outright and left no new peak to refit with."""
+           last prediction ran out of memory outright and left no new peak to refit with.
+        Once two sizes that fit read the same peak, the peak moves in steps (a card's allocator model reserves
+        2 MiB segments: a small model's whole batch can be a few steps), the lines are flat or short and would walk
+        the sizes one or two at a time (41 trials on one rung): the search then gallops up from the largest size
+        that fits (by the widest flat run seen, at least 2, doubling), never past the midpoint of what is
+        unknown."""
         lo, hi = self._bounds(rung, context, batch)
-        verify_next = False
+        verify_next, gallop = False, 2
         while hi - lo > 1:
             fit, over, peak = self._batch_points(rung, context, lo)
             stage, guess = "batch", None
-            if verify_next:
+            # (not from the smallest: at tiny batches the optimizer step sets the peak, flat, and bisection serves)
+            flats = [b - a for a, b in zip(fit[1:], fit[2:], strict=False) if peak[a] == peak[b]]
+            stepped = bool(flats)
+            if stepped:  # gallop up from the largest that fits, never past the midpoint: then bisect
+                gallop = max(gallop, max(flats))  # a step is at least as wide as its widest flat seen
+                guess = min(lo + gallop, (lo + hi) // 2)
+            elif verify_next:
                 stage, guess = "verify", lo + 1
             elif over:
                 guess = interpolate(lo, peak[lo], over[0], peak[over[0]], self.limit_bytes)
@@ -223,12 +234,13 @@ class LadderSearch:
             else:
                 # the second point for the line, far enough from 1 that the batch, not the weights, sets it
                 guess = math.isqrt(lo * hi)
-            predicted = guess is not None and stage == "batch" and len(fit) >= 2
+            predicted = guess is not None and stage == "batch" and len(fit) >= 2 and not stepped
             if guess is None:
                 guess = (lo + hi) // 2
             guess = min(max(guess, lo + 1), hi - 1)
             ok = self.check(Point(rung, guess, context), stage)
             verify_next = ok and predicted
+            gallop *= 2 if stepped and ok else 1
             lo, hi = (guess, hi) if ok else (lo, guess)
         return lo
 

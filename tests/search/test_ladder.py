@@ -250,3 +250,25 @@ def test_nothing_fits_where_even_the_shortest_context_cannot_accumulate():
     r = s.run([CKPT], batch=8, context=1024, min_context=128)
     assert r.choice is None and r.rungs[0].context_length == 1024
     assert sizes(s)[-1] == (1, 128, 8, "context")  # tried once at --min-context, then given up
+
+
+def test_peaks_that_move_in_steps_are_galloped_once_two_sizes_read_the_same():
+    """A card's allocator model reserves 2 MiB segments: a small model's peak moves in steps many sizes wide. The
+    chord from micro-batch 1 lands on the step at the limit, and the chord and its verify then walked that step
+    one size at a time (25 trials here, 41 on one rung of a user's model). Once two sizes that fit read the same
+    peak, the search gallops up from the largest that fits, by the widest flat run seen (at least 2), doubling,
+    never past the midpoint. Truth: 1000 + 100 * ceil(b / 25) <= 1800 -> b = 200."""
+    peak = lambda p: 1000 + 100 * -(-p.micro_batch_size // 25)  # noqa: E731
+    s = LadderSearch(fake_device(peak, budget=3000), LIMIT)
+    r = s.search_rung(FP32, batch=256, context=64, min_context=64)
+    assert r.micro_batch_size == 200
+    assert [b for b, *_ in sizes(s)] == [
+        256,  # target: over the limit (2100), under the budget: its peak is the chord's end
+        1,  # context: fits (1100)
+        179,  # the chord from 1 to 256: 1 + 700 * 255 // 1000 (1800, at the limit: it fits)
+        180,  # the chord from 179 says nothing larger fits; 180 does, at the same peak: in steps
+        182, 186, 194,  # gallop: +2, +4, +8 (all 1800)
+        210,  # +16 (1900: over)
+        202, 198, 200, 201,  # bisect between 194 and 210
+    ]
+    assert len(s.trials) == 12  # against 25 walking the step
