@@ -1,0 +1,88 @@
+"""Activation checkpointing's wrapper (oomtune/checkpointing.py): a recomputed block leaves the buffers its forward
+writes as one forward left them. device: none (real tensors)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from oomtune.model_file import load_model_file
+
+BATCH_NORMED = """
+import torch
+from torch import nn
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(4, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        return x + torch.relu(self.bn(self.conv(x)))
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x.square().mean()
+
+def build_model():
+    torch.manual_seed(0)
+    return Net()
+
+def make_batch(batch_size, context_length, device):
+    return torch.randn(batch_size, 4, context_length, context_length, device=device)
+
+def loss(model, batch):
+    return model(batch)
+"""
+
+
+def test_checkpointed_batch_norms_update_their_running_statistics_once_a_step(write_model):
+    """device: none (real tensors). Backward's recompute of a checkpointed block ran its batch norms' training
+    forward again: running mean and variance moved twice a step, and the batch count said 2."""
+    mf = load_model_file(write_model(BATCH_NORMED))
+    plain, wrapped = mf.build(), mf.build()
+    mf.enable_checkpointing(wrapped)
+    torch.manual_seed(1)
+    x = torch.randn(3, 4, 5, 5)
+    for model in (plain, wrapped):
+        mf.loss(model, x).backward()
+    for a, b in zip(plain.modules(), wrapped.modules(), strict=True):
+        if isinstance(a, nn.BatchNorm2d):
+            assert int(b.num_batches_tracked) == 1
+            assert torch.equal(a.running_mean, b.running_mean) and torch.equal(a.running_var, b.running_var)
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(plain.parameters(), wrapped.parameters(), strict=True))
+
+
+
+def test_checkpointed_blocks_update_any_buffer_their_forward_writes_once_a_step(write_model):
+    """device: none (real tensors). Not only batch norms: a block counting its calls and keeping an EMA of its input
+    in buffers (in place) had both moved twice a step by backward's recompute (seen == 2 after one step). A buffer
+    its forward does not write is left alone."""
+    source = BATCH_NORMED.replace("        self.bn = nn.BatchNorm2d(4)\n", """        self.bn = nn.BatchNorm2d(4)
+        self.register_buffer("seen", torch.zeros((), dtype=torch.long))
+        self.register_buffer("ema", torch.zeros(4))
+        self.register_buffer("table", torch.arange(4.0))
+""").replace("        return x + torch.relu(self.bn(self.conv(x)))\n", """        if self.training:
+            with torch.no_grad():
+                self.seen += 1
+                self.ema.mul_(0.9).add_(0.1 * x.mean((0, 2, 3)))
+        return x + torch.relu(self.bn(self.conv(x))) * self.table[None, :, None, None]
+""")
+    mf = load_model_file(write_model(source))
+    plain, wrapped = mf.build(), mf.build()
+    mf.enable_checkpointing(wrapped)
+    x = torch.randn(3, 4, 5, 5)
+    for model in (plain, wrapped):
+        for _ in range(2):
+            mf.loss(model, x).backward()
+    for (name, a), b in zip(plain.named_buffers(), wrapped.buffers(), strict=True):
+        assert torch.equal(a, b), name
+    assert [int(b.seen) for b in wrapped.blocks] == [2, 2]
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(plain.parameters(), wrapped.parameters(), strict=True))
