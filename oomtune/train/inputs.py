@@ -67,6 +67,7 @@ def check_inputs(config_path: str | Path, overrides: dict[str, Any] | None, *, r
         if latest is None:
             raise OomtuneError(no_checkpoint_message(run_dir), BAD_INPUT)
         state, plan = load_latest(latest)
+        check_same_run(latest, state, plan, file_config.plan, model_file)
         cfg, notes = _resumed_settings(cfg, file_config.train, state, given)
         smaller = file_config.plan
         if (smaller.micro_batch_size < plan.micro_batch_size and plan.micro_batch_size % smaller.micro_batch_size == 0
@@ -93,6 +94,21 @@ def check_inputs(config_path: str | Path, overrides: dict[str, Any] | None, *, r
     data_batch = state["data"]["batch_size"] if state else plan.micro_batch_size
     return Inputs(config_path, file_config, cfg, model_file, run_dir, plan, data_batch,
                   share_size(plan, data_batch, where), state, latest, notes)
+
+
+def check_same_run(latest: Path, state: dict, plan: Plan, in_file: Plan, model_file: ModelFile) -> None:
+    """A checkpoint of another model file's run, with levers this config does not have (its plan is what a resume
+    builds): say so, rather than blame the config for the checkpoint's plan (NF4 on a model with no weights for it).
+    A renamed model file with the config's own plan resumes; a same-plan checkpoint of another model is caught
+    where its weights are loaded."""
+    written_for = Path(str(state.get("model_file", ""))).name
+    levers = ("precision", "activation_checkpointing", "sharding", "optimizer_8bit", "offload_optimizer",
+              "offload_activations", "nf4_frozen_weights")
+    if written_for and written_for != model_file.label and any(
+            getattr(plan, k) != getattr(in_file, k) for k in levers):
+        raise OomtuneError(f"checkpoint {latest} was written by a run of {written_for} ({plan.describe()}), not of "
+                           f"this config's {model_file.label}: resume with that run's config, or pass another "
+                           "--run-dir", BAD_INPUT)
 
 
 def _resumed_settings(cfg: TrainConfig, in_file: TrainConfig, state: dict,

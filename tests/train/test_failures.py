@@ -235,6 +235,16 @@ def test_a_broken_latest_checkpoint_is_named_in_plain_words_and_the_older_intact
     assert error_line(result).endswith("does not match other.py's model: 2 of the model's keys are not in it (first: "
                                        "blocks.2.weight); 2 shape(s) differ (first: out.weight is (4, 16) in the "
                                        "checkpoint, (5, 16) in the model)")
+    # its plan has other levers (the checkpoint's plan is what a resume builds): the checkpoint is named, not the
+    # config (an NF4 checkpoint of a Llama resumed with a T5's config blamed the T5's plan.nf4_frozen_weights)
+    (case_dir / "other.yaml").write_text(yaml.safe_dump({"model": str(other), "plan": {**PLAN, "precision": "bf16"},
+                                                          "train": {"run_dir": "run"}}))
+    result = run_cli("train", "--config", "other.yaml", "--device", "cpu", "--resume")
+    assert result.exit_code == 2
+    assert error_line(result) == (f"error: checkpoint {Path('run') / 'ckpt-00000006.pt'} was written by a run of "
+                                  "model.py (micro-batch 2, context 8, fp32, x2 accumulation (global batch 4)), "
+                                  "not of this config's other.py: resume with that run's config, or pass another "
+                                  "--run-dir")
 
 
 # -- the small cases ---------------------------------------------------------------------------------------------
