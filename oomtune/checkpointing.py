@@ -4,7 +4,6 @@ running statistics among them, as one forward left them)."""
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from collections.abc import Callable
 
@@ -76,13 +75,16 @@ def enable_hf_checkpointing(model: nn.Module, enable: Callable) -> None:
 
 
 def checkpointed(forward: Callable, context_fn: Callable | None = None) -> Callable:
+    """`forward`, recomputed in backward (non-reentrant). Compiling (a compiled model on cuda), torch takes no
+    context_fn but its own dispatch modes: the buffers are then not put back (buffers_kept)."""
     extra = {"context_fn": context_fn} if context_fn is not None else {}
 
     @functools.wraps(forward)
     def run(*args, **kwargs):
         if not torch.is_grad_enabled():  # eval: nothing to save, nothing to recompute
             return forward(*args, **kwargs)
-        return checkpoint(forward, *args, use_reentrant=False, **extra, **kwargs)
+        kept = {} if torch.compiler.is_compiling() else extra
+        return checkpoint(forward, *args, use_reentrant=False, **kept, **kwargs)
 
     return run
 
@@ -100,8 +102,10 @@ def buffers_kept(block: nn.Module) -> Callable | None:
     forward changed in place, as that forward left them. The recompute runs the training forward again, so without
     it every update moved twice a step: batch norms' running mean, variance and batch count, a counter, an EMA.
     Which buffers changed is read from their version counters (in-place writes from Python bump them), so only those
-    are copied; batch norms' running statistics, which their kernel writes without a bump, always are. A buffer the
-    forward replaces with another tensor (`self.buf = ...`) is not seen. None where the block has no buffers."""
+    are copied; batch norms' running statistics, which their kernel writes without a bump, always are. Not seen: a
+    buffer the forward replaces (`self.buf = ...`). Not undone: the recompute starts from the buffers as the forward
+    left them, so a block whose output depends on a buffer it updates gets the gradient of that second forward.
+    None where the block has no buffers."""
     buffers = list(block.buffers())
     if not buffers:
         return None
@@ -110,26 +114,38 @@ def buffers_kept(block: nn.Module) -> Callable | None:
 
     def contexts():
         changed: list[torch.Tensor] = []
-
-        @contextlib.contextmanager
-        def forward():
-            before = [_version(b) for b in buffers]
-            try:
-                yield
-            finally:
-                changed[:] = [b for b, v in zip(buffers, before, strict=True) if _version(b) != v or id(b) in stats]
-
-        @contextlib.contextmanager
-        def recompute():
-            with torch.no_grad():
-                saved = [(b, b.clone()) for b in changed]
-            try:
-                yield
-            finally:
-                with torch.no_grad():
-                    for b, value in saved:
-                        b.copy_(value)
-
-        return forward(), recompute()
+        return _Forward(buffers, stats, changed), _Recompute(changed)
 
     return contexts
+
+
+class _Forward:
+    """Around the checkpointed forward: which buffers it wrote (into `changed`)."""
+
+    def __init__(self, buffers: list[torch.Tensor], stats: set[int], changed: list[torch.Tensor]):
+        self.buffers, self.stats, self.changed = buffers, stats, changed
+
+    def __enter__(self):
+        self.before = [_version(b) for b in self.buffers]
+
+    def __exit__(self, *exc):
+        self.changed[:] = [b for b, v in zip(self.buffers, self.before, strict=True)
+                           if _version(b) != v or id(b) in self.stats]
+
+
+class _Recompute:
+    """Around each recompute (one per backward through the block: a second backward or autograd.grad then backward
+    recomputes again, so it is re-entered): the written buffers put back as the forward left them."""
+
+    def __init__(self, changed: list[torch.Tensor]):
+        self.changed = changed
+
+    def __enter__(self):
+        with torch.no_grad():
+            self.saved = [(b, b.clone()) for b in self.changed]
+
+    def __exit__(self, *exc):
+        with torch.no_grad():
+            for b, value in self.saved:
+                b.copy_(value)
+        self.saved = []

@@ -86,3 +86,57 @@ def test_checkpointed_blocks_update_any_buffer_their_forward_writes_once_a_step(
         assert torch.equal(a, b), name
     assert [int(b.seen) for b in wrapped.blocks] == [2, 2]
     assert all(torch.equal(p.grad, q.grad) for p, q in zip(plain.parameters(), wrapped.parameters(), strict=True))
+
+
+CONSTANT_BUFFER = """
+import torch
+from torch import nn
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("mask", torch.tril(torch.ones(8, 8)))  # never written
+
+    def forward(self, x):
+        return x + torch.tanh(self.lin(x) @ self.mask)
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x.square().mean()
+
+def build_model():
+    torch.manual_seed(0)
+    return Net()
+
+def make_batch(batch_size, context_length, device):
+    return torch.randn(batch_size, context_length, 8, device=device)
+
+def loss(model, batch):
+    return model(batch)
+"""
+
+
+def test_a_block_with_buffers_recomputes_for_every_backward_and_compiles(write_model):
+    """Every block with a buffer gets the context that keeps them: it is re-entered for each backward through the
+    block (retain_graph, a gradient penalty's autograd.grad then backward: 'no attribute args' when it was a
+    one-shot generator), and compiled, where torch takes no context_fn (an AssertionError from the compiler)."""
+    mf = load_model_file(write_model(CONSTANT_BUFFER))
+    plain, wrapped = mf.build(), mf.build()
+    mf.enable_checkpointing(wrapped)
+    x = torch.randn(2, 4, 8)
+    for model in (plain, wrapped):
+        out = mf.loss(model, x)
+        out.backward(retain_graph=True)
+        out.backward()
+        (g,) = torch.autograd.grad(mf.loss(model, x), model.blocks[0].lin.weight, create_graph=True)
+        g.square().sum().backward()
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(plain.parameters(), wrapped.parameters(), strict=True))
+    compiled = torch.compile(wrapped, backend="aot_eager")
+    mf.loss(compiled, x).backward()
