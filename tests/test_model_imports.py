@@ -144,3 +144,28 @@ def test_deep_copied_layers_count_once_on_fake_tensors(write_model):
     with device.measure():
         model = mf.build()
         assert len({id(p.fake_mode) for p in model.parameters()}) == 1
+
+
+def test_an_all_ones_attention_mask_is_noted_only_for_a_transformers_model(write_model):
+    """device: cpu (make_batch's values). The note is about transformers dropping the mask: a model file of its own
+    attention (nn.MultiheadAttention with a key_padding_mask measures the same with any mask) gets none."""
+    from oomtune.memory.devices import CpuDevice
+    from oomtune.search.batch_notes import batch_notes
+
+    source = '''
+import torch
+from torch import nn
+
+def build_model():
+    return nn.Linear(4, 4)
+
+def make_batch(batch_size, context_length, device):
+    x = torch.randn(batch_size, context_length, 4, device=device)
+    return {"x": x, "attention_mask": torch.ones(batch_size, context_length, device=device)}
+
+def loss(model, batch):
+    return (model(batch["x"]) * batch["attention_mask"][..., None]).square().mean()
+'''
+    plain = load_model_file(write_model(source, name="plain.py"))
+    assert not any("attention_mask" in n for n in batch_notes(plain, CpuDevice("1GiB"), 8))
+    # (a transformers model's all-ones mask is noted: tests/finetune/test_model_kinds.py, with a real BERT)

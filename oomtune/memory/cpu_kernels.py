@@ -137,9 +137,10 @@ def _group_norm_dtypes(func, args, out: tuple) -> tuple:
     def like(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return t if t.dtype == dtype else torch.empty(t.shape, dtype=dtype, device=t.device)
 
-    if func is _GROUP_NORM_BACKWARD:
+    if func is _GROUP_NORM_BACKWARD:  # the gradient as ATen makes it: like the input, its layout too
         x = args[1]
-        return (None if out[0] is None else like(out[0], x.dtype), *out[1:])
+        keep = out[0] is None or out[0].dtype == x.dtype
+        return out if keep else (torch.empty_like(x), *out[1:])
     x, params = args[0], [t for t in args[1:3] if isinstance(t, torch.Tensor)]
     mixed = x.dtype in (torch.bfloat16, torch.float16) and any(t.dtype == torch.float32 for t in params)
     return (out[0], *(like(t, torch.float32) for t in out[1:])) if mixed else out

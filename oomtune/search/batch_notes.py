@@ -4,6 +4,8 @@ its batch size."""
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 
 from ..memory.devices import Device
@@ -41,6 +43,8 @@ def all_ones_mask_note(model_file: ModelFile, context: int) -> tuple[str, ...]:
     """A dict batch whose `attention_mask` is all ones (read on the cpu, for two sequences): transformers drops such
     a mask and runs attention unmasked, where a padded batch's mask is built and takes a costlier path (a BERT's
     tensor peak: +20% on an RTX 3060's rules, measured). Only the user knows whether their batches are padded."""
+    if not _uses_transformers(model_file):
+        return ()
     try:
         batch = model_file.module.make_batch(2, context, torch.device("cpu"))
     except (Exception, SystemExit):
@@ -51,3 +55,13 @@ def all_ones_mask_note(model_file: ModelFile, context: int) -> tuple[str, ...]:
     return (f"{model_file.label}'s make_batch() gives an attention_mask of all ones, which transformers drops (the "
             "attention then runs unmasked): if your real batches are padded, set a 0 in it (e.g. mask[:, -1] = 0) so "
             "that plans are measured with the mask training will build, which can take more memory",)
+
+
+def _uses_transformers(model_file: ModelFile) -> bool:
+    """Whether the model file imports from transformers (or peft): what it binds at its top level comes from there.
+    Its own attention (nn.MultiheadAttention with a key_padding_mask) measures the same with any mask."""
+    for value in vars(model_file.module).values():
+        name = value.__name__ if isinstance(value, ModuleType) else getattr(value, "__module__", None)
+        if isinstance(name, str) and name.split(".")[0] in ("transformers", "peft"):
+            return True
+    return False

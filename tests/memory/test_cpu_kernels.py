@@ -3,6 +3,8 @@ LSTM's oneDNN workspace, transformers' fp32 grouped matmul. device: fake against
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch import nn
@@ -156,3 +158,21 @@ def test_group_norm_under_cpu_autocast_counts_atens_dtypes_on_fake_as_on_cpu(wri
     for phase in ("forward", "backward", "optimizer"):
         assert fake.phase_peaks[phase] == cpu.phase_peaks[phase], phase
     assert fake.peak_allocated_bytes == cpu.peak_allocated_bytes
+
+
+def test_group_norms_input_gradient_keeps_a_channels_last_layout_on_fake_tensors():
+    """The input's gradient is made like the input, its layout too (a channels-last bf16 input: channels-last)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from oomtune.memory.cpu_kernels import CpuKernelBuffers
+
+    def grads(fake: bool) -> list[tuple]:
+        with FakeTensorMode() if fake else contextlib.nullcontext(), CpuKernelBuffers() if fake else \
+                contextlib.nullcontext():
+            x = torch.zeros(2, 16, 4, 2, dtype=torch.bfloat16).contiguous(memory_format=torch.channels_last)
+            w = torch.ones(16)
+            _, mean, rstd = torch.ops.aten.native_group_norm(x, w, w, 2, 16, 8, 4, 1e-5)
+            out = torch.ops.aten.native_group_norm_backward(x, x, mean, rstd, w, 2, 16, 8, 4, [True, True, True])
+            return [(t.dtype, t.stride()) for t in (mean, rstd, *out)]
+
+    assert grads(fake=True) == grads(fake=False)
