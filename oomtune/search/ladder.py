@@ -240,7 +240,8 @@ class LadderSearch:
             guess = min(max(guess, lo + 1), hi - 1)
             ok = self.check(Point(rung, guess, context), stage)
             verify_next = ok and predicted
-            gallop *= 2 if stepped and ok else 1
+            if stepped and ok:
+                gallop *= 2
             lo, hi = (guess, hi) if ok else (lo, guess)
         return lo
 
