@@ -134,13 +134,10 @@ __all__ = ["CpuKernelBuffers"]
 def _group_norm_dtypes(func, args, out: tuple) -> tuple:
     """native_group_norm(X, gamma, beta, ...) -> (Y, mean, rstd), and its backward(dY, X, mean, rstd, gamma, ...)
     -> (dX, dgamma, dbeta), with the outputs in the dtypes ATen's kernel makes them (module doc)."""
-    def like(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return t if t.dtype == dtype else torch.empty(t.shape, dtype=dtype, device=t.device)
-
     if func is _GROUP_NORM_BACKWARD:  # the gradient as ATen makes it: like the input, its layout too
         x = args[1]
         keep = out[0] is None or out[0].dtype == x.dtype
         return out if keep else (torch.empty_like(x), *out[1:])
     x, params = args[0], [t for t in args[1:3] if isinstance(t, torch.Tensor)]
     mixed = x.dtype in (torch.bfloat16, torch.float16) and any(t.dtype == torch.float32 for t in params)
-    return (out[0], *(like(t, torch.float32) for t in out[1:])) if mixed else out
+    return (out[0], *(torch.empty_like(t, dtype=torch.float32) for t in out[1:])) if mixed else out
