@@ -42,18 +42,36 @@ def hf_checkpointing(model: nn.Module) -> Callable | None:
     return None
 
 
-def checkpoints_itself(model: nn.Module) -> bool:
-    """Whether build_model() returned a Hugging Face model (PEFT-wrapped too) with its own checkpointing already on:
-    every rung then runs with it, and a checkpointing rung would measure the same thing again."""
-    return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
+# module attributes that switch a model's own activation checkpointing on, where libraries keep it
+OWN_SWITCHES = (
+    "gradient_checkpointing",  # transformers, diffusers
+    "grad_checkpointing",  # timm, open_clip
+    "use_checkpoint",  # Swin and many research code bases
+    "checkpoint_activations",  # fairseq, Megatron-style code
+)
 
 
-def no_checkpointing_note(label: str, itself: bool = False) -> str:
-    """Why a ladder has no checkpointing rung: the model checkpoints itself (a rung would measure the same thing
-    again), or it has nothing to wrap."""
+def checkpoints_itself(model: nn.Module) -> str | None:
+    """How build_model() turned the model's own activation checkpointing on, or None: a module attribute of
+    OWN_SWITCHES set to True (a Hugging Face model's gradient_checkpointing_enable, timm's
+    set_grad_checkpointing), or blocks wrapped in torch's CheckpointWrapper (torchtune, torchtitan). Every rung
+    then runs checkpointed, and a checkpointing rung would measure the same peaks again."""
+    for m in model.modules():
+        if any(c.__name__ == "CheckpointWrapper" and c.__module__.startswith("torch.distributed")
+               for c in type(m).__mro__):
+            return "its blocks are wrapped in torch's CheckpointWrapper"
+        on = next((name for name in OWN_SWITCHES if getattr(m, name, None) is True), None)
+        if on is not None:
+            return f"{type(m).__name__}.{on} is True"
+    return None
+
+
+def no_checkpointing_note(label: str, itself: str | None = None) -> str:
+    """Why a ladder has no checkpointing rung: the model checkpoints itself (`itself` says how; a rung would
+    measure the same thing again), or it has nothing to wrap."""
     if itself:
-        return (f"no activation checkpointing rung: {label}'s build_model() turns the model's own gradient "
-                "checkpointing on, so every rung runs checkpointed already")
+        return (f"no activation checkpointing rung: {label}'s build_model() turns the model's own activation "
+                f"checkpointing on ({itself}), so every rung runs checkpointed already")
     return (f"no activation checkpointing rung: {label} has no blocks to wrap (no nn.ModuleList of same-type "
             "modules, no gradient_checkpointing_enable); define blocks(model) to add it")
 

@@ -3,10 +3,15 @@ writes as one forward left them. device: none (real tensors)."""
 
 from __future__ import annotations
 
+import json
+
+import pytest
 import torch
 from torch import nn
 
+from oomtune.memory.breakdown import static_memory
 from oomtune.model_file import load_model_file
+from tests.conftest import run_cli
 
 BATCH_NORMED = """
 import torch
@@ -115,3 +120,39 @@ def test_a_block_with_buffers_recomputes_for_every_backward_and_compiles(write_m
     assert all(torch.equal(p.grad, q.grad) for p, q in zip(plain.parameters(), wrapped.parameters(), strict=True))
     compiled = torch.compile(wrapped, backend="aot_eager")
     mf.loss(compiled, x).backward()
+
+
+SELF_CHECKPOINTING = (CONSTANT_BUFFER  # its forward checkpoints each block itself, behind a switch Swin's code names
+                      .replace("        self.blocks = nn.ModuleList(Block() for _ in range(2))\n",
+                               "        self.blocks = nn.ModuleList(Block() for _ in range(2))\n"
+                               "        self.use_checkpoint = True\n")
+                      .replace("            x = b(x)\n",
+                               "            x = torch.utils.checkpoint.checkpoint(b, x, use_reentrant=False) "
+                               "if self.use_checkpoint else b(x)\n")
+                      .replace("import torch\n", "import torch\nimport torch.utils.checkpoint\n", 1))
+WRAPPED = CONSTANT_BUFFER.replace("    return Net()\n", """    net = Net()
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    net.blocks = nn.ModuleList(checkpoint_wrapper(b) for b in net.blocks)
+    return net
+""")
+
+
+@pytest.mark.parametrize("source, how", [(SELF_CHECKPOINTING, "Net.use_checkpoint is True"),
+                                         (WRAPPED, "its blocks are wrapped in torch's CheckpointWrapper")])
+def test_a_model_built_checkpointing_itself_gets_no_checkpointing_rung(write_model, tmp_path, source, how):
+    """device: fake (estimate). A model whose build_model() switched its own checkpointing on (a module attribute
+    libraries use for it, set True; torchtune's and torchtitan's CheckpointWrapper) runs every rung checkpointed:
+    a checkpointing rung measured the same peaks again. It has none, and the note says how it was seen; the same
+    model with its switch off keeps the rung."""
+    path = write_model(source)
+    r = run_cli("estimate", path, "--budget", "400KiB", "--margin", "0", "--batch", "64", "--context", "64",
+                "--out", tmp_path / "e.yaml", "--json")
+    assert r.exit_code == 0, r.output
+    report = json.loads(r.stdout)
+    assert [(rung["rung"], rung["micro_batch_size"]) for rung in report["rungs"]] == [("fp32", 24), ("amp", 24)]
+    assert (f"no activation checkpointing rung: model.py's build_model() turns the model's own activation "
+            f"checkpointing on ({how}), so every rung runs checkpointed already") in report["notes"]
+    off = source.replace("self.use_checkpoint = True", "self.use_checkpoint = False")
+    off = off.replace("    net.blocks = nn.ModuleList(checkpoint_wrapper(b) for b in net.blocks)\n", "")
+    static = static_memory(load_model_file(write_model(off, "off.py")))
+    assert static.checkpointing_supported and static.checkpoints_itself is None

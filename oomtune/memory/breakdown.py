@@ -47,7 +47,7 @@ class StaticMemory:
     trained_elements: int = 0  # elements of the trained parameters
     quantized_elements: int = 0  # of those, in tensors 8-bit AdamW quantizes (the rest keep fp32 moments)
     batch_norm: bool = False  # the model has BatchNorm layers (their statistics are a micro-batch's)
-    checkpoints_itself: bool = False  # built with its own (Hugging Face) checkpointing on: no checkpointing rung
+    checkpoints_itself: str | None = None  # how build_model() turned the model's own checkpointing on: no such rung
 
     def adamw8bit_bytes(self) -> int:
         """8-bit AdamW's state: two 8-bit moments and a 4-byte scale each per 256 elements where it quantizes, two
@@ -122,7 +122,7 @@ def static_memory(model_file: ModelFile, plan: Plan | None = None, levers: str =
         opt.step()
         optimizer_state = tracker.live_bytes - weights - grads
         temporaries = tracker.peak_bytes - tracker.live_bytes
-        itself = not model_file.has("blocks") and checkpoints_itself(model)
+        itself = None if model_file.has("blocks") else checkpoints_itself(model)
         checkpointing = model_file.supports_checkpointing(model) and not itself
         name = type(getattr(opt, "inner", opt)).__name__
         compiled = is_compiled(model)

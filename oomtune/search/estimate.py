@@ -222,8 +222,9 @@ def what_if_plan(model_file: ModelFile, micro_batch: int, context: int | None, p
                 world_size=world_size, sharding=sharding or ("ddp" if world_size > 1 else "none"), **past)
     static = static_memory(model_file) if plan.activation_checkpointing else None
     if static is not None and static.checkpoints_itself:
-        raise OomtuneError(f"{model_file.label}: --checkpointing, but build_model() turns the model's own gradient "
-                           "checkpointing on: every plan is checkpointed already (leave out --checkpointing)")
+        raise OomtuneError(f"{model_file.label}: --checkpointing, but build_model() turns the model's own activation "
+                           f"checkpointing on ({static.checkpoints_itself}): every plan is checkpointed already "
+                           "(leave out --checkpointing)")
     if static is not None and not static.checkpointing_supported:
         raise OomtuneError(f"{model_file.label}: --checkpointing, but no blocks to wrap (define blocks(model))")
     return plan

@@ -218,14 +218,15 @@ def test_a_model_that_checkpoints_itself_gets_no_checkpointing_rung(tmp_path):
     assert [rung["rung"] for rung in report["rungs"]][:2] == ["fp32", "amp"]
     assert not any(rung["activation_checkpointing"] for rung in report["rungs"])
     assert ("no activation checkpointing rung: hf_self_checkpointing.py's build_model() turns the model's own "
-            "gradient checkpointing on, so every rung runs checkpointed already") in report["notes"]
+            "activation checkpointing on (GPT2Model.gradient_checkpointing is True), so every rung runs checkpointed "
+            "already") in report["notes"]
     what_if = run_cli("estimate", model, "--budget", "6MiB", "--micro-batch", "2", "--checkpointing")
     assert what_if.exit_code == 2
-    assert "build_model() turns the model's own gradient checkpointing on" in what_if.output
+    assert "build_model() turns the model's own activation checkpointing on (GPT2Model" in what_if.output
     plain = tmp_path / "plain.py"  # the same file without the switch
     plain.write_text(model.read_text().replace("    model.gradient_checkpointing_enable(", "    dict(", 1))
     static = static_memory(load_model_file(plain))
-    assert static.checkpointing_supported and not static.checkpoints_itself
+    assert static.checkpointing_supported and static.checkpoints_itself is None
 
 
 @pytest.mark.parametrize("pad_from", [None, "100"])
