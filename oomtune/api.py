@@ -215,7 +215,7 @@ def what_if(model, micro_batch: int, *, context: int | None = None, precision: s
     model_file = model_file_of(model)
     plan = what_if_plan(model_file, micro_batch, context, precision, checkpointing, grad_accum, world_size, sharding,
                         levers)
-    bounded = bool(budget or gpu)
+    bounded = budget is not None or gpu is not None
     device = make_fake_device(budget if bounded else str(1 << 50), gpu, margin)
     result = run_what_if(model_file, plan, device, bounded=bounded, headroom=headroom, steps=steps)
     _snapshot_of(memory_snapshot, model_file, plan, device, steps, before_writing)

@@ -23,7 +23,7 @@ def file_mode(path: Path) -> int:
 def atomic_write(path: str | Path, content: str | Callable[[BinaryIO], None]) -> None:
     """Write via a temp file in the same folder + fsync + rename: a reader sees the old file or the new, never half,
     and a failure (KeyboardInterrupt included) leaves no temp file. `content`: text, or a function writing bytes."""
-    p = Path(path)
+    p = Path(os.path.realpath(path))  # a symlink's target is what is replaced, and the link stays
     p.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
     try:

@@ -39,7 +39,7 @@ class CudaDevice(Device):
         free = cuda_free if nvml_free is None else min(nvml_free, cuda_free)
         free += torch.cuda.memory_reserved(index)  # what our allocator already holds is ours to reuse
         self.free_bytes = free
-        self.budget_bytes = parse_budget(budget, self.capacity_bytes) if budget else free
+        self.budget_bytes = parse_budget(budget, self.capacity_bytes) if budget is not None else free
         if self.budget_bytes > free:
             raise OomtuneError(
                 f"--budget {format_bytes(self.budget_bytes)} is more than the {format_bytes(free)} free on "

@@ -284,7 +284,7 @@ class CpuDevice(TrackedDevice):
         card's memory, or else the available RAM."""
         total, available = system_memory()
         card_memory = card.memory_bytes if card is not None else None
-        budget_bytes = parse_budget(budget, card_memory or total) if budget else (card_memory or available)
+        budget_bytes = parse_budget(budget, card_memory or total) if budget is not None else (card_memory or available)
         super().__init__("cpu", torch.device("cpu"), budget_bytes, total, card, margin)
         self.tracker.host_budget_bytes = available  # offloaded tensors share the machine's RAM with the rest
         like = f", accounting as {self.card_text()}" if card is not None else ""
@@ -318,7 +318,7 @@ class FakeDevice(TrackedDevice):
             nor = " (nor has the generic card)" if gpu is not None else ""
             raise OomtuneError(f"--device fake has no memory of its own{nor}: give --budget (e.g. --budget 24GiB) or "
                                "a card, --gpu NAME (e.g. --gpu a100-80)")
-        budget_bytes = parse_budget(budget, capacity) if budget else capacity
+        budget_bytes = parse_budget(budget, capacity) if budget is not None else capacity
         if margin is None and gpu is None:
             margin = parse_margin(None)
         super().__init__("fake", torch.device("cpu"), budget_bytes, capacity, gpu, margin)
@@ -374,7 +374,7 @@ def make_device(kind: str = "auto", budget: str | None = None, card: GpuSpec | N
         from .cuda import CudaDevice
 
         return CudaDevice(budget)
-    if budget and card is not None:  # the user's --budget with --gpu: no more than the card has
+    if budget is not None and card is not None:  # the user's --budget with --gpu: no more than the card has
         card_budget(budget, card)
     if kind == "cpu":
         return CpuDevice(budget, card, margin)

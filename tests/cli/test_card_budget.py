@@ -160,3 +160,14 @@ def test_check_with_a_budget_under_the_weights_is_bad_input_and_the_config_stays
     assert cpu_config.read_bytes() == before
     r = run_cli("check", "--config", cpu_config, "--device", device, "--budget", "6MiB")  # over the floor: a check
     assert r.exit_code == 1 and "no longer fits" in r.output, r.output
+
+
+@pytest.mark.parametrize("name", list(COMMANDS))
+@pytest.mark.parametrize("card", [(), ("--gpu", "t4")])
+def test_an_empty_budget_is_refused_as_a_size(name, card, cpu_config, tmp_path, monkeypatch):
+    """`--budget ""` (an unset $BUDGET in a CI script) is bad input wherever a budget is taken, as check said
+    already: estimate crashed (TypeError, exit 1) and probe --device cpu searched in all of the machine's RAM."""
+    monkeypatch.chdir(tmp_path)
+    one_line_error(run_cli(*COMMANDS[name], *card, "--budget", ""), "budget '': expected a size")
+    assert not (tmp_path / "best.yaml").exists()
+    one_line_error(run_cli("check", "--config", cpu_config, *card, "--budget", ""), "budget '': expected a size")

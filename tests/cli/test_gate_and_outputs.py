@@ -145,3 +145,19 @@ def test_check_says_why_a_probed_config_has_no_old_breakdown(write_model, tmp_pa
         assert run_cli(*args, "--batch", "2", "--context", "4", "--out", out).exit_code == 0
         r = run_cli("check", "--config", out)
         assert r.exit_code == 0 and (said in " ".join(r.stdout.split())) is (args[0] == "probe"), r.output
+
+
+def test_a_config_behind_a_symlink_is_rewritten_where_it_lives(config, write_model, tmp_path):
+    """--out a symlink (a config shared between folders): the file it points to gets the new plan and the link
+    stays. os.replace on the link's own path had replaced the link with a file, left the target stale, and kept a
+    relative `model:` path that no longer led to the model file from the link's folder (check: exit 2)."""
+    elsewhere = tmp_path / "links"
+    elsewhere.mkdir()
+    link = elsewhere / "best.yaml"
+    link.symlink_to(config)
+    before = config.read_text()
+    r = run_cli("estimate", write_model(), *ESTIMATE[:-4], "--batch", "4", "--context", "4", "--out", link)
+    assert r.exit_code == 0, r.output
+    assert link.is_symlink() and link.resolve() == config.resolve()
+    assert config.read_text() != before and "micro_batch_size: 4" in config.read_text()
+    assert run_cli("check", "--config", link).exit_code == 0
