@@ -22,12 +22,13 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from .checkpointing import block_stacks, buffers_kept, checkpointed, enable_hf_checkpointing, hf_checkpointing
 from .errors import ModelFileError, OomtuneError, first_line
 from .memory.devices import is_oom
 
-Batch = Any  # a Tensor, a tuple/list of Tensors, or a dict of str -> Tensor
+Batch = Any  # a Tensor, a tuple/list of Tensors, or a dict of str -> Tensor (nested: their leaves)
 DEFAULT_KEYS = {"batch", "context", "min_context"}
 
 
@@ -98,9 +99,7 @@ class ModelFile:
                 batch = self.module.make_batch(batch_size, context_length, device)
             except (Exception, SystemExit):
                 continue
-            parts = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (tuple, list)) \
-                else [batch]
-            return [t for t in parts if isinstance(t, torch.Tensor)], device.type == "meta"
+            return [t for t in tree_leaves(batch) if isinstance(t, torch.Tensor)], device.type == "meta"
         return None
 
     def check_batch(self, hook: str, batch: Batch, device: torch.device) -> None:
@@ -108,15 +107,15 @@ class ModelFile:
             raise self.fail(hook, f"returned an empty {type(batch).__name__}")
         if isinstance(batch, torch.Tensor):
             tensors = [batch]
-        elif isinstance(batch, (tuple, list)) and batch and all(isinstance(t, torch.Tensor) for t in batch):
-            tensors = list(batch)
-        elif isinstance(batch, dict) and batch and all(isinstance(k, str) for k in batch):
-            tensors = [t for t in batch.values() if isinstance(t, torch.Tensor)]
-            if not tensors:
-                raise self.fail(hook, "returned a dict with no tensors in it")
+        elif isinstance(batch, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in tree_leaves(batch)):
+            tensors = tree_leaves(batch)  # (nested tuples, lists and dicts too: the step walks them as a tree)
+        elif isinstance(batch, dict) and all(isinstance(k, str) for k in batch):
+            tensors = [t for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]
         else:
             raise self.fail(hook, f"returned {_describe(batch)}; expected a Tensor, a tuple/list of Tensors, or a "
                                   "dict of name -> Tensor")
+        if not tensors:
+            raise self.fail(hook, f"returned a {type(batch).__name__} with no tensors in it")
         for t in tensors:
             if t.device.type != device.type:
                 raise self.fail(hook, f"returned a tensor on {t.device}; expected {device} (use its `device` "

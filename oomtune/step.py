@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -26,8 +26,8 @@ from .dist.group import LOCAL, Dist
 from .dist.wrap import micro_step, sync_gradients, unwrapped, wrap
 from .errors import OomtuneError
 from .levers import build_model, cast_inputs, check_plan_runs, gradient_holders, make_optimizer, saved_activations
-from .memory.devices import Device
-from .model_file import Batch, ModelFile
+from .memory.devices import Device, is_oom
+from .model_file import Batch, ModelFile, ModelFileError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "bf16-true": torch.bfloat16}
 
@@ -147,6 +147,21 @@ def _accumulate(t: Training, micro_batches: Sequence[Batch]) -> torch.Tensor:
     return losses
 
 
+@contextlib.contextmanager
+def _sparse_gradients_refused(t: Training) -> Iterator[None]:
+    """A sparse gradient that build() could not see (F.embedding(..., sparse=True), a custom Function) makes
+    clipping or the optimizer fail with a kernel's error: the same one line as a sparse nn.Embedding instead."""
+    try:
+        yield
+    except (NotImplementedError, RuntimeError) as e:
+        sparse = next((n for n, p in t.module.named_parameters() if p.grad is not None and p.grad.is_sparse), None)
+        if sparse is None or is_oom(e):
+            raise
+        raise ModelFileError(f"{t.model_file.label}: backward gave {sparse} a sparse gradient (sparse=True in "
+                             "F.embedding or the like?): sparse gradients are not supported (the training step "
+                             "clips their norm, and the memory levers need dense ones)") from e
+
+
 def train_step(t: Training, micro_batches: Sequence[Batch]) -> torch.Tensor:
     """One optimizer step over `micro_batches` (normally grad_accum_steps of them; on several ranks, this rank's
     share of the global batch). Returns this rank's mean loss as a detached 0-dim tensor (reading it is a sync
@@ -156,10 +171,11 @@ def train_step(t: Training, micro_batches: Sequence[Batch]) -> torch.Tensor:
     t.micro_losses = t.dist.agreed(lambda: _accumulate(t, micro_batches), fsdp)  # every rank: OOM or not
     t.phase("optimizer")
     sync_gradients(t.model, t.plan.sharding, t.dist)  # ddp: averaged once a step; otherwise nothing
-    if t.clip_grad_norm is not None:
-        t.scaler.unscale_(t.optimizer)  # clip the true gradients, not the scaled ones
-        nn.utils.clip_grad_norm_(gradient_holders(t.optimizer, t.model), t.clip_grad_norm)
-    t.scaler.step(t.optimizer)  # skips the step when fp16 gradients overflowed
+    with _sparse_gradients_refused(t):
+        if t.clip_grad_norm is not None:
+            t.scaler.unscale_(t.optimizer)  # clip the true gradients, not the scaled ones
+            nn.utils.clip_grad_norm_(gradient_holders(t.optimizer, t.model), t.clip_grad_norm)
+        t.scaler.step(t.optimizer)  # skips the step when fp16 gradients overflowed
     t.scaler.update()
     t.optimizer.zero_grad(set_to_none=True)  # frees gradient memory until the next backward
     losses, t.micro_losses = t.micro_losses, None

@@ -331,3 +331,33 @@ def test_a_sparse_embedding_is_named_in_one_line(write_model):
         "error: model.py: build_model() returned a model whose ids has sparse=True: sparse gradients are not supported "
         "(the training step clips the gradients' norm, and the memory levers need dense ones): build it with "
         "sparse=False")
+    functional = TINY_MODEL.replace(head, head + "        self.table = nn.Parameter(torch.randn(50, 16))\n").replace(
+        "        for b in self.blocks:", "        x = x + nn.functional.embedding(y[:, None], self.table, sparse=True)\n"
+        "        for b in self.blocks:")  # a sparse gradient build() cannot see
+    assert probe_error(write_model(functional, name="functional.py")) == (
+        "error: functional.py: backward gave table a sparse gradient (sparse=True in F.embedding or the like?): "
+        "sparse gradients are not supported (the training step clips their norm, and the memory levers need dense "
+        "ones)")
+
+
+def test_make_batch_may_nest_its_tensors(write_model):
+    """device: cpu and fake. A dict of dicts and tuples (a multimodal batch) was refused as 'a dict with no tensors
+    in it'; its leaves are the batch, off-device ones named as at the top level."""
+    nested = TINY_MODEL.replace("    def forward(self, x, y):", "    def forward(self, inputs, targets):\n"
+                                "        x, y = inputs['x']['values'], targets[0][0]").replace(
+        "    return (torch.randn(batch_size, context_length, 16, device=device),\n"
+        "            torch.randint(0, 4, (batch_size,), device=device))",
+        "    return {'inputs': {'x': {'values': torch.randn(batch_size, context_length, 16, device=device)}},\n"
+        "            'targets': ([torch.randint(0, 4, (batch_size,), device=device)],)}")
+    path = write_model(nested)
+    for device in ("cpu", "fake"):
+        r = run_cli("probe", path, "--device", device, "--budget", "1MiB", "--margin", "0", "--batch", "4",
+                    "--context", "8", "--out", path.with_name(f"{device}.yaml"))
+        assert r.exit_code == 0, r.output
+    off = write_model(nested.replace("torch.randint(0, 4, (batch_size,), device=device)",
+                                     "torch.randint(0, 4, (batch_size,), device='meta')"), name="off.py")
+    assert "make_batch() returned a tensor on meta" in probe_error(off)
+    empty = write_model(nested.replace("return {'inputs'", "return {'nothing': {}, 'inputs'").replace(
+        "{'values': torch.randn(batch_size, context_length, 16, device=device)}", "{}").replace(
+        "[torch.randint(0, 4, (batch_size,), device=device)]", "[]"), name="empty.py")
+    assert probe_error(empty) == "error: empty.py: make_batch() returned a dict with no tensors in it"
