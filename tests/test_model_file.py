@@ -333,7 +333,8 @@ def test_a_sparse_embedding_is_named_in_one_line(write_model):
         "sparse=False")
     functional = TINY_MODEL.replace(head, head + "        self.table = nn.Parameter(torch.randn(50, 16))\n").replace(
         "        for b in self.blocks:",
-        "        x = x + nn.functional.embedding(y[:, None], self.table, sparse=True)\n        for b in self.blocks:")  # a sparse gradient build() cannot see
+        "        x = x + nn.functional.embedding(y[:, None], self.table, sparse=True)\n"  # (build() cannot see it)
+        "        for b in self.blocks:")
     assert probe_error(write_model(functional, name="functional.py")) == (
         "error: functional.py: backward gave table a sparse gradient (sparse=True in F.embedding or the like?): "
         "sparse gradients are not supported (the training step clips their norm, and the memory levers need dense "
