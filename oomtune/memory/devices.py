@@ -29,7 +29,7 @@ from .cuda_autocast import cuda_autocast
 from .cuda_kernels import cuda_kernels
 from .fakes import real_code_paths
 from .margin import AnyMargin, CardMargin, Margin, parse_margin
-from .on_host import CudaOnHost
+from .on_host import CudaOnHost, cuda_autocast_on_host
 from .reading import Reading
 from .replay import Lines, Trace, replay
 from .tracker import MemoryTracker, simulated_oom_message, system_memory
@@ -195,11 +195,11 @@ class TrackedDevice(Device):
 
     def _accounting(self) -> contextlib.AbstractContextManager:
         self.tracker.limit_to_ram(self.computes)  # real tensors: a budget past the RAM must not take the machine down
-        if self.card is None:
-            return self.tracker
         with contextlib.ExitStack() as stack:  # (what was entered is exited if a later one fails)
-            stack.enter_context(cuda_autocast())
-            stack.enter_context(cuda_kernels(self.card))
+            stack.enter_context(cuda_autocast_on_host())  # a model file's own torch.autocast("cuda")
+            if self.card is not None:
+                stack.enter_context(cuda_autocast())
+                stack.enter_context(cuda_kernels(self.card))
             stack.enter_context(self.tracker)
             return stack.pop_all()
 

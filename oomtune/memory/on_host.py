@@ -5,6 +5,9 @@ linked with support for cuda devices"), and on a machine with a GPU its weights 
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from torch.overrides import TorchFunctionMode
 
@@ -33,3 +36,24 @@ class CudaOnHost(TorchFunctionMode):
         if "device" in kwargs:
             kwargs["device"] = _hosted(kwargs["device"])
         return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def cuda_autocast_on_host() -> Iterator[None]:
+    """Inside, a model file's own `torch.autocast("cuda", ...)` (`torch.cuda.amp.autocast` too) is the cpu's autocast,
+    as its tensors are the cpu's: torch disables a cuda region where it has no CUDA ("CUDA is not available"), and
+    on a machine with one it would not reach the host tensors, so a region the file keeps in fp32 (enabled=False)
+    ran in the plan's 16 bits, and its own bf16 region in fp32. CUDA's default dtype, fp16, is kept."""
+    cls = torch.amp.autocast_mode.autocast
+    original = cls.__init__
+
+    def __init__(self, device_type, dtype=None, enabled=True, cache_enabled=None):
+        if device_type == "cuda":
+            device_type, dtype = "cpu", dtype if dtype is not None else torch.float16
+        original(self, device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
+
+    cls.__init__ = __init__
+    try:
+        yield
+    finally:
+        cls.__init__ = original
