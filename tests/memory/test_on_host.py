@@ -54,15 +54,19 @@ def test_a_model_files_own_cuda_autocast_is_the_simulated_devices(write_model, r
         pytest.skip("this torch has no torch.cuda.amp.autocast")
     plan = Plan(4, 16, precision)
     cuda = load_model_file(write_model(OWN_AUTOCAST.replace("REGION", region), "cuda_region.py"))
-    portable = load_model_file(write_model(OWN_AUTOCAST.replace("REGION", region.replace('"cuda"', "x.device.type")
-                                                                .replace("torch.cuda.amp.autocast()",
-                                                                         "torch.autocast(x.device.type, torch.float16)")),
-                                           "portable.py"))
+    same = region.replace('"cuda"', "x.device.type").replace("torch.cuda.amp.autocast()",
+                                                             "torch.autocast(x.device.type, torch.float16)")
+    portable = load_model_file(write_model(OWN_AUTOCAST.replace("REGION", same), "portable.py"))
     peaks = {}
     for name, model_file in (("cuda", cuda), ("portable", portable)):
         for device in (CpuDevice("1GiB"), FakeDevice("1GiB", margin=Margin())):
-            seen = []
-            r = run_trial(model_file, plan, device, observe=lambda t, phase: phase == "end" and seen.append(t.module.inside))
+            seen: list = []
+
+            def observe(t, phase, seen=seen):
+                if phase == "end":
+                    seen.append(t.module.inside)
+
+            r = run_trial(model_file, plan, device, observe=observe)
             assert not r.oom and seen[-1] == inside
             peaks[name, device.kind] = {k: v for k, v in r.phase_peaks.items() if k != "setup"}  # (fake: primed)
     assert peaks["cuda", "cpu"] == peaks["portable", "cpu"] == peaks["cuda", "fake"] == peaks["portable", "fake"]
