@@ -77,6 +77,9 @@ class ModelFile:
             raise self.fail("build_model", f"returned {type(model).__name__}; expected a torch.nn.Module")
         if not any(p.requires_grad for p in model.parameters()):
             raise self.fail("build_model", "returned a model with no trainable parameters")
+        if any(p.device.type == "meta" for p in model.parameters()):  # (a fake tensor's device is the cpu)
+            raise self.fail("build_model", "returned a model with weights on the meta device, which hold no data: "
+                            "build it on a real device (or call to_empty() and initialize it)")
         sparse = [n for n, m in model.named_modules()
                   if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad]
         if sparse:

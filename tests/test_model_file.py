@@ -362,3 +362,14 @@ def test_make_batch_may_nest_its_tensors(write_model):
         "{'values': torch.randn(batch_size, context_length, 16, device=device)}", "{}").replace(
         "[torch.randint(0, 4, (batch_size,), device=device)]", "[]"), name="empty.py")
     assert probe_error(empty) == "error: empty.py: make_batch() returned a dict with no tensors in it"
+
+
+def test_a_model_built_on_the_meta_device_is_named_in_one_line(write_model):
+    """device: cpu and fake. Weights on PyTorch's meta device (built under torch.device("meta") for a fast init
+    and never materialized) failed the cpu probe with 'Cannot copy out of meta tensor' (exit 1), and estimate wrote
+    a plan that could not train."""
+    path = write_model(TINY_MODEL.replace("    return Net()", "    with torch.device('meta'):\n        return Net()"))
+    line = ("error: model.py: build_model() returned a model with weights on the meta device, which hold no data: "
+            "build it on a real device (or call to_empty() and initialize it)")
+    assert probe_error(path) == line
+    assert probe_error(path, "--device", "fake", "--margin", "0") == line
