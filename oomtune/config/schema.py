@@ -151,6 +151,8 @@ class TrainConfig:
             raise ConfigError(f"train.clip_grad_norm must be > 0, or null for no clipping, got {self.clip_grad_norm}")
         if not str(self.run_dir).strip():
             raise ConfigError("train.run_dir must not be empty")
+        if not 0 <= self.seed < 2**63:  # (torch's generators take 64 bits; the ranks add their rank to it)
+            raise ConfigError(f"train.seed must be from 0 to 2**63 - 1, got {self.seed}")
 
 
 @dataclass(frozen=True)

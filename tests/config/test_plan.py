@@ -70,6 +70,9 @@ def test_model_path_is_stored_relative_to_the_config_wherever_they_share_a_folde
     (("  lr: 0.001", "  lr: 0.001\n  lr: 0.1"), r"key 'lr' appears twice"),
     (("budget_bytes: 1048576", "budget_bytes: -1"), r"found_by\.budget_bytes must be more than 0, got -1"),
     (("  lr: 0.001", "  lr: 3e-4x"), r"train\.lr: expected float, got '3e-4x'"),
+    (("  seed: 1337", "  seed: 99999999999999999999999"),  # (torch: "Overflow when unpacking long")
+     r"train\.seed must be from 0 to 2\*\*63 - 1, got 99999999999999999999999"),
+    (("  seed: 1337", "  seed: -1"), r"train\.seed must be from 0"),
 ])
 def test_bad_keys_and_types_are_named(tmp_path, edit, message):
     path = tmp_path / "best.yaml"
