@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from ..dist.group import Dist
 from ..errors import ModelFileError, OomtuneError, first_line
@@ -97,8 +98,19 @@ class DataStream:
                     raise ModelFileError(f"{self.model_file.label}: {self.hook}() yielded no batches when "
                                          "called again (an iterator that can only be used once?)") from None
         self.model_file.check_batch(self.hook, batch, self.torch_device)
+        if self.hook == "train_batches":  # (an evaluation's short last batch only takes less memory)
+            self._check_size(batch)
         self.drawn += 1
         return batch
+
+    def _check_size(self, batch: Batch) -> None:
+        """A batch of another size than the plan's (an epoch's short last batch, a hook that ignores batch_size)
+        would train another plan than the one measured, with another global batch."""
+        firsts = [t.shape[0] for t in tree_leaves(batch) if isinstance(t, torch.Tensor) and t.dim() > 0]
+        if self.batch_size not in firsts:
+            raise ModelFileError(f"{self.model_file.label}: {self.hook}() yielded a batch with first dimensions "
+                                 f"{sorted(set(firsts))}, none of them the batch_size {self.batch_size} it was "
+                                 "given: yield batches of exactly batch_size examples (drop_last=True)")
 
     def take(self, n: int) -> list[Batch]:
         return [self.next() for _ in range(n)]

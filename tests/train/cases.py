@@ -33,7 +33,7 @@ def train_batches(batch_size, context_length, device):
         DRAWS[0] += 1
         if DRAWS[0] == _at("fail-at"):
             raise ValueError("the data server went away")
-        x = torch.randn(batch_size, context_length, 16, device=device)
+        x = torch.randn(batch_size - (DRAWS[0] == _at("short-at")), context_length, 16, device=device)
         if DRAWS[0] == _at("nan-at"):
             x[0, 0, 0] = float("nan")
         yield x, (x.sum((1, 2)) > 0).long()

@@ -39,6 +39,18 @@ def test_a_train_batches_error_mid_run_saves_the_last_finished_step_and_resume_g
     assert losses(run) == pytest.approx(losses(case_dir / "ref"), rel=1e-6)
 
 
+def test_a_train_batches_batch_of_another_size_is_named_and_the_last_step_saved(case_dir):
+    """A batch shorter than the batch_size the hook was given (an epoch's last, without drop_last) trained
+    silently: another plan than the one measured, and another global batch."""
+    (case_dir / "short-at").write_text("7")  # step 4's first draw
+    result = train("--checkpoint-interval", "100", "--run-dir", "run")
+    assert result.exit_code == 2, result.stderr
+    assert ("model.py: train_batches() yielded a batch with first dimensions [1], none of them the batch_size 2 it "
+            "was given: yield batches of exactly batch_size examples (drop_last=True) (at step 4)"
+            ) in error_line(result)
+    assert steps_saved(case_dir / "run") == [3]
+
+
 def test_a_resume_with_one_step_left_reports_that_steps_loss_alone(case_dir):
     (case_dir / "fail-at").write_text("11")  # fails at step 6: the checkpoint is step 5's
     assert train("--checkpoint-interval", "100", "--steps", "6").exit_code == 2
