@@ -244,6 +244,7 @@ class FoundBy:
     host_peak_bytes: int | None = None  # host memory the plan's offloaded parts need (offload levers only)
     card: str | None = None  # the card profile (--gpu) a simulated device accounted by; None: CPU semantics, or cuda
     prior: str | None = None  # probe: how its trials were chosen from the estimate (None: searched, no prior asked)
+    margin: str | None = None  # probe: the flat margin a simulated device with a card (or fake) accounted by
 
     def __post_init__(self):
         if self.budget_bytes <= 0:  # `check` re-measures against it

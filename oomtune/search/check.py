@@ -48,12 +48,15 @@ class CheckResult:
 
 
 def check_margin(config: Config, margin: str | None, card: GpuSpec | None) -> AnyMargin | None:
-    """--margin, else the margin the config was estimated with (a card's: that of the card checked against, None),
-    else the card's (None), else the default where the config's peak was a real GPU's, else none (a cpu probe's
-    peak is tensors only: compare like with like)."""
+    """--margin, else the flat margin the config was probed with beside a card or on fake tensors (found_by.margin),
+    else the one it was estimated with (a card's: that of the card checked against, None), else the card's (None),
+    else the default where the config's peak was a real GPU's, else none (a cpu probe's peak is tensors only:
+    compare like with like)."""
     if margin is not None:
         return parse_margin(margin)
     fb = config.found_by
+    if fb is not None and fb.margin is not None:
+        return parse_margin(fb.margin)
     if fb is not None and fb.breakdown is not None and not fb.breakdown.margin.startswith("card:"):
         return parse_margin(fb.breakdown.margin)
     if card is not None:

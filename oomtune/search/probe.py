@@ -17,7 +17,7 @@ from ..errors import BAD_INPUT, OomtuneError
 from ..memory.breakdown import StaticMemory, static_memory
 from ..memory.cards import GENERIC, find_gpu
 from ..memory.devices import Device, make_device, resolve_kind
-from ..memory.margin import parse_margin
+from ..memory.margin import Margin, parse_margin
 from ..model_file import ModelFile, eager_note
 from ..units import format_bytes, utc_now
 from .batch_notes import batch_notes
@@ -252,10 +252,19 @@ def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: 
         torch_version=str(torch.__version__), cuda_version=torch.version.cuda, oomtune_version=__version__,
         date=utc_now(), trials=tuple(records), notes=notes, host_peak_bytes=host.get(chosen) or None,
         card=device.card.aliases[0] if device.card is not None else None,
-        prior=report.summary() if report is not None else None)
+        prior=report.summary() if report is not None else None, margin=flat_margin(device))
     config = Config(model=str(model_file.path), plan=plan_of(chosen, world), found_by=found)
     return ProbeResult(ladder, records, static, targets, limit, config, world_size=world, notes=notes,
                        budget_bytes=device.budget_bytes, past=past, prior=report)
+
+
+def flat_margin(device: Device) -> str | None:
+    """The flat margin (--margin) a simulated device accounted by where `check` and `train` would not take it
+    by themselves: beside a card (whose own margin is their default), or on fake tensors."""
+    margin = getattr(device, "margin", None)
+    if isinstance(margin, Margin) and (device.card is not None or device.kind == "fake"):
+        return margin.describe()
+    return None
 
 
 def _climb(trials: _Trials, limit: int, report: PriorReport | None, rungs: list[Rung], past: PastRungs,

@@ -125,6 +125,21 @@ def test_probe_takes_a_margin_on_the_simulated_devices(tmp_path):
     assert cuda.exit_code == 2 and "--margin is for the simulated devices" in cuda.stderr, cuda.output
 
 
+@pytest.mark.parametrize("device", ["cpu", "fake"])
+def test_check_and_train_take_the_margin_the_probe_used_beside_its_card(tmp_path, device):
+    """devices: cpu and fake. A probe with --gpu and --margin 0 in 12 MiB wrote a plan that check and train then
+    refused (exit 2: 12 MiB is not more than the card's 512 MiB of context): they took the card's own margin. The
+    config now records the flat margin (found_by.margin) and both take it."""
+    out = tmp_path / "m.yaml"
+    r = run_cli("probe", TINY_GPT, "--device", device, "--gpu", "generic", "--margin", "0", "--budget", "12MiB",
+                "--out", out)
+    assert r.exit_code == 0, r.output
+    assert load_config(out).found_by.margin == "0"
+    assert run_cli("check", "--config", out).exit_code == 0
+    trained = run_cli("train", "--config", out, "--steps", "1", "--device", "cpu", "--run-dir", tmp_path / "run")
+    assert trained.exit_code == 0, trained.output
+
+
 @pytest.mark.parametrize(("card", "gpu_name", "expected"), [
     ("nvidiartxa4000", "NVIDIA RTX A4000", "a generic sm80 card"),  # not in the table: named after the driver
     ("h200", "NVIDIA H200", "H200"),
