@@ -11,8 +11,10 @@ import traceback
 import typer
 
 from ..dist.launch import worker_rank
+from .usage import OneLineUsageErrors
 
 app = typer.Typer(
+    cls=OneLineUsageErrors,  # a command line that does not parse: one line and exit 2 (usage.py)
     help="Find the largest PyTorch training configuration that fits in GPU memory, then train with it.",
     no_args_is_help=True,
     add_completion=False,

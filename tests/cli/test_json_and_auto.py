@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from ..conftest import TINY_MODEL, run_cli
+from ..conftest import EXAMPLES, TINY_MODEL, run_cli
 
 ESTIMATE = ("--budget", "400KiB", "--margin", "0")  # the tiny model's ladder on the fake device: a second or two
 
@@ -40,3 +40,20 @@ def test_a_model_file_that_prints_leaves_json_stdout_parseable(write_model, tmp_
         r = run_cli(*args, "--json")
         assert r.exit_code == 0, r.output
         assert "fits" in json.loads(r.stdout) and "layers: 2" in r.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (("check", "--config", "best.yaml", "--json", "--bugdet", "1GiB"), "No such option: --bugdet"),
+    (("check", "--json"), "Missing option '--config'"),
+    (("probe", str(EXAMPLES / "tiny_gpt.py"), "--batch", "abc", "--json"), "Invalid value for '--batch'"),
+])
+def test_a_command_line_that_does_not_parse_is_one_line_and_json_under_json(args, message):
+    """A typo in an option or a value of the wrong type is bad input like any other: one line naming it and the
+    command's --help, exit 2, and under --json the error on stdout (a boxed usage screen and an empty stdout broke
+    the CI recipe `check --json > memory.json`)."""
+    r = run_cli(*args)
+    assert r.exit_code == 2, r.output
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {message}") and "--help`)" in lines[0], r.stderr
+    report = json.loads(r.stdout)
+    assert report["exit_code"] == 2 and report["error"].startswith(message)
