@@ -15,6 +15,7 @@ class StopRequest:
 
     def __init__(self) -> None:
         self.signal_name: str | None = None
+        self.forced = False  # a second one came: stop at once (whatever error its KeyboardInterrupt turned into)
 
 
 @contextlib.contextmanager
@@ -33,6 +34,7 @@ def graceful_stop() -> Iterator[StopRequest]:
         if request.signal_name is not None:
             if time.monotonic() - first[0] < same_request_s:
                 return
+            request.forced = True
             raise KeyboardInterrupt
         request.signal_name = signal.Signals(signum).name
         first[0] = time.monotonic()

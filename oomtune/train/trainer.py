@@ -124,6 +124,8 @@ class Trainer:
                 failure = e.with_traceback(None)  # its frames hold the step's tensors; nothing there to debug
             except Exception as e:
                 failure = e
+            if failure is not None and stop.forced:  # the second Ctrl-C, swallowed where Python drops it (a
+                raise KeyboardInterrupt from None  # finalizer) and left state half-done: not the model's error
             if isinstance(failure, NonFiniteLoss):  # outside the except blocks: their frames hold the step's tensors
                 tainted = tainted_buffer(self.t.module, self.dist)
                 self._stop(self.recovery.after_divergence(self.state, failure.values, tainted))

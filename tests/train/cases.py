@@ -19,6 +19,8 @@ MODEL = (TINY_MODEL
                   "        self.out = nn.Linear(16, 4)\n        self.drop = nn.Dropout(0.1)\n")
          .replace("x = torch.relu(b(x))", "x = self.drop(torch.relu(b(x)))")
          + '''
+import os
+import signal
 from pathlib import Path
 
 DRAWS = [0]
@@ -33,6 +35,13 @@ def train_batches(batch_size, context_length, device):
         DRAWS[0] += 1
         if DRAWS[0] == _at("fail-at"):
             raise ValueError("the data server went away")
+        if DRAWS[0] == _at("ctrl-c-twice-at"):  # the second one swallowed, as inside a finalizer
+            try:
+                os.kill(os.getpid(), signal.SIGINT)
+                os.kill(os.getpid(), signal.SIGINT)
+            except KeyboardInterrupt:
+                pass
+            raise KeyError("state the interrupted finalizer left half-done")
         x = torch.randn(batch_size - (DRAWS[0] == _at("short-at")), context_length, 16, device=device)
         if DRAWS[0] == _at("nan-at"):
             x[0, 0, 0] = float("nan")
