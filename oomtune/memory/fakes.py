@@ -57,6 +57,10 @@ MAX_SHADOW_ELEMENTS = 1 << 22  # larger results are not copied (their values are
 _LOCAL_SCALAR = torch.ops.aten._local_scalar_dense.default
 _EMBEDDING = torch.ops.aten.embedding.default
 _UNKNOWN = object()
+# factories whose values are known without running anything: a float all-ones attention mask (BART's decoder makes
+# one) is read by transformers like an integer one
+CONSTANT_FACTORIES = frozenset((_aten.ones, _aten.zeros, _aten.full, _aten.scalar_tensor, _aten.arange,
+                                _aten.linspace, _aten.eye))
 
 
 class NeedsValues(OomtuneError):
@@ -157,9 +161,10 @@ class Values(TorchDispatchMode):
     """Shadows of small tensors computed from known values; answers for data-dependent reads (module doc, 2).
     Enter it inside FakeTensorMode, so that every op it sees has fake arguments.
 
-    Known values start at real tensors and at integer and boolean factories (token ids, masks, positions,
-    lengths): floating-point factories are where weights start, and weights have no values on the fake device, so
-    nothing computed from them is copied (the model's own compute never runs here)."""
+    Known values start at real tensors, at integer and boolean factories (token ids, masks, positions, lengths)
+    and at constant ones of any dtype (ones, zeros, full, arange: a float mask): other floating-point factories
+    (random, uninitialized) are where weights start, and weights have no values on the fake device, so nothing
+    computed from them is copied (the model's own compute never runs here)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -228,8 +233,9 @@ class Values(TorchDispatchMode):
             known = None  # (an empty tensor's values are whatever the memory held: not known)
         else:
             known = self._all_known(args, kwargs)
-            if known is False and any(t.dtype.is_floating_point or t.dtype.is_complex for t in outs):
-                known = None  # a floating-point factory: where weights start
+            if known is False and func.overloadpacket not in CONSTANT_FACTORIES and \
+                    any(t.dtype.is_floating_point or t.dtype.is_complex for t in outs):
+                known = None  # a floating-point factory (random, uninitialized): where weights start
         real = self._real(func, args, kwargs) if known is not None else _UNKNOWN
         if real is _UNKNOWN:
             if self._shadowed and func._schema.is_mutable:
