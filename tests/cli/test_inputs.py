@@ -201,8 +201,8 @@ def test_probe_on_the_fake_device_without_a_budget_names_options_that_exist(writ
     one_line_error(r, "--device fake has no memory of its own", "--budget", "--gpu NAME")
     assert not (tmp_path / "best.yaml").exists()
     # --gpu is the simulated devices' (a card to account like); the real GPU is a card already
-    one_line_error(run_cli("probe", write_model(), "--device", "cuda", "--gpu", "a100-80"),
-                   "--gpu a100-80 is for the simulated devices")
+    one_line_error(run_cli("probe", write_model(), "--device", "cuda", "--gpu", "a100-80", "--out",
+                           tmp_path / "c.yaml"), "--gpu a100-80 is for the simulated devices")
 
 
 def test_check_refuses_a_margin_its_device_would_ignore(write_model, tmp_path):
