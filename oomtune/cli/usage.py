@@ -13,6 +13,7 @@ from rich.markup import escape
 from typer.core import TyperGroup
 
 from .console import err
+from .guard import print_json
 
 try:  # typer 0.2x carries its own copy of click, whose exceptions these are
     from typer._click import exceptions as click_errors
@@ -35,7 +36,7 @@ class OneLineUsageErrors(TyperGroup):
             message = f"{e.format_message()} (see `{where} --help`)".replace("\n", " ")
             err.print(f"[bold red]error:[/] {escape(message)}")
             if "--json" in argv:
-                print(json.dumps({"error": message, "exit_code": e.exit_code}, indent=2), flush=True)
+                print_json(json.dumps({"error": message, "exit_code": e.exit_code}, indent=2))
             sys.exit(e.exit_code)
         except click_errors.ClickException as e:
             e.show()
