@@ -11,6 +11,7 @@ from ..errors import OomtuneError
 from ..units import format_bytes, parse_budget
 from .cards import GpuSpec, card_for
 from .devices import Device
+from .leftovers import drop_failed_backward
 from .tracker import MemoryTracker
 
 
@@ -92,6 +93,7 @@ class CudaDevice(Device):
         return torch.cuda.memory_allocated(self.torch_device)
 
     def release(self) -> None:
+        drop_failed_backward()
         gc.collect()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.torch_device)

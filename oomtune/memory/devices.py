@@ -5,10 +5,9 @@
 | cpu    | real CPU  | MemoryTracker (tensor storages, 512-byte rounding)    | the tracker, CUDA-shaped       |
 | fake   | none      | the same MemoryTracker, on FakeTensors (no data)      | the tracker, CUDA-shaped       |
 
-A card profile (`--gpu NAME`) makes cpu and fake account like that CUDA card (TrackedDevice).
-
-Everything else (building the model, the training step) is identical across devices: a device only
-decides where tensors live and how the peak is read.
+A card profile (`--gpu NAME`) makes cpu and fake account like that CUDA card (TrackedDevice). Everything else
+(building the model, the training step) is identical across devices: a device only decides where tensors live
+and how the peak is read.
 """
 
 from __future__ import annotations
@@ -28,6 +27,7 @@ from .cpu_kernels import CpuKernelBuffers
 from .cuda_autocast import cuda_autocast
 from .cuda_kernels import cuda_kernels
 from .fakes import real_code_paths
+from .leftovers import drop_failed_backward
 from .margin import AnyMargin, CardMargin, Margin, parse_margin
 from .on_host import CudaOnHost, cuda_autocast_on_host
 from .reading import Reading
@@ -144,7 +144,8 @@ class Device:
             yield
 
     def release(self) -> None:
-        """Give memory back after a trial (call it outside any `except` block)."""
+        """Give memory back after a trial (call it outside any `except` block); a failed backward's too (leftovers)."""
+        drop_failed_backward()
         gc.collect()
 
     def synchronize(self) -> None:
