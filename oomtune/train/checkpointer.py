@@ -11,6 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Protocol
 
+import torch
+
 from ..config.schema import Plan
 from ..dist.group import Dist
 from ..errors import BAD_INPUT, OomtuneError, first_line
@@ -103,6 +105,10 @@ def restore(checkpointer: Checkpointer, path: Path, state: dict[str, Any], t: Tr
             weight_decay: float, label: str) -> None:
     """Load a checkpoint's model, optimizer and GradScaler state into `t` on `device` (counted there), then set what
     the loaded param groups bring from the old run: the weight decay of this run, and the foreach choice."""
+    other = optimizer_mismatch(state, t.optimizer)
+    if other is not None:  # torch would load it and fail in the first optimizer step (a KeyError), or run it wrong
+        raise OomtuneError(f"checkpoint {path} holds the state of another optimizer than {label}'s: {other}; "
+                           "resume with the optimizer the run started with, or pass another --run-dir", BAD_INPUT)
     try:
         with device.measure():
             checkpointer.load(path, state, t, label)
@@ -115,6 +121,28 @@ def restore(checkpointer: Checkpointer, path: Path, state: dict[str, Any], t: Tr
     device.account(t.optimizer)  # the loaded state was made outside measure()
     set_weight_decay(t, weight_decay)  # the loaded groups bring the old run's (a flag may change it)
     as_on_cuda(t.optimizer, device.kind)  # and their foreach choice
+
+
+def optimizer_mismatch(state: dict[str, Any], optimizer: torch.optim.Optimizer) -> str | None:
+    """How the checkpoint's optimizer differs from `optimizer` (the model file's `optimizer()` changed since the run
+    started), else None. `load_state_dict` copies the old groups and state over without a word, so AdamW's state in
+    an SGD fails in its first step (KeyError: 'momentum') and Adam's in an AdamW silently drops decoupled decay."""
+    saved_class = state.get("optimizer_class")
+    mine = type(optimizer).__name__
+    if isinstance(saved_class, str) and saved_class != mine:
+        return f"it was written by {saved_class}, this run builds {mine}"
+    saved = state.get("optimizer")
+    groups = saved.get("param_groups") if isinstance(saved, dict) else None
+    if not isinstance(groups, list):
+        return None  # a checkpoint folder (several ranks): its optimizer state is read elsewhere
+    for i, (old, new) in enumerate(zip(groups, optimizer.param_groups, strict=False)):  # a count apart: torch says
+        if not isinstance(old, dict):
+            return None
+        extra, missing = sorted(set(old) - set(new)), sorted(set(new) - set(old))
+        if extra and missing:  # a newer torch only adds a setting (kept as its default): both ways is another class
+            return (f"its param group {i} has {', '.join(extra)} and lacks {', '.join(missing)}, which "
+                    f"{mine} uses")
+    return None
 
 
 def resume_notes(state: dict[str, Any], plan: Plan, in_file: Plan, data_hook: str) -> list[Note]:

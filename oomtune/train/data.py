@@ -8,7 +8,7 @@ then see the same batches: the resumed run replays the stream to its position.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -21,12 +21,13 @@ from ..model_file import Batch, ModelFile
 from .rng import RngStream
 
 
-def split_batch(batch: Batch, size: int, parts: int, label: str = "the data") -> list[Batch]:
-    """Cut a batch of `size` examples into `parts` equal micro-batches along dim 0 (views, no copies).
+def split_batch(batch: Batch, size: int, parts: int, label: str = "the data", piece: int | None = None) -> list[Batch]:
+    """Cut a batch of `size` examples into `parts` equal micro-batches along dim 0 (views, no copies); with
+    `piece`, into micro-batches of `piece` examples, the last one shorter where `piece` does not divide `size`.
     Tensors without a leading dimension of `size` (a scalar, a shared mask) go to every part."""
     if parts == 1:
         return [batch]
-    piece = size // parts
+    piece = piece or size // parts
     found = False
 
     def cut(x: Any) -> list:
@@ -115,11 +116,19 @@ class DataStream:
     def take(self, n: int) -> list[Batch]:
         return [self.next() for _ in range(n)]
 
-    def skip(self, n: int) -> None:
-        """Replay n batches (resume): the stream then stands where the interrupted run's stood."""
+    def skip(self, n: int, until: Callable[[], bool] | None = None) -> None:
+        """Replay n batches (resume): the stream then stands where the interrupted run's stood. `until`: checked
+        before each batch, a True ends the replay early (a Ctrl-C during a replay that takes minutes: the
+        checkpoint resumed from is the state to keep)."""
         for _ in range(n):
+            if until is not None and until():
+                return
             self.next()
 
+
+
+def _first_dims(batch: Batch) -> list[int]:
+    return [t.shape[0] for t in tree_leaves(batch) if isinstance(t, torch.Tensor) and t.dim() > 0]
 
 
 class Shares:
@@ -153,9 +162,23 @@ class Shares:
 
     def eval_share(self, batches: list[Batch], micro_batch_size: int) -> list[Batch]:
         """Evaluation micro-batches of this rank: an equal share when they divide evenly, else all of them."""
-        micro = self.micro_batches(batches, micro_batch_size, self.data_batch)
+        micro = [m for b in batches for m in self._eval_cut(b, micro_batch_size)]
         ws = self.dist.world_size
         if ws == 1 or len(micro) % ws:
             return micro
         k = len(micro) // ws
         return micro[self.dist.rank * k:(self.dist.rank + 1) * k]
+
+    def _eval_cut(self, batch: Batch, micro_batch_size: int) -> list[Batch]:
+        """One evaluation batch as micro-batches of the plan. eval_batches may end on a short batch: it is cut into
+        micro-batches of at most `micro_batch_size` (the last one shorter), or run whole where it is no larger."""
+        firsts = _first_dims(batch)
+        if self.data_batch in firsts or not firsts:
+            return self.micro_batches([batch], micro_batch_size, self.data_batch)
+        shorter = [n for n in firsts if n < self.data_batch]
+        if not shorter:
+            return self.micro_batches([batch], micro_batch_size, self.data_batch)  # its own error: not this size
+        size = max(set(shorter), key=lambda n: (shorter.count(n), n))  # the examples' dimension: the most tensors
+        if size <= micro_batch_size:
+            return [batch]
+        return split_batch(batch, size, -(-size // micro_batch_size), self.label, piece=micro_batch_size)

@@ -56,10 +56,6 @@ DATA_SEED_OFFSET, EVAL_SEED_OFFSET = 1, 2  # the data and eval streams' seeds, r
 RANK_SEED_STRIDE = 1_000_003  # rank r > 0 seeds its own RNG (dropout) at seed + r x this: no stream's seed
 
 
-def _ignore(event: Event) -> None:
-    pass
-
-
 class Trainer:
     """One invocation of `oomtune train` (on one rank). Build it (every check that can fail on bad input runs
     here, before any file is written), then `run()`.
@@ -74,7 +70,7 @@ class Trainer:
         world = int(os.environ["WORLD_SIZE"]) if launched_by_torchrun() else 1
         self.inputs: Inputs = check_inputs(config_path, overrides, resume=resume, world_size=world)
         inputs = self.inputs
-        self.cfg, self.model_file, self.on_event = inputs.cfg, inputs.model_file, on_event or _ignore
+        self.cfg, self.model_file, self.on_event = inputs.cfg, inputs.model_file, on_event or (lambda e: None)
         device, budget, resumed_on = resumed_device(inputs.resume_state, device, budget)
         kind = device_kind(inputs.file_config, device)
         self.dist = init(kind, inputs.plan.sharding, dist_timeout)  # cuda: also picks this rank's GPU
@@ -118,8 +114,10 @@ class Trainer:
                     self.state.phase = Phase.DATA
                     n = self.state.step * self.batches_per_step  # replay the data stream to where it stood
                     self.on_event(Note(f"replaying the data to step {self.state.step}: {n:,} batches drawn, dropped"))
-                    stream.skip(n)
-                first_loss, last_loss, last_eval, stopping = self._loop(stream, base_lrs, stop)
+                    stream.skip(n, until=(lambda: stop.signal_name is not None) if self.dist.world_size == 1 else None)
+                    stopping = self._stop_over_ranks(stop.signal_name)
+                if stopping is None:
+                    first_loss, last_loss, last_eval, stopping = self._loop(stream, base_lrs, stop)
             except NonFiniteLoss as e:
                 failure = e.with_traceback(None)  # its frames hold the step's tensors; nothing there to debug
             except Exception as e:
@@ -208,6 +206,8 @@ class Trainer:
                 last_eval = metrics.get("eval_loss", last_eval)
                 window = Window()
             self.on_event(StepDone(s.step, cfg.steps, metrics))
+            if eval_now and stopping is None:  # a signal during the evaluation: stop after this step, not the next
+                stopping = self._stop_over_ranks(stop.signal_name)
             if s.step % cfg.checkpoint_interval == 0 or s.step == cfg.steps:
                 self._checkpoint("final" if s.step == cfg.steps else "interval")
         return first_loss, last_loss, last_eval, stopping
@@ -371,6 +371,7 @@ class Trainer:
                      "hook": self.data_hook},
             "scaler": t.scaler.state_dict(), "train": to_dict(self.cfg), "model_file": str(self.model_file.path),
             "torch_version": str(torch.__version__), "run_on": self.run_on,
+            "optimizer_class": type(t.optimizer).__name__,
         }
         path = self.checkpointer.save(self.inputs.run_dir, meta, capture_rng(self.cuda), t, keep)
         s.last_checkpoint, s.checkpoint_step = path, s.step

@@ -35,6 +35,8 @@ def train_batches(batch_size, context_length, device):
         DRAWS[0] += 1
         if DRAWS[0] == _at("fail-at"):
             raise ValueError("the data server went away")
+        if DRAWS[0] == _at("ctrl-c-at"):
+            os.kill(os.getpid(), signal.SIGINT)
         if DRAWS[0] == _at("ctrl-c-twice-at"):  # the second one swallowed, as inside a finalizer
             try:
                 os.kill(os.getpid(), signal.SIGINT)

@@ -62,6 +62,19 @@ def test_a_second_ctrl_c_that_python_swallowed_stops_as_an_interruption(case_dir
     assert steps_saved(case_dir / "run") == [3]
 
 
+def test_a_ctrl_c_while_a_resume_replays_the_data_stops_there_with_nothing_new_written(case_dir):
+    """Replaying the data can take minutes on a long run; a Ctrl-C during it went unheard until the replay had
+    ended and one more step had trained and been saved."""
+    assert train("--steps", "4").exit_code == 0
+    before = (case_dir / "run" / "metrics.jsonl").read_text()
+    (case_dir / "ctrl-c-at").write_text("2")  # the resume's second draw: 8 are replayed (4 steps x 2)
+    result = train("--resume", "--steps", "10")
+    assert result.exit_code == 130, result.output
+    assert steps_saved(case_dir / "run") == [3, 4]
+    assert (case_dir / "run" / "metrics.jsonl").read_text() == before
+    assert "stopped after step 4" in result.output
+
+
 def test_a_resume_with_one_step_left_reports_that_steps_loss_alone(case_dir):
     (case_dir / "fail-at").write_text("11")  # fails at step 6: the checkpoint is step 5's
     assert train("--checkpoint-interval", "100", "--steps", "6").exit_code == 2
@@ -115,6 +128,23 @@ def test_an_empty_eval_batches_at_the_first_evaluation_saves_that_step(case_dir)
     line = error_line(result)
     assert "eval_batches() yielded no batches" in line and "ckpt-00000002.pt (step 2" in line
     assert steps_saved(case_dir / "run") == [2]
+
+
+def test_a_ctrl_c_during_an_evaluation_stops_after_that_step_not_the_next(case_dir):
+    """Ctrl-C "finishes the step in flight, saves a checkpoint" (docs/training.md): one during step 2's evaluation
+    went unheard until step 3 had trained too."""
+    model = case_dir / "model.py"
+    model.write_text(model.read_text() + '''
+def eval_batches(batch_size, context_length, device):
+    os.kill(os.getpid(), signal.SIGINT)
+    x = torch.randn(batch_size, context_length, 16, device=device)
+    yield x, (x.sum((1, 2)) > 0).long()
+''')
+    result = train("--eval-interval", "2", "--eval-steps", "1", "--checkpoint-interval", "100")
+    assert result.exit_code == 130, result.output
+    assert steps_saved(case_dir / "run") == [2]
+    rows = metrics(case_dir / "run")
+    assert rows[-1]["step"] == 2 and rows[-1]["eval_loss"] is not None
 
 
 EVAL_THAT_FAILS = '''

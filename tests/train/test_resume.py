@@ -191,3 +191,54 @@ def test_sys_exit_inside_train_batches_is_one_line_and_exit_2(model_dir):
     assert result.exit_code == 2, result.stderr
     (line,) = [" ".join(x.split()) for x in result.stderr.split("\n\n") if x.startswith("error:")]
     assert "train_batches() called sys.exit(3)" in line
+
+
+@pytest.mark.parametrize("other", ["torch.optim.SGD(params, lr=lr, momentum=0.9)", "torch.optim.Adam(params, lr=lr)"])
+def test_a_resume_whose_model_file_now_builds_another_optimizer_is_bad_input_before_training(model_dir, other):
+    """The model file's optimizer() changed since the run started: torch's load_state_dict copies AdamW's groups
+    and state into the new optimizer without a word; SGD then failed in its first update (KeyError: 'momentum',
+    exit 1, "continue with --resume", which failed again), Adam silently trained without decoupled decay."""
+    assert train("--run-dir", "run", "--steps", "2").exit_code == 0
+    model = Path(yaml.safe_load((model_dir / "best.yaml").read_text())["model"])
+    source = model.read_text()
+    start = source.index("def optimizer(")
+    model.write_text(source[:start] + f"def optimizer(params, lr):\n    return {other}\n")
+    metrics_before = (model_dir / "run" / "metrics.jsonl").read_text()
+    result = train("--run-dir", "run", "--resume", "--steps", "4")
+    assert result.exit_code == 2, result.output
+    (line,) = [x for x in result.stderr.splitlines() if x.startswith("error:")]
+    assert "ckpt-00000002.pt holds the state of another optimizer" in line, line
+    assert "Traceback" not in result.output
+    assert sorted(p.name for p in (model_dir / "run").glob("ckpt-*")) == ["ckpt-00000002.pt"]
+    assert (model_dir / "run" / "metrics.jsonl").read_text() == metrics_before  # nothing of the run written
+
+
+def test_a_short_last_eval_batch_is_evaluated_after_the_micro_batch_shrank(tmp_path, monkeypatch, write_model):
+    """eval_batches may end on a short batch (docs/training.md). Once the micro-batch is smaller than the batches
+    are drawn at (an out-of-memory fallback, or a resume from a config the fallback rewrote), a short batch of 3
+    found no tensor of the drawn size 4 to split: the run stopped at its first evaluation, blaming train_batches."""
+    monkeypatch.chdir(tmp_path)
+    model = write_model(MODEL + '''
+def eval_batches(batch_size, context_length, device):
+    g = torch.Generator().manual_seed(0)
+    for n in (batch_size, 3):  # the last one short
+        x = torch.randn(n, context_length, 16, generator=g).to(device)
+        yield x, (x.sum((1, 2)) > 0).long()
+''')
+
+    def config(micro: int, accum: int) -> None:
+        plan = {"micro_batch_size": micro, "context_length": 8, "grad_accum_steps": accum}
+        (tmp_path / "best.yaml").write_text(yaml.safe_dump(
+            {"model": str(model), "plan": plan, "train": {"steps": 4, "seed": 1, "warmup_steps": 1, "lr": 0.003,
+                                                          "eval_interval": 2, "eval_steps": 2,
+                                                          "checkpoint_interval": 2, "run_dir": "run"}},
+            sort_keys=False))
+
+    config(4, 1)
+    assert train("--steps", "2").exit_code == 0
+    config(2, 2)  # as the fallback writes it: micro-batch halved, accumulation doubled, batches still drawn at 4
+    result = train("--resume", "--steps", "4")
+    assert result.exit_code == 0, result.output
+    rows = [r for r in metrics(tmp_path / "run") if "eval_loss" in r]
+    assert [(r["step"], r["micro_batch_size"]) for r in rows] == [(2, 4), (4, 2)]
+    assert all(r["eval_loss"] is not None for r in rows)
