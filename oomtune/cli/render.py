@@ -245,7 +245,8 @@ def render_check(result, config_path: Path) -> None:
     out.print(f"checked [bold]{config_path}[/] on the {where}: {result.plan.describe()}")
     old, new = result.old_peak_bytes, result.new_peak_bytes
     grew = None if old is None or new is None else new - old
-    out.print(f"  old peak  {fmt_bytes(old)}   (recorded in the config)")
+    out.print(f"  old peak  {fmt_bytes(old)}   " + ("(recorded in the config)" if old is not None else
+                                                  "(none recorded in the config for this plan)"))
     out.print(f"  new peak  {fmt_bytes(new) if new is not None else '[red]out of memory[/]'}"
               + (f"   ({_delta(grew)})" if grew is not None else ""))
     out.print(f"  allowed   {fmt_bytes(result.limit_bytes)}   (budget {fmt_bytes(result.budget_bytes)}, "

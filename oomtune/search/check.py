@@ -138,9 +138,7 @@ def check(config: Config, model_file: ModelFile, *, device_kind: str = "fake", b
     limit = int(budget_bytes * (1 - headroom))
     if budget is not None or gpu is not None:  # (the config's own budget: a model grown past it no longer fits)
         check_floor(model_file, config.plan, device.kind, budget_bytes, limit, headroom)
-    old_bd = fb.breakdown if fb is not None else None
-    old_peak = fb.peak_bytes if fb is not None else None
-    versions = version_notes(fb)
+    old_peak, old_bd, versions = *recorded_for(fb, config.plan), version_notes(fb)
     if isinstance(device, TrackedDevice):
         bd, computed = computing_where_needed(device, model_file.label,
                                               lambda: breakdown(model_file, config.plan, device, steps))
@@ -152,6 +150,20 @@ def check(config: Config, model_file: ModelFile, *, device_kind: str = "fake", b
     return CheckResult(fits, config.plan, device.kind, budget_bytes, headroom, limit, old_peak,
                        None if r.oom else r.peak_bytes, old_bd, None, r.oom_message, clamped_from, versions,
                        measured_on=device)
+
+
+def recorded_for(fb: FoundBy | None, plan: Plan) -> tuple[int | None, MemoryBreakdown | None]:
+    """found_by's peak and breakdown, where they are `plan`'s: a trial of found_by fitted at its micro-batch,
+    context, accumulation, precision and checkpointing (a file without trials, from an older oomtune, is taken at
+    its word). None, None where none did: train's out-of-memory fallback rewrote the plan, or a person edited it,
+    and the recorded peak was another plan's."""
+    if fb is None:
+        return None, None
+    key = lambda r: (r.micro_batch_size, r.context_length, r.grad_accum_steps, r.precision,  # noqa: E731
+                     r.activation_checkpointing)
+    if not fb.trials or any(r.result == "fits" and key(r) == key(plan) for r in fb.trials):
+        return fb.peak_bytes, fb.breakdown
+    return None, None
 
 
 def version_notes(fb: FoundBy | None) -> tuple[str, ...]:

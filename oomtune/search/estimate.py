@@ -152,6 +152,8 @@ def _estimate(model_file, device, targets, headroom, steps, objective, amp, on_s
         return EstimateResult(search, device.margin, bd, plan)
     plan = smallest_plan(device, targets, amp, static.checkpointing_supported, world, sharding, levers, past)
     bd = breakdown(model_file, plan, device, steps, dist)
+    if any(r.found for r in search.ladder.rungs):  # the smallest plan fits: the global batch is what cannot be
+        return EstimateResult(search, device.margin, bd, plan)  # reached (the search's own reason says how)
     why = why_nothing_fits(bd, plan, floor, limit, device.budget_bytes, headroom, device.margin)
     search.why_nothing_fits = why + ("." if no_fsdp and not why.endswith(".") else "") + no_fsdp_note(no_fsdp)
     return EstimateResult(search, device.margin, bd, plan,

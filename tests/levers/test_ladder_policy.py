@@ -74,6 +74,17 @@ def test_without_accumulation_in_levers_nothing_fits_says_so(tmp_path):
     assert "Add accumulation to --levers, or lower --batch to" in r.stderr and "accumulated plan" not in r.stderr
 
 
+def test_estimate_without_accumulation_says_the_batch_not_micro_batch_1_is_what_does_not_fit(tmp_path):
+    """device: fake. The estimate explained every nothing-fits by the smallest plan: "even micro-batch 1 ... peaks
+    at 2.10 MiB > 4.50 MiB allowed", false, where micro-batch 2 fitted and the whole batch (accumulation left out of
+    --levers) was what did not."""
+    r = run_cli("estimate", EXAMPLES / "tiny_gpt.py", "--budget", "12MiB", "--margin", "0", "--batch", "32",
+                "--context", "64", "--levers", "amp,checkpointing", "--out", tmp_path / "x.yaml")
+    assert r.exit_code == 1, r.output
+    assert "(accumulation is not in --levers): at most micro-batch " in r.stderr, r.stderr
+    assert "even micro-batch 1" not in r.stderr and "what would help" not in r.output
+
+
 def test_probe_climbs_past_accumulation_where_fp32_state_alone_is_over_the_budget(tmp_path):
     """device: cpu. The tiny GPT's fp32 weights + gradients + AdamW state + step temporaries are 5.13 MiB: 5 MiB
     (4.5 allowed) cannot hold them on any usual rung; bf16-true halves them."""

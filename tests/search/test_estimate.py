@@ -1,5 +1,6 @@
 """`oomtune estimate` and `oomtune check`: the ladder on fake tensors, the breakdown of the peak, the CI gate."""
 
+import dataclasses
 import json
 
 import pytest
@@ -246,6 +247,26 @@ def test_check_passes_unchanged_and_fails_after_a_wider_layer(write_model, tmp_p
         assert phrase in text.output
     # a bigger budget makes it fit again
     assert run_cli("check", "--config", config, "--budget", "10MiB").exit_code == 0
+
+
+def test_check_compares_no_peak_recorded_for_another_plan(write_model, tmp_path):
+    """train's out-of-memory fallback rewrites the plan and keeps found_by: check printed found_by's peak, another
+    plan's, as the old peak (and its breakdown as the difference)."""
+    from oomtune.config.writing import rewrite_plan
+
+    model = write_model(WIDE_MODEL.format(width=32))
+    config = tmp_path / "best.yaml"
+    assert run_cli("estimate", model, "--budget", "400KiB", "--margin", "0", "--out", config).exit_code == 0
+    loaded = load_config(config)
+    plan = loaded.plan
+    assert plan.micro_batch_size > 1, "a plan the fallback can halve"
+    halved = dataclasses.replace(plan, micro_batch_size=plan.micro_batch_size // 2,
+                                 grad_accum_steps=plan.grad_accum_steps * 2)
+    rewrite_plan(config, loaded, halved, "plan updated by `oomtune train` at step 3")
+    report = json.loads(run_cli("check", "--config", config, "--json").stdout)
+    assert report["old_peak_bytes"] is None and report["difference"] is None
+    assert report["new_peak_bytes"] < loaded.found_by.peak_bytes
+    assert "none recorded in the config for this plan" in run_cli("check", "--config", config).output
 
 
 def test_check_on_the_cpu_device_agrees(write_model, tmp_path):
