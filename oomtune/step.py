@@ -241,19 +241,21 @@ def every_gradient_made(t: Training) -> bool:
 
 
 @torch.no_grad()
-def eval_loss(t: Training, batches: Sequence[Batch]) -> torch.Tensor:
-    """Mean loss over `batches` without building a graph (same autocast as training)."""
+def eval_loss(t: Training, batches: Sequence[Batch], weights: Sequence[int] | None = None) -> torch.Tensor:
+    """Mean loss over `batches` without building a graph (same autocast as training), each batch's loss weighted
+    by `weights` (its examples; None: equally)."""
     t.model.eval()
+    weights = weights or [1] * len(batches)
 
     def run() -> torch.Tensor:
         total = torch.zeros((), device=t.device.torch_device)
-        for batch in batches:
+        for batch, weight in zip(batches, weights, strict=True):
             with autocast(t):
-                total += t.model_file.loss(t.model, cast_inputs(batch, t.plan)).float()
+                total += t.model_file.loss(t.model, cast_inputs(batch, t.plan)).float() * weight
         return total
 
     try:
-        return t.dist.agreed(run, t.plan.sharding == "fsdp") / max(len(batches), 1)
+        return t.dist.agreed(run, t.plan.sharding == "fsdp") / max(sum(weights), 1)
     finally:
         t.model.train()
 

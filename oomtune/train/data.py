@@ -160,25 +160,27 @@ class Shares:
         parts = size // micro_batch_size
         return [m for b in pieces for m in split_batch(b, size, parts, self.label)]
 
-    def eval_share(self, batches: list[Batch], micro_batch_size: int) -> list[Batch]:
-        """Evaluation micro-batches of this rank: an equal share when they divide evenly, else all of them."""
-        micro = [m for b in batches for m in self._eval_cut(b, micro_batch_size)]
+    def eval_share(self, batches: list[Batch], micro_batch_size: int) -> tuple[list[Batch], list[int]]:
+        """Evaluation micro-batches of this rank, and the examples in each (the loss is their mean, so that a short
+        last batch weighs what its examples weigh, whatever the micro-batch): an equal share when they divide
+        evenly, else all of them."""
+        cut = [pair for b in batches for pair in self._eval_cut(b, micro_batch_size)]
         ws = self.dist.world_size
-        if ws == 1 or len(micro) % ws:
-            return micro
-        k = len(micro) // ws
-        return micro[self.dist.rank * k:(self.dist.rank + 1) * k]
+        if ws > 1 and not len(cut) % ws:
+            k = len(cut) // ws
+            cut = cut[self.dist.rank * k:(self.dist.rank + 1) * k]
+        return [m for m, _ in cut], [n for _, n in cut]
 
-    def _eval_cut(self, batch: Batch, micro_batch_size: int) -> list[Batch]:
-        """One evaluation batch as micro-batches of the plan. eval_batches may end on a short batch: it is cut into
-        micro-batches of at most `micro_batch_size` (the last one shorter), or run whole where it is no larger."""
+    def _eval_cut(self, batch: Batch, micro_batch_size: int) -> list[tuple[Batch, int]]:
+        """One evaluation batch as (micro-batch, its examples) of the plan. eval_batches may end on a short batch:
+        it is cut into micro-batches of at most `micro_batch_size` (the last one shorter), or run whole where it is
+        no larger."""
         firsts = _first_dims(batch)
-        if self.data_batch in firsts or not firsts:
-            return self.micro_batches([batch], micro_batch_size, self.data_batch)
         shorter = [n for n in firsts if n < self.data_batch]
-        if not shorter:
-            return self.micro_batches([batch], micro_batch_size, self.data_batch)  # its own error: not this size
+        if self.data_batch in firsts or not shorter:  # (none shorter and not this size: split_batch's own error)
+            return [(m, micro_batch_size) for m in self.micro_batches([batch], micro_batch_size, self.data_batch)]
         size = max(set(shorter), key=lambda n: (shorter.count(n), n))  # the examples' dimension: the most tensors
         if size <= micro_batch_size:
-            return [batch]
-        return split_batch(batch, size, -(-size // micro_batch_size), self.label, piece=micro_batch_size)
+            return [(batch, size)]
+        parts = split_batch(batch, size, -(-size // micro_batch_size), self.label, piece=micro_batch_size)
+        return [(m, min(micro_batch_size, size - i * micro_batch_size)) for i, m in enumerate(parts)]

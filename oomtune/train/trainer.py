@@ -223,8 +223,8 @@ class Trainer:
             return [stream.next() for _ in range(self.cfg.eval_steps)]
 
         def work(batches: list[Batch]) -> tuple[float, int]:
-            mine = self.shares.eval_share(batches, self.state.plan.micro_batch_size)
-            return float(eval_loss(self.t, mine)) * len(mine), len(mine)
+            mine, examples = self.shares.eval_share(batches, self.state.plan.micro_batch_size)
+            return float(eval_loss(self.t, mine, examples)) * sum(examples), sum(examples)
 
         (total, count), peak = self._attempt(work, Phase.EVAL, [], draw)
         total, count = self.dist.sum(total, count)

@@ -52,6 +52,47 @@ def test_split_batch_cuts_every_batch_tensor_and_shares_the_rest():
         split_batch((torch.zeros(3, 8),), 8, 2)
 
 
+PER_EXAMPLE = """
+import torch
+from torch import nn
+
+def build_model():
+    torch.manual_seed(0)
+    return nn.Linear(16, 1)
+
+def make_batch(batch_size, context_length, device):
+    return torch.randn(batch_size, 16, device=device)
+
+def loss(model, batch):
+    return model(batch).square().mean()  # a mean over the batch's examples
+"""
+
+
+def test_the_eval_loss_is_the_mean_over_examples_whatever_the_micro_batch(write_model):
+    """device: cpu. eval_batches may end on a short batch: cut into the plan's micro-batches, each counts as many
+    examples as it holds. Before, each micro-batch's mean counted once: batches of 4 and 3 gave another eval loss
+    at micro-batch 4 (2 means) than at 2 (4 means, one of a single example), so an OOM fallback moved it."""
+    from oomtune.dist.group import LOCAL
+    from oomtune.memory.devices import CpuDevice
+    from oomtune.step import build_training, eval_loss
+    from oomtune.train.data import Shares
+
+    model_file = load_model_file(write_model(PER_EXAMPLE))
+    batches = [torch.randn(4, 16, generator=torch.Generator().manual_seed(n)) for n in (4, 3)]
+    batches[1] = batches[1][:3]  # the last one short
+    every = torch.cat(batches)
+    losses = []
+    for micro in (4, 2, 1):
+        t = build_training(model_file, Plan(micro, 1, grad_accum_steps=4 // micro), CpuDevice("1GiB"), lr=1e-3,
+                           clip_grad_norm=1.0)
+        mine, examples = Shares(LOCAL, 4, 4, "eval_batches()").eval_share(batches, micro)
+        assert sum(examples) == 7 and [len(m) for m in mine] == examples
+        losses.append(float(eval_loss(t, mine, examples)))
+        with torch.no_grad():
+            assert losses[-1] == pytest.approx(float(t.model(every).square().mean()), rel=1e-6)
+    assert max(losses) - min(losses) < 1e-6 * max(losses)
+
+
 def test_lr_warms_up_linearly_then_decays_along_a_cosine_to_min_lr():
     from oomtune.config.schema import TrainConfig
 
