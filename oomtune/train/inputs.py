@@ -10,6 +10,7 @@ number of ranks, and a checkpoint of N ranks resumed on M replays the same strea
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,7 +55,7 @@ def check_inputs(config_path: str | Path, overrides: dict[str, Any] | None, *, r
     try:
         cfg = dataclasses.replace(file_config.train, **given)
     except ConfigError as e:  # the dataclass validates: defaults and rules live there only
-        raise ConfigError(e.message.replace("train.", "--").replace("_", "-")) from None
+        raise ConfigError(flags_named(e.message, given)) from None
     try:
         model_file = load_model_file(file_config.model_path(config_path))
     except ModelFileError as e:
@@ -94,6 +95,14 @@ def check_inputs(config_path: str | Path, overrides: dict[str, Any] | None, *, r
     data_batch = state["data"]["batch_size"] if state else plan.micro_batch_size
     return Inputs(config_path, file_config, cfg, model_file, run_dir, plan, data_batch,
                   share_size(plan, data_batch, where), state, latest, notes)
+
+
+def flags_named(message: str, given: dict[str, Any]) -> str:
+    """A train: rule's message, each setting named as the user gave it: a flag given now as the flag (--min-lr),
+    any other as the config file's key (train.min_lr), which is where its value came from."""
+    for key in sorted(given, key=len, reverse=True):
+        message = re.sub(rf"\btrain\.{key}\b", "--" + key.replace("_", "-"), message)
+    return message
 
 
 def check_same_run(latest: Path, state: dict, plan: Plan, in_file: Plan, model_file: ModelFile) -> None:

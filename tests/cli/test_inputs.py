@@ -263,6 +263,10 @@ def test_a_bad_train_flag_is_one_line_naming_the_flag(write_model, tmp_path):
     one_line_error(r, "--clip-grad-norm must be > 0")
     assert not (tmp_path / "run").exists()
     assert TrainConfig(clip_grad_norm=None).clip_grad_norm is None and TrainConfig(weight_decay=0).weight_decay == 0
+    # a rule between a flag and a setting not given names the setting where its value came from (the config), not
+    # as a flag the user never passed ("--min-lr (3e-05) must not be above --lr (1e-05)")
+    r = run_cli("train", "--config", config, "--lr", "1e-5", "--run-dir", tmp_path / "run")
+    one_line_error(r, "train.min_lr (3e-05) must not be above --lr (1e-05)")
 
 
 def test_a_nan_in_the_yaml_is_one_line(write_model, tmp_path):
