@@ -146,7 +146,7 @@ def train(
     clip_grad_norm: Annotated[float | None, typer.Option(help="Max gradient norm (train.clip_grad_norm).")] = None,
     eval_interval: Annotated[int | None, typer.Option(help="Steps between evaluations (train.eval_interval).")]
     = None,
-    eval_steps: Annotated[int | None, typer.Option(help="Batches per evaluation (train.eval_steps).")] = None,
+    eval_steps: Annotated[int | None, typer.Option(help="Batches per evaluation, at most (train.eval_steps).")] = None,
     checkpoint_interval: Annotated[int | None, typer.Option(help="Steps between checkpoints "
                                                             "(train.checkpoint_interval).")] = None,
     log_every_n_steps: Annotated[int | None, typer.Option(help="Steps between metric lines "

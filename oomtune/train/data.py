@@ -83,7 +83,8 @@ class DataStream:
             raise ModelFileError(f"{self.model_file.label}: {self.hook}() raised {type(e).__name__}: "
                                  f"{first_line(e, '(no message)')}") from e
 
-    def next(self) -> Batch:
+    def next(self, again: bool = True) -> Batch | None:
+        """The next batch; at the hook's end, the first of its next pass (`again`), else None."""
         with self.rng.active():
             if self._it is None:
                 self._it = self._open()
@@ -92,6 +93,8 @@ class DataStream:
             except StopIteration:
                 if self.drawn == 0:
                     raise ModelFileError(f"{self.model_file.label}: {self.hook}() yielded no batches") from None
+                if not again:
+                    return None
                 self._it = self._open()  # next epoch
                 try:
                     batch = self._pull()
@@ -115,6 +118,13 @@ class DataStream:
 
     def take(self, n: int) -> list[Batch]:
         return [self.next() for _ in range(n)]
+
+    def take_once(self, n: int) -> list[Batch]:
+        """Up to n batches, none twice: a finite hook (a held-out set) ends the list where it ends."""
+        batches = []
+        while len(batches) < n and (batch := self.next(again=False)) is not None:
+            batches.append(batch)
+        return batches
 
     def skip(self, n: int, until: Callable[[], bool] | None = None) -> None:
         """Replay n batches (resume): the stream then stands where the interrupted run's stood. `until`: checked

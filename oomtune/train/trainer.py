@@ -220,7 +220,7 @@ class Trainer:
             stream = DataStream(self.model_file, "eval_batches", self.inputs.data_batch,
                                 self.state.plan.context_length, self.device,
                                 self.cfg.seed + EVAL_SEED_OFFSET)  # the same batches every time
-            return [stream.next() for _ in range(self.cfg.eval_steps)]
+            return stream.take_once(self.cfg.eval_steps)  # a held-out set shorter than eval_steps: once
 
         def work(batches: list[Batch]) -> tuple[float, int]:
             mine, examples = self.shares.eval_share(batches, self.state.plan.micro_batch_size)

@@ -93,6 +93,23 @@ def test_the_eval_loss_is_the_mean_over_examples_whatever_the_micro_batch(write_
     assert max(losses) - min(losses) < 1e-6 * max(losses)
 
 
+def test_an_evaluation_takes_a_held_out_set_shorter_than_eval_steps_once(write_model):
+    """device: cpu. eval_batches yielding 3 batches with eval_steps 20: the stream was restarted and the 3 counted
+    7, 7 and 6 times; now each once. An endless hook still gives eval_steps."""
+    from oomtune.memory.devices import CpuDevice
+    from oomtune.train.data import DataStream
+
+    model_file = load_model_file(write_model(PER_EXAMPLE + """
+def eval_batches(batch_size, context_length, device):
+    for i in range(3):
+        yield torch.full((batch_size, 16), float(i), device=device)
+"""))
+    device = CpuDevice("1GiB")
+    held_out = DataStream(model_file, "eval_batches", 4, 1, device, 0).take_once(20)
+    assert [float(b[0, 0]) for b in held_out] == [0.0, 1.0, 2.0]
+    assert len(DataStream(model_file, "make_batch", 4, 1, device, 0).take_once(20)) == 20
+
+
 def test_lr_warms_up_linearly_then_decays_along_a_cosine_to_min_lr():
     from oomtune.config.schema import TrainConfig
 
