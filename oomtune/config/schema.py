@@ -68,6 +68,10 @@ class Plan:
         if self.sharding != "none" and (self.optimizer_8bit or self.offload_optimizer or self.nf4_frozen_weights):
             raise ConfigError(f"plan.sharding is {self.sharding}: optimizer_8bit, offload_optimizer and "
                               "nf4_frozen_weights run on one process only")
+        if self.precision == "fp16" and self.offload_optimizer:
+            raise ConfigError("plan.precision is fp16: offload_optimizer cannot run with it (fp16's GradScaler "
+                              "unscales the gradients on the device, which the offload has already moved off "
+                              "it); use bf16, bf16-true or fp32")
         if self.sharding not in SHARDINGS:
             raise ConfigError(f"plan.sharding must be one of {', '.join(SHARDINGS)}, got {self.sharding!r}")
         if self.world_size > 1 and self.sharding == "none":

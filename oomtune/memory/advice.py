@@ -75,7 +75,12 @@ def levers_that_help(bd: MemoryBreakdown, static: StaticMemory, limit_bytes: int
                    f"{format_bytes(rest)} already exceed what the limit leaves")
     act = bd.activations_bytes + bd.temporaries_bytes
     if act and act >= need:
-        if not plan.activation_checkpointing:
+        if plan.activation_checkpointing or static.checkpoints_itself:
+            pass  # checkpointed already (the model's own checkpointing runs in every plan)
+        elif static.checkpointing_supported:  # the model has blocks (an HF model's own switch, a ModuleList, ...)
+            out.append("activation checkpointing (--checkpointing with --micro-batch; the ladder's checkpointing "
+                       "lever)")
+        else:
             out.append("activation checkpointing: define blocks(model) in the model file so oomtune can wrap them")
         if bd.activations_bytes and not plan.offload_activations:
             out.append(f"saved activations offloaded to host memory (--levers offload-activations): "

@@ -121,13 +121,21 @@ def _key(name: str) -> str:
     return re.sub(r"[^a-z0-9]", "", name.lower()).removeprefix("nvidia").removeprefix("geforce").removeprefix("tesla")
 
 
+# words of a driver's name for a variant of the same card: form factor and memory kind, not its size
+# (an H100 NVL is another card: 94 GB)
+VARIANT_WORDS = {"sxm", "sxm2", "sxm3", "sxm4", "sxm5", "pcie", "hbm2", "hbm2e", "hbm3", "hbm3e"}
+
+
 def find_gpu(name: str) -> GpuSpec:
-    """`--gpu` lookup, forgiving about case, spaces and dashes: 'A100-80', 'rtx 4090', 'NVIDIA H100', 'generic'."""
+    """`--gpu` lookup, forgiving about case, spaces and dashes: 'A100-80', 'rtx 4090', 'NVIDIA H100', 'generic';
+    and the driver's own names, as nvidia-smi prints them: 'NVIDIA A100-SXM4-80GB', 'Tesla V100-PCIE-16GB'."""
     k = _key(name)
     if k in AMBIGUOUS:
         raise OomtuneError(f"--gpu {name!r} names more than one card: {AMBIGUOUS[k]}")
-    for spec in (*GPUS, GENERIC):
-        if k in {_key(spec.name), *(_key(a) for a in spec.aliases)}:
-            return spec
+    variant = _key("".join(w for w in re.findall(r"[a-z0-9]+", name.lower()) if w not in VARIANT_WORDS))
+    for key in dict.fromkeys((k, variant)):
+        for spec in (*GPUS, GENERIC):
+            if key in {_key(spec.name), *(_key(a) for a in spec.aliases)}:
+                return spec
     known = ", ".join(spec.aliases[0] for spec in (*GPUS, GENERIC))
     raise OomtuneError(f"--gpu {name!r}: not in the table ({known}); pass --budget with the card's memory instead")

@@ -16,7 +16,7 @@ from ..memory.breakdown import breakdown, recorded_trial, static_memory
 from ..memory.cards import GENERIC, find_gpu
 from ..memory.devices import Device, FakeDevice
 from ..memory.margin import AnyMargin, parse_margin
-from ..model_file import ModelFile
+from ..model_file import ModelFile, eager_note
 from ..units import card_budget, card_memory
 from .batch_notes import batch_notes
 from .ladder import LadderResult, Point
@@ -190,6 +190,9 @@ def what_if(model_file: ModelFile, plan: Plan, device: FakeDevice, *, bounded: b
     check_steps(steps)
     bd, computed = computing_where_needed(device, model_file.label, lambda: breakdown(model_file, plan, device, steps))
     computed += batch_notes(model_file, device, plan.context_length)
+    static = static_memory(model_file)
+    if static.compiled:  # as the ladder says it (measurement_notes): the eager model's memory, not the compiled one's
+        computed += (eager_note(model_file.label, device.kind),)
     own = "your optimizer()" if model_file.has("optimizer") else None
     card = device.name.removesuffix(" (estimated)")
     if not bounded:  # no budget given: the breakdown alone (it lifts the device's budget anyway)
@@ -197,7 +200,6 @@ def what_if(model_file: ModelFile, plan: Plan, device: FakeDevice, *, bounded: b
     limit = int(device.budget_bytes * (1 - headroom))
     lev: tuple[str, ...] = ()
     if bd.peak_bytes > limit:
-        static = static_memory(model_file)
         lev = tuple(levers_that_help(bd, static, limit, device.margin, headroom, plan, None))
     return WhatIf(plan, bd, limit, device.budget_bytes, headroom, lev, computed, optimizer=own, card=card)
 

@@ -150,3 +150,21 @@ def test_every_example_config_loads(tmp_path):
         cfg = load_config(path)
         assert cfg.model_path(path).is_file(), f"{path.name}: model {cfg.model} exists"
         assert dump_config(cfg)  # and it writes back out
+
+
+def test_fp16_with_offloaded_optimizer_is_refused_in_one_line(tmp_path):
+    """fp16's GradScaler unscales gradients on the device, which offload_optimizer has moved to the host: the
+    step fails inside torch ("No inf checks were recorded"). The plan is refused where it is made, as sharding
+    with the levers is, so `estimate --micro-batch N --precision fp16 --levers offload` exits 2, not 1."""
+    from tests.conftest import TINY_MODEL, run_cli
+
+    with pytest.raises(ConfigError, match=r"plan\.precision is fp16: offload_optimizer"):
+        Plan(micro_batch_size=2, context_length=64, precision="fp16", offload_optimizer=True)
+    Plan(micro_batch_size=2, context_length=64, precision="fp32", offload_optimizer=True)  # the ladder's own
+    Plan(micro_batch_size=2, context_length=64, precision="fp16", optimizer_8bit=True)
+    model = tmp_path / "m.py"
+    model.write_text(TINY_MODEL)
+    result = run_cli("estimate", model, "--gpu", "rtx3060", "--micro-batch", "2", "--context", "4",
+                     "--precision", "fp16", "--levers", "offload")
+    assert result.exit_code == 2, result.output
+    assert "AssertionError" not in result.output and "offload_optimizer" in result.output

@@ -54,3 +54,21 @@ def test_a_flat_margins_share_shrinks_with_the_tensors():
         advice = levers_that_help(bd, STATIC, limit, margin, 0.1, plan)
         assert verdict(advice, "bf16-true") == expected
     assert not any("--levers 8bit)" in a for a in advice)  # the plan has it already
+
+
+def test_checkpointing_is_advised_by_its_flag_where_the_model_has_blocks():
+    """A what-if plan without --checkpointing on a model with blocks (a Hugging Face model's own switch): the advice
+    said "define blocks(model) in the model file", which the model needs not; --checkpointing is what helps. A model
+    without blocks still gets that line, and a plan checkpointed already gets neither."""
+    margin = Margin(fixed_bytes=0, fraction=0.0)
+    bd = breakdown(margin, reserved=None)
+    limit = bd.peak_bytes - 100 * MiB
+    no_blocks = StaticMemory(400 * MiB, 20 * MiB, 40 * MiB, "AdamW", checkpointing_supported=False)
+    plain = Plan(1, 512, "bf16", False, 1)
+    advice = levers_that_help(bd, STATIC, limit, margin, 0.1, plain)
+    line = next(a for a in advice if a.startswith("activation checkpointing"))
+    assert "--checkpointing" in line and "define blocks" not in line
+    advice = levers_that_help(bd, no_blocks, limit, margin, 0.1, plain)
+    assert any("define blocks(model)" in a for a in advice)
+    advice = levers_that_help(bd, STATIC, limit, margin, 0.1, Plan(1, 512, "bf16", True, 1))
+    assert not any(a.startswith("activation checkpointing") for a in advice)

@@ -170,3 +170,27 @@ def test_a_model_name_sold_in_two_memory_sizes_is_refused_naming_both():
     with pytest.raises(OomtuneError, match=r"a100-40 \(40 GB\) or a100-80 \(80 GB\)"):
         find_gpu("A100")
     assert find_gpu("a100-40").memory_bytes == 40960 * MiB
+
+
+@pytest.mark.parametrize("driver, table", [
+    ("NVIDIA A100-SXM4-80GB", "a100-80"),
+    ("NVIDIA A100-PCIE-40GB", "a100-40"),
+    ("NVIDIA H100 80GB HBM3", "h100"),
+    ("Tesla V100-SXM2-16GB", "v100-16"),
+    ("Tesla V100-PCIE-32GB", "v100-32"),
+    ("NVIDIA GeForce RTX 4090", "rtx4090"),
+])
+def test_gpu_finds_a_card_by_the_name_nvidia_smi_prints(driver, table):
+    """device: none. docs/estimate.md: "The driver's names ... find a card too". --gpu refused the names nvidia-smi
+    prints for the A100, H100 and V100 variants ("not in the table"), though each names its memory."""
+    assert find_gpu(driver) is find_gpu(table)
+
+
+def test_gpu_keeps_refusing_another_card_of_a_table_model():
+    """device: none. An H100 NVL (94 GB) is not the table's H100 80GB; an A100 of unknown memory stays ambiguous."""
+    with pytest.raises(OomtuneError, match="not in the table"):
+        find_gpu("NVIDIA H100 NVL")
+    with pytest.raises(OomtuneError, match="more than one card"):
+        find_gpu("NVIDIA A100")
+    with pytest.raises(OomtuneError, match="not in the table"):
+        find_gpu("NVIDIA RTX A4000")

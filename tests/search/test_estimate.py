@@ -201,6 +201,16 @@ def test_what_if_one_plan(tmp_path):
     assert on_t4.exit_code == 0 and on_t4.stdout.startswith("estimate for Tesla T4:"), on_t4.output
 
 
+def test_what_if_of_a_compiled_model_says_it_ran_eager():
+    """device: fake. A build_model() returning torch.compile(model) runs eager on the fake device; the ladder notes
+    it (measurement_notes), and README promises "the output says so". The what-if (--micro-batch) said nothing."""
+    model = ROOT / "tests" / "finetune" / "models" / "compiled.py"
+    r = run_cli("estimate", model, "--micro-batch", "2", "--budget", "1GiB", "--margin", "0", "--json")
+    assert r.exit_code == 0, r.output
+    notes = json.loads(r.stdout)["notes"]
+    assert any("torch.compile'd model" in n and "eager model" in n for n in notes), notes
+
+
 def test_what_if_one_plan_with_levers_past_accumulation():
     """device: fake. --levers with --micro-batch puts those levers on the one plan (they were ignored): the 8-bit
     state is a quarter of AdamW's and more (a scale per 256), offload leaves no optimizer state on the device and
