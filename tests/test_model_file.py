@@ -141,7 +141,7 @@ def test_budget_too_small_for_the_weights_says_what_they_need(write_model):
     assert "too small for the weights alone: weights " in msg
     assert "+ gradients " in msg and "+ AdamW state " in msg
     # with the levers past accumulation the floor is what is left with all of them applied, and it says so (not 8-bit
-    # AdamW: its fp32 moments for these small tensors would be more than bf16-true's)
+    # AdamW: it quantizes none of these small tensors, so its state would be bf16-true's)
     msg = probe_error(write_model(), "--budget", "2KiB")
     assert "too small for the weights alone: weights 3.00 KiB + gradients 0 B + AdamW state 0 B" in msg
     assert msg.endswith("(with bf16-true+offload+offload-activations; and 15.00 KiB in host memory)")

@@ -3,7 +3,8 @@
 On cuda the library's own: torchao's `AdamW8bit` (or bitsandbytes' where torchao is missing). Its step is a
 `torch.compile`d kernel, which cannot run under the simulated devices' TorchDispatchMode, so the `cpu` and `fake`
 devices run `BlockwiseAdamW8bit`: the same state layout as torchao's (per moment a byte per element and an fp32
-scale per block of 256; tensors under 4096 elements, or not a whole number of blocks, keep fp32 moments) and
+scale per block of 256; tensors under 4096 elements, or not a whole number of blocks, keep plain moments in the
+parameter's dtype, as torchao's `zeros_like(p)`: bf16 for a bf16 parameter, fp32 for an fp32 one) and
 the same update, in eager ops. Its codes are a dynamic (logarithmic) map of each block's values over the
 block's largest magnitude: 7 bits of magnitude and a sign for the first moment, 8 bits for the second.
 
@@ -18,13 +19,13 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 BLOCK = 256  # elements per scale (torchao's block_size)
-MIN_QUANT = 4096  # smaller tensors keep fp32 moments (torchao's min_quant_size)
+MIN_QUANT = 4096  # smaller tensors keep plain moments in their own dtype (torchao's min_quant_size)
 CHUNK_BLOCKS = 1 << 16  # blocks per chunk of the step: 16M elements
 SIGNED_DECADES, UNSIGNED_DECADES = 6.0, 7.0  # the codes' range below each block's largest magnitude
 
 
 def quantizes(p: torch.Tensor) -> bool:
-    """Does this parameter get 8-bit moments (else fp32)?"""
+    """Does this parameter get 8-bit moments (else plain ones, in its dtype)?"""
     return p.numel() >= MIN_QUANT and p.numel() % BLOCK == 0
 
 
@@ -79,8 +80,7 @@ class BlockwiseAdamW8bit(torch.optim.Optimizer):
 
     def _init_state(self, p: torch.Tensor) -> dict:
         if not quantizes(p):
-            return {"step": 0, "exp_avg": torch.zeros_like(p, dtype=torch.float32),
-                    "exp_avg_sq": torch.zeros_like(p, dtype=torch.float32)}
+            return {"step": 0, "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
         blocks = p.numel() // BLOCK
         state = {"step": 0}
         for name in ("exp_avg", "exp_avg_sq"):  # zero moments: the smallest code, at a zero scale
@@ -97,7 +97,7 @@ class BlockwiseAdamW8bit(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's, keeping the saved dtypes: torch casts every floating-point state tensor to its parameter's dtype,
-        which would make a bf16 parameter's fp32 moments and scales bf16 (the step then mixes dtypes and fails)."""
+        which would make a bf16 parameter's fp32 scales bf16 (the step then mixes dtypes and fails)."""
         saved = [{k: v for k, v in state_dict["state"].get(i, {}).items() if torch.is_tensor(v)}
                  for g in state_dict["param_groups"] for i in g["params"]]
         super().load_state_dict(state_dict)
@@ -143,7 +143,14 @@ class BlockwiseAdamW8bit(torch.optim.Optimizer):
     @staticmethod
     def _update(p: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor, group: dict,
                 step: int) -> None:
-        """One AdamW update of p (any dtype) with fp32 moments m and v, in place."""
+        """One AdamW update of p (any dtype) with moments m and v, in place, computed in fp32 (a small bf16
+        parameter's bf16 moments too, as torchao's step computes them)."""
+        if m.dtype != torch.float32:
+            m32, v32 = m.float(), v.float()
+            BlockwiseAdamW8bit._update(p, grad, m32, v32, group, step)
+            m.copy_(m32)
+            v.copy_(v32)
+            return
         beta1, beta2 = group["betas"]
         lr, eps = group["lr"], group["eps"]
         g = grad.float()

@@ -51,8 +51,8 @@ def levers_that_help(bd: MemoryBreakdown, static: StaticMemory, limit_bytes: int
         saved = (bd.parameters_bytes + bd.gradients_bytes + (0 if plan.optimizer_8bit else opt)) // 2
         out.append(f"bf16 weights, gradients and optimizer state, no fp32 copy (--levers bf16-true): saves about "
                    f"{format_bytes(saved)} ({enough(saved)}){why('bf16-true')}")
-    # 8-bit AdamW keeps fp32 moments for the tensors it does not quantize (elements not counted: a flat 4x)
-    saved = opt - static.adamw8bit_bytes() if static.trained_elements else opt * 3 // 4
+    # 8-bit AdamW keeps plain moments for the tensors it does not quantize (elements not counted: a flat 4x)
+    saved = opt - static.moment_bytes(plan.precision, eight_bit=True) if static.trained_elements else opt * 3 // 4
     if saved > 0 and not plan.optimizer_8bit and not plan.offload_optimizer:
         out.append(f"8-bit optimizer state (--levers 8bit): {static.optimizer_name} state {format_bytes(opt)} -> "
                    f"{format_bytes(opt - saved)}, saves {format_bytes(saved)} ({enough(saved)}){why('8bit')}")

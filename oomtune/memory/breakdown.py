@@ -44,16 +44,26 @@ class StaticMemory:
     host_bytes: int = 0  # what the plan's offload levers hold in host memory instead
     levers: str = ""  # the levers past accumulation this was measured with ("" for none)
     weights_dtype: str | None = None  # "bfloat16" / "float16": every trained weight is built in it (else None)
-    trained_elements: int = 0  # elements of the trained parameters
-    quantized_elements: int = 0  # of those, in tensors 8-bit AdamW quantizes (the rest keep fp32 moments)
+    trained_sizes: tuple[int, ...] = ()  # elements of each trained parameter
     batch_norm: bool = False  # the model has BatchNorm layers (their statistics are a micro-batch's)
     checkpoints_itself: str | None = None  # how build_model() turned the model's own checkpointing on: no such rung
 
-    def adamw8bit_bytes(self) -> int:
-        """8-bit AdamW's state: two 8-bit moments and a 4-byte scale each per 256 elements where it quantizes, two
-        fp32 moments elsewhere (a tensor under 4096 elements: LoRA's adapters often are)."""
-        q = self.quantized_elements
-        return q * 2 + q // 256 * 8 + (self.trained_elements - q) * 8
+    @property
+    def trained_elements(self) -> int:
+        return sum(self.trained_sizes)
+
+    def moment_bytes(self, precision: str = "fp32", eight_bit: bool = False) -> int:
+        """AdamW's two moments on a plan of `precision`, each tensor 512-byte rounded: in the weights' dtype (bf16
+        where they are: bf16-true, a model built in bf16; else fp32). `eight_bit`: 8-bit AdamW's, a byte each and a
+        4-byte scale per 256 elements where it quantizes, plain moments elsewhere (a tensor under 4096 elements:
+        LoRA's adapters often are), as torchao keeps them."""
+        from ..levers.adamw8bit import BLOCK, MIN_QUANT
+        from .allocator import rounded
+
+        size = 2 if precision == "bf16-true" or self.weights_dtype is not None else 4
+        quantized = lambda n: eight_bit and n >= MIN_QUANT and n % BLOCK == 0  # noqa: E731
+        return sum(2 * (rounded(n) + rounded(n // BLOCK * 4)) if quantized(n) else 2 * rounded(n * size)
+                   for n in self.trained_sizes)
 
     @property
     def total_bytes(self) -> int:
@@ -96,7 +106,6 @@ def static_memory(model_file: ModelFile, plan: Plan | None = None, levers: str =
     With a `plan`, its levers past accumulation (named `levers`) applied as training applies them: bf16-true and
     NF4 weights, 8-bit AdamW state, the optimizer and its gradients offloaded (counted as host memory)."""
     from ..levers import make_optimizer, prepare_model
-    from ..levers.adamw8bit import quantizes
     from ..levers.nf4 import frozen_linears
 
     tracker = MemoryTracker()
@@ -127,12 +136,11 @@ def static_memory(model_file: ModelFile, plan: Plan | None = None, levers: str =
         name = type(getattr(opt, "inner", opt)).__name__
         compiled = is_compiled(model)
         host = tracker.host_live_bytes
-        trained = sum(p.numel() for p in params)
-        quantized = sum(p.numel() for p in params if quantizes(p))
+        trained = tuple(p.numel() for p in params)
         batch_norm = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
         del model, params, opt
     return StaticMemory(weights, grads, optimizer_state, name, checkpointing, compiled, temporaries, nf4, host,
-                        levers, low, trained, quantized, batch_norm, itself)
+                        levers, low, trained, batch_norm, itself)
 
 
 PART_LABELS = {

@@ -77,15 +77,13 @@ def past_rungs(device, amp_dtype: str, static: StaticMemory, label: str, has_opt
 
 def _no_smaller(static: StaticMemory, precision: str) -> str | None:
     """Why 8-bit AdamW would not shrink the state it replaces (bf16 moments on the bf16-true rung, else fp32):
-    the tensors it does not quantize keep fp32 moments."""
-    now = static.trained_elements * (4 if precision == "bf16-true" else 8)
-    eight = static.adamw8bit_bytes()
+    it quantizes no tensor (each under 4096 elements, or not a multiple of 256), and keeps plain moments for those."""
+    now, eight = static.moment_bytes(precision), static.moment_bytes(precision, eight_bit=True)
     if not static.trained_elements or eight < now:
         return None
-    small = static.trained_elements - static.quantized_elements
-    return (f"8-bit AdamW keeps fp32 moments for tensors under 4096 elements (or not a multiple of 256), and "
-            f"{small:,} of the {static.trained_elements:,} trained elements are in such tensors (LoRA adapters "
-            f"often are): its state would be {format_bytes(eight)}, against {format_bytes(now)} without it")
+    return (f"8-bit AdamW keeps plain moments for tensors under 4096 elements (or not a multiple of 256), and all "
+            f"{static.trained_elements:,} trained elements are in such tensors (LoRA adapters often are): its state "
+            f"would be {format_bytes(eight)}, as without it")
 
 
 def _why_not(lever: str, static: StaticMemory, label: str, has_optimizer_hook: bool, device_kind: str) -> str | None:

@@ -30,7 +30,8 @@ PLANS = {
     "fp32": Plan(4, 64, "fp32", False, 2),
     "bf16+ckpt": Plan(2, 128, "bf16", True, 8),
     "bf16-true+8bit": Plan(4, 64, "bf16-true", True, 2, optimizer_8bit=True),
-    "fp16+offload": Plan(8, 32, "fp16", False, 1, offload_optimizer=True, offload_activations=True),
+    "fp16+offload-activations": Plan(8, 32, "fp16", False, 1, offload_activations=True),
+    "fp32+offload": Plan(8, 32, "fp32", False, 1, offload_optimizer=True, offload_activations=True),  # (not fp16)
 }
 needs = {name: pytest.mark.skipif(find_spec(name) is None, reason=f"{name} is not installed")
          for name in ("transformers", "lightning", "accelerate")}
@@ -107,7 +108,7 @@ def test_the_torchtune_export_is_recipe_overrides():
 
 def test_the_cli_names_what_a_target_cannot_express_and_strict_refuses(tmp_path):
     path = tmp_path / "best.yaml"
-    write_config(Config(model="model.py", plan=PLANS["fp16+offload"]), path, tmp_path / "model.py", "test")
+    write_config(Config(model="model.py", plan=PLANS["fp32+offload"]), path, tmp_path / "model.py", "test")
     r = run_cli("export", "--config", path, "--to", "hf")
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["per_device_train_batch_size"] == 8
@@ -118,7 +119,7 @@ def test_the_cli_names_what_a_target_cannot_express_and_strict_refuses(tmp_path)
     assert "set in your code: context_length: 32 is your data's sequence length" in strict.stderr
     bad = run_cli("export", "--config", path, "--to", "keras")
     assert bad.exit_code == 2 and "--to 'keras': expected one of hf, lightning, accelerate, torchtune" in bad.stderr
-    assert load_config(path).plan == PLANS["fp16+offload"]  # read, never rewritten
+    assert load_config(path).plan == PLANS["fp32+offload"]  # read, never rewritten
 
 
 @needs["transformers"]

@@ -66,6 +66,6 @@ def test_every_override_is_a_key_torchtune_reads_and_merges_to_the_plan(name, re
 
 def test_optimizer_offload_is_a_note_single_device_recipes_have_no_key_for():
     recipes_folder()
-    single = export(PLANS["fp16+offload"], "torchtune")
+    single = export(PLANS["fp32+offload"], "torchtune")
     assert "offload" not in single.text().replace("enable_activation_offloading", "")
     assert any(u.startswith("offload_optimizer: torchtune offloads with fsdp_cpu_offload") for u in single.unexpressed)

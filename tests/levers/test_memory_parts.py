@@ -189,6 +189,33 @@ def test_8bit_adamw_follows_fp32_adamw():
     assert abs(eight[-1] - fp32[-1]) < 0.5 * fp32[-1] + 1e-3
 
 
+@needs_torchao
+def test_the_8bit_stand_ins_state_has_torchaos_dtypes_and_a_bf16_model_trains():
+    """BlockwiseAdamW8bit keeps torchao's layout: a tensor it does not quantize keeps plain moments in the parameter's
+    dtype (torchao's zeros_like(p): bf16 for a bf16 parameter; they were fp32, twice the bytes, so bf16-true LoRA
+    adapters looked as if 8-bit grew their state), and the step still trains them."""
+    from torchao.optim import AdamW8bit
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 1)).to(torch.bfloat16)  # 16384: 8-bit
+    ours, theirs = BlockwiseAdamW8bit(model.parameters()), AdamW8bit(model.parameters())
+    for p in model.parameters():
+        mine = ours._init_state(p)
+        if "exp_avg" in mine:
+            assert mine["exp_avg"].dtype == theirs._new_buffer(p, True).dtype == torch.bfloat16
+            assert mine["exp_avg"].untyped_storage().nbytes() == 2 * p.numel()
+    x = torch.randn(128, 64, dtype=torch.bfloat16)
+    y = x[:, :1] * 2
+    first = None
+    for _ in range(60):
+        loss = ((model(x) - y) ** 2).float().mean()
+        first = first or loss.item()
+        ours.zero_grad()
+        loss.backward()
+        ours.step()
+    assert loss.item() < 0.2 * first
+
+
 def test_a_trial_with_every_lever_leaves_nothing_alive_on_the_device_or_the_host():
     """device: cpu. The offloaded optimizer's gradient hooks live on the parameters' C++ side, out of the garbage
     collector's sight: were they to hold the optimizer, nothing of the trial would ever be freed."""
