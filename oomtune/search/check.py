@@ -137,7 +137,8 @@ def check(config: Config, model_file: ModelFile, *, device_kind: str = "fake", b
         budget_bytes = device.budget_bytes
     limit = int(budget_bytes * (1 - headroom))
     if budget is not None or gpu is not None:  # (the config's own budget: a model grown past it no longer fits)
-        check_floor(model_file, config.plan, device.kind, budget_bytes, limit, headroom)
+        tensors = device.tensor_budget(limit) if isinstance(device, TrackedDevice) else limit  # less the margin
+        check_floor(model_file, config.plan, device.kind, budget_bytes, tensors, headroom)
     old_peak, old_bd, versions = *recorded_for(fb, config.plan), version_notes(fb)
     if isinstance(device, TrackedDevice):
         bd, computed = computing_where_needed(device, model_file.label,
@@ -186,8 +187,9 @@ def version_notes(fb: FoundBy | None) -> tuple[str, ...]:
 
 def check_floor(model_file: ModelFile, plan: Plan, kind: str, budget_bytes: int, limit: int,
                 headroom: float) -> None:
-    """A budget the user gave (--budget, --gpu's memory) that the plan's weights, gradients and optimizer state
-    alone exceed is bad input (exit 2), as for probe and estimate; on cuda the real run says so itself."""
+    """A budget the user gave (--budget, --gpu's memory) whose tensor `limit` (less the headroom and the device's
+    margin) the plan's weights, gradients and optimizer state alone exceed is bad input (exit 2), as for probe and
+    estimate; on cuda the real run says so itself."""
     if kind == "cuda":
         return
     levers = [name for name, on in (("bf16-true", plan.precision == "bf16-true"), ("8-bit AdamW", plan.optimizer_8bit),
@@ -195,9 +197,9 @@ def check_floor(model_file: ModelFile, plan: Plan, kind: str, budget_bytes: int,
                                     ("NF4 weights", plan.nf4_frozen_weights)) if on]
     static = static_memory(model_file, plan, " + ".join(levers))
     if static.floor_bytes > limit:
-        after = (f" ({format_bytes(limit)} after {headroom:.0%} headroom)" if headroom else
-                 f" ({format_bytes(limit)} for tensors, after the card's context and workspaces)"
-                 if limit < budget_bytes else "")
+        less = [f"{headroom:.0%} headroom"] * bool(headroom) + \
+            ["the margin (a card's context and workspaces)"] * (limit < int(budget_bytes * (1 - headroom)))
+        after = f" ({format_bytes(limit)} for tensors, after {' and '.join(less)})" if less else ""
         raise OomtuneError(f"budget {format_bytes(budget_bytes)}{after} is too small for the plan's weights alone: "
                            f"{static.describe()}")
 

@@ -105,8 +105,8 @@ def test_a_budget_the_cards_context_and_workspaces_leave_too_little_of_is_bad_in
     r = run_cli("train", "--config", config(warmup_steps=1), "--budget", "534MiB")
     assert r.exit_code == 2, r.output
     said = " ".join(r.stderr.split())
-    assert ("budget 534.00 MiB (2.00 MiB for tensors, after the card's context and workspaces) is too small for the "
-            "plan's weights alone") in said, said
+    assert ("budget 534.00 MiB (2.00 MiB for tensors, after the margin (a card's context and workspaces)) is too "
+            "small for the plan's weights alone") in said, said
     assert not (Path("run")).exists()
 
 
