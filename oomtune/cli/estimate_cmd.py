@@ -74,7 +74,8 @@ def _ladder(job, gpu: str | None, as_json: bool) -> None:
     stop_if_interrupted()  # a Ctrl-C during the search writes nothing, even one Python dropped
     kept = job.write(result, before_writing=stop_if_interrupted)  # (the snapshot's trial runs first)
     snapshot_written(job.snapshot, result.breakdown_plan)
-    extra = {"estimated": True, "margin": device.margin.describe(), "card": card_line(device, gpu),
+    extra = {"estimated": True, "margin": device.margin.describe(), "card": device.name.removesuffix(" (estimated)"),
+             "card_profile": card_line(device, gpu),  # (the card's name alone in "card", as the what-if's JSON)
              "breakdown": to_dict(result.breakdown),
              "breakdown_plan": to_dict(result.breakdown_plan), "levers": result.levers}
 

@@ -197,6 +197,9 @@ def test_what_if_one_plan(tmp_path):
     short = run_cli(*args, "--budget", str(int(peak / 0.9) - 512))
     assert short.exit_code == 1 and json.loads(short.stdout)["fits"] is False
     assert report["card"] == "a generic sm80 card"  # whose rules counted it, named: in the JSON and the table
+    ladder = json.loads(run_cli("estimate", EXAMPLES / "tiny_gpt.py", "--gpu", "t4", "--json",
+                                "--out", tmp_path / "t4.yaml").stdout)
+    assert ladder["card"] == "Tesla T4" and ladder["card_profile"].startswith("card profile: Tesla T4")
     on_t4 = run_cli(*args[:-1], "--gpu", "t4")
     assert on_t4.exit_code == 0 and on_t4.stdout.startswith("estimate for Tesla T4:"), on_t4.output
 
