@@ -143,7 +143,10 @@ def check(config: Config, model_file: ModelFile, *, device_kind: str = "fake", b
     if isinstance(device, TrackedDevice):
         bd, computed = computing_where_needed(device, model_file.label,
                                               lambda: breakdown(model_file, config.plan, device, steps))
+        from .estimate import no_bf16_note
+
         notes = (eager_note(model_file.label, device.kind),) if static_memory(model_file).compiled else ()
+        notes += tuple(n for n in (no_bf16_note(device, config.plan.precision),) if n)
         return CheckResult(bd.peak_bytes <= limit, config.plan, device.kind, budget_bytes, headroom, limit,
                            old_peak, bd.peak_bytes, old_bd, bd, notes=notes + computed + versions, measured_on=device)
     r = run_trial(model_file, config.plan, device, steps)

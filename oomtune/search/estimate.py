@@ -204,9 +204,9 @@ def what_if(model_file: ModelFile, plan: Plan, device: FakeDevice, *, bounded: b
     return WhatIf(plan, bd, limit, device.budget_bytes, headroom, lev, computed, optimizer=own, card=card)
 
 
-def no_bf16_note(device: FakeDevice | None, precision: str | None) -> str | None:
+def no_bf16_note(device: Device | None, precision: str | None) -> str | None:
     """bf16 asked for on a card without it: the memory is the same, the speed is not."""
-    if device is None or precision != "bf16" or device.supports_bf16():
+    if device is None or precision not in ("bf16", "bf16-true") or device.supports_bf16():
         return None
     card = device.name.removesuffix(" (estimated)")
     return (f"{card} has no native bf16 (compute capability below 8.0): PyTorch emulates it, without fp16's "

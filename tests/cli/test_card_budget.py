@@ -175,6 +175,10 @@ def test_check_with_a_budget_under_the_weights_is_bad_input_and_the_config_stays
     assert cpu_config.read_bytes() == before
     r = run_cli("check", "--config", cpu_config, "--device", device, "--budget", "6MiB")  # over the floor: a check
     assert r.exit_code == 1 and "no longer fits" in r.output, r.output
+    # a bf16 plan on a card without native bf16: the memory holds, the speed does not (as estimate says)
+    r = run_cli("check", "--config", cpu_config, "--device", device, "--gpu", "t4", "--json")
+    bf16 = json.loads(r.stdout)["plan"]["precision"] in ("bf16", "bf16-true")
+    assert any("has no native bf16" in n for n in json.loads(r.stdout)["notes"]) == bf16, r.stdout
     # with a card, the floor is checked against what its context and workspaces leave (exit 1 before, where
     # estimate and train said exit 2): what a T4's 512 MiB context and its workspaces leave of 535 MiB
     one_line_error(run_cli("check", "--config", cpu_config, "--device", device, "--gpu", "t4", "--budget", "535MiB",
