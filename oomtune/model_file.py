@@ -13,7 +13,7 @@ import importlib.util
 import inspect
 import reprlib
 import sys
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -171,7 +171,7 @@ class ModelFile:
             "(logits, loss) or an object with .loss — define loss(model, batch)"
         )
 
-    def optimizer(self, params: Iterable[nn.Parameter], lr: float,
+    def optimizer(self, params: Sequence[nn.Parameter], lr: float,
                   model: nn.Module | None = None) -> torch.optim.Optimizer:
         """The `optimizer` hook over the trainable `params`: called `optimizer(params, lr, model)` when its signature
         takes a third argument (nanoGPT's configure_optimizers groups parameters by name), else `(params, lr)`."""
@@ -180,6 +180,9 @@ class ModelFile:
         opt = self._call("optimizer", *((params, lr, model) if self._hook_takes_model() else (params, lr)))
         if not isinstance(opt, torch.optim.Optimizer):
             raise self.fail("optimizer", f"returned {_describe(opt)}; expected a torch.optim.Optimizer")
+        if params and not {id(p) for g in opt.param_groups for p in g["params"]} & {id(p) for p in params}:
+            raise self.fail("optimizer", f"returned an optimizer over none of the {len(params)} trained parameters "
+                            "it was given (training would change nothing): build it over them")
         return opt
 
     def _hook_takes_model(self) -> bool:

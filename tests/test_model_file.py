@@ -270,9 +270,18 @@ DEFAULTS = {"batch": 8, "context": 64, "min_context": 16}
 '''
     mf = load_model_file(write_model(src))
     model = mf.build()
-    assert isinstance(mf.optimizer(model.parameters(), 0.1), torch.optim.SGD)
+    assert isinstance(mf.optimizer(list(model.parameters()), 0.1), torch.optim.SGD)
     assert mf.blocks(model) == [model.out]
     assert mf.defaults == {"batch": 8, "context": 64, "min_context": 16}
+
+
+def test_an_optimizer_over_none_of_the_trained_parameters_is_one_line(write_model):
+    """A hook that builds its optimizer over other tensors (a typo, a stale list) trained nothing, without a word."""
+    msg = probe_error(write_model(TINY_MODEL + '''
+def optimizer(params, lr):
+    return torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+'''))
+    assert msg.startswith("error: model.py: optimizer() returned an optimizer over none of the 6 trained parameters")
 
 
 def test_an_optimizer_hook_that_takes_the_model_gets_it_and_groups_parameters_by_name(write_model, tmp_path):
