@@ -24,6 +24,7 @@ from ..step import as_on_cuda
 from ..units import format_bytes
 from .devices import FakeDevice, TrackedDevice
 from .fakes import real_code_paths
+from .host_kernels import has_lstm
 from .on_host import CudaOnHost
 from .recorder import Recorder
 from .tracker import MemoryTracker
@@ -47,6 +48,7 @@ class StaticMemory:
     trained_sizes: tuple[int, ...] = ()  # elements of each trained parameter
     batch_norm: bool = False  # the model has BatchNorm layers (their statistics are a micro-batch's)
     checkpoints_itself: str | None = None  # how build_model() turned the model's own checkpointing on: no such rung
+    lstm: bool = False  # the model has an nn.LSTM (memory/host_kernels.py: some CPUs cannot autocast it)
 
     @property
     def trained_elements(self) -> int:
@@ -138,9 +140,10 @@ def static_memory(model_file: ModelFile, plan: Plan | None = None, levers: str =
         host = tracker.host_live_bytes
         trained = tuple(p.numel() for p in params)
         batch_norm = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
+        lstm = has_lstm(model)
         del model, params, opt
     return StaticMemory(weights, grads, optimizer_state, name, checkpointing, compiled, temporaries, nf4, host,
-                        levers, low, trained, batch_norm, itself)
+                        levers, low, trained, batch_norm, itself, lstm)
 
 
 PART_LABELS = {

@@ -17,6 +17,7 @@ from ..errors import BAD_INPUT, OomtuneError
 from ..memory.breakdown import StaticMemory, static_memory
 from ..memory.cards import GENERIC, find_gpu
 from ..memory.devices import Device, make_device, resolve_kind
+from ..memory.host_kernels import amp_cannot_run
 from ..memory.margin import Margin, parse_margin
 from ..model_file import ModelFile, eager_note
 from ..units import format_bytes, utc_now
@@ -217,6 +218,8 @@ def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: 
                                    statics[1] if statics else None)
     check_static_fits(floor, device, limit, headroom, sharded_by, past if levers != frozenset(LEVERS) else None)
     notes = measurement_notes(model_file, static, device, targets.min_context)
+    unrunnable = amp_cannot_run(static.lstm, device, device.amp_dtype() if amp == "auto" else amp)
+    notes += (f"{model_file.label} {unrunnable}",) if unrunnable and "amp" in levers else ()
     check_prior(prior, device.kind, world > 1)
     estimating = device.kind == "cuda" and world == 1 if prior is None else prior
     if on_begin is not None:  # the input is good: the search begins (True: with the estimate on fake tensors)
@@ -288,6 +291,8 @@ def all_rungs(model_file: ModelFile, device: Device, amp: str, static: StaticMem
     """The usual rungs, those past accumulation, and the floor the budget is checked against (`floor`: measured
     already)."""
     if static.weights_dtype is not None and amp == "auto":  # 16-bit weights: autocast would only copy them
+        levers = levers - {"amp"}
+    if amp_cannot_run(static.lstm, device, device.amp_dtype() if amp == "auto" else amp):  # (host_kernels.py)
         levers = levers - {"amp"}
     rungs = ladder_rungs(device, amp, static.checkpointing_supported, world, sharding, levers)
     past = past_rungs(device, rungs[-1].precision, static, model_file.label, model_file.has("optimizer"), levers,
