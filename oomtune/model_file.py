@@ -26,7 +26,9 @@ from torch.utils._pytree import tree_leaves
 
 from .checkpointing import block_stacks, buffers_kept, checkpointed, enable_hf_checkpointing, hf_checkpointing
 from .errors import ModelFileError, OomtuneError, first_line
+from .hook_names import did_you_mean
 from .memory.devices import is_oom
+from .model_import import neighbours_first
 
 Batch = Any  # a Tensor, a tuple/list of Tensors, or a dict of str -> Tensor (nested: their leaves)
 DEFAULT_KEYS = {"batch", "context", "min_context"}
@@ -130,7 +132,8 @@ class ModelFile:
             where = "loss"
         else:
             value = self._default_loss(model, batch)
-            where = "the default loss (model output)"
+            near = did_you_mean(self.module, "loss", "; the file defines {}: misspelt?")
+            where = f"the default loss (model output{near})"
         if not isinstance(value, torch.Tensor):
             raise ModelFileError(f"{self.label}: {where} gave {_describe(value)}; expected a scalar Tensor")
         if value.dim() != 0:
@@ -310,7 +313,7 @@ def load_model_file(path: str | Path) -> ModelFile:
         raise ModelFileError(f"model file {p}: cannot be imported")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses / pickling inside the file need their module registered
-    folder = _neighbours_first(p.resolve().parent)
+    folder = neighbours_first(p.resolve().parent)
     try:
         spec.loader.exec_module(module)
     except SyntaxError as e:
@@ -330,40 +333,11 @@ def load_model_file(path: str | Path) -> ModelFile:
     return checked(module, p.resolve())
 
 
-_FOLDERS: set[str] = set()  # the folders model files were loaded from
-
-
-def _neighbours_first(folder: Path) -> tuple[str, int | None]:
-    """As `python model.py` would: the file imports its neighbours (`from model import GPT`), its own folder first
-    on sys.path while it is imported (returned, with where it was on sys.path before, None: not there; the caller
-    puts it back there, else last). A neighbour another model file's folder imported under the same name (two
-    projects' `utils.py`, loaded one after the other through the API) is dropped from sys.modules, so this file
-    imports its own."""
-    here = str(folder)
-    was = sys.path.index(here) if here in sys.path else None
-    if was is not None:
-        sys.path.remove(here)
-    sys.path.insert(0, here)
-    _FOLDERS.add(here)
-    others = _FOLDERS - {here}
-    names = {f.stem for f in folder.glob("*.py")} | {d.name for d in folder.iterdir() if (d / "__init__.py").is_file()}
-    for name in names:
-        module = sys.modules.get(name)
-        file = getattr(module, "__file__", None)
-        if file is None:
-            continue
-        home = Path(file).resolve().parent
-        if str(home.parent if hasattr(module, "__path__") else home) in others:  # (a package: its folder's)
-            for loaded in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
-                del sys.modules[loaded]
-    return here, was
-
-
 def checked(module, path: Path) -> ModelFile:
     """The model file's contract, checked on `module` (an imported file, or any object with the hooks)."""
     for required in ("build_model", "make_batch"):
         if not hasattr(module, required):
-            raise ModelFileError(f"{path.name}: missing required function {required}()")
+            raise ModelFileError(f"{path.name}: missing required function {required}(){did_you_mean(module, required)}")
         if not callable(value := getattr(module, required)):
             raise ModelFileError(f"{path.name}: {required} must be a function, got {type(value).__name__} "
                                  f"{repr(value)[:40]}")

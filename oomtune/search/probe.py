@@ -14,6 +14,7 @@ from ..config.schema import HEADROOM, TRIAL_STEPS, Config, FoundBy, Plan, TrialR
 from ..dist.group import LOCAL, Dist, init
 from ..dist.wrap import fsdp_unsupported
 from ..errors import BAD_INPUT, OomtuneError
+from ..hook_names import hook_name_notes
 from ..memory.breakdown import StaticMemory, static_memory
 from ..memory.cards import GENERIC, find_gpu
 from ..memory.devices import Device, make_device, resolve_kind
@@ -343,7 +344,7 @@ def measurement_notes(model_file: ModelFile, static: StaticMemory, device: Devic
     what make_batch() shows of its batches (batch_notes)."""
     notes = (() if static.checkpointing_supported
              else (no_checkpointing_note(model_file.label, static.checkpoints_itself),))
-    notes += batch_notes(model_file, device, context)
+    notes += batch_notes(model_file, device, context) + hook_name_notes(model_file.label, model_file.module)
     if static.compiled and device.kind != "cuda":
         notes += (eager_note(model_file.label, device.kind),)
     if static.weights_dtype is not None:

@@ -8,6 +8,7 @@ import torch
 
 from ..config.schema import FoundBy
 from ..errors import OomtuneError
+from ..hook_names import hook_name_notes
 from ..memory.cards import find_gpu
 from ..memory.devices import Device
 from ..units import format_bytes
@@ -25,6 +26,7 @@ def run_notes(inputs: Inputs, start_step: int, requested: str | None, device: De
         notes.append(Note(f"warmup ({cfg.warmup_steps} steps) is as long as the run ({cfg.steps} steps): the "
                           f"learning rate never reaches {cfg.lr:g}; pass --warmup-steps (fewer than {cfg.steps})",
                           warning=True))
+    notes += [Note(n, warning=True) for n in hook_name_notes(inputs.model_file.label, inputs.model_file.module)]
     return notes + [Note(n) for n in inputs.resume_notes]
 
 
