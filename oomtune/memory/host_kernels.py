@@ -52,8 +52,20 @@ def amp_cannot_run(lstm: bool, device, precision: str) -> str | None:
     if reason is None:
         return None
     return (f"has an nn.LSTM, which this CPU cannot run under {precision} autocast (oneDNN: {reason}; it needs "
-            f"AVX-512), and the {device.kind} device computes on this CPU: the ladder has no amp rung here. On a GPU "
+            f"AVX-512), and the {device.kind} device runs it on this CPU: the ladder has no amp rung here. On a GPU "
             "it runs: add --gpu NAME to account as that card would (CUDA autocast)")
 
 
-__all__ = ["amp_cannot_run", "has_lstm", "lstm_autocast_fails"]
+def lstm_hint(error: BaseException) -> str:
+    """A hint for `error` where it is oneDNN's failure to build an LSTM under CPU autocast (check and train run the
+    plan they are given, and a model file may autocast by itself), else ''."""
+    if "could not create a primitive descriptor for the LSTM" not in str(error):
+        return ""
+    if not torch.is_autocast_enabled("cpu"):
+        return ""
+    dtype = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(torch.get_autocast_dtype("cpu"), "16-bit")
+    return (f" (this CPU cannot run an nn.LSTM under {dtype} autocast, which needs AVX-512: on the cpu and fake "
+            "devices give it an fp32 plan, or --gpu NAME to account as that card would)")
+
+
+__all__ = ["amp_cannot_run", "has_lstm", "lstm_autocast_fails", "lstm_hint"]

@@ -91,3 +91,27 @@ def test_an_lstm_model_keeps_its_amp_rung_with_a_card_or_where_the_host_runs_it(
         return
     plain = probe(mf, CpuDevice("64MiB"), targets, amp="bf16", objective="throughput", prior=False)
     assert "amp" in _rungs(plain)
+
+
+def test_onednns_lstm_error_under_cpu_autocast_gets_a_hint():
+    """check and train run the plan they are given: an autocast plan's LSTM error there says what to do."""
+    error = RuntimeError(CANNOT + ". Run workload with environment variable ONEDNN_VERBOSE=all")
+    assert host_kernels.lstm_hint(error) == ""  # (not under CPU autocast: some other failure of oneDNN's)
+    with torch.autocast("cpu", dtype=torch.float16):
+        assert host_kernels.lstm_hint(error) == (
+            " (this CPU cannot run an nn.LSTM under fp16 autocast, which needs AVX-512: on the cpu and fake devices "
+            "give it an fp32 plan, or --gpu NAME to account as that card would)")
+        assert host_kernels.lstm_hint(RuntimeError("shape mismatch")) == ""
+
+
+def test_checking_an_autocast_lstm_plan_on_a_host_that_cannot_run_it_is_one_line_with_the_hint(write_model, tmp_path):
+    from ..conftest import run_cli
+
+    if host_kernels.lstm_autocast_fails("bf16") is None:
+        pytest.skip("this CPU runs an LSTM under bf16 autocast: the plan checks")
+    config = tmp_path / "lstm.yaml"
+    config.write_text(f"model: {write_model(LSTM_MODEL)}\nplan:\n  micro_batch_size: 4\n  context_length: 8\n"
+                      "  precision: bf16\n")
+    r = run_cli("check", "--config", str(config), "--device", "cpu", "--budget", "64MiB")
+    assert r.exit_code == 2, r.output
+    assert "this CPU cannot run an nn.LSTM under bf16 autocast" in r.stderr.strip().splitlines()[-1]
