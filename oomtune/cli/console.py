@@ -21,8 +21,17 @@ class _Console(Console):
         raise SystemExit(SIGPIPE_EXIT)
 
 
+class _ProgressConsole(Console):
+    def on_broken_pipe(self) -> None:
+        """stderr's reader left (`2>&1 | head`, a log pipe or a `tee` that died): the progress goes nowhere from
+        here and the work goes on (rich's own exits 1 at once: a training run died mid-step, its finished steps
+        not saved). The run dir's logs and checkpoints still record it; the exit code is the work's."""
+        self.quiet = True
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stderr.fileno())  # later writes (warnings, the file's prints)
+
+
 out = _Console(highlight=False)
-err = Console(stderr=True, highlight=False, soft_wrap=True)
+err = _ProgressConsole(stderr=True, highlight=False, soft_wrap=True)
 
 RESULT_STYLE = {"fits": "green", "oom": "red", "over-headroom": "yellow"}
 RESULT_SHORT = {"fits": "fits", "oom": "OOM", "over-headroom": ">limit"}  # >limit: ran, but ate the headroom

@@ -98,6 +98,22 @@ def test_sigint_saves_a_checkpoint_and_resume_reproduces_the_uninterrupted_run(t
     print(f"SIGINT at step {stopped}; resumed run vs uninterrupted: largest |difference| {worst:.3g}")
 
 
+def test_a_progress_reader_that_leaves_stops_the_progress_not_the_run(tmp_path, reference_run):
+    """stderr's reader gone after the first line (`2>&1 | head -1`, a dead tee): the run died at its next progress
+    line, exit 1, its finished steps in no checkpoint. Now it trains on unseen to the end: every step the same as
+    the uninterrupted run's, the final checkpoint written, exit 0 (its stdout still had a reader)."""
+    cfg = resume_config(tmp_path, checkpoint_interval=50)
+    run = tmp_path / "run"
+    proc = oomtune("train", "--config", cfg, "--device", "cpu", "--run-dir", run, cwd=tmp_path)
+    assert proc.stderr.readline().startswith("training from scratch")
+    proc.stderr.close()  # every later progress line meets a closed pipe
+    proc.stdout.read()
+    assert proc.wait(timeout=300) == 0
+    assert_same_run(metrics(run), reference_run)
+    assert [step for step, _ in list_checkpoints(run)][-1] == RESUME_STEPS
+    assert json.loads((run / "events.jsonl").read_text().splitlines()[-1])["event"] == "finished"
+
+
 KILL_DRIVER = '''
 import io, os, sys, time
 from pathlib import Path
