@@ -18,7 +18,7 @@ from ..dist.group import Dist
 from ..errors import ModelFileError, OomtuneError, first_line
 from ..memory.devices import Device, is_oom
 from ..model_file import Batch, ModelFile
-from .rng import RngStream
+from .rng import RngStream, capture_rng, restore_rng
 
 
 def split_batch(batch: Batch, size: int, parts: int, label: str = "the data", piece: int | None = None) -> list[Batch]:
@@ -62,6 +62,7 @@ class DataStream:
         self.rng = RngStream(seed, device.torch_device.type == "cuda")
         self.drawn = 0
         self._it: Iterator | None = None
+        self._worst: list[tuple[int, ...]] | None = None  # make_batch's tensor shapes (_check_shapes), once read
 
     def _open(self) -> Iterator:
         if self.hook == "make_batch":
@@ -104,6 +105,7 @@ class DataStream:
         self.model_file.check_batch(self.hook, batch, self.torch_device)
         if self.hook == "train_batches":  # (an evaluation's short last batch only takes less memory)
             self._check_size(batch)
+            self._check_shapes(batch)
         self.drawn += 1
         return batch
 
@@ -115,6 +117,26 @@ class DataStream:
             raise ModelFileError(f"{self.model_file.label}: {self.hook}() yielded a batch with first dimensions "
                                  f"{sorted(set(firsts))}, none of them the batch_size {self.batch_size} it was "
                                  "given: yield batches of exactly batch_size examples (drop_last=True)")
+
+    def _check_shapes(self, batch: Batch) -> None:
+        """A batch larger than make_batch's worst case at the plan's sizes (longer sequences than context_length,
+        larger images) takes memory no trial measured: it would run out of memory, and the fallback shrink the
+        plan for good, with no word of why."""
+        if self._worst is None:
+            state = capture_rng(self.torch_device.type == "cuda")  # (make_batch on the cpu may draw: put back)
+            sample = self.model_file.sample_tensors(self.context_length, self.batch_size)
+            restore_rng(state, self.torch_device.type == "cuda")
+            self._worst = [tuple(t.shape) for t in sample[0]] if sample is not None else []
+        real = [t for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]
+        if len(real) != len(self._worst):  # (another structure: nothing to match the tensors by)
+            return
+        for t, worst in zip(real, self._worst, strict=True):
+            if t.dim() == len(worst) and any(n > w for n, w in zip(t.shape[1:], worst[1:], strict=True)):
+                raise ModelFileError(
+                    f"{self.model_file.label}: {self.hook}() yielded a tensor of shape {tuple(t.shape)} where "
+                    f"make_batch({self.batch_size}, {self.context_length}) makes {worst}, the worst case the plan was "
+                    "measured at: a larger batch takes memory no trial measured. Yield at most context_length "
+                    f"{self.context_length} (cut or pack the sequences), or probe again at the real size")
 
     def take(self, n: int) -> list[Batch]:
         return [self.next() for _ in range(n)]

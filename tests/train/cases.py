@@ -13,7 +13,8 @@ from oomtune.train.checkpoint import list_checkpoints
 from ..conftest import TINY_MODEL, metrics, run_cli
 
 # Dropout and seeded data: a resume is exact. Marker files next to the model make chosen draws go wrong:
-# `nan-at` (a draw whose inputs hold a NaN), `fail-at` (a draw that raises).
+# `nan-at` (a draw whose inputs hold a NaN), `fail-at` (a draw that raises), `short-at` / `long-at` (a draw of
+# one example fewer / 4 positions longer than asked).
 MODEL = (TINY_MODEL
          .replace("        self.out = nn.Linear(16, 4)\n",
                   "        self.out = nn.Linear(16, 4)\n        self.drop = nn.Dropout(0.1)\n")
@@ -44,7 +45,8 @@ def train_batches(batch_size, context_length, device):
             except KeyboardInterrupt:
                 pass
             raise KeyError("state the interrupted finalizer left half-done")
-        x = torch.randn(batch_size - (DRAWS[0] == _at("short-at")), context_length, 16, device=device)
+        longer = 4 * (DRAWS[0] == _at("long-at"))
+        x = torch.randn(batch_size - (DRAWS[0] == _at("short-at")), context_length + longer, 16, device=device)
         if DRAWS[0] == _at("nan-at"):
             x[0, 0, 0] = float("nan")
         yield x, (x.sum((1, 2)) > 0).long()

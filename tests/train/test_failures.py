@@ -51,6 +51,19 @@ def test_a_train_batches_batch_of_another_size_is_named_and_the_last_step_saved(
     assert steps_saved(case_dir / "run") == [3]
 
 
+def test_a_train_batches_batch_longer_than_make_batchs_worst_case_is_named_and_the_last_step_saved(case_dir):
+    """Sequences longer than the plan's context took memory no trial measured: the OOM fallback shrank the plan
+    for good and wrote it to the config, with no word of why (from a new user's pass)."""
+    (case_dir / "long-at").write_text("7")  # step 4's first draw
+    result = train("--checkpoint-interval", "100", "--run-dir", "run")
+    assert result.exit_code == 2, result.stderr
+    assert ("model.py: train_batches() yielded a tensor of shape (2, 12, 16) where make_batch(2, 8) makes (2, 8, 16), "
+            "the worst case the plan was measured at: a larger batch takes memory no trial measured. Yield at most "
+            "context_length 8 (cut or pack the sequences), or probe again at the real size (at step 4)"
+            ) in error_line(result)
+    assert steps_saved(case_dir / "run") == [3]
+
+
 def test_a_second_ctrl_c_that_python_swallowed_stops_as_an_interruption(case_dir):
     """A second Ctrl-C stops at once; where its KeyboardInterrupt landed in a finalizer (Python prints and drops
     it) the state it left half-done raised an error later, blamed on the model file (exit 2). It is an interruption:
