@@ -88,7 +88,7 @@ def trial_progress(device=None):
 
 
 def result_json(result, config_path: Path | None) -> dict:
-    from ..search.probe import divisor_note
+    from ..search.divisor_note import divisor_note
 
     cfg = result.config
     return {
@@ -140,7 +140,7 @@ def render_search(result, out_path: Path | None, as_json: bool, verb: str, extra
     budget is under the weights, gradients and optimizer state: estimate's bad input).
     estimate adds keys to the JSON (`extra_json`) and prints its breakdown after the tables (`details()`).
     `kept_train`: the config already at out_path was an oomtune config, and its train: section was kept."""
-    from ..search.probe import divisor_note
+    from ..search.divisor_note import divisor_note
 
     if as_json:
         report = result_json(result, out_path) | {"kept_train": kept_train} | (extra_json or {})

@@ -16,7 +16,7 @@ without accumulation (at least d; it may reach d' or more where only accumulatio
 for: nothing runs it. A miss steps to the neighbouring divisor, up to MAX_CORRECTIONS + 1 steps; a rung not
 certified by then is certified alone. Only where d is within a factor of two of the predicted b_S: further below
 (B = 17 with 8 fitting: 1 x 17), the rung is certified alone too, so the probe can say why the plan runs below
-what fits (probe.divisor_note). On the rung the estimate chose (the one that note speaks of), a plan that stepped
+what fits (divisor_note.py). On the rung the estimate chose (the one that note speaks of), a plan that stepped
 down below the prediction (the estimate missed, or did not see what accumulation costs) is checked the same way on
 the device: if 2d fits alone, the rung is certified alone too. Other rungs keep the plan they certified.
 

@@ -24,7 +24,7 @@ from ..model_file import ModelFile, eager_note
 from ..units import format_bytes, utc_now
 from .batch_notes import batch_notes
 from .certify import CertifyingSearch
-from .ladder import LadderResult, LadderSearch, Measurement, Objective, Point, Rung, Trial, largest_divisor_at_most
+from .ladder import LadderResult, LadderSearch, Measurement, Objective, Point, Rung, Trial
 from .options import LEVERS, Targets, check_prior, check_search_options
 from .past import PastRungs, past_rungs
 from .prior import PriorReport, run_prior
@@ -309,33 +309,6 @@ def floor_static(model_file: ModelFile, static: StaticMemory, past: PastRungs, l
         return static
     last = past.rungs[-1]
     return static_memory(model_file, plan_of(Point(last, 1, 1)), last.name)
-
-
-def divisor_note(result: ProbeResult) -> str | None:
-    """Where the plan's micro-batch is well below the largest that fits (within a factor of two: nothing to say),
-    say why: the global batch has no divisor in between (B=17 with 8 fitting runs as 1 x 17; then name the nearest
-    global batch that would run at what fits), or it has one, but that micro-batch with accumulation did not fit
-    (accumulation keeps every gradient alive through the next micro-step)."""
-    ladder = result.ladder
-    if result.config is None or ladder.choice is None:
-        return None
-    fitting = next((r.micro_batch_size for r in ladder.rungs if r.rung == ladder.choice.rung and r.found
-                    and r.context_length == ladder.choice.context_length), None)  # (a context cut for the plan)
-    chosen, accum = ladder.choice.micro_batch_size, ladder.choice.grad_accum_steps
-    if fitting is None or chosen * 2 > fitting:
-        return None
-    world = result.world_size
-    batch = result.targets.batch
-    per_rank = batch // world
-    divisor = largest_divisor_at_most(per_rank, fitting)
-    if divisor > chosen:
-        return (f"micro-batch {fitting} fits, but {divisor} x {per_rank // divisor} with accumulation does not "
-                f"(accumulation keeps every gradient alive through the next micro-step): it runs as {chosen} x "
-                f"{accum}")
-    nearest = max(fitting, round(batch / world / fitting) * fitting) * world
-    return (f"micro-batch {fitting} fits, but the global batch {batch} has no divisor between {chosen + 1} and "
-            f"{fitting}{' per rank' if world > 1 else ''}: it runs as {chosen} x {accum}; "
-            f"--batch {nearest} would run as {fitting} x {nearest // world // fitting}")
 
 
 def measurement_notes(model_file: ModelFile, static: StaticMemory, device: Device,

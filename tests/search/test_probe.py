@@ -162,8 +162,9 @@ def test_help_lists_every_option():
 
 def test_a_global_batch_with_no_divisor_near_what_fits_gets_a_note(tmp_path):
     """device: cpu. 13 is prime: every rung's plan is 1 x 13, so the earliest rung runs it (fp32, where 4 fits; 7
-    fits with checkpointing, which would only recompute), and the CLI says so and names a batch that would run at
-    what fits."""
+    fits with checkpointing, which would only recompute), and the CLI says so: the largest micro-batch any rung fits
+    (it said fp32's 4, and '--batch 12 would run as 4 x 3', where 12 ran as 2 x 6), and a batch with a divisor
+    there, whose accumulation no trial measured (14 runs as 2 x 7 here: 7 x 2 does not fit)."""
     out = tmp_path / "best.yaml"
     r = run_cli("probe", EXAMPLES / "conv_net.py", "--device", "cpu", "--budget", "4MiB", "--batch", "13",
                 "--context", "64", "--out", out, "--json")
@@ -174,8 +175,9 @@ def test_a_global_batch_with_no_divisor_near_what_fits_gets_a_note(tmp_path):
     plan = data["plan"]
     assert (plan["precision"], plan["activation_checkpointing"]) == ("fp32", False)
     assert (plan["micro_batch_size"], plan["grad_accum_steps"]) == (1, 13)
-    assert data["divisor_note"] == ("micro-batch 4 fits, but the global batch 13 has no divisor between 2 and 4: "
-                                    "it runs as 1 x 13; --batch 12 would run as 4 x 3")  # the byte-exact cpu device
+    assert data["divisor_note"] == (
+        "micro-batch 7 fits (bf16, checkpointing), but the global batch 13 has no divisor between 2 and 7: it runs as "
+        "1 x 13; --batch 14 as 7 x 2 may fit, where its accumulation does: probe it to know")  # (the cpu device)
     plain = run_cli("probe", EXAMPLES / "conv_net.py", "--device", "cpu", "--budget", "8MiB", "--batch", "8",
                     "--context", "64", "--out", out, "--json")
     assert json.loads(plain.stdout)["divisor_note"] is None
