@@ -14,7 +14,7 @@ COMMENTS = {
                        "(weights, gradients, AdamW state all bf16: 8 bytes a parameter, not 16; an update under "
                        "~1/256 of its weight is rounded away)"),
     "plan.activation_checkpointing": "less memory, ~30% more compute (blocks recomputed in backward)",
-    "plan.grad_accum_steps": "micro-batches per optimizer step; more = less memory, same result",
+    "plan.grad_accum_steps": "micro-batches per optimizer step; more = less memory, same step for an example-mean loss",
     "plan.world_size": "ranks (processes, one per GPU) the plan is for: oomtune train --nproc-per-node",
     "plan.sharding": "none | ddp (replicated on every rank) | fsdp (weights, grads, optimizer state sharded)",
     "plan.optimizer_8bit": "AdamW moments in 8 bits: 2 bytes a parameter instead of 8; updates carry ~1-5% noise",

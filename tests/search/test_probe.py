@@ -352,7 +352,7 @@ def test_a_model_built_in_16_bits_has_no_amp_rung_and_a_note_saying_what_fp32_me
 
 @pytest.mark.parametrize("norm, noted", [("nn.BatchNorm1d(16)", True), ("nn.GroupNorm(4, 16)", False)])
 def test_a_batchnorm_model_that_accumulates_gets_a_note(norm, noted, write_model, tmp_path):
-    """device: cpu. The YAML says accumulation is "the same result"; with BatchNorm it is not: each micro-batch
+    """device: cpu. The YAML says accumulation is "the same step"; with BatchNorm it is not: each micro-batch
     normalises over itself. A probe that chose micro-batch 1 x 64 for a BatchNorm CNN said nothing."""
     source = TINY_MODEL.replace("        self.out = nn.Linear(16, 4)\n",
                                 f"        self.out = nn.Linear(16, 4)\n        self.norm = {norm}\n").replace(
