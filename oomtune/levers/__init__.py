@@ -118,7 +118,9 @@ def prepare_model(model: nn.Module, plan, label: str, computes: bool = True) -> 
 
         if quantize_frozen(model, computes) == 0:
             raise OomtuneError(f"plan.nf4_frozen_weights: {label} has no frozen nn.Linear (or Conv1D) weight to "
-                               "store in NF4 (it applies to the base layers of a PEFT LoRA model)", BAD_INPUT)
+                               "store in NF4 (it applies to the base layers of a PEFT LoRA model whose forward is "
+                               "nn.Linear's: a subclass with its own, Falcon's FalconLinear, is left as it is)",
+                               BAD_INPUT)
 
 
 def make_optimizer(model_file, params: Sequence[nn.Parameter], lr: float, model: nn.Module, plan, device):

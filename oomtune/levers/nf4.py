@@ -22,8 +22,15 @@ def frozen_linears(model: nn.Module) -> list[nn.Module]:
     QLoRA both do), and dequantizing a vocabulary-sized matrix holds ~16 bytes an element of scratch in backward."""
     head = _output_head(model)
     return [m for m in model.modules()
-            if (isinstance(m, nn.Linear) or is_conv1d(m)) and m is not head and not m.weight.requires_grad
+            if (computes_f_linear(m) or is_conv1d(m)) and m is not head and not m.weight.requires_grad
             and _blocks_fit(m.weight.numel())]
+
+
+def computes_f_linear(m: nn.Module) -> bool:
+    """An nn.Linear whose forward is nn.Linear's, F.linear, which torchao's NF4 weight dispatches to linear_nf4. A
+    subclass with a forward of its own is left as it is: transformers' FalconLinear computes x @ W.T, and an NF4
+    weight has no transpose ("NF4Tensor dispatch: attempting to run aten.permute.default")."""
+    return isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward
 
 
 def is_conv1d(m: nn.Module) -> bool:

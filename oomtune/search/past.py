@@ -92,5 +92,6 @@ def _why_not(lever: str, static: StaticMemory, label: str, has_optimizer_hook: b
         return f"{label} defines its own optimizer, and this lever replaces only the default AdamW"
     if key == "nf4_frozen_weights" and not static.nf4_elements:
         return (f"{label} has no frozen nn.Linear (or Conv1D) weights of a whole number of NF4 blocks (64 x 256 "
-                "elements; NF4 is for a PEFT LoRA model's base layers, the output head kept)")
+                "elements; NF4 is for a PEFT LoRA model's base layers, the output head kept) whose forward is "
+                "nn.Linear's (a subclass with its own, Falcon's FalconLinear, is left as it is)")
     return missing_library(key, device_kind)
