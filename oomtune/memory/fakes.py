@@ -61,6 +61,11 @@ _UNKNOWN = object()
 # one) is read by transformers like an integer one
 CONSTANT_FACTORIES = frozenset((_aten.ones, _aten.zeros, _aten.full, _aten.scalar_tensor, _aten.arange,
                                 _aten.linspace, _aten.eye))
+# a few random numbers drawn to take a branch, as real ones take it: PEFT's LyCORIS layers (LoHa, LoKr) apply their
+# adapter `if torch.rand(1) > module_dropout`, which a valueless draw read as False (no adapter, no gradient); a
+# LayerDrop's `torch.rand(1) < p`. Weights are drawn far larger, and stay without values.
+RANDOM_FACTORIES = frozenset((_aten.rand, _aten.randn))
+MAX_RANDOM_SHADOW = 64  # elements
 
 
 class NeedsValues(OomtuneError):
@@ -162,9 +167,10 @@ class Values(TorchDispatchMode):
     Enter it inside FakeTensorMode, so that every op it sees has fake arguments.
 
     Known values start at real tensors, at integer and boolean factories (token ids, masks, positions, lengths)
-    and at constant ones of any dtype (ones, zeros, full, arange: a float mask): other floating-point factories
-    (random, uninitialized) are where weights start, and weights have no values on the fake device, so nothing
-    computed from them is copied (the model's own compute never runs here)."""
+    and at constant ones of any dtype (ones, zeros, full, arange: a float mask), and at a few random numbers (a
+    branch's draw, RANDOM_FACTORIES): other floating-point factories (random, uninitialized) are where weights start,
+    and weights have no values on the fake device, so nothing computed from them is copied (the model's own compute
+    never runs here)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -233,7 +239,8 @@ class Values(TorchDispatchMode):
             known = None  # (an empty tensor's values are whatever the memory held: not known)
         else:
             known = self._all_known(args, kwargs)
-            if known is False and func.overloadpacket not in CONSTANT_FACTORIES and \
+            drawn = func.overloadpacket in RANDOM_FACTORIES and all(t.numel() <= MAX_RANDOM_SHADOW for t in outs)
+            if known is False and func.overloadpacket not in CONSTANT_FACTORIES and not drawn and \
                     any(t.dtype.is_floating_point or t.dtype.is_complex for t in outs):
                 known = None  # a floating-point factory (random, uninitialized): where weights start
         real = self._real(func, args, kwargs) if known is not None else _UNKNOWN

@@ -1,9 +1,10 @@
 """Model files of the kinds fine-tuning users bring (tests/finetune/models): a PEFT LoRA Hugging Face Llama, a
 build_model() that calls .to(), one that puts its model on "cuda" unconditionally, a BERT fed an attention mask, a
-LoRA BERT classifier (PEFT deep-copies its head), a T5, a compiled model and a top-1 MoE routing tokens with
-nonzero. Each runs probe (device: cpu), train for 3 steps (cpu), estimate (fake) and check (fake) and exits 0, and
-the fake device's tensor peak for the probe's plan is the cpu device's to the byte: the code paths are the same
-(the MoE's shapes depend on its weights, so the fake device computes it on the cpu and says so)."""
+LoRA BERT classifier (PEFT deep-copies its head), a T5, a compiled model, a top-1 MoE routing tokens with
+nonzero and a LoHa Llama (its adapters branch on a random draw). Each runs probe (device: cpu), train for 3 steps
+(cpu), estimate (fake) and check (fake) and exits 0, and the fake device's tensor peak for the probe's plan is the
+cpu device's to the byte: the code paths are the same (the MoE's shapes depend on its weights, so the fake device
+computes it on the cpu and says so)."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ pytestmark = pytest.mark.skipif(find_spec("transformers") is None or find_spec("
 
 MODELS = Path(__file__).parent / "models"
 KINDS = ["hf_llama_lora", "moved", "to_cuda", "hf_bert_mask", "hf_bert_lora_cls", "hf_t5", "compiled",
-         "moe_nonzero"]
+         "moe_nonzero", "hf_llama_loha"]
 BUDGET = ("--budget", "64MiB")
 # cpu and fake accounting alike: the generic card's rules (CUDA autocast and attention), and its margin (a 512 MiB
 # context assumed, 16.25 MiB of cuBLAS workspaces, the allocator modelled): about the 58 MiB that 64 MiB less 10%

@@ -107,3 +107,14 @@ def test_transformers_is_not_told_a_fake_tensor_is_tracing():
         assert hf.is_tracing(t) is False
     with FakeTensorMode():
         assert hf.is_tracing(torch.ones(2)) is True  # outside a measurement transformers' own answer stands
+
+
+def test_a_few_random_numbers_drawn_for_a_branch_take_it_as_real_ones_do():
+    """PEFT's LoHa/LoKr apply their adapter `if torch.rand(1) > module_dropout`: a valueless draw read False, so
+    the fake device ran the model without its adapters. A weight-sized draw stays without values."""
+    with fake():
+        draw = torch.rand(1)
+        assert bool(draw > 0.0) and not bool(draw >= 1.0)
+        assert bool(torch.randn(2, 3).isfinite().all())
+        weight = torch.randn(64, 64)
+        assert shadow_of(weight) is None and not bool((weight > 0).any())  # (no values: a weight's reads are 0)
