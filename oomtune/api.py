@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .config.schema import HEADROOM, TRIAL_STEPS, Config, TrialRecord
-from .errors import OomtuneError
+from .errors import ConfigError, OomtuneError
 from .model_file import ModelFile, model_file_of
 
 
@@ -235,6 +235,8 @@ def check(config: str | Path | Config, *, model=None, device: str = "fake", budg
 
     path = None
     if not isinstance(config, Config):
+        if not isinstance(config, (str, Path)):
+            raise ConfigError(f"check's config must be a config file's path or a Config, got {config!r}")
         path = Path(config)
         config = load_config(path)
     if model is None:

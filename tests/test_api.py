@@ -113,6 +113,8 @@ def test_a_dict_of_hooks_works_and_the_api_module_is_an_attribute():
     ({"steps": "2"}, "--steps must be a whole number, got '2' (str)"),
     ({"steps": 1}, "--steps must be at least 2"),
     ({"headroom": "0.1"}, "--headroom must be a number in [0, 1), got '0.1' (str)"),
+    ({"levers": 5}, "levers must be names like 'amp,checkpointing' (or a list of them), got 5"),
+    ({"levers": ["amp", "x"]}, "--levers 'amp,x': unknown x"),
 ])
 def test_a_wrong_type_is_the_one_line_error_naming_the_value(kw, said):
     with pytest.raises(oomtune.OomtuneError) as e:
@@ -135,3 +137,11 @@ def test_the_functions_leave_the_callers_random_stream_where_it_was():
     oomtune.probe(TinyMLP(), device="cpu", budget="16MiB", batch=4, context=8)
     oomtune.estimate(TinyMLP(), budget="600MiB", batch=4, context=8)
     assert torch.equal(torch.rand(3), expected)
+
+
+def test_levers_as_a_list_and_a_check_of_no_path_are_what_a_notebook_gives():
+    """levers=["amp"] raised AttributeError ('list' has no strip), check(None) a TypeError from pathlib."""
+    result = oomtune.estimate(TinyMLP(), budget="600MiB", levers=["amp", "accumulation"])
+    assert {r.rung.name for r in result.search.ladder.rungs} <= {"fp32", "amp"}
+    with pytest.raises(oomtune.OomtuneError, match="check's config must be a config file's path or a Config, got None"):
+        oomtune.check(None)

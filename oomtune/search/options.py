@@ -25,9 +25,13 @@ LEVERS = ("amp", "checkpointing", "accumulation", "fsdp", "bf16-true", "8bit", "
 
 def parse_levers(text: str | None) -> frozenset[str]:
     """--levers amp,checkpointing,accumulation: the set the ladder may use (None: every lever; "none": no lever,
-    the fp32 rung alone with the whole batch at once)."""
+    the fp32 rung alone with the whole batch at once). The Python API may give the names as a list or set."""
     if text is None:
         return frozenset(LEVERS)
+    if isinstance(text, (list, tuple, set, frozenset)) and all(isinstance(n, str) for n in text):
+        text = ",".join(text) if text else "none"
+    if not isinstance(text, str):
+        raise OomtuneError(f"levers must be names like 'amp,checkpointing' (or a list of them), got {text!r}")
     if text.strip().lower() == "none":  # the fp32 rung alone, the whole batch at once
         return frozenset()
     names = [n.strip() for n in text.split(",") if n.strip()]
