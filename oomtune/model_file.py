@@ -331,6 +331,7 @@ def load_model_file(path: str | Path) -> ModelFile:
         if folder[0] in sys.path:
             sys.path.remove(folder[0])
         sys.path.insert(len(sys.path) if folder[1] is None else folder[1], folder[0])
+        sys.modules.update(folder[2])  # the caller's own modules of a neighbour's name, back where they were
     return checked(module, p.resolve())
 
 

@@ -9,12 +9,13 @@ from pathlib import Path
 _FOLDERS: set[str] = set()  # the folders model files were loaded from
 
 
-def neighbours_first(folder: Path) -> tuple[str, int | None]:
+def neighbours_first(folder: Path) -> tuple[str, int | None, dict]:
     """As `python model.py` would: the file imports its neighbours (`from model import GPT`), its own folder first
     on sys.path while it is imported (returned, with where it was on sys.path before, None: not there; the caller
     puts it back there, else last). A neighbour another model file's folder imported under the same name (two
     projects' `utils.py`, loaded one after the other through the API) is dropped from sys.modules, so this file
-    imports its own."""
+    imports its own. One the caller's own code imported (a notebook's `utils.py` beside it) is set aside the same
+    way and returned, for the caller to put back once the file is imported (the notebook keeps its own)."""
     here = str(folder)
     was = sys.path.index(here) if here in sys.path else None
     if was is not None:
@@ -22,14 +23,20 @@ def neighbours_first(folder: Path) -> tuple[str, int | None]:
     sys.path.insert(0, here)
     _FOLDERS.add(here)
     others = _FOLDERS - {here}
+    libraries = tuple({sys.prefix, sys.base_prefix, sys.exec_prefix})
     names = {f.stem for f in folder.glob("*.py")} | {d.name for d in folder.iterdir() if (d / "__init__.py").is_file()}
+    aside: dict = {}
     for name in names:
         module = sys.modules.get(name)
         file = getattr(module, "__file__", None)
         if file is None:
             continue
         home = Path(file).resolve().parent
-        if str(home.parent if hasattr(module, "__path__") else home) in others:  # (a package: its folder's)
-            for loaded in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
-                del sys.modules[loaded]
-    return here, was
+        home = str(home.parent if hasattr(module, "__path__") else home)  # (a package: its folder's)
+        if home == here or (home not in others and home.startswith(libraries)):
+            continue  # this file's own, or a library's (sys.modules keeps it)
+        for loaded in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
+            module = sys.modules.pop(loaded)
+            if home not in others:
+                aside[loaded] = module
+    return here, was, aside

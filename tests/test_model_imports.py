@@ -31,6 +31,26 @@ def test_two_model_files_each_import_their_own_neighbour_of_the_same_name(tmp_pa
     assert sys.path[:len(before)] == before and set(sys.path[len(before):]) == {str(f.parent) for f in files}
 
 
+def test_a_model_file_imports_its_own_neighbour_not_the_notebooks_of_that_name(tmp_path, monkeypatch):
+    """A notebook that imported its own `helpers.py` (here under the name `nb_helpers_probe`), then loads a model
+    file whose folder has one of that name: the file silently got the notebook's, and the probe measured another
+    model. Now the file imports its own, as `python model.py` would, and the notebook keeps its own."""
+    name = "nb_helpers_probe"
+    notebook, project = tmp_path / "notebook", tmp_path / "project"
+    for folder, width in ((notebook, 5), (project, 24)):
+        folder.mkdir()
+        (folder / f"{name}.py").write_text(f"WIDTH = {width}\n")
+    source = TINY_MODEL.replace("import torch\n", f"import torch\nfrom {name} import WIDTH\n", 1)
+    (project / "model.py").write_text(source.replace("nn.Linear(16, 4)", "nn.Linear(16, WIDTH)"))
+    monkeypatch.syspath_prepend(str(notebook))
+    monkeypatch.delitem(sys.modules, name, raising=False)
+    mine = __import__(name)
+    assert mine.WIDTH == 5
+    assert load_model_file(project / "model.py").build().out.out_features == 24
+    assert sys.modules[name] is mine and __import__(name).WIDTH == 5
+    monkeypatch.delitem(sys.modules, name)
+
+
 DEEPCOPIED = '''
 import copy
 import torch
