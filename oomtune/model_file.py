@@ -26,7 +26,7 @@ from torch.utils._pytree import tree_leaves
 
 from .checkpointing import block_stacks, buffers_kept, checkpointed, enable_hf_checkpointing, hf_checkpointing
 from .errors import ModelFileError, OomtuneError, first_line
-from .hook_names import did_you_mean
+from .hook_names import REQUIRED, did_you_mean
 from .memory.devices import is_oom
 from .memory.host_kernels import lstm_hint
 from .model_import import neighbours_first
@@ -337,7 +337,7 @@ def load_model_file(path: str | Path) -> ModelFile:
 
 def checked(module, path: Path) -> ModelFile:
     """The model file's contract, checked on `module` (an imported file, or any object with the hooks)."""
-    for required in ("build_model", "make_batch"):
+    for required in REQUIRED:
         if not hasattr(module, required):
             raise ModelFileError(f"{path.name}: missing required function {required}(){did_you_mean(module, required)}")
         if not callable(value := getattr(module, required)):

@@ -24,9 +24,9 @@ CHUNK_BLOCKS = 1 << 16  # blocks per chunk of the step: 16M elements
 SIGNED_DECADES, UNSIGNED_DECADES = 6.0, 7.0  # the codes' range below each block's largest magnitude
 
 
-def quantizes(p: torch.Tensor) -> bool:
-    """Does this parameter get 8-bit moments (else plain ones, in its dtype)?"""
-    return p.numel() >= MIN_QUANT and p.numel() % BLOCK == 0
+def quantizes(elements: int) -> bool:
+    """Does a parameter of this many elements get 8-bit moments (else plain ones, in its dtype)?"""
+    return elements >= MIN_QUANT and elements % BLOCK == 0
 
 
 def _codebook(signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,7 +79,7 @@ class BlockwiseAdamW8bit(torch.optim.Optimizer):
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
 
     def _init_state(self, p: torch.Tensor) -> dict:
-        if not quantizes(p):
+        if not quantizes(p.numel()):
             return {"step": 0, "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
         blocks = p.numel() // BLOCK
         state = {"step": 0}

@@ -59,12 +59,11 @@ class StaticMemory:
         where they are: bf16-true, a model built in bf16; else fp32). `eight_bit`: 8-bit AdamW's, a byte each and a
         4-byte scale per 256 elements where it quantizes, plain moments elsewhere (a tensor under 4096 elements:
         LoRA's adapters often are), as torchao keeps them."""
-        from ..levers.adamw8bit import BLOCK, MIN_QUANT
+        from ..levers.adamw8bit import BLOCK, quantizes
         from .allocator import rounded
 
         size = 2 if precision == "bf16-true" or self.weights_dtype is not None else 4
-        quantized = lambda n: eight_bit and n >= MIN_QUANT and n % BLOCK == 0  # noqa: E731
-        return sum(2 * (rounded(n) + rounded(n // BLOCK * 4)) if quantized(n) else 2 * rounded(n * size)
+        return sum(2 * (rounded(n) + rounded(n // BLOCK * 4)) if eight_bit and quantizes(n) else 2 * rounded(n * size)
                    for n in self.trained_sizes)
 
     @property

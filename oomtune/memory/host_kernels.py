@@ -43,11 +43,12 @@ def has_lstm(model: torch.nn.Module) -> bool:
     return any(isinstance(m, torch.nn.LSTM) for m in model.modules())
 
 
-def amp_cannot_run(lstm: bool, device, precision: str) -> str | None:
-    """Why an amp rung in `precision` cannot run on `device` on this host, as a note's words (None: it can): a model
-    with an nn.LSTM (`lstm`), on a simulated device that accounts CPU semantics (no card)."""
+def amp_cannot_run(lstm: bool, device, amp: str) -> str | None:
+    """Why an amp rung (--amp: auto, bf16, fp16) cannot run on `device` on this host, as a note's words (None: it
+    can): a model with an nn.LSTM (`lstm`), on a simulated device that accounts CPU semantics (no card)."""
     if not lstm or device.kind == "cuda" or device.card is not None:
         return None
+    precision = device.amp_dtype() if amp == "auto" else amp
     reason = lstm_autocast_fails(precision)
     if reason is None:
         return None
@@ -63,7 +64,7 @@ def lstm_hint(error: BaseException) -> str:
         return ""
     if not torch.is_autocast_enabled("cpu"):
         return ""
-    dtype = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(torch.get_autocast_dtype("cpu"), "16-bit")
+    dtype = {d: name for name, d in _DTYPES.items()}.get(torch.get_autocast_dtype("cpu"), "16-bit")
     return (f" (this CPU cannot run an nn.LSTM under {dtype} autocast, which needs AVX-512: on the cpu and fake "
             "devices give it an fp32 plan, or --gpu NAME to account as that card would)")
 

@@ -219,7 +219,7 @@ def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: 
                                    statics[1] if statics else None)
     check_static_fits(floor, device, limit, headroom, sharded_by, past if levers != frozenset(LEVERS) else None)
     notes = measurement_notes(model_file, static, device, targets.min_context)
-    unrunnable = amp_cannot_run(static.lstm, device, device.amp_dtype() if amp == "auto" else amp)
+    unrunnable = amp_cannot_run(static.lstm, device, amp)
     notes += (f"{model_file.label} {unrunnable}",) if unrunnable and "amp" in levers else ()
     check_prior(prior, device.kind, world > 1)
     estimating = device.kind == "cuda" and world == 1 if prior is None else prior
@@ -293,7 +293,7 @@ def all_rungs(model_file: ModelFile, device: Device, amp: str, static: StaticMem
     already)."""
     if static.weights_dtype is not None and amp == "auto":  # 16-bit weights: autocast would only copy them
         levers = levers - {"amp"}
-    if amp_cannot_run(static.lstm, device, device.amp_dtype() if amp == "auto" else amp):  # (host_kernels.py)
+    if amp_cannot_run(static.lstm, device, amp):  # (host_kernels.py)
         levers = levers - {"amp"}
     rungs = ladder_rungs(device, amp, static.checkpointing_supported, world, sharding, levers)
     past = past_rungs(device, rungs[-1].precision, static, model_file.label, model_file.has("optimizer"), levers,
