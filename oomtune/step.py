@@ -28,6 +28,7 @@ from .errors import OomtuneError
 from .levers import build_model, cast_inputs, check_plan_runs, gradient_holders, make_optimizer, saved_activations
 from .memory.devices import Device, is_oom
 from .model_file import Batch, ModelFile, ModelFileError
+from .rank_allocation import after_optimizer_step, allocator_of
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "bf16-true": torch.bfloat16}
 
@@ -47,6 +48,7 @@ class Training:
     dist: Dist = LOCAL  # the ranks (LOCAL: one process)
     decaying: tuple[bool, ...] = ()  # per param group: built with weight decay (set_weight_decay sets those)
     micro_losses: torch.Tensor | None = None  # the step in flight's micro-batch losses, from its optimizer phase
+    rank_allocator: nn.Module | None = None  # PEFT AdaLoRA's, called after each optimizer step (rank_allocation.py)
 
     @property
     def module(self) -> nn.Module:
@@ -77,13 +79,18 @@ def build_training(model_file: ModelFile, plan: Plan, device: Device, lr: float,
         if plan.activation_checkpointing:
             model_file.enable_checkpointing(model)
     model.train()
+    allocator = allocator_of(model)
+    if allocator is not None and plan.sharding == "fsdp":
+        raise OomtuneError(f"plan.sharding fsdp: {model_file.label}'s AdaLoRA adapters reallocate their ranks from "
+                           "scores over the whole model, and FSDP gives each rank a shard of them: use sharding ddp")
     if plan.sharding != "none":
         model = wrap(model, plan.sharding, model_file.blocks(model), dist)
     optimizer = make_optimizer(model_file, [p for p in model.parameters() if p.requires_grad], lr, unwrapped(model),
                                plan, device)  # the 8-bit and offload levers replace the default AdamW
     as_on_cuda(optimizer, device.kind)
     t = Training(model, optimizer, _scaler(plan, device), plan, model_file, device, clip_grad_norm,
-                 dist=dist, decaying=tuple(bool(g.get("weight_decay")) for g in optimizer.param_groups))
+                 dist=dist, decaying=tuple(bool(g.get("weight_decay")) for g in optimizer.param_groups),
+                 rank_allocator=allocator)
     if weight_decay is not None:
         set_weight_decay(t, weight_decay)
     return t
@@ -162,10 +169,10 @@ def _sparse_gradients_refused(t: Training) -> Iterator[None]:
                              "clips their norm, and the memory levers need dense ones)") from e
 
 
-def train_step(t: Training, micro_batches: Sequence[Batch]) -> torch.Tensor:
-    """One optimizer step over `micro_batches` (normally grad_accum_steps of them; on several ranks, this rank's
-    share of the global batch). Returns this rank's mean loss as a detached 0-dim tensor (reading it is a sync
-    point; the caller decides when)."""
+def train_step(t: Training, micro_batches: Sequence[Batch], step: int = 0) -> torch.Tensor:
+    """Optimizer step `step` (0: the first; a probe's trials take each as a first) over `micro_batches` (normally
+    grad_accum_steps of them; on several ranks, this rank's share of the global batch). Returns this rank's mean
+    loss as a detached 0-dim tensor (reading it is a sync point; the caller decides when)."""
     n = len(micro_batches)
     fsdp = t.plan.sharding == "fsdp"  # its forward and backward hold collectives
     t.micro_losses = t.dist.agreed(lambda: _accumulate(t, micro_batches), fsdp)  # every rank: OOM or not
@@ -176,7 +183,10 @@ def train_step(t: Training, micro_batches: Sequence[Batch]) -> torch.Tensor:
             t.scaler.unscale_(t.optimizer)  # clip the true gradients, not the scaled ones
             nn.utils.clip_grad_norm_(gradient_holders(t.optimizer, t.model), t.clip_grad_norm)
         t.scaler.step(t.optimizer)  # skips the step when fp16 gradients overflowed
-    t.scaler.update()
+    scale = t.scaler.get_scale() if t.rank_allocator is not None and t.scaler.is_enabled() and t.device.computes \
+        else None  # (on the fake device, which computes no values, every step is taken)
+    t.scaler.update()  # (the scale drops exactly when the step was skipped)
+    after_optimizer_step(t.rank_allocator, t.optimizer, step, scale is not None and t.scaler.get_scale() < scale)
     t.optimizer.zero_grad(set_to_none=True)  # frees gradient memory until the next backward
     losses, t.micro_losses = t.micro_losses, None
     return losses.sum() / n
@@ -209,6 +219,7 @@ def make_optimizer_state(t: Training) -> torch.Tensor | None:
         if not _init_adam_state(t.optimizer):
             t.optimizer.step()
         t.optimizer.zero_grad(set_to_none=True)
+    after_optimizer_step(t.rank_allocator, t.optimizer, 0, False)  # AdaLoRA: the scores the first step keeps
     if t.scaler.is_enabled():  # fp16: the scale and growth tracker the first step's scale() makes
         t.scaler.scale(torch.zeros((), device=t.device.torch_device))
     return torch.zeros((), device=t.device.torch_device)

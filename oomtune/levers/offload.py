@@ -99,6 +99,10 @@ class HostOffloadOptimizer(torch.optim.Optimizer):
             if p.grad is not None:
                 self.take_gradient(p)
 
+    def gradient_of(self, p: nn.Parameter) -> torch.Tensor | None:
+        """p's gradient of the step in flight, on the host (None where backward gave none): until zero_grad."""
+        return self._grad[p] if p in self._reached else None
+
     def gradient_holders(self) -> list[torch.Tensor]:
         """The tensors whose .grad is this step's gradient (clipping reads these): the host copies, their .grad
         set to this step's host gradient (None where backward gave none: the step leaves those alone)."""

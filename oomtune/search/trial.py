@@ -13,6 +13,7 @@ from typing import TypeVar
 
 import torch
 
+from .. import rank_allocation
 from ..config.schema import TRIAL_STEPS, Plan, TrainConfig
 from ..dist.group import LOCAL, Dist, RanksOutOfMemory
 from ..errors import ModelFileError, first_line
@@ -70,6 +71,7 @@ class ModelCache:
                 t.copy_(values)
         for p in self.model.parameters():
             p.grad = None
+        rank_allocation.reset(self.model)  # AdaLoRA's scores of the last trial's steps
         return self.model
 
     def keep(self, plan: Plan, model) -> None:

@@ -30,6 +30,7 @@ from typing import Any, NoReturn
 
 import torch
 
+from .. import rank_allocation
 from ..config.writing import rewrite_plan, to_dict
 from ..dist.group import LoneOutOfMemory, init
 from ..dist.launch import DEFAULT_TIMEOUT_S, launched_by_torchrun
@@ -213,13 +214,13 @@ class Trainer:
         return first_loss, last_loss, last_eval, stopping
 
     def _train_step(self, batches: list[Batch]) -> torch.Tensor:
-        return train_step(self.t, self.shares.micro_batches(batches, self.state.plan.micro_batch_size))
+        s = self.state  # (the step's index: AdaLoRA's schedule reads it)
+        return train_step(self.t, self.shares.micro_batches(batches, s.plan.micro_batch_size), s.step)
 
     def _evaluate(self) -> tuple[float, int]:
         def draw() -> list[Batch]:
-            stream = DataStream(self.model_file, "eval_batches", self.inputs.data_batch,
-                                self.state.plan.context_length, self.device,
-                                self.cfg.seed + EVAL_SEED_OFFSET)  # the same batches every time
+            stream = DataStream(self.model_file, "eval_batches", self.inputs.data_batch, self.state.plan.context_length,
+                                self.device, self.cfg.seed + EVAL_SEED_OFFSET)  # the same batches every time
             return stream.take_once(self.cfg.eval_steps)  # a held-out set shorter than eval_steps: once
 
         def work(batches: list[Batch]) -> tuple[float, int]:
@@ -371,8 +372,7 @@ class Trainer:
                      "hook": self.data_hook},
             "scaler": t.scaler.state_dict(), "train": to_dict(self.cfg), "model_file": str(self.model_file.path),
             "torch_version": str(torch.__version__), "run_on": self.run_on,
-            "optimizer_class": type(t.optimizer).__name__,
-        }
+            "optimizer_class": type(t.optimizer).__name__, **rank_allocation.saved(t.module)}  # AdaLoRA's scores
         path = self.checkpointer.save(self.inputs.run_dir, meta, capture_rng(self.cuda), t, keep)
         s.last_checkpoint, s.checkpoint_step = path, s.step
         self.log.event("checkpoint", step=s.step, path=path.name, reason=reason)
