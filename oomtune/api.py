@@ -23,6 +23,7 @@ from pathlib import Path
 from .config.schema import HEADROOM, TRIAL_STEPS, Config, TrialRecord
 from .errors import ConfigError, OomtuneError
 from .model_file import ModelFile, model_file_of
+from .model_import import unguarded_api_call
 
 
 def keeps_callers_rng(fn: Callable) -> Callable:
@@ -306,3 +307,8 @@ def _check_named(out: Path | None, model, model_file: ModelFile) -> None:
         raise OomtuneError(f"out={out}: the model {model_file.label} is not a file a config can name (give the "
                            "model file's path, or a module imported from one)")
     check_out(out, model_file.path)
+    called = unguarded_api_call(model_file.path) if getattr(model, "__name__", None) == "__main__" else None
+    if called is not None:
+        raise OomtuneError(f"out={out}: {model_file.label} is the script running now, and its top level calls "
+                           f"{called[0]}() (line {called[1]}): `oomtune train --config {out}` imports it and would "
+                           "run that again; put the call under `if __name__ == \"__main__\":`")

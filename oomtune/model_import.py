@@ -3,6 +3,7 @@ model.py` would have it, and a neighbour of another model file's folder under th
 
 from __future__ import annotations
 
+import ast
 import sys
 from pathlib import Path
 
@@ -40,3 +41,32 @@ def neighbours_first(folder: Path) -> tuple[str, int | None, dict]:
             if home not in others:
                 aside[loaded] = module
     return here, was, aside
+
+
+API_CALLS = ("probe", "estimate", "check", "train", "what_if")  # oomtune's functions a script would call
+
+
+def _is_main_guard(node: ast.stmt) -> bool:
+    return isinstance(node, ast.If) and "__name__" in ast.unparse(node.test) and "__main__" in ast.unparse(node.test)
+
+
+def unguarded_api_call(path: Path) -> tuple[str, int] | None:
+    """(function, line) of the first call to one of oomtune's functions (by name: `oomtune.probe(...)`,
+    `probe(...)`) that importing the script at `path` would run: at its top level, outside function and class
+    bodies and an `if __name__ == "__main__":` block. None where there is none, or the file does not parse."""
+    try:
+        tree = ast.parse(path.read_text(), str(path))
+    except (OSError, SyntaxError, ValueError):
+        return None
+    skipped = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)
+    todo, calls = [s for s in tree.body if not _is_main_guard(s)], []
+    while todo:
+        node = todo.pop()
+        if isinstance(node, skipped):
+            continue
+        if isinstance(node, ast.Call):
+            name = getattr(node.func, "attr", None) or getattr(node.func, "id", None)
+            if name in API_CALLS:
+                calls.append((node.lineno, name))
+        todo.extend(ast.iter_child_nodes(node))
+    return (min(calls)[1], min(calls)[0]) if calls else None

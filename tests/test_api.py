@@ -149,3 +149,46 @@ def test_levers_as_a_list_and_a_check_of_no_path_are_what_a_notebook_gives():
     assert listed.plan == oomtune.estimate(TinyMLP(), budget="600MiB", levers="amp,accumulation").plan
     with pytest.raises(oomtune.OomtuneError, match="check's config must be a config file's path or a Config, got None"):
         oomtune.check(None)
+
+
+SCRIPT = '''
+import sys
+import torch
+from torch import nn
+
+import oomtune
+
+def build_model():
+    return nn.Linear(8, 8)
+
+def make_batch(batch_size, context_length, device):
+    return torch.randn(batch_size, 8, device=device)
+
+def loss(model, batch):
+    return model(batch).square().mean()
+
+{call}
+'''
+
+
+@pytest.mark.parametrize("guarded", [False, True])
+def test_a_script_that_probes_itself_at_its_top_level_gets_no_config_that_would_probe_again(guarded, tmp_path):
+    """The script running now (`__main__`), handed to estimate(out=...): `oomtune train` imports the file the config
+    names, which runs its top level again; where that calls oomtune, the call is refused before any trial, with the
+    line; under `if __name__ == "__main__":` the config is written."""
+    call = "oomtune.estimate(sys.modules[__name__], budget='600MiB', batch=4, context=1, out='best.yaml')"
+    source = SCRIPT.format(call=f'if __name__ == "__main__":\n    {call}' if guarded else f"result = {call}")
+    script = tmp_path / "script.py"
+    script.write_text(source)
+    main = types.ModuleType("__main__")
+    main.__file__ = str(script)
+    exec(compile(source.replace(call, "None"), str(script), "exec"), main.__dict__)  # its hooks, not its call
+    out = tmp_path / "best.yaml"
+    if guarded:
+        assert oomtune.estimate(main, budget="600MiB", batch=4, context=1, out=out).plan is not None
+        assert load_config(out).model.endswith("script.py")
+    else:
+        line = source.splitlines().index(f"result = {call}") + 1
+        with pytest.raises(oomtune.OomtuneError, match=rf"top level calls estimate\(\) \(line {line}\).*__main__"):
+            oomtune.estimate(main, budget="600MiB", batch=4, context=1, out=out)
+        assert not out.exists()
