@@ -15,6 +15,7 @@ called after the last trial and before any file is written (the commands stop th
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -240,12 +241,15 @@ def check(config: str | Path | Config, *, model=None, device: str = "fake", budg
             raise ConfigError(f"check's config must be a config file's path or a Config, got {config!r}")
         path = Path(config)
         config = load_config(path)
-    if model is None:
-        model = config.model_path(path) if path is not None else Path(config.model)
+    named = config.model_path(path) if path is not None else Path(config.model)
+    model = named if model is None else model
     snapshot.check_path(_path(memory_snapshot), others=(path, _model_path(model)))
     model_file = model_file_of(model)
     result = run_check(config, model_file, device_kind=device, budget=budget, headroom=headroom, margin=margin,
                        steps=steps, gpu=gpu)
+    if _model_path(model) is None or _model_path(model).resolve() != named.resolve():
+        result = dataclasses.replace(result, notes=(*result.notes, f"checked {model_file.label} with the plan of "
+                                                    f"{path or 'the config'}, which names {config.model}"))
     _snapshot_of(memory_snapshot, model_file, result.plan, result.measured_on, steps, before_writing)
     return result
 

@@ -192,3 +192,11 @@ def test_a_script_that_probes_itself_at_its_top_level_gets_no_config_that_would_
         with pytest.raises(oomtune.OomtuneError, match=rf"top level calls estimate\(\) \(line {line}\).*__main__"):
             oomtune.estimate(main, budget="600MiB", batch=4, context=1, out=out)
         assert not out.exists()
+
+
+def test_check_of_another_model_than_the_config_names_says_so(tmp_path):
+    out = tmp_path / "best.yaml"
+    oomtune.estimate(EXAMPLES / "mlp_dict.py", budget="2GiB", batch=4, context=8, out=out)
+    assert not [n for n in oomtune.check(out).notes if n.startswith("checked ")]
+    other = oomtune.check(out, model=TinyMLP())
+    assert f"with the plan of {out}, which names " in other.notes[-1] and other.notes[-1].endswith("mlp_dict.py")
