@@ -17,6 +17,7 @@ _UNITS = {
     "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
     "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
 }
+BARE_BYTES_FLOOR = 1024  # a budget given as a bare number below this is a unit left out
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
 
 
@@ -37,6 +38,9 @@ def parse_budget(text: str, capacity_bytes: int | None = None) -> int:
     if not m or m.group(2).lower() not in _UNITS:
         raise OomtuneError(f"budget {text!r}: expected a size like 24GiB, 512MiB, 1.5GB or a percentage like 80%")
     value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if not m.group(2) and 0 < float(m.group(1)) < BARE_BYTES_FLOOR:  # `--budget 24` meant 24 GB, not 24 bytes
+        raise OomtuneError(f"budget {text!r}: a number without a unit is bytes, and {m.group(1)} bytes hold no model: "
+                           f"give the unit ({m.group(1)}GiB, {m.group(1)}GB or {m.group(1)}MiB)")
     if value <= 0:
         raise OomtuneError(f"budget {text!r}: must be more than zero bytes")
     return value

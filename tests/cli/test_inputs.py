@@ -389,3 +389,11 @@ def test_json_output_names_the_error_on_stdout(tmp_path, write_model):
     assert json.loads(r.stdout) == {"error": "model.py: syntax error at line 1: invalid syntax", "exit_code": 2}
     assert r.stderr.strip() == "error: model.py: syntax error at line 1: invalid syntax"
 
+
+
+@pytest.mark.parametrize("args", [("--budget", "24"), ("--gpu", "t4", "--budget", "16"), ("--budget", "0.5")])
+def test_a_budget_without_its_unit_is_one_line_naming_the_units(args, write_model):
+    """`--budget 24` meant 24 GB: a bare number is bytes, and one below 1 KiB holds no model."""
+    value = args[-1]
+    one_line_error(run_cli("estimate", write_model(), *args), f"budget {value!r}: a number without a unit is bytes",
+                   f"({value}GiB, {value}GB or {value}MiB)")
