@@ -166,10 +166,10 @@ def prepare_estimate(model, *, budget: str | None = None, gpu: str | None = None
     check_estimate_options(objective, headroom, steps, amp)
     check_world(world_size, sharding)
     allowed = parse_levers(levers)
-    out = _check_out(out, model)
+    out = _check_out(out, model, "estimate")
     snapshot.check_path(_path(memory_snapshot), others=(out, _model_path(model)))
     model_file = model_file_of(model)
-    _check_named(out, model, model_file)
+    _check_named(out, model, model_file, "estimate")
     targets = resolve_targets(model_file, batch, context, min_context)
     device = make_fake_device(budget, gpu, margin)
     options = {"headroom": headroom, "steps": steps, "objective": objective, "amp": amp, "levers": allowed,
@@ -289,7 +289,7 @@ def _path(p: str | Path | None) -> Path | None:
     return None if p is None else Path(p)
 
 
-def _check_out(out: str | Path | None, model) -> Path | None:
+def _check_out(out: str | Path | None, model, command: str = "probe") -> Path | None:
     """Before the model is loaded: `out` can be written (and is not the model file itself)."""
     from .config.output import check_out
 
@@ -297,11 +297,11 @@ def _check_out(out: str | Path | None, model) -> Path | None:
         return None
     out = Path(out)
     if isinstance(model, (str, Path)):
-        check_out(out, Path(model))
+        check_out(out, Path(model), command)
     return out
 
 
-def _check_named(out: Path | None, model, model_file: ModelFile) -> None:
+def _check_named(out: Path | None, model, model_file: ModelFile, command: str = "probe") -> None:
     """`out` names a model file `oomtune train` can load, not a notebook's object (a path was checked already)."""
     from .config.output import check_out
 
@@ -310,7 +310,7 @@ def _check_named(out: Path | None, model, model_file: ModelFile) -> None:
     if not model_file.path.is_file():
         raise OomtuneError(f"out={out}: the model {model_file.label} is not a file a config can name (give the "
                            "model file's path, or a module imported from one)")
-    check_out(out, model_file.path)
+    check_out(out, model_file.path, command)
     called = unguarded_api_call(model_file.path) if getattr(model, "__name__", None) == "__main__" else None
     if called is not None:
         raise OomtuneError(f"out={out}: {model_file.label} is the script running now, and its top level calls "

@@ -66,12 +66,26 @@ def checkpoints_itself(model: nn.Module) -> str | None:
     return None
 
 
-def no_checkpointing_note(label: str, itself: str | None = None) -> str:
+def cannot_checkpoint(model: nn.Module) -> str | None:
+    """Why the model cannot train checkpointed through its own switch, where that is known, or None. PEFT prefix
+    tuning hands its trained prefix to every layer as a key/value cache, and a Hugging Face model checkpointed
+    while training runs without a cache (use_cache=False): the keys come out shorter than the attention mask and
+    the forward fails (PEFT's issue 869)."""
+    config = getattr(model, "active_peft_config", None)
+    if str(getattr(config, "peft_type", "")).endswith("PREFIX_TUNING"):
+        return ("PEFT prefix tuning passes its prefix as a key/value cache, which a Hugging Face model checkpointed "
+                "in training runs without")
+    return None
+
+
+def no_checkpointing_note(label: str, itself: str | None = None, breaks: str | None = None) -> str:
     """Why a ladder has no checkpointing rung: the model checkpoints itself (`itself` says how; a rung would
-    measure the same thing again), or it has nothing to wrap."""
+    measure the same thing again), it cannot run checkpointed (`breaks`: why), or it has nothing to wrap."""
     if itself:
         return (f"no activation checkpointing rung: {label}'s build_model() turns the model's own activation "
                 f"checkpointing on ({itself}), so every rung runs checkpointed already")
+    if breaks:
+        return f"no activation checkpointing rung: {label} cannot train checkpointed ({breaks})"
     return (f"no activation checkpointing rung: {label} has no blocks to wrap (no nn.ModuleList of same-type "
             "modules, no gradient_checkpointing_enable); define blocks(model) to add it")
 

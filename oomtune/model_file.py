@@ -242,6 +242,12 @@ class ModelFile:
         """Recompute each block's activations in backward instead of keeping them: Hugging Face models (PEFT-wrapped
         too) through their own switch, the rest by wrapping `blocks`."""
         enable = None if self.has("blocks") else hf_checkpointing(model)
+        from .checkpointing import cannot_checkpoint
+
+        breaks = cannot_checkpoint(model) if enable is not None else None
+        if breaks:  # (a plan written by hand, or before oomtune knew: its forward would fail with a shape error)
+            raise ModelFileError(f"plan.activation_checkpointing: {self.label} cannot train checkpointed ({breaks}): "
+                                 "set it to false")
         if enable is not None:
             with self.user_code(f"the model's {enable.__name__}()"):
                 enable_hf_checkpointing(model, enable)

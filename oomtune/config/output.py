@@ -14,10 +14,10 @@ from .schema import Config, TrainConfig
 from .writing import save_config
 
 
-def check_out(out_path: Path, model: Path) -> TrainConfig | None:
+def check_out(out_path: Path, model: Path, command: str = "probe") -> TrainConfig | None:
     """--out, checked before a single trial runs (and again just before writing): not the model file; absent or an
-    oomtune config of the same model file (never a folder, a device, a pipe, another model's config, nor a file of
-    yours that is anything else); in a folder that
+    oomtune config of the same model file (never a folder, a device, a pipe, another model's config, a plan a probe
+    measured that `command` estimate would replace, nor a file of yours that is anything else); in a folder that
     exists or can be made, and can be written. Returns the train: section of the config already there, which the
     new config keeps (None when there is none)."""
     p = Path(out_path)
@@ -46,6 +46,11 @@ def check_out(out_path: Path, model: Path) -> TrainConfig | None:
             if theirs != model.name:
                 raise OomtuneError(f"--out {p} is the config of {theirs}, not {model.name}: not replacing another "
                                    "model's plan; choose another --out or move it away")
+            found = existing.found_by
+            if command == "estimate" and found is not None and not found.estimated:
+                raise OomtuneError(f"--out {p} holds a plan measured by probe on {found.gpu_name or found.device}, "
+                                   f"{found.date[:10]}: not replacing it with an estimate; choose another --out (e.g. "
+                                   "--out estimate.yaml) or move it away")
         folder = nearest_existing(p.absolute().parent)  # written with its missing folders made
         if not folder.is_dir():
             raise OomtuneError(f"--out {p}: {folder} is not a folder")
@@ -59,7 +64,7 @@ def write_config(config: Config, out_path: Path, model: Path, header: str) -> bo
     """Write the config to --out, keeping the train: section of the oomtune config already there (read again now:
     it may have been edited while the search ran), its new plan and found_by replacing the old. True: it kept one."""
 
-    train = check_out(out_path, model)
+    train = check_out(out_path, model, config.found_by.command if config.found_by is not None else "probe")
     try:
         save_config(config if train is None else dataclasses.replace(config, train=train), out_path, header=header)
     except OSError as e:  # a full disk, a folder that went away or turned read-only during the search

@@ -75,8 +75,8 @@ def levers_that_help(bd: MemoryBreakdown, static: StaticMemory, limit_bytes: int
                    f"{format_bytes(rest)} already exceed what the limit leaves")
     act = bd.activations_bytes + bd.temporaries_bytes
     if act and act >= need:
-        if plan.activation_checkpointing or static.checkpoints_itself:
-            pass  # checkpointed already (the model's own checkpointing runs in every plan)
+        if plan.activation_checkpointing or static.checkpoints_itself or static.checkpointing_breaks:
+            pass  # checkpointed already (the model's own checkpointing runs in every plan), or it cannot be
         elif static.checkpointing_supported:  # the model has blocks (an HF model's own switch, a ModuleList, ...)
             out.append("activation checkpointing (--checkpointing with --micro-batch; the ladder's checkpointing "
                        "lever)")

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from ..checkpointing import checkpoints_itself
+from ..checkpointing import cannot_checkpoint, checkpoints_itself
 from ..config.schema import TRIAL_STEPS, MemoryBreakdown, Plan
 from ..dist.group import LOCAL, Dist, ranks_for
 from ..errors import OomtuneError
@@ -49,6 +49,7 @@ class StaticMemory:
     batch_norm: bool = False  # the model has BatchNorm layers (their statistics are a micro-batch's)
     checkpoints_itself: str | None = None  # how build_model() turned the model's own checkpointing on: no such rung
     lstm: bool = False  # the model has an nn.LSTM (memory/host_kernels.py: some CPUs cannot autocast it)
+    checkpointing_breaks: str | None = None  # why the model cannot train checkpointed (cannot_checkpoint): no rung
 
     @property
     def trained_elements(self) -> int:
@@ -133,7 +134,8 @@ def static_memory(model_file: ModelFile, plan: Plan | None = None, levers: str =
         optimizer_state = tracker.live_bytes - weights - grads
         temporaries = tracker.peak_bytes - tracker.live_bytes
         itself = None if model_file.has("blocks") else checkpoints_itself(model)
-        checkpointing = model_file.supports_checkpointing(model) and not itself
+        breaks = None if model_file.has("blocks") else cannot_checkpoint(model)
+        checkpointing = model_file.supports_checkpointing(model) and not itself and not breaks
         name = type(getattr(opt, "inner", opt)).__name__
         compiled = is_compiled(model)
         host = tracker.host_live_bytes
@@ -142,7 +144,7 @@ def static_memory(model_file: ModelFile, plan: Plan | None = None, levers: str =
         lstm = has_lstm(model)
         del model, params, opt
     return StaticMemory(weights, grads, optimizer_state, name, checkpointing, compiled, temporaries, nf4, host,
-                        levers, low, trained, batch_norm, itself, lstm)
+                        levers, low, trained, batch_norm, itself, lstm, breaks)
 
 
 PART_LABELS = {

@@ -229,6 +229,9 @@ def what_if_plan(model_file: ModelFile, micro_batch: int, context: int | None, p
         raise OomtuneError(f"{model_file.label}: --checkpointing, but build_model() turns the model's own activation "
                            f"checkpointing on ({static.checkpoints_itself}): every plan is checkpointed already "
                            "(leave out --checkpointing)")
+    if static is not None and static.checkpointing_breaks:
+        raise OomtuneError(f"{model_file.label}: --checkpointing, but it cannot train checkpointed "
+                           f"({static.checkpointing_breaks})")
     if static is not None and not static.checkpointing_supported:
         raise OomtuneError(f"{model_file.label}: --checkpointing, but no blocks to wrap (define blocks(model))")
     return plan

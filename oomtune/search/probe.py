@@ -316,7 +316,8 @@ def measurement_notes(model_file: ModelFile, static: StaticMemory, device: Devic
     """What the ladder leaves out and how its memory is measured, where either is not what the user would assume;
     what make_batch() shows of its batches (batch_notes)."""
     notes = (() if static.checkpointing_supported
-             else (no_checkpointing_note(model_file.label, static.checkpoints_itself),))
+             else (no_checkpointing_note(model_file.label, static.checkpoints_itself,
+                                         static.checkpointing_breaks),))
     notes += batch_notes(model_file, device, context) + hook_name_notes(model_file.label, model_file.module)
     if static.compiled and device.kind != "cuda":
         notes += (eager_note(model_file.label, device.kind),)

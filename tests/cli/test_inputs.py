@@ -104,6 +104,22 @@ def test_probe_keeps_the_train_section_too(write_model, tmp_path):
     assert json.loads(r.stdout)["kept_train"] is True and load_config(out).train.lr == 0.001
 
 
+def test_an_estimate_does_not_replace_the_plan_a_probe_measured(write_model, tmp_path):
+    """device: cpu, then fake. `estimate` writes best.yaml too by default: after a probe (device time, on a GPU)
+    it would have replaced the measured plan with a predicted one; an estimate's own config it replaces."""
+    model, out = write_model(), tmp_path / "best.yaml"
+    probe = ("probe", model, "--device", "cpu", "--budget", "4MiB", "--batch", "2", "--context", "4", "--out", out)
+    assert run_cli(*probe).exit_code == 0
+    measured = out.read_text()
+    r = run_cli("estimate", model, *ESTIMATE, "--batch", "2", "--context", "4", "--out", out)
+    one_line_error(r, f"--out {out} holds a plan measured by probe on cpu (simulated memory, budget 4.00 MiB), ",
+                   "not replacing it with an estimate; choose another --out (e.g. --out estimate.yaml)")
+    assert out.read_text() == measured
+    estimated = tmp_path / "estimate.yaml"
+    for _ in range(2):  # the second replaces the first's
+        assert run_cli("estimate", model, *ESTIMATE, "--batch", "2", "--context", "4", "--out", estimated).exit_code == 0
+
+
 # -- 3. --out is checked before the search; a failed write is one line ---------------------------
 
 def test_a_bad_out_is_refused_before_anything_runs(write_model, tmp_path, no_search):

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.skipif(find_spec("transformers") is None or find_spec("
 
 MODELS = Path(__file__).parent / "models"
 KINDS = ["hf_llama_lora", "moved", "to_cuda", "hf_bert_mask", "hf_bert_lora_cls", "hf_t5", "compiled",
-         "moe_nonzero", "hf_llama_loha"]
+         "moe_nonzero", "hf_llama_loha", "hf_gpt2_prefix"]
 BUDGET = ("--budget", "64MiB")
 # cpu and fake accounting alike: the generic card's rules (CUDA autocast and attention), and its margin (a 512 MiB
 # context assumed, 16.25 MiB of cuBLAS workspaces, the allocator modelled): about the 58 MiB that 64 MiB less 10%
@@ -265,3 +265,23 @@ def test_an_all_ones_attention_mask_is_noted_as_the_path_transformers_skips(monk
     notes = batch_notes(load_model_file(MODELS / "hf_bert_mask.py"), CpuDevice("1GiB"), 128)
     said = [n for n in notes if "gives an attention_mask of all ones, which transformers drops" in n]
     assert len(said) == (pad_from is None), notes
+
+
+def test_prefix_tuning_has_no_checkpointing_rung_and_a_checkpointed_plan_is_one_line(tmp_path):
+    """PEFT prefix tuning cannot train checkpointed (a Hugging Face model checkpointed in training runs without
+    the key/value cache its prefix is): the ladder leaves the rung out and says why, where its trials failed with
+    a shape error and stopped the estimate; a plan that asks for it is one line, exit 2."""
+    model = MODELS / "hf_gpt2_prefix.py"
+    out = tmp_path / "best.yaml"
+    r = run_cli("estimate", model, "--budget", "3MiB", "--margin", "0", "--batch", "8", "--levers", "checkpointing",
+                "--out", out, "--json")
+    assert r.exit_code == 0, r.output
+    report = json.loads(r.stdout)
+    assert not [t for t in report["trials"] if t["activation_checkpointing"]] and report["trials"]
+    assert any(n.startswith("no activation checkpointing rung: hf_gpt2_prefix.py cannot train checkpointed (PEFT "
+                            "prefix tuning") for n in report["notes"])
+    out.write_text(out.read_text().replace("activation_checkpointing: false", "activation_checkpointing: true"))
+    checked = run_cli("check", "--config", out)
+    assert checked.exit_code == 2, checked.output
+    assert "plan.activation_checkpointing: hf_gpt2_prefix.py cannot train checkpointed" in checked.stderr
+    assert len(checked.stderr.strip().splitlines()) == 1
