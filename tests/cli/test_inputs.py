@@ -117,7 +117,8 @@ def test_an_estimate_does_not_replace_the_plan_a_probe_measured(write_model, tmp
     assert out.read_text() == measured
     estimated = tmp_path / "estimate.yaml"
     for _ in range(2):  # the second replaces the first's
-        assert run_cli("estimate", model, *ESTIMATE, "--batch", "2", "--context", "4", "--out", estimated).exit_code == 0
+        r = run_cli("estimate", model, *ESTIMATE, "--batch", "2", "--context", "4", "--out", estimated)
+        assert r.exit_code == 0, r.output
 
 
 # -- 3. --out is checked before the search; a failed write is one line ---------------------------

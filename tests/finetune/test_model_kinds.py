@@ -273,8 +273,8 @@ def test_prefix_tuning_has_no_checkpointing_rung_and_a_checkpointed_plan_is_one_
     a shape error and stopped the estimate; a plan that asks for it is one line, exit 2."""
     model = MODELS / "hf_gpt2_prefix.py"
     out = tmp_path / "best.yaml"
-    r = run_cli("estimate", model, "--budget", "3MiB", "--margin", "0", "--batch", "8", "--levers", "checkpointing",
-                "--out", out, "--json")
+    r = run_cli("estimate", model, "--budget", "3MiB", "--margin", "0", "--batch", "8", "--levers",
+                "checkpointing,accumulation", "--out", out, "--json")
     assert r.exit_code == 0, r.output
     report = json.loads(r.stdout)
     assert not [t for t in report["trials"] if t["activation_checkpointing"]] and report["trials"]
