@@ -5,9 +5,12 @@ running statistics among them, as one forward left them)."""
 from __future__ import annotations
 
 import functools
+import inspect
+import sys
 from collections.abc import Callable
 
 import torch
+import torch.utils.checkpoint as tuc
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -76,6 +79,46 @@ def cannot_checkpoint(model: nn.Module) -> str | None:
         return ("PEFT prefix tuning passes its prefix as a key/value cache, which a Hugging Face model checkpointed "
                 "in training runs without")
     return None
+
+
+def _own_forward_mentions_checkpoint(cls: type) -> bool:
+    """The class's forward is the user's own code (not an installed library's) and its source calls something named
+    checkpoint: a cheap test before the forward is run to see (calls_checkpoint)."""
+    try:
+        where = inspect.getsourcefile(cls.forward) or ""
+        return "-packages" not in where and "checkpoint(" in inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return False
+
+
+def calls_checkpoint(model: nn.Module, forward: Callable[[], object]) -> str | None:
+    """How the model checkpoints itself in every forward with no switch to find (its own code calls
+    torch.utils.checkpoint.checkpoint unconditionally), or None: `forward()` is run once (on fake tensors, a
+    micro-batch of 1), counting the calls through the name its module imported the function by. Run only where
+    a class's own forward names checkpoint; a forward that fails says nothing."""
+    own = [c for c in {type(m) for m in model.modules()} if _own_forward_mentions_checkpoint(c)]
+    if not own:
+        return None
+    calls: list[type] = []
+    original = tuc.checkpoint
+
+    def counting(*args, **kwargs):
+        calls.append(True)
+        return original(*args, **kwargs)
+
+    spaces = [vars(sys.modules[c.__module__]) for c in own if c.__module__ in sys.modules] + [vars(tuc)]
+    patched = [(ns, name) for ns in spaces for name, value in list(ns.items()) if value is original]
+    for ns, name in patched:
+        ns[name] = counting
+    try:
+        forward()
+    except Exception:  # (a forward that needs another batch than the probe's first: the rung stays)
+        return None
+    finally:
+        for ns, name in patched:
+            ns[name] = original
+    names = ", ".join(sorted(f"{c.__name__}.forward" for c in own))
+    return f"{names} calls torch.utils.checkpoint in every forward" if calls else None
 
 
 def no_checkpointing_note(label: str, itself: str | None = None, breaks: str | None = None) -> str:

@@ -156,3 +156,27 @@ def test_a_model_built_checkpointing_itself_gets_no_checkpointing_rung(write_mod
     off = off.replace("    net.blocks = nn.ModuleList(checkpoint_wrapper(b) for b in net.blocks)\n", "")
     static = static_memory(load_model_file(write_model(off, "off.py")))
     assert static.checkpointing_supported and static.checkpoints_itself is None
+
+
+OWN_CALL = (CONSTANT_BUFFER  # its forward checkpoints each block, behind a switch of its own name no library uses
+            .replace("        self.blocks = nn.ModuleList(Block() for _ in range(2))\n",
+                     "        self.blocks = nn.ModuleList(Block() for _ in range(2))\n"
+                     "        self.recompute = True\n")
+            .replace("            x = b(x)\n",
+                     "            x = checkpoint(b, x, use_reentrant=False) if self.recompute else b(x)\n")
+            .replace("import torch\n", "import torch\nfrom torch.utils.checkpoint import checkpoint\n", 1))
+
+
+def test_a_forward_that_calls_checkpoint_itself_gets_no_checkpointing_rung(write_model):
+    """device: fake (static memory). No attribute says it: one forward on fake tensors counts the calls (through the
+    name the model file imported checkpoint by), so the ladder has no rung that would measure the same peaks
+    again; with its switch off it calls none, and the rung stays."""
+    on = static_memory(load_model_file(write_model(OWN_CALL)))
+    assert not on.checkpointing_supported
+    assert on.checkpoints_itself == "Net.forward calls torch.utils.checkpoint in every forward"
+    off = static_memory(load_model_file(write_model(OWN_CALL.replace("self.recompute = True",
+                                                                     "self.recompute = False"), "off.py")))
+    assert off.checkpointing_supported and off.checkpoints_itself is None
+    import torch.utils.checkpoint as tuc
+
+    assert tuc.checkpoint.__name__ == "checkpoint"  # put back

@@ -10,12 +10,13 @@ the moment of the peak, not a model of it."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from ..checkpointing import cannot_checkpoint, checkpoints_itself
+from ..checkpointing import calls_checkpoint, cannot_checkpoint, checkpoints_itself
 from ..config.schema import TRIAL_STEPS, MemoryBreakdown, Plan
 from ..dist.group import LOCAL, Dist, ranks_for
 from ..errors import OomtuneError
@@ -134,6 +135,8 @@ def static_memory(model_file: ModelFile, plan: Plan | None = None, levers: str =
         optimizer_state = tracker.live_bytes - weights - grads
         temporaries = tracker.peak_bytes - tracker.live_bytes
         itself = None if model_file.has("blocks") else checkpoints_itself(model)
+        if itself is None and not model_file.has("blocks"):  # its own code calling checkpoint() with no switch
+            itself = calls_checkpoint(model, functools.partial(_first_forward, model_file, model))
         breaks = None if model_file.has("blocks") else cannot_checkpoint(model)
         checkpointing = model_file.supports_checkpointing(model) and not itself and not breaks
         name = type(getattr(opt, "inner", opt)).__name__
@@ -145,6 +148,14 @@ def static_memory(model_file: ModelFile, plan: Plan | None = None, levers: str =
         del model, params, opt
     return StaticMemory(weights, grads, optimizer_state, name, checkpointing, compiled, temporaries, nf4, host,
                         levers, low, trained, batch_norm, itself, lstm, breaks)
+
+
+def _first_forward(model_file: ModelFile, model: torch.nn.Module) -> None:
+    """One forward and loss at micro-batch 1 and a short context, in training mode (on the caller's fake tensors)."""
+    model.train()
+    with CudaOnHost():
+        context = min(model_file.defaults.get("context", 16), 64)
+        model_file.loss(model, model_file.batch(1, context, torch.device("cpu")))
 
 
 PART_LABELS = {
