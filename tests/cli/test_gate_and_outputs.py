@@ -137,11 +137,11 @@ def test_a_model_file_given_as_the_config_is_named_as_such(write_model):
 
 def test_check_says_why_a_probed_config_has_no_old_breakdown(write_model, tmp_path):
     """device: cpu (probe), fake (check). An estimate's config has the column; a probe's records the peak alone."""
-    out = tmp_path / "best.yaml"
     said = "no old column: the config records the peak alone"
     for args in (("probe", write_model(), "--device", "cpu", "--budget", "64MiB"), ("estimate", write_model(),
                                                                                    "--budget", "400KiB", "--margin",
                                                                                    "0")):
+        out = tmp_path / f"{args[0]}.yaml"  # (an estimate does not replace a probe's plan)
         assert run_cli(*args, "--batch", "2", "--context", "4", "--out", out).exit_code == 0
         r = run_cli("check", "--config", out)
         assert r.exit_code == 0 and (said in " ".join(r.stdout.split())) is (args[0] == "probe"), r.output
