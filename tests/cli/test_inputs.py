@@ -104,23 +104,6 @@ def test_probe_keeps_the_train_section_too(write_model, tmp_path):
     assert json.loads(r.stdout)["kept_train"] is True and load_config(out).train.lr == 0.001
 
 
-def test_an_estimate_does_not_replace_the_plan_a_probe_measured(write_model, tmp_path):
-    """device: cpu, then fake. `estimate` writes best.yaml too by default: after a probe (device time, on a GPU)
-    it would have replaced the measured plan with a predicted one; an estimate's own config it replaces."""
-    model, out = write_model(), tmp_path / "best.yaml"
-    probe = ("probe", model, "--device", "cpu", "--budget", "4MiB", "--batch", "2", "--context", "4", "--out", out)
-    assert run_cli(*probe).exit_code == 0
-    measured = out.read_text()
-    r = run_cli("estimate", model, *ESTIMATE, "--batch", "2", "--context", "4", "--out", out)
-    one_line_error(r, f"--out {out} holds a plan measured by probe on cpu (simulated memory, budget 4.00 MiB), ",
-                   "not replacing it with an estimate; choose another --out (e.g. --out estimate.yaml)")
-    assert out.read_text() == measured
-    estimated = tmp_path / "estimate.yaml"
-    for _ in range(2):  # the second replaces the first's
-        r = run_cli("estimate", model, *ESTIMATE, "--batch", "2", "--context", "4", "--out", estimated)
-        assert r.exit_code == 0, r.output
-
-
 # -- 3. --out is checked before the search; a failed write is one line ---------------------------
 
 def test_a_bad_out_is_refused_before_anything_runs(write_model, tmp_path, no_search):
@@ -405,12 +388,3 @@ def test_json_output_names_the_error_on_stdout(tmp_path, write_model):
     assert r.exit_code == 2, r.output
     assert json.loads(r.stdout) == {"error": "model.py: syntax error at line 1: invalid syntax", "exit_code": 2}
     assert r.stderr.strip() == "error: model.py: syntax error at line 1: invalid syntax"
-
-
-
-@pytest.mark.parametrize("args", [("--budget", "24"), ("--gpu", "t4", "--budget", "16"), ("--budget", "0.5")])
-def test_a_budget_without_its_unit_is_one_line_naming_the_units(args, write_model):
-    """`--budget 24` meant 24 GB: a bare number is bytes, and one below 1 KiB holds no model."""
-    value = args[-1]
-    one_line_error(run_cli("estimate", write_model(), *args), f"budget {value!r}: a number without a unit is bytes",
-                   f"({value}GiB, {value}GB or {value}MiB)")
