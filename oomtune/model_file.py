@@ -28,7 +28,7 @@ from .checkpointing import block_stacks, buffers_kept, checkpointed, enable_hf_c
 from .errors import ModelFileError, OomtuneError, first_line
 from .hook_names import REQUIRED, did_you_mean
 from .memory.devices import is_oom
-from .memory.host_kernels import lstm_hint
+from .memory.host_kernels import host_hint
 from .model_import import neighbours_first
 
 Batch = Any  # a Tensor, a tuple/list of Tensors, or a dict of str -> Tensor (nested: their leaves)
@@ -66,7 +66,7 @@ class ModelFile:
         except Exception as e:
             if is_oom(e):
                 raise
-            error = ModelFileError(f"{self.label}: {what} raised {_raised(e)}{lstm_hint(e)}")
+            error = ModelFileError(f"{self.label}: {what} raised {_raised(e)}{host_hint(e)}")
             error.raised = True
             raise error from e
 

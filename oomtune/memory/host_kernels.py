@@ -69,4 +69,24 @@ def lstm_hint(error: BaseException) -> str:
             "devices give it an fp32 plan, or --gpu NAME to account as that card would)")
 
 
-__all__ = ["amp_cannot_run", "has_lstm", "lstm_autocast_fails", "lstm_hint"]
+DTYPE_CLASHES = ("must have the same scalar type", "expected scalar type", "must have the same dtype",
+                 "to have the same dtype")  # torch's words where two operands' dtypes differ
+
+
+def dtype_clash_hint(error: BaseException) -> str:
+    """A hint for `error` where it is two dtypes that met under CPU autocast, else '': CPU autocast keeps fewer ops
+    in fp32 than CUDA's (softmax among them), so a model that adds such an op's output into an fp32 tensor
+    (index_add_ in a mixture of experts) fails there, and runs under CUDA autocast."""
+    if not any(s in str(error) for s in DTYPE_CLASHES) or not torch.is_autocast_enabled("cpu"):
+        return ""
+    dtype = {d: name for name, d in _DTYPES.items()}.get(torch.get_autocast_dtype("cpu"), "16-bit")
+    return (f" (under CPU {dtype} autocast, which keeps fewer ops in fp32 than CUDA's, softmax among them: --gpu "
+            "NAME accounts by that card's CUDA rules; without it, an fp32 plan: leave amp out of --levers)")
+
+
+def host_hint(error: BaseException) -> str:
+    """What this host's CPU autocast adds to a model error's line ('' where nothing)."""
+    return lstm_hint(error) or dtype_clash_hint(error)
+
+
+__all__ = ["amp_cannot_run", "dtype_clash_hint", "has_lstm", "host_hint", "lstm_autocast_fails", "lstm_hint"]

@@ -115,3 +115,51 @@ def test_checking_an_autocast_lstm_plan_on_a_host_that_cannot_run_it_is_one_line
     r = run_cli("check", "--config", str(config), "--device", "cpu", "--budget", "64MiB")
     assert r.exit_code == 2, r.output
     assert "this CPU cannot run an nn.LSTM under bf16 autocast" in r.stderr.strip().splitlines()[-1]
+
+
+EXPERTS = '''
+import torch
+from torch import nn
+
+class Experts(nn.Module):
+    """Top-2 routing: each expert's output, weighted by the softmax, added into an fp32 buffer with index_add_."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(8, 4)
+        self.experts = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x):
+        w, idx = self.gate(x).softmax(-1).topk(2, dim=-1)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            tok, slot = torch.where(idx == e)
+            out.index_add_(0, tok, expert(x[tok]) * w[tok, slot, None])
+        return out.square().mean()
+
+def build_model():
+    torch.manual_seed(0)
+    return Experts()
+
+def make_batch(batch_size, context_length, device):
+    return torch.randn(batch_size, 8, device=device)
+
+DEFAULTS = {"batch": 4, "context": 1}
+'''
+
+
+def test_a_dtype_clash_under_cpu_autocast_gets_a_hint(write_model, tmp_path):
+    """device: cpu. CPU autocast runs softmax in bf16 (CUDA's in fp32): the experts' bf16 output meets the fp32
+    buffer in index_add_. The probe stops at its amp rung with one line, which says so and what to do."""
+    from ..conftest import run_cli
+
+    assert host_kernels.dtype_clash_hint(RuntimeError("self (Float) and source (BFloat16) must have the same "
+                                                      "scalar type")) == ""  # not under autocast
+    r = run_cli("probe", write_model(EXPERTS), "--device", "cpu", "--budget", "200KiB", "--batch", "4096",
+                "--levers", "amp", "--amp", "bf16", "--out", tmp_path / "best.yaml")
+    assert r.exit_code == 2, r.output
+    line = r.stderr.strip().splitlines()[-1]
+    assert "index_add_(): self (Float) and source (BFloat16) must have the same scalar type" in line
+    assert ("(under CPU bf16 autocast, which keeps fewer ops in fp32 than CUDA's, softmax among them: --gpu NAME "
+            "accounts by that card's CUDA rules; without it, an fp32 plan: leave amp out of --levers) (in the trial "
+            "of micro-batch ") in line and line.endswith(", context 1, bf16)")
