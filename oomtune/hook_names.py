@@ -11,6 +11,7 @@ import difflib
 REQUIRED = ("build_model", "make_batch")
 OPTIONAL = ("loss", "blocks", "optimizer", "train_batches", "eval_batches")
 HOOKS = REQUIRED + OPTIONAL + ("DEFAULTS",)
+WORDS = ("loss", "blocks", "optimizer")  # optional hooks of one word, which a file's name may hold beside another
 _CUTOFF = 0.8  # difflib's ratio: make_batches/make_batch 0.91, optimiser/optimizer 0.89, losses/loss 0.8
 
 
@@ -22,7 +23,10 @@ def _lookalikes(module, hook: str) -> list[str]:
     else:
         names = [n for n in names if callable(getattr(module, n)) and not isinstance(getattr(module, n), type)]
     lower = {n.lower(): n for n in names}
-    return [lower[m] for m in difflib.get_close_matches(hook.lower(), list(lower), n=3, cutoff=_CUTOFF)]
+    near = [lower[m] for m in difflib.get_close_matches(hook.lower(), list(lower), n=3, cutoff=_CUTOFF)]
+    if hook in WORDS:  # loss_fn, compute_loss, get_blocks: the hook's one word, with a word of the file's own
+        near += [n for low, n in lower.items() if hook in low.split("_") and n not in near]
+    return near[:3]
 
 
 def _shown(name: str, hook: str) -> str:

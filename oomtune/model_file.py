@@ -172,7 +172,7 @@ class ModelFile:
                                  "define loss(model, batch))")
         raise ModelFileError(
             f"{self.label}: the model returned {_describe(out)}; the default loss takes a scalar, "
-            "(logits, loss) or an object with .loss — define loss(model, batch)"
+            "(logits, loss) or an object with .loss — define loss(model, batch)" + did_you_mean(self.module, "loss")
         )
 
     def optimizer(self, params: Sequence[nn.Parameter], lr: float,
@@ -299,7 +299,7 @@ def _describe(x: Any) -> str:
     if isinstance(x, torch.Tensor):
         return f"a Tensor of shape {tuple(x.shape)}"
     if isinstance(x, (tuple, list)):
-        inner = ", ".join(type(v).__name__ for v in x[:4])
+        inner = ", ".join("Tensor" if isinstance(v, torch.Tensor) else type(v).__name__ for v in x[:4])  # (fake)
         return f"a {type(x).__name__} of ({inner}{', ...' if len(x) > 4 else ''})"
     if x is None:
         return "None"

@@ -73,3 +73,18 @@ def test_a_file_with_its_hooks_right_gets_no_note():
     module.DEFAULTS = {}
     module.get_loss = module.configure = lambda *a: None
     assert hook_name_notes("m.py", module) == () and did_you_mean(module, "make_batch") == ""
+
+
+def test_a_loss_hook_named_with_a_word_of_its_own_is_named(write_model):
+    """device: fake. loss_fn() is no misspelling difflib would find (0.73), but holds the hook's one word: the
+    default loss's error names it, and the model's tuple is of Tensors, not FakeTensors."""
+    source = TINY_MODEL.replace("return nn.functional.cross_entropy(self.out(x).mean(1), y)",
+                                "return x, x, self.out(x)")
+    path = write_model(source + "\ndef loss_fn(model, batch):\n    return model(*batch)[2].mean()\n")
+    r = run_cli("estimate", str(path), "--budget", "400KiB", "--margin", "0", "--batch", "2", "--context", "4")
+    assert r.exit_code == 2
+    assert r.stderr.strip().splitlines()[-1].endswith(
+        "the model returned a tuple of (Tensor, Tensor, Tensor); the default loss takes a scalar, (logits, loss) or "
+        "an object with .loss — define loss(model, batch) (the file defines loss_fn(): is that it, misspelt?)")
+    mf = load_model_file(path)
+    assert hook_name_notes(mf.label, mf.module)[0].startswith("model.py defines loss_fn(), which is no hook")
