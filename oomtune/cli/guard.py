@@ -68,6 +68,9 @@ def _quiet_torch_noise(debug: bool) -> None:
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.utils\.checkpoint")
     if not debug:  # copy.deepcopy of a module built on fake tensors (nn.TransformerEncoder's layers) reads this
         warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor", category=UserWarning)
+        # nn.TransformerEncoder's fast path (enable_nested_tensor, in eval) says so on every run
+        warnings.filterwarnings("ignore", message="The PyTorch API of nested tensors is in prototype stage",
+                                category=UserWarning)
 
 
 def _peer_failure(e: BaseException) -> bool:

@@ -161,3 +161,18 @@ def test_a_config_behind_a_symlink_is_rewritten_where_it_lives(config, write_mod
     assert link.is_symlink() and link.resolve() == config.resolve()
     assert config.read_text() != before and "micro_batch_size: 4" in config.read_text()
     assert run_cli("check", "--config", link).exit_code == 0
+
+
+def test_torchs_warning_about_nested_tensors_is_not_in_a_commands_output():
+    """nn.TransformerEncoder's fast path (enable_nested_tensor, in eval) warns on every run; --debug shows it."""
+    import warnings
+
+    from oomtune.cli.guard import user_errors
+
+    text = "The PyTorch API of nested tensors is in prototype stage and will change in the near future."
+    for debug in (False, True):
+        with warnings.catch_warnings(record=True) as shown:
+            warnings.simplefilter("always")
+            with user_errors(debug):
+                warnings.warn(text, UserWarning, stacklevel=1)
+        assert bool(shown) is debug
