@@ -35,7 +35,8 @@ class OneLineUsageErrors(TyperGroup):
             where = e.ctx.command_path if e.ctx is not None else "oomtune"
             message = f"{e.format_message()} (see `{where} --help`)".replace("\n", " ")
             err.print(f"[bold red]error:[/] {escape(message)}")
-            if "--json" in argv:
+            takes_json = e.ctx is not None and any("--json" in getattr(p, "opts", ()) for p in e.ctx.command.params)
+            if "--json" in argv and takes_json:  # (train has no --json: `--json` is then the mistake itself)
                 print_json(json.dumps({"error": message, "exit_code": e.exit_code}, indent=2))
             sys.exit(e.exit_code)
         except click_errors.ClickException as e:

@@ -57,3 +57,10 @@ def test_a_command_line_that_does_not_parse_is_one_line_and_json_under_json(args
     assert len(lines) == 1 and lines[0].startswith(f"error: {message}") and "--help`)" in lines[0], r.stderr
     report = json.loads(r.stdout)
     assert report["exit_code"] == 2 and report["error"].startswith(message)
+
+
+def test_json_given_to_a_command_without_it_is_the_one_error_and_no_json():
+    """train has no --json: its usage error names --json itself, on stderr alone (no JSON a script would read)."""
+    r = run_cli("train", "--config", "best.yaml", "--json")
+    assert r.exit_code == 2 and r.stdout == "", r.output
+    assert r.stderr.strip().startswith("error: No such option: --json")
