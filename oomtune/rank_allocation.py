@@ -88,3 +88,16 @@ def restore(model: nn.Module, state: dict | None) -> None:
         setattr(ra, name, {n: t.to(weights[n].device) for n, t in state[name].items()})
     if state.get("rank_pattern") is not None:
         _config(owner).rank_pattern = state["rank_pattern"]
+
+
+def notes(model: nn.Module, steps: int) -> list[str]:
+    """What a run of `steps` optimizer steps should know of the AdaLoRA schedule: its total_step differs (the
+    budget shrinks until total_step - tfinal, whatever the run's length)."""
+    owner = allocator_of(model)
+    if owner is None or _config(owner).total_step == steps:
+        return []
+    c = _config(owner)
+    end = "the run ends before the ranks reach target_r" if steps < c.total_step - c.tfinal else \
+        "the schedule does not match the run"
+    return [f"AdaLoRA's total_step is {c.total_step}, and this run trains {steps} steps: {end} (set total_step to "
+            "the run's --steps)"]

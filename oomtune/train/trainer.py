@@ -163,7 +163,7 @@ class Trainer:
                        checkpoint=inputs.resumed_from.name if inputs.resumed_from else None)
         self.on_event(Started(self.state.plan, cfg, self.state.step, self.device.name, inputs.run_dir, self.data_hook,
                               self.evaluates, inputs.resumed_from))
-        for note in self.notes:
+        for note in self.notes + [Note(n, warning=True) for n in rank_allocation.notes(self.t.module, cfg.steps)]:
             self.on_event(note)
         label = self.model_file.label
         if isinstance(self.device, TrackedDevice) and is_compiled(self.t.module):

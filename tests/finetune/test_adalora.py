@@ -90,3 +90,13 @@ def test_the_probe_counts_the_allocator_scores_and_fake_equals_cpu(tmp_path, mon
     print(f"peak {probed['peak_bytes']:,} B, {fixed['peak_bytes']:,} B without the allocator; "
           f"adapter weights {adapters:,} B")
     assert probed["peak_bytes"] - fixed["peak_bytes"] >= 3 * adapters
+
+
+def test_a_run_shorter_than_adaloras_total_step_is_warned(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({"model": str(MODEL), "plan": {"micro_batch_size": 2, "context_length": 16}}))
+    r = run_cli("train", "--config", cfg, "--steps", "3", "--warmup-steps", "1", "--device", "cpu", "--run-dir",
+                tmp_path / "run")
+    assert r.exit_code == 0, r.output
+    assert ("warning: AdaLoRA's total_step is 10, and this run trains 3 steps: the run ends before the ranks reach "
+            "target_r (set total_step to the run's --steps)") in " ".join(r.output.split())
