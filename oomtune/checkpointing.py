@@ -99,7 +99,7 @@ def calls_checkpoint(model: nn.Module, forward: Callable[[], object]) -> str | N
     own = [c for c in {type(m) for m in model.modules()} if _own_forward_mentions_checkpoint(c)]
     if not own:
         return None
-    calls: list[type] = []
+    calls: list[bool] = []
     original = tuc.checkpoint
 
     def counting(*args, **kwargs):

@@ -24,7 +24,14 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from .checkpointing import block_stacks, buffers_kept, checkpointed, enable_hf_checkpointing, hf_checkpointing
+from .checkpointing import (
+    block_stacks,
+    buffers_kept,
+    cannot_checkpoint,
+    checkpointed,
+    enable_hf_checkpointing,
+    hf_checkpointing,
+)
 from .errors import ModelFileError, OomtuneError, first_line
 from .hook_names import REQUIRED, did_you_mean
 from .memory.devices import is_oom
@@ -242,8 +249,6 @@ class ModelFile:
         """Recompute each block's activations in backward instead of keeping them: Hugging Face models (PEFT-wrapped
         too) through their own switch, the rest by wrapping `blocks`."""
         enable = None if self.has("blocks") else hf_checkpointing(model)
-        from .checkpointing import cannot_checkpoint
-
         breaks = cannot_checkpoint(model) if enable is not None else None
         if breaks:  # (a plan written by hand, or before oomtune knew: its forward would fail with a shape error)
             raise ModelFileError(f"plan.activation_checkpointing: {self.label} cannot train checkpointed ({breaks}): "

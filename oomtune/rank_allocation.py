@@ -66,9 +66,9 @@ def _config(owner: nn.Module):
     return owner.peft_config[owner.trainable_adapter_name]
 
 
-def saved(model: nn.Module) -> dict:
-    """{KEY: the scores (on the host) and the rank pattern} for a checkpoint; {} for a model without an allocator."""
-    owner = allocator_of(model)
+def saved(owner: nn.Module | None) -> dict:
+    """{KEY: the allocator's scores (on the host) and rank pattern} for a checkpoint; {} without an allocator
+    (`owner`: allocator_of's, which Training keeps as rank_allocator)."""
     if owner is None:
         return {}
     ra = owner.rankallocator
@@ -76,10 +76,9 @@ def saved(model: nn.Module) -> dict:
     return {KEY: {**state, "rank_pattern": _config(owner).rank_pattern}}
 
 
-def restore(model: nn.Module, state: dict | None) -> None:
-    """Put a checkpoint's allocator state (`saved`'s value) back; a checkpoint without one (written before the
-    allocator was called, or of another model) leaves the allocator as built."""
-    owner = allocator_of(model)
+def restore(owner: nn.Module | None, state: dict | None) -> None:
+    """Put a checkpoint's allocator state (`saved`'s value) back into `owner`; a checkpoint without one (written
+    before the allocator was called, or of another model) leaves the allocator as built."""
     if owner is None or not state:
         return
     weights = dict(owner.model.named_parameters())  # the names the allocator keys by
@@ -90,13 +89,12 @@ def restore(model: nn.Module, state: dict | None) -> None:
         _config(owner).rank_pattern = state["rank_pattern"]
 
 
-def notes(model: nn.Module, steps: int) -> list[str]:
-    """What a run of `steps` optimizer steps should know of the AdaLoRA schedule: its total_step differs (the
+def notes(owner: nn.Module | None, steps: int) -> list[str]:
+    """What a run of `steps` optimizer steps should know of `owner`'s AdaLoRA schedule: its total_step differs (the
     budget shrinks until total_step - tfinal, whatever the run's length)."""
-    owner = allocator_of(model)
-    if owner is None or _config(owner).total_step == steps:
+    c = _config(owner) if owner is not None else None
+    if c is None or c.total_step == steps:
         return []
-    c = _config(owner)
     end = "the run ends before the ranks reach target_r" if steps < c.total_step - c.tfinal else \
         "the schedule does not match the run"
     return [f"AdaLoRA's total_step is {c.total_step}, and this run trains {steps} steps: {end} (set total_step to "

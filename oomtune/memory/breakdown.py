@@ -134,10 +134,10 @@ def static_memory(model_file: ModelFile, plan: Plan | None = None, levers: str =
         opt.step()
         optimizer_state = tracker.live_bytes - weights - grads
         temporaries = tracker.peak_bytes - tracker.live_bytes
-        itself = None if model_file.has("blocks") else checkpoints_itself(model)
-        if itself is None and not model_file.has("blocks"):  # its own code calling checkpoint() with no switch
-            itself = calls_checkpoint(model, functools.partial(_first_forward, model_file, model))
-        breaks = None if model_file.has("blocks") else cannot_checkpoint(model)
+        hooked = model_file.has("blocks")  # (a blocks hook always gets the rung)
+        itself = None if hooked else checkpoints_itself(model) or calls_checkpoint(  # its own checkpoint() calls too
+            model, functools.partial(_first_forward, model_file, model))
+        breaks = None if hooked else cannot_checkpoint(model)
         checkpointing = model_file.supports_checkpointing(model) and not itself and not breaks
         name = type(getattr(opt, "inner", opt)).__name__
         compiled = is_compiled(model)

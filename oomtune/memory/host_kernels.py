@@ -57,6 +57,10 @@ def amp_cannot_run(lstm: bool, device, amp: str) -> str | None:
             "it runs: add --gpu NAME to account as that card would (CUDA autocast)")
 
 
+def _cpu_autocast_dtype() -> str:
+    return {d: name for name, d in _DTYPES.items()}.get(torch.get_autocast_dtype("cpu"), "16-bit")
+
+
 def lstm_hint(error: BaseException) -> str:
     """A hint for `error` where it is oneDNN's failure to build an LSTM under CPU autocast (check and train run the
     plan they are given, and a model file may autocast by itself), else ''."""
@@ -64,7 +68,7 @@ def lstm_hint(error: BaseException) -> str:
         return ""
     if not torch.is_autocast_enabled("cpu"):
         return ""
-    dtype = {d: name for name, d in _DTYPES.items()}.get(torch.get_autocast_dtype("cpu"), "16-bit")
+    dtype = _cpu_autocast_dtype()
     return (f" (this CPU cannot run an nn.LSTM under {dtype} autocast, which needs AVX-512: on the cpu and fake "
             "devices give it an fp32 plan, or --gpu NAME to account as that card would)")
 
@@ -79,7 +83,7 @@ def dtype_clash_hint(error: BaseException) -> str:
     (index_add_ in a mixture of experts) fails there, and runs under CUDA autocast."""
     if not any(s in str(error) for s in DTYPE_CLASHES) or not torch.is_autocast_enabled("cpu"):
         return ""
-    dtype = {d: name for name, d in _DTYPES.items()}.get(torch.get_autocast_dtype("cpu"), "16-bit")
+    dtype = _cpu_autocast_dtype()
     return (f" (under CPU {dtype} autocast, which keeps fewer ops in fp32 than CUDA's, softmax among them: --gpu "
             "NAME accounts by that card's CUDA rules; without it, an fp32 plan: leave amp out of --levers)")
 

@@ -114,7 +114,7 @@ def restore(checkpointer: Checkpointer, path: Path, state: dict[str, Any], t: Tr
         with device.measure():
             checkpointer.load(path, state, t, label)
             t.scaler.load_state_dict(state["scaler"])
-            rank_allocation.restore(t.module, state.get(rank_allocation.KEY))  # AdaLoRA's scores, where saved
+            rank_allocation.restore(t.rank_allocator, state.get(rank_allocation.KEY))  # AdaLoRA's scores, where saved
     except (RuntimeError, KeyError, ValueError, TypeError) as e:
         if is_oom(e):
             raise

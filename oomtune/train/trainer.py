@@ -30,7 +30,7 @@ from typing import Any, NoReturn
 
 import torch
 
-from .. import rank_allocation
+from .. import rank_allocation as adalora
 from ..config.writing import rewrite_plan, to_dict
 from ..dist.group import LoneOutOfMemory, init
 from ..dist.launch import DEFAULT_TIMEOUT_S, launched_by_torchrun
@@ -163,7 +163,7 @@ class Trainer:
                        checkpoint=inputs.resumed_from.name if inputs.resumed_from else None)
         self.on_event(Started(self.state.plan, cfg, self.state.step, self.device.name, inputs.run_dir, self.data_hook,
                               self.evaluates, inputs.resumed_from))
-        for note in self.notes + [Note(n, warning=True) for n in rank_allocation.notes(self.t.module, cfg.steps)]:
+        for note in self.notes + [Note(n, warning=True) for n in adalora.notes(self.t.rank_allocator, cfg.steps)]:
             self.on_event(note)
         label = self.model_file.label
         if isinstance(self.device, TrackedDevice) and is_compiled(self.t.module):
@@ -372,7 +372,7 @@ class Trainer:
                      "hook": self.data_hook},
             "scaler": t.scaler.state_dict(), "train": to_dict(self.cfg), "model_file": str(self.model_file.path),
             "torch_version": str(torch.__version__), "run_on": self.run_on,
-            "optimizer_class": type(t.optimizer).__name__, **rank_allocation.saved(t.module)}  # AdaLoRA's scores
+            "optimizer_class": type(t.optimizer).__name__, **adalora.saved(t.rank_allocator)}  # AdaLoRA's scores
         path = self.checkpointer.save(self.inputs.run_dir, meta, capture_rng(self.cuda), t, keep)
         s.last_checkpoint, s.checkpoint_step = path, s.step
         self.log.event("checkpoint", step=s.step, path=path.name, reason=reason)
