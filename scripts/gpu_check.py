@@ -11,8 +11,11 @@ PyYAML, typer and rich are not needed.
      the real max_memory_allocated less what was live before the trial, and its peak with the margin against the
      real max_memory_reserved plus the CUDA context, with relative errors; then the margin those rows imply
      (a least-squares fit of card - tensors = fixed + pct x tensors), to calibrate the default 512MiB+5%
-  3. the probe on the real GPU, per example (4 GiB budget, target batch 4096): the plan, trials, wall time,
-     next to the fake device's plan for the same targets and budget
+  3. the probe on the real GPU, per example (4 GiB budget, target batch 4096): the plan, trials, wall time, from
+     the estimate and with --no-prior, next to the fake device's plan for the same targets and budget
+  4. the kernels the fake device follows the CPU for (an LSTM's cuDNN reserve space, fp32 grouped matmul)
+  5. the probe table's row for a realistic model, GPT-2 small (16 GiB, target batch 32, context 1024), where the
+     time box leaves it ~2.5 minutes: whether the prior pays in wall time where a device trial costs real compute
 
 Prints one Markdown report; with $OUT set, also writes $OUT/gpu_check.md, $OUT/gpu_check.json and the full
 pytest output $OUT/gpu_tests.txt.
@@ -38,7 +41,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # the checkout, not an installed copy
 sys.path.insert(0, str(ROOT / "scripts"))  # its tables, beside this file
 
-from gpu_tables import Report, TimeBox, kernel_table, memory_table, probe_table  # noqa: E402 - after the path
+from gpu_probe import probe_table, realistic_table  # noqa: E402 - after the path
+from gpu_tables import Report, TimeBox, kernel_table, memory_table  # noqa: E402
 
 OPTIONAL = ("pytest", "pynvml", "yaml", "typer", "rich")
 NO_GPU = 3
@@ -207,6 +211,7 @@ def run_checks(rep: Report, torch, args, deadline: float, out_dir: str | None) -
         context = memory_table(rep, make_device("cuda"), deadline, gpu)
         probe_table(rep, deadline, context)
         kernel_table(rep, torch)
+        realistic_table(rep, deadline, context)  # last: where the time box is short, only it is lost
     except TimeBox:
         rep.problem("time box hit")
         rep.say(f"\n**time box**: stopped after {args.time_box:.0f} s")

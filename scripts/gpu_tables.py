@@ -1,5 +1,6 @@
-"""The tables of `make gpu-check` (scripts/gpu_check.py): fake estimate vs real memory, and the probe on the real
-GPU next to the fake device's plan. Each takes the device to measure on, so a test can dry-run them on the CPU."""
+"""The tables of `make gpu-check` (scripts/gpu_check.py): fake estimate vs real memory, and the kernels the fake
+device follows the CPU for (the probe's tables: gpu_probe.py). Each takes the device to measure on, so a test can
+dry-run them on the CPU."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ("tiny_gpt", "mlp_dict", "conv_net")
 PLAN_SCALES = (8, 64)  # the table's fixed plans: scale x DEFAULTS batch, DEFAULTS context (64: a few GiB)
-PROBE_BUDGET, PROBE_BATCH = "4GiB", 4096
 MEMORY_HEADER = ["model", "rung", "batch x ctx", "fake tensors, CPU rules", "fake tensors, card rules",
                  "real max allocated", "less live before", "error", "fake reserved (allocator model)",
                  "real max reserved", "error", "fake peak (context + reserved)", "real reserved + context", "error",
@@ -254,98 +254,6 @@ def memory_table(rep: Report, cuda, deadline: float, gpu: dict, examples=EXAMPLE
                           "implied_margin": {"fixed_bytes": int(fit[0]), "pct": fit[1],
                                              "points": len(points)} if fit else None}
     return context
-
-
-# -- 3. the probe --------------------------------------------------------------------------------------
-
-def probe_table(rep: Report, deadline: float, context: int | None, make_real=None, examples=EXAMPLES,
-                budget: str = PROBE_BUDGET, batch: int = PROBE_BATCH) -> None:
-    """The probe on the real GPU (`make_real(budget)` -> the device; a test dry-runs it on another) next to the
-    fake device's plan for the same targets."""
-    import dataclasses
-
-    from oomtune.memory.devices import make_device
-    from oomtune.model_file import load_model_file
-    from oomtune.search.options import Targets
-    from oomtune.search.probe import probe
-    from oomtune.units import format_bytes as fb
-    from oomtune.units import parse_budget
-
-    # on cuda the budget caps the caching allocator (the context is outside it); the fake device's budget is a
-    # whole card whose margin includes the context: give it the context on top, so both mean the same memory
-    make_real = make_real or (lambda b: make_device("cuda", b))
-    fake_budget = f"{parse_budget(budget) + (context or 0)}B"
-    card = card_of(make_real(budget))  # its rules, with the context this process measured (0 where unknown)
-    card = dataclasses.replace(card, context_bytes=context or 0) if card is not None else None
-    rep.say(f"## the probe on the real GPU (budget {budget}, headroom 10%, target batch {batch})")
-    rep.say(f"the fake device gets {fb(parse_budget(fake_budget))}: the budget plus this process's CUDA context "
-            f"({fb(context) if context is not None else 'unknown without NVML: not added'})")
-    rows, data = [], []
-    for name in examples:
-        mf = load_model_file(ROOT / "examples" / f"{name}.py")
-        t = mf.defaults.get("context", 512)
-        targets = Targets(batch, t, t)
-        try:
-            check_time(deadline)
-            cuda = make_real(budget)
-            start = time.perf_counter()
-            real = probe(mf, cuda, targets)  # from the estimate (its fake trials in the wall time)
-            real_s = time.perf_counter() - start
-            check_time(deadline)
-            start = time.perf_counter()
-            plain = probe(mf, make_real(budget), targets, prior=False)
-            plain_s = time.perf_counter() - start
-            fake, fake_missing = fake_device(fake_budget, card)
-            est, est_s = None, None
-            if fake is not None:
-                check_time(deadline)
-                start = time.perf_counter()
-                est = probe(mf, fake, targets, command="estimate")
-                est_s = time.perf_counter() - start
-        except TimeBox:
-            rep.problem("time box hit in the probe table")
-            rows.append([name, "time box"] + [""] * 10)
-            data.append({"model": name, "error": "time box"})
-            break
-        except Exception as e:  # noqa: BLE001
-            rep.problem(f"probe {name}: {type(e).__name__}")
-            rows.append([name, f"error: {type(e).__name__}: {str(e)[:80]}"] + [""] * 10)
-            data.append({"model": name, "error": f"{type(e).__name__}: {e}"})
-            continue
-        plan = real.config.plan.describe() if real.config else "nothing fits"
-        peak = fb(real.config.found_by.peak_bytes) if real.config else "-"
-        per_rung = ", ".join(f"{k} {v}" for k, v in real.trials_per_rung.items())
-        if est is None:
-            fake_plan, same = fake_missing, "n/a"
-        else:
-            fake_plan = est.config.plan.describe() if est.config else "nothing fits"
-            same = "yes" if (est.config and real.config and est.config.plan == real.config.plan) else "no"
-        prior = real.prior.to_json() if real.prior is not None else {}
-        same_plain = "yes" if (plain.config and real.config and plain.config.plan == real.config.plan) else "no"
-        rows.append([name, f"{batch}x{t}", plan, peak, f"{len(real.records)} ({per_rung})", f"{real_s:.1f}",
-                     f"{prior.get('fake_trials')} + {prior.get('replayed_trials')} replayed / "
-                     f"{prior.get('fake_seconds')} s"
-                     + (f", fell back: {prior['fell_back_rungs']}" if prior.get("fell_back_rungs") else ""),
-                     f"{len(plain.records)}", f"{plain_s:.1f}", same_plain,
-                     fake_plan, f"{len(est.records)} / {est_s:.1f} s" if est is not None else "n/a", same])
-        data.append({"model": name, "batch": batch, "context": t, "budget": budget,
-                     "plan": real.config.plan.describe() if real.config else None,
-                     "peak_bytes": real.config.found_by.peak_bytes if real.config else None,
-                     "trials": len(real.records), "trials_per_rung": real.trials_per_rung,
-                     "wall_seconds": round(real_s, 2), "prior": prior,
-                     "no_prior_trials": len(plain.records), "no_prior_trials_per_rung": plain.trials_per_rung,
-                     "no_prior_wall_seconds": round(plain_s, 2), "no_prior_same_plan": same_plain,
-                     "fake_plan": est.config.plan.describe() if est is not None and est.config else None,
-                     "fake_trials": len(est.records) if est is not None else None,
-                     "fake_wall_seconds": round(est_s, 2) if est_s is not None else None, "fake_missing": fake_missing,
-                     "same_plan": same})
-    rep.say(md_table(["model", "target", "real plan", "real peak", "device trials (per rung)",
-                      "wall s (estimate incl.)", "the prior's fake trials / s", "trials, --no-prior",
-                      "wall s, --no-prior", "same plan as --no-prior", "fake plan", "fake trials / wall",
-                      "same plan"], rows))
-    rep.data["probe"] = data
-
-
 
 
 # -- 4. kernels the fake device follows the CPU for ----------------------------------------------------------------

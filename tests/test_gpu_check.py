@@ -83,17 +83,41 @@ def test_the_memory_table_dry_run_on_the_cpu_device_reads_zero_error():
     assert rep.data["memory"]["implied_margin"] is None  # no context without NVML: nothing to fit
 
 
+def load_probe_tables():
+    load_script()
+    import gpu_probe
+
+    return gpu_probe
+
+
 def test_the_probe_table_dry_run_compares_the_plans():
     """device: cpu standing in for the GPU (1 GiB budget: mlp_dict's 32 x 64 fits outright), fake for the estimate."""
     from oomtune.memory.devices import CpuDevice
 
-    t = load_tables()
-    rep = t.Report()
-    t.probe_table(rep, float("inf"), None, make_real=CpuDevice, examples=("mlp_dict",), budget="1GiB", batch=32)
+    p = load_probe_tables()
+    rep = p.Report()
+    case = p.ProbeCase("mlp_dict", ROOT / "examples" / "mlp_dict.py", 32, "1GiB")
+    p.probe_table(rep, float("inf"), None, make_real=CpuDevice, cases=(case,))
     assert not rep.problems, rep.problems
     (row,) = rep.data["probe"]
     assert row["plan"] == "micro-batch 32, context 64, fp32 (global batch 32)" and row["same_plan"] == "yes"
-    assert row["trials"] == row["fake_trials"] == 1
+    assert row["trials"] == row["fake_trials"] == row["no_prior_trials"] == 1
+    assert row["no_prior_device_trial_seconds"] > 0
+    (line,) = [ln for ln in "\n".join(rep.md).splitlines() if ln.startswith("| mlp_dict")]
+    assert len(line.strip("|").split("|")) == len(p.HEADER)
+
+
+def test_the_realistic_row_says_it_did_not_run_where_the_time_box_is_short():
+    """device: none (it stops before building one). A row the time box leaves no room for is a problem (exit 1), not a
+    pass, and its table says why."""
+    import time
+
+    p = load_probe_tables()
+    rep = p.Report()
+    p.realistic_table(rep, time.monotonic() + 60, None, needs_s=150)
+    assert rep.problems == ["probe gpt2_small not run (time)"]
+    assert "NOT RUN:" in rep.md[-1] and "it needs about 150 s" in rep.md[-1]
+    assert rep.data["probe_realistic"][0]["error"].startswith("not run: ")
 
 
 def test_the_kernel_tables_cpu_side_reads_onednns_lstm_workspaces():
