@@ -216,7 +216,11 @@ def breakdown_table(bd, plan, limit_bytes: int | None = None, title: str = "brea
                   f"[bold]{fmt_bytes(bd.peak_bytes)}[/]", "", "")
     if bd.modelled_reserved_bytes and not card:
         over = bd.modelled_reserved_bytes / peak - 1
-        table.add_row("allocator model", fmt_bytes(bd.modelled_reserved_bytes), f"{over:+.0%}",
+        past = limit_bytes is not None and bd.modelled_reserved_bytes > limit_bytes  # (a flat margin that is too small)
+        table.add_row("allocator model", f"[red]{fmt_bytes(bd.modelled_reserved_bytes)}[/]" if past else
+                      fmt_bytes(bd.modelled_reserved_bytes), f"{over:+.0%}",
+                      "[red]past what is allowed: on a card this plan may run out of memory; the card's own margin "
+                      "(no --margin) counts it[/]" if past else
                       "[dim]what CUDA's caching allocator would reserve for these tensors (not in the peak)[/]")
     if bd.host_bytes:
         table.add_row("host memory", fmt_bytes(bd.host_bytes), "", f"[dim]{host_use(plan)}: not in the GPU's peak[/]")

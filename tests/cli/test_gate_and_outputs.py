@@ -176,3 +176,17 @@ def test_torchs_warning_about_nested_tensors_is_not_in_a_commands_output():
             with user_errors(debug):
                 warnings.warn(text, UserWarning, stacklevel=1)
         assert bool(shown) is debug
+
+
+def test_a_flat_margin_that_leaves_out_the_allocator_models_reserve_says_so(write_model):
+    """device: fake. --margin 0 on a 400 KiB budget: the tensors fit, while the caching allocator would reserve a
+    whole 2 MiB segment; the breakdown's allocator row says the plan may run out on a card (it printed +400% with
+    the usual help, under a 'fits')."""
+    r = run_cli("estimate", write_model(), "--budget", "400KiB", "--margin", "0", "--micro-batch", "2",
+                "--context", "4")
+    assert r.exit_code == 0 and "fits" in r.stdout, r.output
+    text = " ".join(r.stdout.split())
+    assert "allocator model 2.00 MiB" in text and "past what is allowed: on a card this plan may run out" in text
+    with_room = run_cli("estimate", write_model(), "--budget", "4MiB", "--margin", "0", "--micro-batch", "2",
+                        "--context", "4")
+    assert with_room.exit_code == 0 and "past what is allowed" not in " ".join(with_room.stdout.split())
