@@ -43,5 +43,12 @@ def rung_label(rung: str, precision: str) -> str:
             "fsdp": f"{precision}+fsdp"}.get(rung, rung)
 
 
+def rate_unit(context_length: int, long: bool = False) -> str:
+    """What a speed counts: tokens, or examples where the model has no sequence (context 1: images)."""
+    if context_length == 1:
+        return "examples/s" if long else "ex/s"
+    return "tokens/s" if long else "tok/s"
+
+
 def fmt_bytes(n) -> str:
     return format_bytes(n)

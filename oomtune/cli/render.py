@@ -17,14 +17,15 @@ from rich.table import Table
 from ..config.writing import to_dict
 from ..units import counted
 from .chart import peak_chart
-from .console import RESULT_SHORT, RESULT_STYLE, err, fmt_bytes, out, rung_label
+from .console import RESULT_SHORT, RESULT_STYLE, err, fmt_bytes, out, rate_unit, rung_label
 from .guard import print_json, stop_if_interrupted
 
 
 def trials_table(records) -> Table:
     table = Table(title="trials", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    speed = rate_unit(1) if records and all(r.context_length == 1 for r in records) else rate_unit(2)
     for col, just in (("#", "right"), ("rung", "left"), ("stage", "left"), ("batch", "right"),
-                      ("ctx", "right"), ("result", "left"), ("peak", "right"), ("tok/s", "right"),
+                      ("ctx", "right"), ("result", "left"), ("peak", "right"), (speed, "right"),
                       ("sec", "right")):
         table.add_column(col, justify=just, no_wrap=col != "rung", overflow="fold" if col == "rung" else "ellipsis")
     for i, r in enumerate(records, 1):
@@ -154,7 +155,8 @@ def render_search(result, out_path: Path | None, as_json: bool, verb: str, extra
                 out.print(chart)
         if result.config is not None:
             fb = result.config.found_by
-            tps = f", {fb.tokens_per_s:,.0f} tokens/s" if fb.tokens_per_s else ""
+            unit = rate_unit(result.config.plan.context_length, long=True)
+            tps = f", {fb.tokens_per_s:,.0f} {unit}" if fb.tokens_per_s else ""
             out.print(f"[bold green]plan:[/] {result.config.plan.describe()}")
             out.print(f"      peak {fmt_bytes(fb.peak_bytes)} of {fmt_bytes(result.limit_bytes)} allowed "
                       f"(budget {fmt_bytes(fb.budget_bytes)}, {fb.headroom:.0%} headroom){tps}; "

@@ -10,7 +10,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from ..dist.launch import DEFAULT_TIMEOUT_S, worker_rank
 from . import app
-from .console import err, fmt_bytes, out
+from .console import err, fmt_bytes, out, rate_unit
 from .guard import user_errors
 from .options import (
     ConfigOpt,
@@ -35,13 +35,13 @@ def _num(x) -> str:
     return "n/a" if x is None else f"{x:.4f}"  # None: not finite (metrics.jsonl writes null)
 
 
-def _metrics_line(m: dict) -> str:
+def _metrics_line(m: dict, unit: str = "tok/s") -> str:
     parts = [f"step {m['step']:>6}", f"loss {_num(m['loss'])}"]
     if "eval_loss" in m:
         parts.append(f"[bold]eval {_num(m['eval_loss'])}[/]")
     parts.append(f"lr {m['lr']:.2e}")
     if m.get("tokens_per_s"):
-        parts.append(f"{m['tokens_per_s']:,.0f} tok/s")
+        parts.append(f"{m['tokens_per_s']:,.0f} {unit}")
     parts.append(f"peak {fmt_bytes(m['peak_bytes'])}")
     if m.get("nvml_used_bytes") is not None:
         parts.append(f"nvml {fmt_bytes(m['nvml_used_bytes'])}")
@@ -53,9 +53,11 @@ def _render(progress: Progress, task):
     from ..train.events import Checkpointed, Note, OomFallback, Started, StepDone
 
     say = progress.console.print
+    unit = [rate_unit(2)]  # tok/s; ex/s for a plan of context 1 (told by Started)
 
     def on_event(e) -> None:
         if isinstance(e, Started):
+            unit[0] = rate_unit(e.plan.context_length)
             where = f"resuming from {e.resumed_from} at step {e.start_step}" if e.resumed_from else "from scratch"
             say(f"training {where} on {e.device}: {e.plan.describe()}, {e.train.steps} steps, lr {e.train.lr:g}, "
                 f"run dir {e.run_dir}")
@@ -67,9 +69,9 @@ def _render(progress: Progress, task):
             if e.metrics is not None:
                 m = e.metrics
                 mem = m.get("nvml_used_bytes") if m.get("nvml_used_bytes") is not None else m["peak_bytes"]
-                fields = {"loss": f"loss {_num(m['loss'])}", "speed": f"{m['tokens_per_s'] or 0:,.0f} tok/s",
+                fields = {"loss": f"loss {_num(m['loss'])}", "speed": f"{m['tokens_per_s'] or 0:,.0f} {unit[0]}",
                           "memory": f"{'nvml' if 'nvml_used_bytes' in m else 'peak'} {fmt_bytes(mem)}"}
-                say(_metrics_line(m))
+                say(_metrics_line(m, unit[0]))
             progress.update(task, completed=e.step, **fields)
         elif isinstance(e, OomFallback):
             say(f"[bold yellow]out of memory[/] at step {e.step} ({e.phase}): {e.message}")

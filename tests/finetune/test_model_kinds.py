@@ -75,6 +75,7 @@ def test_each_kind_probes_trains_estimates_and_checks_and_fake_equals_cpu(kind, 
         assert EAGER + "fake device's memory tracker" in checked["notes"][0]
         assert load_config(tmp_path / "best.yaml").found_by.notes == tuple(probed["notes"])
         assert EAGER + "cpu device's memory tracker: it trains uncompiled here" in " ".join(trained.split())
+        assert " ex/s " in trained and "tok/s" not in trained  # context 1: its speed counts examples
 
 
 
