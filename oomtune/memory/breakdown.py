@@ -51,6 +51,7 @@ class StaticMemory:
     checkpoints_itself: str | None = None  # how build_model() turned the model's own checkpointing on: no such rung
     lstm: bool = False  # the model has an nn.LSTM (memory/host_kernels.py: some CPUs cannot autocast it)
     checkpointing_breaks: str | None = None  # why the model cannot train checkpointed (cannot_checkpoint): no rung
+    frozen_dtype: str | None = None  # "bfloat16" / "float16": every frozen weight is, where the trained ones are not
 
     @property
     def trained_elements(self) -> int:
@@ -116,8 +117,9 @@ def static_memory(model_file: ModelFile, plan: Plan | None = None, levers: str =
         with CudaOnHost():
             model = model_file.build()
         nf4 = sum(m.weight.numel() for m in frozen_linears(model))
-        low = {p.dtype for p in model.parameters() if p.requires_grad and p.is_floating_point()}
-        low = str(low.pop()).removeprefix("torch.") if low in ({torch.float16}, {torch.bfloat16}) else None
+        low, frozen = (_low_dtype(p for p in model.parameters() if p.requires_grad is trained)
+                       for trained in (True, False))
+        frozen = frozen if low is None else None  # (a whole model in 16 bits: the weights_dtype note says it)
         if plan is not None:
             prepare_model(model, plan, model_file.label, computes=False)
         weights = tracker.live_bytes
@@ -147,7 +149,13 @@ def static_memory(model_file: ModelFile, plan: Plan | None = None, levers: str =
         lstm = has_lstm(model)
         del model, params, opt
     return StaticMemory(weights, grads, optimizer_state, name, checkpointing, compiled, temporaries, nf4, host,
-                        levers, low, trained, batch_norm, itself, lstm, breaks)
+                        levers, low, trained, batch_norm, itself, lstm, breaks, frozen_dtype=frozen)
+
+
+def _low_dtype(params) -> str | None:
+    """"bfloat16" / "float16" where every floating-point one of `params` is in it (and there is one), else None."""
+    dtypes = {p.dtype for p in params if p.is_floating_point()}
+    return str(dtypes.pop()).removeprefix("torch.") if dtypes in ({torch.float16}, {torch.bfloat16}) else None
 
 
 def _first_forward(model_file: ModelFile, model: torch.nn.Module) -> None:
