@@ -19,6 +19,7 @@ import torch
 
 from ..config.loading import from_dict, load_config
 from ..config.schema import Config, Plan, TrainConfig
+from ..dist.launch import worker_rank
 from ..errors import BAD_INPUT, ConfigError, ModelFileError, OomtuneError, first_line
 from ..memory.cards import find_gpu
 from ..memory.devices import Device, make_device, resolve_kind
@@ -26,7 +27,7 @@ from ..model_file import ModelFile, load_model_file
 from ..search.check import check_floor, check_margin
 from ..units import format_bytes
 from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, older_intact
-from .rundir import METRICS, check_run_dir, no_checkpoint_message
+from .rundir import METRICS, check_run_dir, in_use_message, no_checkpoint_message, run_dir_user
 
 
 @dataclass
@@ -62,6 +63,9 @@ def check_inputs(config_path: str | Path, overrides: dict[str, Any] | None, *, r
         raise ModelFileError(f"{config_path}: {e.message}") from None
     run_dir = Path(cfg.run_dir)
     check_run_dir(run_dir)  # a file, an unwritable folder: bad input, before the model is built
+    user = run_dir_user(run_dir) if worker_rank() in (None, 0) else None  # (rank 0 of these ranks may hold it now)
+    if user is not None:
+        raise OomtuneError(in_use_message(run_dir, user), BAD_INPUT)
     state, latest = None, None
     if resume:
         latest = latest_checkpoint(run_dir)

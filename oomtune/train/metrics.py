@@ -3,6 +3,7 @@ needs the most), NVML's view of this process on cuda, the eval loss when due, th
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ..dist.group import Dist
+from ..errors import OomtuneError
 from ..memory.devices import Device
 from ..memory.nvml import used_by
 from .events import Event, Note
@@ -50,15 +52,20 @@ class StepMetrics:
                    "peak_bytes": int(self.dist.max(window.peak)[0])}  # the rank that needs the most
         if self.cuda:
             metrics["nvml_used_bytes"] = self._nvml()
+        metrics["state_bytes"] = int(self.dist.max(state_bytes)[0])
+        metrics["micro_batch_size"] = state.plan.micro_batch_size  # changes after an OOM fallback
+        metrics["grad_accum_steps"] = state.plan.grad_accum_steps
         if evaluate is not None:
-            value, eval_peak = evaluate()
+            try:
+                value, eval_peak = evaluate()
+            except BaseException:  # the step trained: its line is kept (a resume starts after it), without the eval
+                with contextlib.suppress(OomtuneError):  # (a log that cannot be written: the eval's error first)
+                    self.log.metrics(metrics)
+                raise
             metrics["eval_loss"] = value
             metrics["peak_bytes"] = int(self.dist.max(max(window.peak, eval_peak))[0])
             if not math.isfinite(value):  # written as null; training itself stops on a NaN loss
                 on_event(Note(f"the eval loss is {value} at step {state.step}", warning=True))
-        metrics["state_bytes"] = int(self.dist.max(state_bytes)[0])
-        metrics["micro_batch_size"] = state.plan.micro_batch_size  # changes after an OOM fallback
-        metrics["grad_accum_steps"] = state.plan.grad_accum_steps
         self.log.metrics(metrics)
         return metrics
 

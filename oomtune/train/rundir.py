@@ -1,6 +1,6 @@
-"""The run directory: checked before anything is built, and its log files: metrics.jsonl (one JSON object per
-logged step) and events.jsonl (start, resume, checkpoints, OOM fallbacks, config updates, divergence, errors,
-interruption, finish).
+"""The run directory: checked before anything is built, held by one run at a time (.oomtune.lock), and its log
+files: metrics.jsonl (one JSON object per logged step) and events.jsonl (start, resume, checkpoints, OOM fallbacks,
+config updates, divergence, errors, interruption, finish).
 
 Both files are strict JSON, one object a line: a number that is not finite (a NaN or infinite loss) is written as
 null, never as the bare `NaN` / `Infinity` tokens Python's json module would write and other readers reject."""
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +18,14 @@ from ..files import atomic_write, nearest_existing, try_write_in
 from ..units import utc_now
 from .checkpoint import remove, stale_temp_files
 
+try:
+    import fcntl
+except ImportError:  # (not POSIX: no lock, as before)
+    fcntl = None
+
 METRICS = "metrics.jsonl"  # one JSON object per logged step: step, loss, lr, tokens_per_s, peak_bytes[, eval_loss]
 EVENTS = "events.jsonl"  # start / resume / oom_fallback / config_updated / checkpoint / diverged / error / ...
+LOCK = ".oomtune.lock"  # flock'd by the run writing the run dir (its pid inside); the OS lets go when it ends
 
 
 def check_run_dir(run_dir: Path) -> None:
@@ -37,16 +44,61 @@ def check_run_dir(run_dir: Path) -> None:
                            "--run-dir with a folder you can write", BAD_INPUT) from None
 
 
-def open_run_dir(run_dir: Path, clean: bool) -> None:
-    """Make the run dir; `clean`: delete the temp files a killed checkpoint write left (never a checkpoint)."""
+def open_run_dir(run_dir: Path) -> None:
+    """Make the run dir."""
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise OomtuneError(f"run dir {run_dir} cannot be created: {(e.strerror or str(e)).lower()}",
                            BAD_INPUT) from None
-    if clean:
-        for tmp in stale_temp_files(run_dir):
-            remove(tmp)
+
+
+def run_dir_user(run_dir: Path) -> int | None:
+    """The pid of the `oomtune train` writing `run_dir` now (it holds LOCK), else None; 0 where its pid is not known.
+    Two runs in one run dir interleave their metrics and rotate each other's checkpoints."""
+    if fcntl is None:
+        return None
+    try:
+        with open(run_dir / LOCK, "rb") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return _pid_in(f)
+    except OSError:  # no lock file: no run has held this run dir
+        return None
+    return None
+
+
+def hold_run_dir(run_dir: Path):
+    """Take the run dir's lock for this process (None without fcntl); one line, exit 2, where a live run holds it."""
+    if fcntl is None:
+        return None
+    f = open(run_dir / LOCK, "a+b")  # noqa: SIM115 - held open for the run (RunLog.release closes it)
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        pid = _pid_in(f)
+        f.close()
+        raise OomtuneError(in_use_message(run_dir, pid), BAD_INPUT) from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()}\n".encode())
+    f.flush()
+    return f
+
+
+def in_use_message(run_dir: Path, pid: int) -> str:
+    by = f" (pid {pid})" if pid else ""
+    return (f"run dir {run_dir} is in use by another oomtune train{by}: two runs would interleave their logs and "
+            "checkpoints; wait for it to end, or pass --run-dir for a new run")
+
+
+def _pid_in(f) -> int:
+    f.seek(0)
+    try:
+        return int(f.read().decode().strip() or 0)
+    except (ValueError, UnicodeDecodeError):
+        return 0
 
 
 def no_checkpoint_message(run_dir: Path) -> str:
@@ -88,6 +140,28 @@ class RunLog:
     def __init__(self, run_dir: Path, enabled: bool = True):
         self.run_dir = Path(run_dir)
         self.enabled = enabled
+        self.lock = None  # the run dir's lock file, held while this run writes it (rank 0)
+
+    def open(self, clean: bool) -> None:
+        """Make the run dir and, where this rank writes it, take its lock until `release`; then `clean`: delete the
+        temp files a killed checkpoint write left (never a checkpoint; not before the lock: a live run's own)."""
+        open_run_dir(self.run_dir)
+        if self.enabled:
+            self.lock = hold_run_dir(self.run_dir)
+        if clean:
+            for tmp in stale_temp_files(self.run_dir):
+                remove(tmp)
+
+    def release(self) -> None:
+        if self.lock is not None:
+            self.lock.close()  # (closing the file lets go of its flock)
+            self.lock = None
+
+    def __enter__(self) -> RunLog:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
 
     def _append(self, name: str, record: dict) -> None:
         path = self.run_dir / name

@@ -48,7 +48,7 @@ from .metrics import StepMetrics, Window
 from .notes import run_notes
 from .recovery import RecoveryPolicy, Retry, Stop
 from .rng import capture_rng, restore_rng, seed_everything
-from .rundir import RunLog, open_run_dir
+from .rundir import RunLog
 from .schedule import lr_at
 from .signals import StopRequest, graceful_stop
 from .state import Phase, RunState
@@ -109,7 +109,7 @@ class Trainer:
                             self.device, self.cfg.seed + DATA_SEED_OFFSET)
         failure: Exception | None = None
         first_loss = last_loss = last_eval = stopping = None
-        with graceful_stop() as stop:
+        with graceful_stop() as stop, self.log:  # (leaving: the run dir's lock is let go)
             try:
                 if self.inputs.resumed_from is not None and self.state.step < self.cfg.steps:
                     self.state.phase = Phase.DATA
@@ -155,7 +155,7 @@ class Trainer:
         if inputs.resume_state:
             self._restore(inputs.resume_state)
             inputs.resume_state = None  # free the loaded copy
-        open_run_dir(inputs.run_dir, clean=self.dist.is_main)
+        self.log.open(clean=self.dist.is_main)  # and hold its lock (rank 0) until run() ends
         self.log.truncate_metrics(self.state.step)
         self.log.event("resume" if inputs.resumed_from else "start", step=self.state.step,
                        plan=to_dict(self.state.plan), train=to_dict(cfg), device=self.device.name,

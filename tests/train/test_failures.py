@@ -182,12 +182,14 @@ def test_an_eval_draw_error_is_after_its_step_and_the_resume_is_exact(case_dir):
     (error,) = events(case_dir / "run", "error")
     assert (error["step"], error["phase"]) == (2, "eval-data")
     assert steps_saved(case_dir / "run") == [2]
+    rows = metrics(case_dir / "run")  # step 2 trained: its row is kept, without the evaluation that failed (it was
+    assert [r["step"] for r in rows] == [1, 2] and "eval_loss" not in rows[-1]  # lost, and a resume starts at 3)
     (case_dir / "eval-fail").unlink()
     assert train("--resume", "--eval-interval", "2", "--checkpoint-interval", "3").exit_code == 0
-    after = [r for r in metrics(case_dir / "run") if r["step"] > 2]  # step 2's own row died with its evaluation
-    ref = [r for r in metrics(case_dir / "ref") if r["step"] > 2]
-    assert [r["step"] for r in after] == [r["step"] for r in ref] == list(range(3, 11))
+    after, ref = metrics(case_dir / "run"), metrics(case_dir / "ref")
+    assert [r["step"] for r in after] == [r["step"] for r in ref] == list(range(1, 11))
     assert [r["loss"] for r in after] == pytest.approx([r["loss"] for r in ref], rel=1e-6)
+    assert [r["step"] for r in after if "eval_loss" in r] == [4, 6, 8, 10]  # (ref's: 2 too)
 
 
 def test_a_run_dir_without_a_checkpoint_says_how_to_start_over(case_dir):
@@ -231,6 +233,46 @@ def test_a_run_dir_that_is_a_file_empty_or_unwritable_is_one_line_and_exit_2(cas
     assert error_line(result) == ("error: run dir sub/run cannot be written (in .): read-only file system; pass "
                                   "--run-dir with a folder you can write")
     assert built == [] and not (case_dir / "sub").exists()  # checked before the model is built
+
+
+HOLDER = """
+import sys, time
+from pathlib import Path
+from oomtune.train.rundir import RunLog
+log = RunLog(Path(sys.argv[1]))
+log.open(clean=False)
+print("held", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_run_dir_another_live_run_holds_is_refused_with_its_pid_and_the_lock_dies_with_it(case_dir):
+    """Two trains in one run dir both ran to exit 0, their metrics interleaved and each rotating the other's
+    checkpoints (from a new user's pass). Another process holding the run dir (as a live train does from the
+    moment it opens it) -> one line naming its pid, exit 2, nothing written; once it is gone, --resume goes on."""
+    import subprocess
+    import sys
+
+    assert train("--steps", "4").exit_code == 0
+    run = case_dir / "run"
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(run)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        before = {p.name: p.read_bytes() for p in run.iterdir()}
+        for args in (("--resume",), ("--resume", "--steps", "6")):
+            line = error_line(train(*args))
+            assert line == (f"error: run dir run is in use by another oomtune train (pid {holder.pid}): two runs would "
+                            "interleave their logs and checkpoints; wait for it to end, or pass --run-dir for a new "
+                            "run")
+        assert {p.name: p.read_bytes() for p in run.iterdir()} == before
+    finally:
+        holder.kill()
+        holder.wait()
+    resumed = train("--resume", "--steps", "6")
+    assert resumed.exit_code == 0, resumed.stderr
+    assert [r["step"] for r in metrics(run)] == list(range(1, 7))
+    again = train("--resume", "--steps", "7")  # this process let go of it when its run ended
+    assert again.exit_code == 0, again.stderr
 
 
 @pytest.mark.parametrize("failure", ["torch", "enospc"])
