@@ -37,7 +37,11 @@ def block_stacks(model: nn.Module) -> list[nn.ModuleList]:
 
 
 def hf_checkpointing(model: nn.Module) -> Callable | None:
-    """A Hugging Face model's own checkpointing switch (transformers 5 renamed it), through a PEFT wrapper too."""
+    """A Hugging Face model's own checkpointing switch (transformers 5 renamed it), through a PEFT wrapper too; None
+    where the model says it has none (supports_gradient_checkpointing False: ConvNext, ResNet, EfficientNet, whose
+    switch raises), so its blocks are found as any model's are."""
+    if getattr(model, "supports_gradient_checkpointing", True) is False:
+        return None
     for name in ("activation_checkpointing_enable", "gradient_checkpointing_enable"):
         enable = getattr(model, name, None)
         if callable(enable):

@@ -286,3 +286,18 @@ def test_prefix_tuning_has_no_checkpointing_rung_and_a_checkpointed_plan_is_one_
     assert checked.exit_code == 2, checked.output
     assert "plan.activation_checkpointing: hf_gpt2_prefix.py cannot train checkpointed" in checked.stderr
     assert len(checked.stderr.strip().splitlines()) == 1
+
+
+def test_an_hf_model_that_has_no_checkpointing_of_its_own_gets_the_rung_on_its_stages():
+    """device: fake. ConvNext (ResNet, EfficientNet...): transformers' switch raises for it (supports_gradient_
+    checkpointing False), and the probe stopped at the checkpointing rung, exit 2, no config, blaming the model file
+    (from a new user's pass). Its stages, the longest ModuleList, are wrapped instead, and save memory."""
+    from oomtune.api import what_if
+    from oomtune.checkpointing import hf_checkpointing
+    from oomtune.memory.breakdown import static_memory
+
+    mf = load_model_file(MODELS / "hf_convnext.py")
+    assert hf_checkpointing(mf.build()) is None and static_memory(mf).checkpointing_supported
+    plain, checkpointed = (what_if(mf, 16, budget="1GiB", margin="0", precision="bf16", checkpointing=ckpt)
+                           for ckpt in (False, True))
+    assert checkpointed.breakdown.peak_bytes < plain.breakdown.peak_bytes
