@@ -20,6 +20,7 @@ from ..checkpointing import calls_checkpoint, cannot_checkpoint, checkpoints_its
 from ..config.schema import TRIAL_STEPS, MemoryBreakdown, Plan
 from ..dist.group import LOCAL, Dist, ranks_for
 from ..errors import OomtuneError
+from ..layer_drop import layer_drop_note
 from ..model_file import ModelFile, is_compiled
 from ..step import as_on_cuda
 from ..units import format_bytes
@@ -52,6 +53,7 @@ class StaticMemory:
     lstm: bool = False  # the model has an nn.LSTM (memory/host_kernels.py: some CPUs cannot autocast it)
     checkpointing_breaks: str | None = None  # why the model cannot train checkpointed (cannot_checkpoint): no rung
     frozen_dtype: str | None = None  # "bfloat16" / "float16": every frozen weight is, where the trained ones are not
+    layer_drop: str | None = None  # the note for a model that skips layers at random (layer_drop.py), else None
 
     @property
     def trained_elements(self) -> int:
@@ -147,9 +149,11 @@ def static_memory(model_file: ModelFile, plan: Plan | None = None, levers: str =
         trained = tuple(p.numel() for p in params)
         batch_norm = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
         lstm = has_lstm(model)
+        drops = layer_drop_note(model_file.label, model)
         del model, params, opt
     return StaticMemory(weights, grads, optimizer_state, name, checkpointing, compiled, temporaries, nf4, host,
-                        levers, low, trained, batch_norm, itself, lstm, breaks, frozen_dtype=frozen)
+                        levers, low, trained, batch_norm, itself, lstm, breaks, frozen_dtype=frozen,
+                        layer_drop=drops)
 
 
 def _low_dtype(params) -> str | None:

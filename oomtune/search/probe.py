@@ -325,6 +325,8 @@ def measurement_notes(model_file: ModelFile, static: StaticMemory, device: Devic
         notes += (f"{model_file.label}'s trained weights are {static.weights_dtype}, as build_model() returns them: "
                   f"every plan trains them in {static.weights_dtype} (its 'fp32' means no autocast), and the ladder "
                   "has no amp rung (autocast would only add copies of them)",)
+    if static.layer_drop is not None:
+        notes += (static.layer_drop,)
     if static.frozen_dtype is not None:
         notes += (f"{model_file.label}'s frozen weights are {static.frozen_dtype}, as build_model() returns them, and "
                   f"its trained ones are not: every plan keeps them so (its 'fp32' means no autocast, not fp32 "

@@ -17,6 +17,7 @@ from .. import rank_allocation
 from ..config.schema import TRIAL_STEPS, Plan, TrainConfig
 from ..dist.group import LOCAL, Dist, RanksOutOfMemory
 from ..errors import ModelFileError, first_line
+from ..layer_drop import every_layer
 from ..memory.devices import Device, FakeDevice, is_oom
 from ..memory.fakes import NeedsValues
 from ..memory.replay import Trace
@@ -117,11 +118,12 @@ def _steps(model_file: ModelFile, plan: Plan, device: Device, steps: int, readin
     missed: list[bool] = []  # primed: a step in which backward gave some trained parameter no gradient
     reuse = models is not None and dist.world_size == 1 and ModelCache.reusable(plan, device)
     model = models.take(plan, device, reuse) if models is not None else None
-    with device.measure() as reading:
+    with device.measure() as reading, contextlib.ExitStack() as held:
         reading_box.append(reading)
         start = time.perf_counter()
         t = build_training(model_file, plan, device, lr=train_defaults.lr,
                            clip_grad_norm=train_defaults.clip_grad_norm, dist=dist, model=model)
+        held.enter_context(every_layer(t.module))  # a LayerDrop model runs every layer: the worst case
         if reuse and model is None:
             models.keep(plan, t.module)
         del model

@@ -301,3 +301,30 @@ def test_an_hf_model_that_has_no_checkpointing_of_its_own_gets_the_rung_on_its_s
     plain, checkpointed = (what_if(mf, 16, budget="1GiB", margin="0", precision="bf16", checkpointing=ckpt)
                            for ckpt in (False, True))
     assert checkpointed.breakdown.peak_bytes < plain.breakdown.peak_bytes
+
+
+def test_a_layer_drop_model_is_measured_running_every_layer_and_the_probe_says_so(write_model):
+    """device: cpu. Wav2Vec2 skips layers at random in training (LayerDrop): each trial measured the layers its dice
+    kept, so a larger micro-batch read a lower peak and the plan trained past the limit (from a new user's pass).
+    Every trial now runs them all: the same peak as the model without LayerDrop, every time; the model's own
+    setting is put back after the trial (training keeps it), and the notes say so."""
+    from oomtune.config.schema import Plan
+    from oomtune.layer_drop import every_layer, layer_drops
+    from oomtune.memory.breakdown import static_memory
+    from oomtune.memory.devices import CpuDevice
+    from oomtune.search.trial import run_trial
+
+    source = (MODELS / "hf_wav2vec2_layerdrop.py").read_text()
+    mf, without = (load_model_file(MODELS / "hf_wav2vec2_layerdrop.py"),
+                   load_model_file(write_model(source.replace("LAYERDROP = 0.5", "LAYERDROP = 0.0"))))
+    plan = Plan(4, 64, "fp32", False, 1)
+    peaks = [run_trial(mf, plan, CpuDevice("1GiB")).peak_bytes for _ in range(4)]
+    assert peaks == [run_trial(without, plan, CpuDevice("1GiB")).peak_bytes] * 4
+    model = mf.build()
+    with every_layer(model):
+        assert layer_drops(model) == []
+    assert [(name, p) for _, name, p in layer_drops(model)] == [("layerdrop", 0.5)]
+    assert static_memory(mf).layer_drop == (
+        "hf_wav2vec2_layerdrop.py skips layers at random in training (layerdrop 0.5 on Wav2Vec2Config): every trial "
+        "runs all of them, the worst case, so training's peaks stay at or under the measured ones")
+    assert static_memory(without).layer_drop is None
