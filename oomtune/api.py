@@ -296,7 +296,7 @@ def _check_out(out: str | Path | None, model, command: str = "probe") -> Path | 
     if out is None:
         return None
     out = Path(out)
-    if isinstance(model, (str, Path)):
+    if isinstance(model, (str, Path)) and Path(model).exists():  # (a missing one: loading it says so)
         check_out(out, Path(model), command)
     return out
 

@@ -23,6 +23,8 @@ def _type_name(tp: Any) -> str:
         return " | ".join(repr(a) for a in typing.get_args(tp))
     if typing.get_origin(tp) in (typing.Union, types.UnionType):
         return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if dataclasses.is_dataclass(tp):  # a section (plan:, train:): what the file holds there, not the class's name
+        return "a mapping of its keys"
     return "null" if tp is type(None) else getattr(tp, "__name__", str(tp))
 
 

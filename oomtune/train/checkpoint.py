@@ -16,6 +16,7 @@ import os
 import pickle
 import re
 import shutil
+import warnings
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -161,7 +162,9 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
 
 def _read(p: Path) -> Any:
     try:
-        state = torch.load(p, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # (torch's note on a pickle protocol it did not write: the error says more)
+            warnings.simplefilter("ignore", UserWarning)
+            state = torch.load(p, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint not found: {p}") from None
     except Exception as e:  # truncated zip, bit rot, a file that is not a checkpoint, a pickled object

@@ -69,6 +69,9 @@ def test_out_that_is_another_file_of_yours_is_refused(write_model, tmp_path, no_
     one_line_error(run_cli("estimate", model, *ESTIMATE, "--out", theirs),
                    f"--out {theirs} is the config of convnet.py, not model.py")
     assert theirs.read_text() == before
+    missing = tmp_path / "nope.py"  # a model file that is not there is that, not a clash with the config's model
+    one_line_error(run_cli("estimate", missing, *ESTIMATE, "--out", theirs), f"model file not found: {missing}")
+    assert theirs.read_text() == before
 
 
 # -- 2. an existing config's train: section is kept ----------------------------------------------

@@ -108,6 +108,11 @@ def test_missing_keys_and_files_and_bad_yaml(tmp_path):
         load_config(tmp_path / "c.yaml")
     with pytest.raises(ConfigError, match="is a folder, not a config file"):
         load_config(tmp_path)
+    for section, text in (("plan", "plan: null\n"), ("train", "plan: {micro_batch_size: 2, context_length: 8}\n"
+                                                          "train: null\n")):  # (it said "expected Plan, got None")
+        (tmp_path / "e.yaml").write_text("model: m.py\n" + text)
+        with pytest.raises(ConfigError, match=f"e.yaml: {section}: expected a mapping of its keys, got None"):
+            load_config(tmp_path / "e.yaml")
     (tmp_path / "d.yaml").write_bytes(b"model: m.py\n\xff\xfe\n")
     with pytest.raises(ConfigError, match=r"d\.yaml: not a text file in UTF-8 \(byte 12 is 0xff\)"):
         load_config(tmp_path / "d.yaml")

@@ -382,3 +382,20 @@ def test_a_train_batches_that_returns_no_iterable_is_named(case_dir):
     assert result.exit_code == 2
     assert error_line(result) == ("error: model.py: train_batches() returned 42 (int); expected an iterable of "
                                   "batches (a generator that yields them, or a list)")
+
+
+def test_a_pickle_that_is_no_checkpoint_is_one_line_without_torchs_protocol_warning(tmp_path):
+    """A plain pickle named ckpt-*.pt printed torch's 'Detected pickle protocol 4' UserWarning (two lines) above the
+    one-line error (from a new user's pass)."""
+    import pickle
+    import warnings
+
+    from oomtune.train.checkpoint import CheckpointError
+
+    path = tmp_path / "ckpt-00000009.pt"
+    path.write_bytes(pickle.dumps({"a": 1}, protocol=4))
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        with pytest.raises(CheckpointError, match=r"ckpt-00000009\.pt is not a checkpoint"):
+            load_checkpoint(path)
+    assert [str(w.message) for w in said] == []
