@@ -28,14 +28,15 @@ def export(config_path: ConfigOpt, to: ToOpt, strict: StrictOpt = False, debug: 
     Example: [cyan]oomtune export --config best.yaml --to hf > training_args.json[/]
     """
     with user_errors(debug):
-        from ..config.export import defines_optimizer
+        from ..config.export import defines
         from ..config.export import export as make_export
         from ..config.loading import load_config
         from ..errors import OomtuneError
 
         config = load_config(config_path)
         model = config.model_path(config_path)
-        result = make_export(config.plan, to, model.name if defines_optimizer(model) else None)
+        result = make_export(config.plan, to, model.name if defines(model, "optimizer") else None,
+                             model.name if defines(model, "blocks") else None)
         for line in result.in_your_code:
             err.print(f"[cyan]set in your code:[/] {escape(line)}")
         for line in result.unexpressed:

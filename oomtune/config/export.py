@@ -41,6 +41,13 @@ class Export:
         return "\n".join(f"{k}={_override(v)}" for k, v in self.values.items())
 
 
+# the targets whose checkpointing switch is the model's own, and what to do where the model file has blocks()
+_OWN_BLOCKS = {"hf": "TrainingArguments' switch (left false here) would turn the model's own checkpointing on, other "
+                     "modules or an error where it has none: wrap each of those blocks' forward in "
+                     "torch.utils.checkpoint in your model",
+               "lightning": "wrap each of those blocks' forward in torch.utils.checkpoint in your LightningModule",
+               "accelerate": "wrap each of those blocks' forward in torch.utils.checkpoint in your model"}
+
 # what a training script sets for any run, so no target's arguments hold it: --strict does not refuse these
 _IN_YOUR_CODE = ("context_length: ", "micro_batch_size: ", "grad_accum_steps: ")
 
@@ -51,14 +58,21 @@ _OWN_OPTIMIZER = {"hf": "optim here is AdamW (adamw_torch), whose state may not 
                                "set optimizer._component_ (and its arguments) to yours"}
 
 
-def export(plan: Plan, target: str, optimizer_of: str | None = None) -> Export:
+def export(plan: Plan, target: str, optimizer_of: str | None = None, blocks_of: str | None = None) -> Export:
     """`plan` as `target` takes it (see TARGETS). `optimizer_of`: the model file's name where it defines its own
-    optimizer() (see defines_optimizer), which the plan was measured with and a target that writes AdamW does not
-    express."""
+    optimizer() (see defines), which the plan was measured with and a target that writes AdamW does not express.
+    `blocks_of`: its name where it defines blocks(), which the plan's checkpointing wrapped: a target's switch turns
+    the model's own checkpointing on instead (other modules, or an error where it has none)."""
     makers = {"hf": _hf, "lightning": _lightning, "accelerate": _accelerate, "torchtune": _torchtune}
     if target not in makers:
         raise OomtuneError(f"--to {target!r}: expected one of {', '.join(TARGETS)}")
     values, unexpressed = makers[target](plan)
+    if blocks_of and plan.activation_checkpointing and target in _OWN_BLOCKS:
+        unexpressed = [line for line in unexpressed if not line.startswith("activation_checkpointing: ")]
+        if target == "hf":
+            values[_hf_checkpointing_key()] = False  # (its switch is the model's own, not these blocks)
+        unexpressed.append(f"activation_checkpointing: measured on {blocks_of}'s own blocks(); "
+                           f"{_OWN_BLOCKS[target]}")
     if optimizer_of and target in _OWN_OPTIMIZER:
         unexpressed.append(f"optimizer: {optimizer_of}'s own optimizer(), which the plan was measured with; "
                            f"{_OWN_OPTIMIZER[target]}")
@@ -68,9 +82,13 @@ def export(plan: Plan, target: str, optimizer_of: str | None = None) -> Export:
 
 
 def defines_optimizer(model_path: str | Path) -> bool:
-    """Whether the model file binds `optimizer` at its top level (a def, an assignment, an import), read with `ast`:
-    the file is not run (no torch, nothing it prints lands in the export). A file that is missing, unreadable or
-    not Python is False: export never fails on it."""
+    return defines(model_path, "optimizer")
+
+
+def defines(model_path: str | Path, name: str) -> bool:
+    """Whether the model file binds `name` (a hook: optimizer, blocks) at its top level (a def, an assignment, an
+    import), read with `ast`: the file is not run (no torch, nothing it prints lands in the export). A file that is
+    missing, unreadable or not Python is False: export never fails on it."""
     p = Path(model_path)
     if p.suffix != ".py":
         return False
@@ -81,15 +99,15 @@ def defines_optimizer(model_path: str | Path) -> bool:
     while stack:  # top-level statements, and those inside if / try / with / for / while at the top level
         node = stack.pop()
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            if node.name == "optimizer":
+            if node.name == name:
                 return True
             continue
         if isinstance(node, (ast.Import, ast.ImportFrom)):
-            if any((a.asname or a.name.split(".")[0]) == "optimizer" for a in node.names):
+            if any((a.asname or a.name.split(".")[0]) == name for a in node.names):
                 return True
         elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            if any(isinstance(n, ast.Name) and n.id == "optimizer" for t in targets for n in ast.walk(t)):
+            if any(isinstance(n, ast.Name) and n.id == name for t in targets for n in ast.walk(t)):
                 return True
         for attr in ("body", "orelse", "finalbody", "handlers"):
             stack.extend(getattr(node, attr, None) or [])

@@ -217,3 +217,26 @@ def test_strict_passes_a_plan_each_target_expresses(target, tmp_path):
     assert r.exit_code == 0, r.output
     assert "not expressed" not in r.stderr and r.stdout.strip()
     assert ("set in your code: context_length: 64" in r.stderr) == (target != "torchtune")  # (its max_seq_len)
+
+
+@pytest.mark.parametrize("target", ["hf", "lightning", "accelerate"])
+def test_checkpointing_measured_on_the_model_files_own_blocks_is_not_the_targets_switch(target, tmp_path):
+    """A ConvNext with a blocks() hook (transformers gives it no checkpointing): the hf export said
+    "gradient_checkpointing": true, which makes Trainer call the model's own switch (it raises there; elsewhere it
+    wraps other modules than were measured), and --strict let it through (from a new user's pass)."""
+    (tmp_path / "model.py").write_text(SGD_MODEL.split("\n\ndef optimizer")[0] + "\n\ndef blocks(model):\n"
+                                                                                  "    return [model]\n")
+    path = tmp_path / "best.yaml"
+    write_config(Config(model="model.py", plan=PLANS["bf16+ckpt"]), path, tmp_path / "model.py", "test")
+    r = run_cli("export", "--config", path, "--to", target)
+    assert r.exit_code == 0, r.output
+    said = " ".join(r.stderr.split())
+    assert "not expressed: activation_checkpointing: measured on model.py's own blocks(); " in said, said
+    assert said.count("activation_checkpointing:") == 1 and "torch.utils.checkpoint" in said
+    if target == "hf":
+        values = json.loads(r.stdout)
+        assert [values[k] for k in ("activation_checkpointing", "gradient_checkpointing") if k in values] == [False]
+    strict = run_cli("export", "--config", path, "--to", target, "--strict")
+    assert strict.exit_code == 2 and "activation_checkpointing" in strict.stderr.split("--strict:")[-1]
+    without = export(PLANS["bf16+ckpt"], "hf")  # no blocks() of its own: the model's switch is what was measured
+    assert [v for k, v in without.values.items() if k.endswith("_checkpointing")] == [True]
