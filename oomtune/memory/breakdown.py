@@ -20,13 +20,13 @@ from ..checkpointing import calls_checkpoint, cannot_checkpoint, checkpoints_its
 from ..config.schema import TRIAL_STEPS, MemoryBreakdown, Plan
 from ..dist.group import LOCAL, Dist, ranks_for
 from ..errors import OomtuneError
-from ..layer_drop import layer_drop_note
 from ..model_file import ModelFile, is_compiled
 from ..step import as_on_cuda
 from ..units import format_bytes
 from .devices import FakeDevice, TrackedDevice
 from .fakes import real_code_paths
 from .host_kernels import has_lstm
+from .layer_drop import layer_drop_note
 from .on_host import CudaOnHost
 from .recorder import Recorder
 from .tracker import MemoryTracker

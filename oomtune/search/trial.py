@@ -17,9 +17,9 @@ from .. import rank_allocation
 from ..config.schema import TRIAL_STEPS, Plan, TrainConfig
 from ..dist.group import LOCAL, Dist, RanksOutOfMemory
 from ..errors import ModelFileError, first_line
-from ..layer_drop import every_layer
 from ..memory.devices import Device, FakeDevice, is_oom
 from ..memory.fakes import NeedsValues
+from ..memory.layer_drop import every_layer
 from ..memory.replay import Trace
 from ..memory.tracker import untracked
 from ..model_file import ModelFile, is_compiled

@@ -309,9 +309,9 @@ def test_a_layer_drop_model_is_measured_running_every_layer_and_the_probe_says_s
     Every trial now runs them all: the same peak as the model without LayerDrop, every time; the model's own
     setting is put back after the trial (training keeps it), and the notes say so."""
     from oomtune.config.schema import Plan
-    from oomtune.layer_drop import every_layer, layer_drops
     from oomtune.memory.breakdown import static_memory
     from oomtune.memory.devices import CpuDevice
+    from oomtune.memory.layer_drop import every_layer, layer_drops
     from oomtune.search.trial import run_trial
 
     source = (MODELS / "hf_wav2vec2_layerdrop.py").read_text()

@@ -349,43 +349,6 @@ def test_a_model_built_in_16_bits_has_no_amp_rung_and_a_note_saying_what_fp32_me
     explicit = probe(mf, CpuDevice("64MiB"), targets, levers=CLASSIC, objective="throughput", amp="bf16")
     assert "amp" in [r.rung.name for r in explicit.ladder.rungs]
 
-
-FROZEN_BF16_BASE = '''
-import torch
-from torch import nn
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(2)).bfloat16().requires_grad_(False)
-        self.out = nn.Linear(16, 4)  # trained, fp32: a LoRA model loaded in bf16 keeps its adapters so
-
-    def forward(self, x, y):
-        x = x.bfloat16()
-        for b in self.blocks:
-            x = torch.relu(b(x))
-        return nn.functional.cross_entropy(self.out(x.float()).mean(1), y)
-
-def build_model():
-    return Net()
-
-def make_batch(batch_size, context_length, device):
-    return (torch.randn(batch_size, context_length, 16, device=device),
-            torch.randint(0, 4, (batch_size,), device=device))
-'''
-
-
-def test_a_frozen_base_built_in_bf16_under_fp32_trained_weights_gets_a_note_saying_what_fp32_means(write_model):
-    """device: cpu. A base loaded in bf16 with fp32 adapters (PEFT's default) got an 'fp32' plan and no word that its
-    frozen weights stay bf16; the whole-model case's note (above) is not the one given, and it keeps its amp rung."""
-    mf = load_model_file(write_model(FROZEN_BF16_BASE))
-    result = probe(mf, CpuDevice("64MiB"), resolve_targets(mf, 8, 4, None))
-    notes = " ".join(result.notes)
-    assert "model.py's frozen weights are bfloat16, as build_model() returns them" in notes
-    assert "its 'fp32' means no autocast, not fp32 weights" in notes and "trained weights are" not in notes
-    assert result.config.plan.precision == "fp32" and result.config.found_by.notes == result.notes
-
-
 @pytest.mark.parametrize("norm, noted", [("nn.BatchNorm1d(16)", True), ("nn.GroupNorm(4, 16)", False)])
 def test_a_batchnorm_model_that_accumulates_gets_a_note(norm, noted, write_model, tmp_path):
     """device: cpu. The YAML says accumulation is "the same step"; with BatchNorm it is not: each micro-batch
