@@ -116,7 +116,9 @@ def defines(model_path: str | Path, name: str) -> bool:
 
 def _common_unexpressed(plan: Plan, where: str) -> list[str]:
     """What none of these trainers' arguments hold: the context (a data-side length) and the weights' format."""
-    out = [f"context_length: {plan.context_length} is your data's sequence length ({where})"]
+    # (context 1: a model with no sequence, images: nothing of the data's length to set)
+    out = [f"context_length: {plan.context_length} is your data's sequence length ({where})"] \
+        if plan.context_length > 1 else []
     if plan.nf4_frozen_weights:
         out.append("nf4_frozen_weights: load the base model in 4-bit NF4 (transformers' BitsAndBytesConfig("
                    "load_in_4bit=True, bnb_4bit_quant_type='nf4'), or torchao's to_nf4), then add the LoRA adapters")

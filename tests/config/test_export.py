@@ -240,3 +240,12 @@ def test_checkpointing_measured_on_the_model_files_own_blocks_is_not_the_targets
     assert strict.exit_code == 2 and "activation_checkpointing" in strict.stderr.split("--strict:")[-1]
     without = export(PLANS["bf16+ckpt"], "hf")  # no blocks() of its own: the model's switch is what was measured
     assert [v for k, v in without.values.items() if k.endswith("_checkpointing")] == [True]
+
+
+def test_a_plan_of_context_1_names_no_sequence_length_to_set():
+    """An image model (context 1) was told "context_length: 1 is your data's sequence length (the tokenizer's
+    max_length...)" (from a new user's pass)."""
+    image, text = Plan(8, 1, "bf16", False, 2), Plan(8, 64, "bf16", False, 2)
+    for target in ("hf", "lightning", "accelerate"):
+        assert not any(line.startswith("context_length") for line in export(image, target).in_your_code)
+        assert any(line.startswith("context_length: 64") for line in export(text, target).in_your_code)
