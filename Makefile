@@ -48,7 +48,7 @@ lint: $(STAMP)
 test: lint
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -q -n 3 --dist loadfile
 
-# The real-GPU truth, on a machine with an NVIDIA GPU (< 8 minutes): the `gpu` tests, then the fake-vs-real memory
+# The real-GPU truth, on a machine with an NVIDIA GPU (< 9 minutes): the `gpu` tests, then the fake-vs-real memory
 # table and the probe's trials and wall time. The machine's own python3 with the checkout on PYTHONPATH: no venv,
 # no installs, no network. Exit 0 = all ran and passed, 1 = something failed or did not run, 3 = no CUDA GPU.
 # OUT=dir keeps the report (gpu_check.md, gpu_check.json, gpu_tests.txt).

@@ -61,8 +61,8 @@ _OWN_OPTIMIZER = {"hf": "optim here is AdamW (adamw_torch), whose state may not 
 def export(plan: Plan, target: str, optimizer_of: str | None = None, blocks_of: str | None = None) -> Export:
     """`plan` as `target` takes it (see TARGETS). `optimizer_of`: the model file's name where it defines its own
     optimizer() (see defines), which the plan was measured with and a target that writes AdamW does not express.
-    `blocks_of`: its name where it defines blocks(), which the plan's checkpointing wrapped: a target's switch turns
-    the model's own checkpointing on instead (other modules, or an error where it has none)."""
+    `blocks_of`: its name where the plan's checkpointing wrapped its blocks (a blocks() hook; a model with no switch
+    of its own): a target's switch turns the model's own checkpointing on instead (other modules, or an error)."""
     makers = {"hf": _hf, "lightning": _lightning, "accelerate": _accelerate, "torchtune": _torchtune}
     if target not in makers:
         raise OomtuneError(f"--to {target!r}: expected one of {', '.join(TARGETS)}")
@@ -71,8 +71,10 @@ def export(plan: Plan, target: str, optimizer_of: str | None = None, blocks_of: 
         unexpressed = [line for line in unexpressed if not line.startswith("activation_checkpointing: ")]
         if target == "hf":
             values[_hf_checkpointing_key()] = False  # (its switch is the model's own, not these blocks)
-        unexpressed.append(f"activation_checkpointing: measured on {blocks_of}'s own blocks(); "
-                           f"{_OWN_BLOCKS[target]}")
+        if "fsdp_config" in values:  # accelerate's FSDP would checkpoint by its own wrap policy: other modules
+            values["fsdp_config"]["fsdp_activation_checkpointing"] = False
+        unexpressed.append(f"activation_checkpointing: measured on {blocks_of}'s blocks as oomtune wrapped them (its "
+                           f"blocks() hook, or its nn.ModuleList), not the model's own switch; {_OWN_BLOCKS[target]}")
     if optimizer_of and target in _OWN_OPTIMIZER:
         unexpressed.append(f"optimizer: {optimizer_of}'s own optimizer(), which the plan was measured with; "
                            f"{_OWN_OPTIMIZER[target]}")

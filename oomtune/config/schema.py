@@ -249,6 +249,8 @@ class FoundBy:
     card: str | None = None  # the card profile (--gpu) a simulated device accounted by; None: CPU semantics, or cuda
     prior: str | None = None  # probe: how its trials were chosen from the estimate (None: searched, no prior asked)
     margin: str | None = None  # probe: the flat margin a simulated device with a card (or fake) accounted by
+    checkpointing_via: Literal["switch", "blocks"] | None = None  # a checkpointed plan: the model's own switch
+    # (Hugging Face's gradient_checkpointing_enable) or blocks oomtune wrapped (a blocks() hook, a ModuleList)
 
     def __post_init__(self):
         if self.budget_bytes <= 0:  # `check` re-measures against it

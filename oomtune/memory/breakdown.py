@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from ..checkpointing import calls_checkpoint, cannot_checkpoint, checkpoints_itself
+from ..checkpointing import calls_checkpoint, cannot_checkpoint, checkpoints_itself, hf_checkpointing
 from ..config.schema import TRIAL_STEPS, MemoryBreakdown, Plan
 from ..dist.group import LOCAL, Dist, ranks_for
 from ..errors import OomtuneError
@@ -54,6 +54,7 @@ class StaticMemory:
     checkpointing_breaks: str | None = None  # why the model cannot train checkpointed (cannot_checkpoint): no rung
     frozen_dtype: str | None = None  # "bfloat16" / "float16": every frozen weight is, where the trained ones are not
     layer_drop: str | None = None  # the note for a model that skips layers at random (layer_drop.py), else None
+    checkpointing_via: str | None = None  # "switch" (the model's own: Hugging Face's) | "blocks" (wrapped) | None
 
     @property
     def trained_elements(self) -> int:
@@ -143,6 +144,7 @@ def static_memory(model_file: ModelFile, plan: Plan | None = None, levers: str =
             model, functools.partial(_first_forward, model_file, model))
         breaks = None if hooked else cannot_checkpoint(model)
         checkpointing = model_file.supports_checkpointing(model) and not itself and not breaks
+        via = ("blocks" if hooked or hf_checkpointing(model) is None else "switch") if checkpointing else None
         name = type(getattr(opt, "inner", opt)).__name__
         compiled = is_compiled(model)
         host = tracker.host_live_bytes
@@ -153,7 +155,7 @@ def static_memory(model_file: ModelFile, plan: Plan | None = None, levers: str =
         del model, params, opt
     return StaticMemory(weights, grads, optimizer_state, name, checkpointing, compiled, temporaries, nf4, host,
                         levers, low, trained, batch_norm, itself, lstm, breaks, frozen_dtype=frozen,
-                        layer_drop=drops)
+                        layer_drop=drops, checkpointing_via=via)
 
 
 def _low_dtype(params) -> str | None:

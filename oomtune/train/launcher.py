@@ -11,10 +11,10 @@ from pathlib import Path
 from typing import Any
 
 from ..dist.launch import Launch, run
-from ..errors import OOM_RELAUNCH, OomtuneError
+from ..errors import BAD_INPUT, OOM_RELAUNCH, OomtuneError
 from .checkpoint import latest_checkpoint, remove
 from .inputs import check_inputs
-from .rundir import METRICS
+from .rundir import METRICS, in_use_message, run_dir_user
 
 MAX_RELAUNCHES = 4
 
@@ -37,6 +37,9 @@ def launch_training(launch: Launch, config: Path, overrides: dict[str, Any], res
             if latest is None:
                 if resume:
                     raise
+                user = run_dir_user(inputs.run_dir)  # (another train took the run dir between the launches)
+                if user is not None:
+                    raise OomtuneError(in_use_message(inputs.run_dir, user), BAD_INPUT) from None
                 remove(inputs.run_dir / METRICS)  # this launch's own: the run starts over (events.jsonl goes on)
             resume = latest is not None
             if on_relaunch is not None:

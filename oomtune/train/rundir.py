@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -64,31 +65,61 @@ def run_dir_user(run_dir: Path) -> int | None:
                 fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
             except BlockingIOError:
                 return _pid_in(f)
-    except OSError:  # no lock file: no run has held this run dir
+    except OSError:  # no lock file (no run has held this run dir), or a file system without flock
         return None
     return None
 
 
-def hold_run_dir(run_dir: Path):
-    """Take the run dir's lock for this process (None without fcntl); one line, exit 2, where a live run holds it."""
+_HELD: list = []  # the lock files this process holds: a child it forks (a DataLoader worker) lets go of its copy
+
+
+def _forked() -> None:
+    for f in _HELD:
+        f.close()  # (the child's descriptor only: the flock stays with the parent's)
+    _HELD.clear()
+
+
+if fcntl is not None:
+    os.register_at_fork(after_in_child=_forked)
+
+
+def hold_run_dir(run_dir: Path, tries: int = 5):
+    """Take the run dir's lock for this process; one line, exit 2, where a live run holds it (after `tries` 0.1 s
+    apart: another process's run_dir_user holds it for a moment). None where it cannot be had at all (no fcntl; a
+    file system without flock: Lustre without -o flock, some NFS mounts): the run goes on unlocked, as before."""
     if fcntl is None:
         return None
-    f = open(run_dir / LOCK, "a+b")  # noqa: SIM115 - held open for the run (RunLog.release closes it)
     try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        pid = _pid_in(f)
-        f.close()
-        raise OomtuneError(in_use_message(run_dir, pid), BAD_INPUT) from None
-    f.seek(0)
-    f.truncate()
-    f.write(f"{os.getpid()}\n".encode())
-    f.flush()
+        f = open(run_dir / LOCK, "a+b")  # noqa: SIM115 - held open for the run (RunLog.release closes it)
+    except PermissionError:  # another user's lock file in a shared run dir: locked as it is, without our pid
+        f = open(run_dir / LOCK, "rb")  # noqa: SIM115
+    for attempt in range(tries):
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if attempt == tries - 1:
+                pid = _pid_in(f)
+                f.close()
+                raise OomtuneError(in_use_message(run_dir, pid), BAD_INPUT) from None
+            time.sleep(0.1)
+        except OSError:  # ENOSYS, ENOLCK, EOPNOTSUPP: no locks on this file system
+            f.close()
+            return None
+    if f.writable():
+        f.seek(0)
+        f.truncate()
+        f.write(f"{os.getpid()}\n".encode())
+        f.flush()
+    _HELD.append(f)
     return f
 
 
 def in_use_message(run_dir: Path, pid: int) -> str:
-    by = f" (pid {pid})" if pid else ""
+    if pid == os.getpid():  # (a notebook: an earlier train() of this process whose run has not let go)
+        by = " in this process (an earlier run that has not ended)"
+    else:
+        by = f" (pid {pid})" if pid else ""
     return (f"run dir {run_dir} is in use by another oomtune train{by}: two runs would interleave their logs and "
             "checkpoints; wait for it to end, or pass --run-dir for a new run")
 
@@ -97,7 +128,7 @@ def _pid_in(f) -> int:
     f.seek(0)
     try:
         return int(f.read().decode().strip() or 0)
-    except (ValueError, UnicodeDecodeError):
+    except (OSError, ValueError, UnicodeDecodeError):
         return 0
 
 
@@ -154,6 +185,8 @@ class RunLog:
 
     def release(self) -> None:
         if self.lock is not None:
+            if self.lock in _HELD:
+                _HELD.remove(self.lock)
             self.lock.close()  # (closing the file lets go of its flock)
             self.lock = None
 

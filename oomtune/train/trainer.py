@@ -2,12 +2,10 @@
 
 One optimizer step draws `global_batch / data_batch` batches from the data stream, cuts each into this rank's
 micro-batches of the current plan (data.Shares) and hands them to `train_step`. The trainer is made of parts:
-
-- `RunState` (state.py): where the run stands - step, plan, phase, checkpoints, fallbacks - declared in one place;
-- a `Checkpointer` (checkpointer.py): one file on one process, a DCP folder on a process group;
-- a `RecoveryPolicy` (recovery.py): decides what an out-of-memory error, a diverged loss or an error mid-run does,
-  and the trainer carries the decision out (`_fall_back`, `_stop`);
-- `check_losses` (losses.py), `DataStream` and `Shares` (data.py), `RunLog` (rundir.py), `graceful_stop` (signals.py).
+`RunState` (state.py: step, plan, phase, checkpoints, fallbacks, declared in one place); a `Checkpointer` (one file
+on one process, a DCP folder on a process group); a `RecoveryPolicy` (recovery.py: what an out-of-memory error, a
+diverged loss or an error mid-run does; the trainer carries it out: `_fall_back`, `_stop`); `check_losses`,
+`DataStream` and `Shares` (data.py), `RunLog` (rundir.py: the logs and the run dir's lock), `graceful_stop`.
 
 Exact resume: a checkpoint holds the model, optimizer, scaler, step and the global RNG states. The data come from a
 private RNG stream (seed + 1) that is swapped in around every draw, so the model's randomness (dropout) and the
@@ -15,9 +13,8 @@ data's never interleave; resuming replays the data stream to its position (step 
 the global RNGs, so a resumed run computes what an uninterrupted run would have, bit for bit on the same machine.
 
 On several ranks (torchrun, plan.sharding ddp / fsdp) every rank runs this loop on its share of each global batch;
-rank 0 alone writes the run dir's logs and the config, every rank its part of a checkpoint. Library code: it
-reports through `on_event` callbacks and returns a TrainResult; it never prints.
-"""
+rank 0 alone writes the run dir's logs and the config, every rank its part of a checkpoint. Library code: it reports
+through `on_event` callbacks and returns a TrainResult; it never prints."""
 
 from __future__ import annotations
 
@@ -103,13 +100,16 @@ class Trainer:
 
     # -- the run -------------------------------------------------------------------------------------
     def run(self) -> TrainResult:
-        started = time.perf_counter()
+        with self.log:  # the run dir's lock, taken in _prepare, is let go however the run ends
+            return self._run(time.perf_counter())
+
+    def _run(self, started: float) -> TrainResult:
         base_lrs = self._prepare()
         stream = DataStream(self.model_file, self.data_hook, self.inputs.data_batch, self.state.plan.context_length,
                             self.device, self.cfg.seed + DATA_SEED_OFFSET)
         failure: Exception | None = None
         first_loss = last_loss = last_eval = stopping = None
-        with graceful_stop() as stop, self.log:  # (leaving: the run dir's lock is let go)
+        with graceful_stop() as stop:
             try:
                 if self.inputs.resumed_from is not None and self.state.step < self.cfg.steps:
                     self.state.phase = Phase.DATA

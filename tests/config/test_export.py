@@ -13,7 +13,7 @@ from oomtune.config.loading import load_config
 from oomtune.config.output import write_config
 from oomtune.config.schema import Config, Plan
 
-from ..conftest import run_cli
+from ..conftest import ROOT, run_cli
 
 
 @pytest.fixture(autouse=True)
@@ -231,7 +231,7 @@ def test_checkpointing_measured_on_the_model_files_own_blocks_is_not_the_targets
     r = run_cli("export", "--config", path, "--to", target)
     assert r.exit_code == 0, r.output
     said = " ".join(r.stderr.split())
-    assert "not expressed: activation_checkpointing: measured on model.py's own blocks(); " in said, said
+    assert "activation_checkpointing: measured on model.py's blocks as oomtune wrapped them" in said, said
     assert said.count("activation_checkpointing:") == 1 and "torch.utils.checkpoint" in said
     if target == "hf":
         values = json.loads(r.stdout)
@@ -249,3 +249,23 @@ def test_a_plan_of_context_1_names_no_sequence_length_to_set():
     for target in ("hf", "lightning", "accelerate"):
         assert not any(line.startswith("context_length") for line in export(image, target).in_your_code)
         assert any(line.startswith("context_length: 64") for line in export(text, target).in_your_code)
+
+
+def test_a_probed_plan_checkpointed_on_wrapped_blocks_says_so_in_the_config_and_export_reads_it(tmp_path):
+    """device: fake. A model with no checkpointing switch of its own (no blocks() hook either: a plain PyTorch model,
+    a ConvNext) is checkpointed by oomtune wrapping its ModuleList: the config records it (found_by.checkpointing_via)
+    and export does not turn a switch on that the model does not have (from a review). A Hugging Face model's own
+    switch is recorded as such, and exported as the switch."""
+    from oomtune.api import estimate
+
+    models = ROOT / "tests" / "finetune" / "models"
+    # budgets where the target batch fits on the checkpointing rung only (peaks with --margin 0: convnext at 16
+    # 5.06 MB in bf16, 4.37 MB checkpointed; the LoRA Llama at 4: 2.43 and 1.49 MB)
+    for name, via, batch, budget in (("hf_convnext.py", "blocks", 16, "5200000"),
+                                     ("hf_llama_lora.py", "switch", 4, "2200000")):
+        out = tmp_path / f"{name}.yaml"
+        result = estimate(models / name, budget=budget, margin="0", batch=batch, out=out)
+        assert result.plan.activation_checkpointing, result.plan
+        assert load_config(out).found_by.checkpointing_via == via
+        r = run_cli("export", "--config", out, "--to", "hf", "--strict")
+        assert (r.exit_code == 2) is (via == "blocks"), r.output

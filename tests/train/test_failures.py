@@ -342,4 +342,3 @@ def test_a_train_batches_that_returns_no_iterable_is_named(case_dir):
     assert result.exit_code == 2
     assert error_line(result) == ("error: model.py: train_batches() returned 42 (int); expected an iterable of "
                                   "batches (a generator that yields them, or a list)")
-

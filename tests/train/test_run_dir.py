@@ -65,3 +65,58 @@ def test_a_pickle_that_is_no_checkpoint_is_one_line_without_torchs_protocol_warn
         with pytest.raises(CheckpointError, match=r"ckpt-00000009\.pt is not a checkpoint"):
             load_checkpoint(path)
     assert [str(w.message) for w in said] == []
+
+
+def test_the_lock_is_let_go_however_the_run_ends_and_a_forked_child_keeps_no_copy(case_dir):
+    """A run that raises before its loop (here its on_event callback, on Started) let go of the lock only when the
+    Trainer was collected: a notebook holding the exception was refused its next train() in that run dir ("in use"
+    by its own pid). A child forked while a run holds it (a DataLoader worker) kept the flock after the run let
+    go. Both from a review."""
+    import os
+
+    from oomtune.train.rundir import RunLog, run_dir_user
+    from oomtune.train.trainer import train as train_api
+
+    def refuse(event):
+        if type(event).__name__ == "Started":
+            raise RuntimeError("a callback that fails")
+
+    with pytest.raises(RuntimeError, match="a callback that fails") as kept:
+        train_api("best.yaml", overrides={"steps": 2}, device="cpu", budget="1GiB", on_event=refuse)
+    assert kept.value is not None and run_dir_user(case_dir / "run") is None
+    assert train_api("best.yaml", overrides={"steps": 2}, device="cpu", budget="1GiB").step == 2
+
+    log = RunLog(case_dir / "run")
+    log.open(clean=False)
+    line = error_line(train("--resume", "--steps", "3"))
+    assert "run dir run is in use by another oomtune train in this process (an earlier run that has not ended)" in line
+    read, write = os.pipe()
+    ready_read, ready_write = os.pipe()
+    child = os.fork()
+    if child == 0:  # the child (its fork hooks run) says it is there, holds on until told, then leaves at once
+        os.write(ready_write, b"r")
+        os.read(read, 1)
+        os._exit(0)
+    try:
+        assert os.read(ready_read, 1) == b"r"
+        log.release()
+        assert run_dir_user(case_dir / "run") is None  # the child closed its copy when it was forked
+    finally:
+        os.write(write, b"x")
+        os.waitpid(child, 0)
+
+
+def test_a_file_system_without_flock_trains_unlocked(case_dir, monkeypatch):
+    """Lustre without -o flock, some NFS mounts: flock raises ENOLCK / ENOSYS. Every train exited 1 there ("unexpected
+    error", after building the model); it runs unlocked, as before the lock (from a review)."""
+    import errno
+
+    import oomtune.train.rundir as rundir
+
+    def no_locks(f, how):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(rundir.fcntl, "flock", no_locks)
+    result = train("--steps", "2")
+    assert result.exit_code == 0, result.output
+    assert [r["step"] for r in metrics(case_dir / "run")] == [1, 2]
