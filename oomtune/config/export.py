@@ -58,11 +58,13 @@ _OWN_OPTIMIZER = {"hf": "optim here is AdamW (adamw_torch), whose state may not 
                                "set optimizer._component_ (and its arguments) to yours"}
 
 
-def export(plan: Plan, target: str, optimizer_of: str | None = None, blocks_of: str | None = None) -> Export:
+def export(plan: Plan, target: str, optimizer_of: str | None = None, blocks_of: str | None = None,
+           loss_of: str | None = None) -> Export:
     """`plan` as `target` takes it (see TARGETS). `optimizer_of`: the model file's name where it defines its own
     optimizer() (see defines), which the plan was measured with and a target that writes AdamW does not express.
     `blocks_of`: its name where the plan's checkpointing wrapped its blocks (a blocks() hook; a model with no switch
-    of its own): a target's switch turns the model's own checkpointing on instead (other modules, or an error)."""
+    of its own): a target's switch turns the model's own checkpointing on instead (other modules, or an error).
+    `loss_of`: its name where it defines loss(), which Hugging Face's Trainer does not call (it takes the model's)."""
     makers = {"hf": _hf, "lightning": _lightning, "accelerate": _accelerate, "torchtune": _torchtune}
     if target not in makers:
         raise OomtuneError(f"--to {target!r}: expected one of {', '.join(TARGETS)}")
@@ -78,9 +80,11 @@ def export(plan: Plan, target: str, optimizer_of: str | None = None, blocks_of: 
     if optimizer_of and target in _OWN_OPTIMIZER:
         unexpressed.append(f"optimizer: {optimizer_of}'s own optimizer(), which the plan was measured with; "
                            f"{_OWN_OPTIMIZER[target]}")
+    if loss_of and target == "hf":  # (Lightning's training_step, Accelerate's loop and torchtune's recipe: yours)
+        unexpressed.append(f"loss: {loss_of}'s own loss(), which the plan was measured with; Trainer computes the "
+                           "model's own (outputs.loss): pass yours as Trainer(compute_loss_func=...)")
     yours = [line for line in unexpressed if line.startswith(_IN_YOUR_CODE)]
     return Export(target, values, tuple(line for line in unexpressed if line not in yours), tuple(yours))
-
 
 
 def defines_optimizer(model_path: str | Path) -> bool:

@@ -269,3 +269,17 @@ def test_a_probed_plan_checkpointed_on_wrapped_blocks_says_so_in_the_config_and_
         assert load_config(out).found_by.checkpointing_via == via
         r = run_cli("export", "--config", out, "--to", "hf", "--strict")
         assert (r.exit_code == 2) is (via == "blocks"), r.output
+
+
+@pytest.mark.parametrize("target", ["hf", "lightning"])
+def test_a_model_files_own_loss_is_named_where_the_trainer_computes_the_models(target, tmp_path):
+    """A loss() hook (label smoothing, a contrastive loss) is what the plan trained with; Hugging Face's Trainer
+    takes the model's outputs.loss instead, with no word (from a new user's pass). Lightning's training_step is the
+    user's own: nothing to say there."""
+    path = config_for(tmp_path, SGD_MODEL.split("\n\ndef optimizer")[0] + "\n\ndef loss(model, batch):\n"
+                                                                       "    return model(batch).square().mean()\n")
+    r = run_cli("export", "--config", path, "--to", target)
+    assert r.exit_code == 0, r.output
+    assert ("not expressed: loss: model.py's own loss()" in r.stderr) is (target == "hf"), r.stderr
+    strict = run_cli("export", "--config", path, "--to", target, "--strict")
+    assert strict.exit_code == (2 if target == "hf" else 0), strict.output
