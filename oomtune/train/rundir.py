@@ -17,7 +17,7 @@ from typing import Any
 from ..errors import BAD_INPUT, NO_FIT, OomtuneError
 from ..files import atomic_write, nearest_existing, try_write_in
 from ..units import utc_now
-from .checkpoint import remove, stale_temp_files
+from .checkpoint import latest_checkpoint, remove, stale_temp_files
 
 try:
     import fcntl
@@ -173,12 +173,21 @@ class RunLog:
         self.enabled = enabled
         self.lock = None  # the run dir's lock file, held while this run writes it (rank 0)
 
-    def open(self, clean: bool) -> None:
+    def open(self, clean: bool, fresh: bool = False) -> None:
         """Make the run dir and, where this rank writes it, take its lock until `release`; then `clean`: delete the
-        temp files a killed checkpoint write left (never a checkpoint; not before the lock: a live run's own)."""
+        temp files a killed checkpoint write left (never a checkpoint; not before the lock: a live run's own).
+        `fresh` (not a resume): a run that started and ended while this one was being built left its files: refused
+        as check_inputs refuses them."""
         open_run_dir(self.run_dir)
         if self.enabled:
             self.lock = hold_run_dir(self.run_dir)
+            latest = latest_checkpoint(self.run_dir) if fresh else None
+            if fresh and (latest is not None or (self.run_dir / METRICS).exists()):
+                self.release()
+                held = latest.name if latest is not None else METRICS
+                raise OomtuneError(f"run dir {self.run_dir} already holds a run ({held}), which another train wrote "
+                                   "while this one started: pass --resume to continue it, or --run-dir for a new one",
+                                   BAD_INPUT)
         if clean:
             for tmp in stale_temp_files(self.run_dir):
                 remove(tmp)

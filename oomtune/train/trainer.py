@@ -155,7 +155,7 @@ class Trainer:
         if inputs.resume_state:
             self._restore(inputs.resume_state)
             inputs.resume_state = None  # free the loaded copy
-        self.log.open(clean=self.dist.is_main)  # and hold its lock (rank 0) until run() ends
+        self.log.open(clean=self.dist.is_main, fresh=inputs.resumed_from is None)  # its lock: rank 0, to run()'s end
         self.log.truncate_metrics(self.state.step)
         self.log.event("resume" if inputs.resumed_from else "start", step=self.state.step,
                        plan=to_dict(self.state.plan), train=to_dict(cfg), device=self.device.name,

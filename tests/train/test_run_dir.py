@@ -120,3 +120,23 @@ def test_a_file_system_without_flock_trains_unlocked(case_dir, monkeypatch):
     result = train("--steps", "2")
     assert result.exit_code == 0, result.output
     assert [r["step"] for r in metrics(case_dir / "run")] == [1, 2]
+
+
+def test_a_run_that_another_train_started_and_ended_meanwhile_is_refused_when_the_lock_is_taken(case_dir, monkeypatch):
+    """The early check passed (an empty run dir), then another train wrote the run dir while this one built its model,
+    and ended: this one took the free lock and trained beside that run's files. It is refused there now, with the
+    same words as the early check, and the other run's file is left as it was."""
+    import oomtune.train.trainer as trainer
+
+    real = trainer.build_training
+
+    def meanwhile(*args, **kwargs):
+        (case_dir / "run").mkdir(exist_ok=True)
+        (case_dir / "run" / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(trainer, "build_training", meanwhile)
+    line = error_line(train("--steps", "2"))
+    assert "run dir run already holds a run (metrics.jsonl), which another train wrote while this one started" in line
+    assert (case_dir / "run" / "metrics.jsonl").read_text() == '{"step": 1, "loss": 1.0}\n'
+    assert sorted(p.name for p in (case_dir / "run").iterdir()) == [".oomtune.lock", "metrics.jsonl"]
