@@ -29,7 +29,7 @@ from .options import (
     parse_levers,
     resolve_targets,
 )
-from .past import PAST_LEVERS, PastRungs
+from .past import PAST_LEVERS, PastRungs, past_rungs
 from .probe import ProbeResult, all_rungs, fsdp_reach, ladder_rungs, no_fsdp_note, plan_of, probe
 from .trial import TrialResult, computing_where_needed, run_trial
 
@@ -172,7 +172,7 @@ class WhatIf:
     levers: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()  # how it was measured, where not on fake tensors
     note: str | None = None  # about the card (no_bf16_note)
-    optimizer: str | None = None  # "your optimizer()" where the model file has its own (None: the default AdamW)
+    optimizer: str | None = None  # its class's name where the model file has its own optimizer() (None: AdamW)
     card: str | None = None  # the card whose rules it was counted by ("Tesla T4", "a generic sm80 card")
 
     @property
@@ -193,14 +193,16 @@ def what_if(model_file: ModelFile, plan: Plan, device: FakeDevice, *, bounded: b
     static = static_memory(model_file)
     if static.compiled:  # as the ladder says it (measurement_notes): the eager model's memory, not the compiled one's
         computed += (eager_note(model_file.label, device.kind),)
-    own = "your optimizer()" if model_file.has("optimizer") else None
+    own = static.optimizer_name if model_file.has("optimizer") else None  # (its class: "SGD's state", as the ladder's)
     card = device.name.removesuffix(" (estimated)")
     if not bounded:  # no budget given: the breakdown alone (it lifts the device's budget anyway)
         return WhatIf(plan, bd, None, None, headroom, notes=computed, optimizer=own, card=card)
     limit = int(device.budget_bytes * (1 - headroom))
     lev: tuple[str, ...] = ()
     if bd.peak_bytes > limit:
-        lev = tuple(levers_that_help(bd, static, limit, device.margin, headroom, plan, None))
+        past = past_rungs(device, device.amp_dtype(), static, model_file.label, model_file.has("optimizer"),
+                          frozenset(LEVERS))  # (for why a lever cannot apply to this model: its own optimizer...)
+        lev = tuple(levers_that_help(bd, static, limit, device.margin, headroom, plan, past))
     return WhatIf(plan, bd, limit, device.budget_bytes, headroom, lev, computed, optimizer=own, card=card)
 
 

@@ -153,7 +153,17 @@ def test_a_model_files_own_optimizer_is_kept_and_the_8bit_and_offload_rungs_say_
     for extra in (("--batch", "8", "--out", tmp_path / "e.yaml"), ("--micro-batch", "2")):  # the estimate's plan,
         est = run_cli("estimate", model, "--budget", "64MiB", "--margin", "0", "--context", "1", *extra)  # one plan
         assert est.exit_code == 0 and "AdamW" not in est.stdout, est.output
-        assert ("SGD's state" if extra[0] == "--batch" else "your optimizer()'s state") in est.stdout, est.stdout
+        assert "SGD's state" in est.stdout, est.stdout  # (the what-if said "your optimizer()'s state")
+    # a what-if that does not fit says why 8-bit and offload cannot apply (it offered them as "enough")
+    from oomtune.api import what_if
+
+    adamw = write_model(FROZEN_MODEL + "\ndef optimizer(params, lr):\n    return torch.optim.AdamW(params, lr=lr)\n",
+                        name="adamw.py")
+    peak = what_if(adamw, 64, context=1, margin="0").breakdown.peak_bytes
+    advice = what_if(adamw, 64, context=1, budget=f"{peak}B", margin="0").levers  # (90% of it is allowed)
+    said = [line for line in advice if "--levers 8bit" in line or "--levers offload)" in line]
+    assert len(said) == 2 and all(line.endswith("; the ladder could not use it: adamw.py defines its own optimizer, "
+                                                "and this lever replaces only the default AdamW") for line in said)
 
 
 # weights, gradients and AdamW state of 2 x 128 x 128 fp32 weights: 1 MiB; half of them frozen (NF4's target)
