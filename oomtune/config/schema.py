@@ -91,12 +91,14 @@ class Plan:
     def for_world_size(self, world_size: int) -> Plan | None:
         """The same global batch on `world_size` ranks: the accumulation rescaled, the micro-batch kept or cut to
         its largest divisor that shares out evenly (None when the global batch is not a multiple of the ranks).
-        One rank keeps the sharding it had; more than one rank replicate (ddp) a plan that had none."""
+        More than one rank replicate (ddp) a plan that had none; one rank drops ddp (a one-process DDP only adds its
+        gradient buckets) and keeps fsdp."""
         fits = [d for d in range(self.micro_batch_size, 0, -1)
                 if self.micro_batch_size % d == 0 and self.global_batch_size % (d * world_size) == 0]
         if not fits:
             return None
-        sharding = "ddp" if self.sharding == "none" and world_size > 1 else self.sharding
+        sharding = ("ddp" if self.sharding == "none" and world_size > 1 else
+                    "none" if self.sharding == "ddp" and world_size == 1 else self.sharding)
         return dataclasses.replace(self, micro_batch_size=fits[0],
                                    grad_accum_steps=self.global_batch_size // (fits[0] * world_size),
                                    world_size=world_size, sharding=sharding, global_batch_size=0)

@@ -27,6 +27,11 @@ def run_notes(inputs: Inputs, start_step: int, requested: str | None, device: De
                           f"learning rate never reaches {cfg.lr:g}; pass --warmup-steps (fewer than {cfg.steps})",
                           warning=True))
     notes += [Note(n, warning=True) for n in hook_name_notes(inputs.model_file.label, inputs.model_file.module)]
+    planned = inputs.file_config.plan
+    if inputs.resume_state is None and planned.world_size != inputs.plan.world_size:  # (a resume says its own)
+        notes.append(Note(f"the plan was found for {planned.world_size} rank(s) ({planned.describe()}); on "
+                          f"{inputs.plan.world_size} it runs as {inputs.plan.describe()}, a shape no trial measured: "
+                          f"probe it on {inputs.plan.world_size} (--nproc-per-node) to know it fits", warning=True))
     return notes + [Note(n) for n in inputs.resume_notes]
 
 

@@ -84,6 +84,8 @@ def test_the_global_batch_counts_the_ranks_and_old_configs_load_unchanged(tmp_pa
     assert plan.for_world_size(1) == Plan(4, 32, grad_accum_steps=4, world_size=1, sharding="fsdp")
     assert plan.for_world_size(4) == Plan(4, 32, grad_accum_steps=1, world_size=4, sharding="fsdp")
     assert Plan(8, 32).for_world_size(2) == Plan(4, 32, world_size=2, sharding="ddp")
+    # a ddp plan on one process drops ddp (its buckets only cost memory: a 2-rank plan on 1 went past the limit)
+    assert Plan(4, 32, world_size=2, sharding="ddp").for_world_size(1) == Plan(4, 32, grad_accum_steps=2)
     assert Plan(3, 32).for_world_size(2) is None
     assert smaller_plan(plan) == Plan(2, 32, grad_accum_steps=4, world_size=2, sharding="fsdp")
 

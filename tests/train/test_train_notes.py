@@ -143,3 +143,18 @@ def test_no_gpu_note_where_there_is_a_gpu(config, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert isinstance(trainer.device, devices.CpuDevice)
     assert run_notes(trainer.inputs, 0, None, trainer.device) == []  # a GPU here: auto does not fall back
+
+
+def test_a_plan_found_for_two_ranks_trained_on_one_drops_ddp_and_says_no_trial_measured_it(config, tmp_path):
+    """A 2-rank plan trained with no --nproc-per-node ran as "ddp x1 rank" (a one-process DDP's buckets), 6 x 2 where
+    the probe measured 6 x 1 per rank, past the limit with no word (from a new user's pass)."""
+    cfg = config(found_by=None, warmup_steps=1)
+    path = tmp_path / cfg
+    path.write_text(path.read_text().replace("micro_batch_size: 2", "micro_batch_size: 1")
+                    .replace("world_size: 1", "world_size: 2").replace("sharding: none", "sharding: ddp"))
+    trainer = Trainer(cfg, device="cpu")
+    assert trainer.inputs.plan == Plan(1, 16, grad_accum_steps=2)  # sharding none: no DDP on one process
+    assert [n.message for n in trainer.notes] == [
+        "the plan was found for 2 rank(s) (micro-batch 1, context 16, fp32, ddp x2 ranks (global batch 2)); on 1 it "
+        "runs as micro-batch 1, context 16, fp32, x2 accumulation (global batch 2), a shape no trial measured: "
+        "probe it on 1 (--nproc-per-node) to know it fits"]
