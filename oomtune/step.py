@@ -46,7 +46,8 @@ class Training:
     clip_grad_norm: float | None = None
     on_phase: Callable[[str], None] | None = None  # told "forward" / "backward" / "optimizer" as each starts
     dist: Dist = LOCAL  # the ranks (LOCAL: one process)
-    decaying: tuple[bool, ...] = ()  # per param group: built with weight decay (set_weight_decay sets those)
+    decaying: tuple[float, ...] = ()  # per param group: the weight decay it was built with (set_weight_decay sets
+    # those above 0)
     micro_losses: torch.Tensor | None = None  # the step in flight's micro-batch losses, from its optimizer phase
     rank_allocator: nn.Module | None = None  # PEFT AdaLoRA's, called after each optimizer step (rank_allocation.py)
 
@@ -89,7 +90,7 @@ def build_training(model_file: ModelFile, plan: Plan, device: Device, lr: float,
                                plan, device)  # the 8-bit and offload levers replace the default AdamW
     as_on_cuda(optimizer, device.kind)
     t = Training(model, optimizer, _scaler(plan, device), plan, model_file, device, clip_grad_norm,
-                 dist=dist, decaying=tuple(bool(g.get("weight_decay")) for g in optimizer.param_groups),
+                 dist=dist, decaying=tuple(float(g.get("weight_decay") or 0) for g in optimizer.param_groups),
                  rank_allocator=allocator)
     if weight_decay is not None:
         set_weight_decay(t, weight_decay)

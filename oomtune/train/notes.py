@@ -4,13 +4,17 @@ the notes; the trainer reports them as events and the CLI prints them."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
+from .. import rank_allocation as adalora
 from ..config.schema import FoundBy
 from ..errors import OomtuneError
 from ..hook_names import hook_name_notes
 from ..memory.cards import find_gpu
 from ..memory.devices import Device
+from ..step import Training
 from ..units import format_bytes
 from .events import Note
 from .inputs import Inputs
@@ -33,6 +37,21 @@ def run_notes(inputs: Inputs, start_step: int, requested: str | None, device: De
                           f"{inputs.plan.world_size} it runs as {inputs.plan.describe()}, a shape no trial measured: "
                           f"probe it on {inputs.plan.world_size} (--nproc-per-node) to know it fits", warning=True))
     return notes + [Note(n) for n in inputs.resume_notes]
+
+
+def built_notes(t: Training, inputs: Inputs) -> list[Note]:
+    """What the built model and optimizer show: AdaLoRA's schedule against the run's steps, and the decay the model
+    file's optimizer() gave its groups where the config's train.weight_decay replaces it (not a --weight-decay given
+    now: that is the user's word)."""
+    cfg, label = inputs.cfg, inputs.model_file.label
+    notes = [Note(n, warning=True) for n in adalora.notes(t.rank_allocator, cfg.steps)]
+    theirs = sorted({d for d in t.decaying if d and not math.isclose(d, cfg.weight_decay)})
+    if inputs.model_file.has("optimizer") and theirs and cfg.weight_decay == inputs.file_config.train.weight_decay:
+        notes.append(Note(f"{label}'s optimizer() builds its decaying param groups with weight_decay "
+                          f"{', '.join(f'{d:g}' for d in theirs)}; train.weight_decay {cfg.weight_decay:g} replaces "
+                          f"it (pass --weight-decay {theirs[0]:g}, or set train.weight_decay, to keep it)",
+                          warning=True))
+    return notes
 
 
 def _trains_for_a_gpu_without_one(found: FoundBy | None, requested: str | None, device: Device) -> bool:

@@ -42,7 +42,7 @@ from .events import Checkpointed, Event, Note, Started, StepDone, TrainResult
 from .inputs import Inputs, check_inputs, check_weights_fit, device_kind, resolve_device, resumed_device
 from .losses import NonFiniteLoss, check_losses, tainted_buffer
 from .metrics import StepMetrics, Window
-from .notes import run_notes
+from .notes import built_notes, run_notes
 from .recovery import RecoveryPolicy, Retry, Stop
 from .rng import capture_rng, restore_rng, seed_everything
 from .rundir import RunLog
@@ -163,7 +163,7 @@ class Trainer:
                        checkpoint=inputs.resumed_from.name if inputs.resumed_from else None)
         self.on_event(Started(self.state.plan, cfg, self.state.step, self.device.name, inputs.run_dir, self.data_hook,
                               self.evaluates, inputs.resumed_from))
-        for note in self.notes + [Note(n, warning=True) for n in adalora.notes(self.t.rank_allocator, cfg.steps)]:
+        for note in self.notes + built_notes(self.t, inputs):
             self.on_event(note)
         label = self.model_file.label
         if isinstance(self.device, TrackedDevice) and is_compiled(self.t.module):

@@ -242,3 +242,17 @@ def eval_batches(batch_size, context_length, device):
     rows = [r for r in metrics(tmp_path / "run") if "eval_loss" in r]
     assert [(r["step"], r["micro_batch_size"]) for r in rows] == [(2, 4), (4, 2)]
     assert all(r["eval_loss"] is not None for r in rows)
+
+
+def test_the_configs_weight_decay_replacing_the_model_files_own_is_said(model_dir):
+    """The model file's optimizer() builds its decaying group with 0.1; a config whose train.weight_decay is another
+    (the default a probe writes, where the file's is nanoGPT's own) replaced it with no word (from a new user's
+    pass). A --weight-decay given now is the user's word: nothing to say."""
+    config = model_dir / "best.yaml"
+    config.write_text(config.read_text().replace("  run_dir: run\n", "  run_dir: run\n  weight_decay: 0.02\n"))
+    said = " ".join(train("--run-dir", "run", "--steps", "1").stderr.split())
+    assert ("warning: model.py's optimizer() builds its decaying param groups with weight_decay 0.1; "
+            "train.weight_decay 0.02 replaces it (pass --weight-decay 0.1, or set train.weight_decay, to keep it)"
+            ) in said, said
+    flagged = " ".join(train("--run-dir", "run2", "--steps", "1", "--weight-decay", "0.05").stderr.split())
+    assert "replaces it" not in flagged, flagged
