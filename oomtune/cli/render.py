@@ -41,9 +41,13 @@ def rungs_table(ladder, targets, world_size: int = 1) -> Table:
     table = Table(title="ladder", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
     for col in ("rung", "best context", "best micro-batch" + (" per rank" if world_size > 1 else ""), "trials"):
         table.add_column(col, no_wrap=col != "rung", overflow="fold" if col == "rung" else "ellipsis")
+    c = ladder.choice
     for r in ladder.rungs:
+        # the plan's rung, where accumulation needed a shorter context than micro-batch 1 alone: that one too
+        cut = f" ({c.context_length} x{c.grad_accum_steps})" if (c is not None and c.rung == r.rung and r.found and
+                                                                 c.context_length < r.context_length) else ""
         table.add_row(rung_label(r.rung.name, r.rung.precision),
-                      f"{r.context_length}/{targets.context}" if r.found else "[red]none[/]",
+                      f"{r.context_length}/{targets.context}{cut}" if r.found else "[red]none[/]",
                       f"{r.micro_batch_size}/{targets.batch // world_size}{_with_accumulation(r)}" if r.found else "-",
                       str(r.trials))
     return table

@@ -26,10 +26,15 @@ def divisor_note(result: ProbeResult) -> str | None:
         top = max(at, key=lambda r: r.micro_batch_size)
     else:
         top = next((r for r in at if r.rung == c.rung), None)
-    if top is None or c.micro_batch_size * 2 > top.micro_batch_size:
+    fitting, fit_rung = (top.micro_batch_size, top.rung) if top is not None else (0, c.rung)
+    alone = max((r.micro_batch_size for r in result.records if r.result == "fits" and r.grad_accum_steps == 1
+                 and r.rung == c.rung.name and r.context_length == c.context_length), default=0)
+    if alone > fitting:  # the context was cut for the accumulated plan: the rung's own search was at a longer one
+        fitting, fit_rung = alone, c.rung
+    if c.micro_batch_size * 2 > fitting:
         return None
-    fitting, chosen, accum = top.micro_batch_size, c.micro_batch_size, c.grad_accum_steps
-    on = "" if top.rung == c.rung else f" ({describe_rung(top.rung)})"
+    chosen, accum = c.micro_batch_size, c.grad_accum_steps
+    on = "" if fit_rung == c.rung else f" ({describe_rung(fit_rung)})"
     world, batch = result.world_size, result.targets.batch
     per_rank = batch // world
     divisor = largest_divisor_at_most(per_rank, fitting)
