@@ -278,16 +278,21 @@ def test_the_probes_boundary_under_an_8gib_cap_is_a_real_oom(capped_probe):
     b_s = rung.micro_batch_size
     assert rung.context_length == T and b_s < B, "the cap did not bind: raise B"
 
-    seen = {(r.rung, r.micro_batch_size, r.context_length): r.result for r in result.records
-            if r.grad_accum_steps == 1}  # the accumulation trials (after the rungs) hold gradients: more memory
-    assert seen[(choice.rung.name, b_s, T)] == "fits"
-    assert seen[(choice.rung.name, b_s + 1, T)] == "oom"  # the search's own verify step
+    # the rung's boundary as the search certified it: b fits, and the next size it tried does not (b + 1 without
+    # the prior; with it, where accumulation will be used, the next divisor of B, at that divisor's accumulation)
+    tried = [r for r in result.records if r.rung == choice.rung.name and r.context_length == T]
+    fits = [r for r in tried if r.result == "fits"]
+    assert max(r.micro_batch_size for r in fits) == b_s
+    at_rec = next(r for r in fits if r.micro_batch_size == b_s)
+    over_rec = min((r for r in tried if r.result == "oom" and r.micro_batch_size > b_s),
+                   key=lambda r: r.micro_batch_size)
+    assert over_rec.micro_batch_size in (b_s + 1, next(d for d in range(b_s + 1, B + 1) if B % d == 0))
 
     # the boundary holds on a fresh pair of trials under the same cap
     device = make_device("cuda", CAP)
     prec, ckpt = choice.rung.precision, choice.rung.activation_checkpointing
-    at = run_trial(mf, Plan(b_s, T, prec, ckpt), device)
-    over = run_trial(mf, Plan(b_s + 1, T, prec, ckpt), device)
+    at = run_trial(mf, Plan(b_s, T, prec, ckpt, at_rec.grad_accum_steps), device)
+    over = run_trial(mf, Plan(over_rec.micro_batch_size, T, prec, ckpt, over_rec.grad_accum_steps), device)
     assert not at.oom, at.oom_message
     assert over.oom and over.oom_message.startswith("CUDA out of memory")
 

@@ -44,11 +44,23 @@ def test_a_peft_lora_model_probes_trains_and_its_fake_estimate_is_close(tmp_path
     from oomtune.config.loading import load_config
 
     plan = load_config(tmp_path / "best.yaml").plan
-    real = run_trial(mf, plan, make_device("cuda", "4GiB"))
+    real, before = measured_trial(mf, plan)
     fake = breakdown(mf, plan, FakeDevice("4GiB", gpu=this_card(), margin=Margin()))
-    print(f"LoRA Llama {plan.describe()}: cuda allocated peak {real.peak_allocated_bytes}, reserved "
-          f"{real.peak_bytes}; fake tensor peak {fake.tensor_peak_bytes}")
-    assert 0.9 * fake.tensor_peak_bytes <= real.peak_allocated_bytes <= 1.5 * fake.tensor_peak_bytes + 64 * MiB
+    print(f"LoRA Llama {plan.describe()}: cuda allocated peak {real} (+{before} live before), fake tensor peak "
+          f"{fake.tensor_peak_bytes}")
+    assert 0.9 * fake.tensor_peak_bytes <= real <= 1.5 * fake.tensor_peak_bytes + 16 * MiB
+
+
+def measured_trial(mf, plan) -> tuple[int, int]:
+    """(the trial's allocated peak above what was live before it, what was live before it) on the GPU, after one
+    warm-up trial: the cuBLAS workspaces (2 x 32 MiB on Hopper) and whatever earlier tests left are not the
+    trial's, and a fake trial does not count them as tensors."""
+    cuda = make_device("cuda", "4GiB")
+    run_trial(mf, plan, cuda)
+    before = cuda.live_bytes()
+    real = run_trial(mf, plan, cuda)
+    assert not real.oom, real.oom_message
+    return real.peak_allocated_bytes - before, before
 
 
 def this_card():
@@ -103,6 +115,7 @@ def test_each_lever_runs_on_cuda_and_the_fake_estimate_is_close(lever, tmp_path)
     from oomtune.memory.margin import Margin
 
     name, keys = LEVER_PLANS[lever]
+    offload = lever.startswith("offload")
     if lever in ("8bit", "nf4"):
         pytest.importorskip("torchao")
     if name == "qlora":
@@ -111,10 +124,15 @@ def test_each_lever_runs_on_cuda_and_the_fake_estimate_is_close(lever, tmp_path)
     else:
         mf = load_model_file(EXAMPLES / "tiny_gpt.py")
     plan = Plan(8, 128, **keys)
-    real = run_trial(mf, plan, make_device("cuda", "4GiB"))
+    cuda = make_device("cuda", "4GiB")
+    run_trial(mf, plan, cuda)  # warm-up: the workspaces (and a compiled optimizer step's kernels) exist from here on
+    before = cuda.live_bytes()
+    real = run_trial(mf, plan, cuda)
     fake = run_trial(mf, plan, FakeDevice("4GiB", gpu=this_card(), margin=Margin()))
-    print(f"{lever} ({plan.describe()}): cuda allocated peak {real.peak_allocated_bytes}, host {real.host_peak_bytes};"
-          f" fake tensor peak {fake.peak_allocated_bytes}, host {fake.host_peak_bytes}")
+    own = real.peak_allocated_bytes - before
+    print(f"{lever} ({plan.describe()}): cuda allocated peak {own} (+{before} live before), host "
+          f"{real.host_peak_bytes}; fake tensor peak {fake.peak_allocated_bytes}, host {fake.host_peak_bytes}")
     assert not real.oom, real.oom_message
-    assert 0.8 * fake.peak_allocated_bytes <= real.peak_allocated_bytes <= 1.5 * fake.peak_allocated_bytes + 64 * MiB
-    assert (real.host_peak_bytes > 0) == (fake.host_peak_bytes > 0) == lever.startswith("offload")
+    assert 0.8 * fake.peak_allocated_bytes <= own <= 1.5 * fake.peak_allocated_bytes + 16 * MiB
+    # host memory: the offloaded state, and NF4's build (in host memory, quantized there before it moves)
+    assert (real.host_peak_bytes > 0) == (fake.host_peak_bytes > 0) == (offload or lever == "nf4")

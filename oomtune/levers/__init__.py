@@ -131,7 +131,11 @@ def make_optimizer(model_file, params: Sequence[nn.Parameter], lr: float, model:
     if plan.optimizer_8bit:
         from .adamw8bit import BlockwiseAdamW8bit, library_adamw8bit
 
-        cls = library_adamw8bit() if device.kind == "cuda" else BlockwiseAdamW8bit
+        # offloaded, the state and step are in host memory: oomtune's eager stand-in there (torchao's state layout),
+        # not the library's compiled step, which would need inductor's C++ toolchain for CPU and, on an H200 with
+        # torch 2.11, broke the compiled GPU step of every model trained after it in the process (make gpu-check)
+        on_gpu = device.kind == "cuda" and not plan.offload_optimizer
+        cls = library_adamw8bit() if on_gpu else BlockwiseAdamW8bit
     else:
         cls = torch.optim.AdamW
 

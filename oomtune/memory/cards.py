@@ -77,7 +77,9 @@ GPUS: tuple[GpuSpec, ...] = (
     GpuSpec("A100 40GB", 40960 * MiB, (8, 0), ("a100-40", "a100-40gb")),
     GpuSpec("A100 80GB", 81920 * MiB, (8, 0), ("a100-80", "a100-80gb")),
     GpuSpec("H100 80GB", 81559 * MiB, (9, 0), ("h100", "h100-80", "h100-80gb")),
-    GpuSpec("H200", 143771 * MiB, (9, 0), ("h200", "h200-141gb")),
+    # context: make gpu-check on an H200, 2026-12-04 (torch 2.11.0+cu130, driver 580.159.04): NVML used after a
+    # training step's warm-up, less used before and less PyTorch's reserved memory
+    GpuSpec("H200", 143771 * MiB, (9, 0), ("h200", "h200-141gb"), context_bytes=802750464),
 )
 
 # `estimate --budget` without --gpu: a card of that memory with Ampere's rules (bf16, flash attention, PyTorch's

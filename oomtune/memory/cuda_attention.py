@@ -8,8 +8,9 @@ the card's compute capability (`choose_backend`). The three keep very different 
 - flash saves the output and a (B, H, T) fp32 logsumexp; its backward allocates softmax_d (B, H, T128) fp32 and
   dq_accum (B, T128, H, D32) fp32 besides the gradients; a head dim that is not a multiple of 8 is padded (copies
   of q, k, v, an output and gradients stored padded);
-- efficient saves the output, a (B, H, T32) fp32 logsumexp and the mask (a float tensor of q's dtype; copied with
-  its last dim padded to 8 where its strides are not aligned to 8); its backward allocates delta (B, H, T) fp32 and
+- efficient (equal query and key heads only: grouped ones, enable_gqa or not, go to math) saves the output, a
+  (B, H, T32) fp32 logsumexp and the mask (a float tensor of q's dtype; copied with its last dim padded to 8 where
+  its strides are not aligned to 8); its backward allocates delta (B, H, T) fp32 and
   a (B, H, T, D) fp32 accumulator for grad_q (kernel_backward.h's kNeedsAccumGradQ: fp16/bf16, or keys split
   across blocks, sm70 and newer);
 - math saves softmax(QK^T), (B, H, T, T), and whatever else its ops save (fp16/bf16 inputs computed in fp32).
@@ -105,7 +106,7 @@ def gemm_alignment(cc: tuple[int, int], half: bool) -> int:
 def can_use_efficient(card: GpuSpec, c: Call) -> bool:
     cc = card.compute_capability
     if not torch.backends.cuda.mem_efficient_sdp_enabled() or not _in(cc, (5, 0), (12, 1)) \
-            or not _dense_ok(c, gqa_ok=True):
+            or not _dense_ok(c, gqa_ok=False):  # its dense checks refuse grouped query heads, enable_gqa or not
         return False
     dtypes = (torch.float16, torch.float32, torch.bfloat16) if cc >= (8, 0) else (torch.float16, torch.float32)
     if c.q.dtype not in dtypes:

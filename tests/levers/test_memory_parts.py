@@ -375,3 +375,4 @@ def test_the_8bit_codebooks_are_real_whatever_mode_first_imports_them(monkeypatc
     assert len(books) == 4
     assert not any(isinstance(t, FakeTensor) for t in books) and {t.device.type for t in books} == {"cpu"}
     assert tracker.live_bytes == 0 and tracker.peak_bytes == 0
+

@@ -44,6 +44,8 @@ def call(q, k, v, **kw) -> Call:
     (H100, {}, {"d": 200}, "flash"),  # sm90 has no such rule
     (A100, {"gqa": True}, {"kv_heads": 2}, "flash"),  # grouped query heads with enable_gqa
     (A100, {}, {"kv_heads": 2}, "math"),  # ... without it the heads must be equal
+    (H100, {"gqa": True, "causal": True}, {"kv_heads": 2, "dtype": FP32}, "math"),  # efficient: never grouped heads
+    (H100, {"gqa": True, "mask": torch.zeros(64, 64, dtype=BF16)}, {"kv_heads": 2}, "math"),  # flash: no mask
 ])
 def test_the_backend_is_the_one_sdp_utils_picks(card, kw, inputs, want):
     assert choose_backend(card, call(*qkv(**inputs), **kw)) == want
