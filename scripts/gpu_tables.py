@@ -175,7 +175,8 @@ def memory_table(rep: Report, cuda, deadline: float, gpu: dict, examples=EXAMPLE
             f"{fb(ws) if ws is not None else 'n/a'} of cuBLAS workspaces the card profile predicts; this process's "
             f"CUDA context after the warm-up (NVML used - used before - reserved): "
             f"{fb(context) if context is not None else 'n/a (no NVML)'}, against "
-            f"{fb(card.context) if card else 'n/a'} the profile assumes; the fake device follows "
+            f"{fb(card.context) if card else 'n/a'} in the profile "
+            f"({'measured' if card and card.context_bytes is not None else 'assumed'}); the fake device follows "
             f"{fake.card_text() if fake is not None else 'n/a'}, margin {fake.margin.text() if fake else 'n/a'}")
     rows, data = [], []
     stopped = False

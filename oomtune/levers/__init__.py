@@ -38,6 +38,8 @@ def missing_library(lever: str, device_kind: str) -> str | None:
 def check_plan_runs(plan, device_kind: str, has_optimizer_hook: bool, label: str) -> None:
     """One line, exit 2, for a plan whose levers cannot run here."""
     for lever in LIBRARY_LEVERS:
+        if lever == "optimizer_8bit" and plan.offload_optimizer:
+            continue  # offloaded, 8-bit AdamW is the stand-in on the host (make_optimizer): no library
         why = getattr(plan, lever) and missing_library(lever, device_kind)
         if why:
             raise OomtuneError(f"plan.{lever}: {why}", BAD_INPUT)

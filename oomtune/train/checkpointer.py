@@ -125,13 +125,21 @@ def restore(checkpointer: Checkpointer, path: Path, state: dict[str, Any], t: Tr
     as_on_cuda(t.optimizer, device.kind)  # and their foreach choice
 
 
+def optimizer_class(optimizer: torch.optim.Optimizer) -> str:
+    """The optimizer's class as a checkpoint records it: an offloaded one names the optimizer it runs on the host,
+    `HostOffloadOptimizer(BlockwiseAdamW8bit)`, whose state is what the checkpoint holds."""
+    inner = getattr(optimizer, "inner", None)
+    name = type(optimizer).__name__
+    return f"{name}({type(inner).__name__})" if isinstance(inner, torch.optim.Optimizer) else name
+
+
 def optimizer_mismatch(state: dict[str, Any], optimizer: torch.optim.Optimizer) -> str | None:
     """How the checkpoint's optimizer differs from `optimizer` (the model file's `optimizer()` changed since the run
     started), else None. `load_state_dict` copies the old groups and state over without a word, so AdamW's state in
     an SGD fails in its first step (KeyError: 'momentum') and Adam's in an AdamW silently drops decoupled decay."""
     saved_class = state.get("optimizer_class")
-    mine = type(optimizer).__name__
-    if isinstance(saved_class, str) and saved_class != mine:
+    mine = optimizer_class(optimizer)
+    if isinstance(saved_class, str) and saved_class not in (mine, type(optimizer).__name__):  # (older: outer only)
         return f"it was written by {saved_class}, this run builds {mine}"
     saved = state.get("optimizer")
     groups = saved.get("param_groups") if isinstance(saved, dict) else None

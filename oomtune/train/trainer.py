@@ -36,7 +36,7 @@ from ..memory.devices import TrackedDevice, is_oom
 from ..model_file import Batch, eager_note, is_compiled
 from ..step import Training, build_training, eval_loss, state_bytes, train_step
 from .checkpoint import KEEP
-from .checkpointer import checkpointer_for, restore, resume_notes
+from .checkpointer import checkpointer_for, optimizer_class, restore, resume_notes
 from .data import DataStream, Shares
 from .events import Checkpointed, Event, Note, Started, StepDone, TrainResult
 from .inputs import Inputs, check_inputs, check_weights_fit, device_kind, resolve_device, resumed_device
@@ -372,7 +372,7 @@ class Trainer:
                      "hook": self.data_hook},
             "scaler": t.scaler.state_dict(), "train": to_dict(self.cfg), "model_file": str(self.model_file.path),
             "torch_version": str(torch.__version__), "run_on": self.run_on,
-            "optimizer_class": type(t.optimizer).__name__, **adalora.saved(t.rank_allocator)}  # AdaLoRA's scores
+            "optimizer_class": optimizer_class(t.optimizer), **adalora.saved(t.rank_allocator)}  # AdaLoRA's scores
         path = self.checkpointer.save(self.inputs.run_dir, meta, capture_rng(self.cuda), t, keep)
         s.last_checkpoint, s.checkpoint_step = path, s.step
         self.log.event("checkpoint", step=s.step, path=path.name, reason=reason)

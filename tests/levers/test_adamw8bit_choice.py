@@ -40,3 +40,33 @@ def test_on_cuda_8bit_state_is_torchaos_on_the_device_and_the_stand_ins_once_off
     assert type(built(Plan(1, 1, optimizer_8bit=True))) is AdamW8bit
     offloaded = built(Plan(1, 1, optimizer_8bit=True, offload_optimizer=True))
     assert isinstance(offloaded, HostOffloadOptimizer) and type(offloaded.inner) is BlockwiseAdamW8bit
+
+
+def test_a_checkpoint_names_the_optimizer_an_offloaded_one_runs_and_refuses_another_ones_state():
+    """The checkpoint's optimizer_class names the host optimizer inside the offload one: a run whose offloaded step
+    was torchao's (before the stand-in ran there on cuda) holds torchao's state, which the stand-in cannot read.
+    A checkpoint from before the inner name was recorded ("HostOffloadOptimizer") is still taken."""
+    from oomtune.train.checkpointer import optimizer_class, optimizer_mismatch
+
+    cpu = SimpleNamespace(kind="cpu", pin_memory=False, host=contextlib.nullcontext)
+    model = nn.Linear(64, 64)
+    offloaded = make_optimizer(load_model_file(EXAMPLES / "tiny_gpt.py"), list(model.parameters()), 1e-3, model,
+                               Plan(1, 1, optimizer_8bit=True, offload_optimizer=True), cpu)
+    assert optimizer_class(offloaded) == "HostOffloadOptimizer(BlockwiseAdamW8bit)"
+    assert optimizer_class(torch.optim.AdamW(model.parameters())) == "AdamW"
+    assert optimizer_mismatch({"optimizer_class": "HostOffloadOptimizer(AdamW8bit)"}, offloaded) == \
+        "it was written by HostOffloadOptimizer(AdamW8bit), this run builds HostOffloadOptimizer(BlockwiseAdamW8bit)"
+    for same in ("HostOffloadOptimizer(BlockwiseAdamW8bit)", "HostOffloadOptimizer"):
+        assert optimizer_mismatch({"optimizer_class": same}, offloaded) is None
+
+
+def test_an_offloaded_8bit_plan_needs_no_library_on_cuda(monkeypatch):
+    """Offloaded, the 8-bit step is the stand-in's, so a cuda plan with both levers runs without torchao or
+    bitsandbytes; on the device, 8-bit AdamW still names the extra that brings one."""
+    import oomtune.levers as levers
+    from oomtune.errors import OomtuneError
+
+    monkeypatch.setattr(levers, "installed", lambda name: False)
+    levers.check_plan_runs(Plan(1, 1, optimizer_8bit=True, offload_optimizer=True), "cuda", False, "m.py")
+    with pytest.raises(OomtuneError, match="8-bit AdamW on cuda needs torchao or bitsandbytes"):
+        levers.check_plan_runs(Plan(1, 1, optimizer_8bit=True), "cuda", False, "m.py")

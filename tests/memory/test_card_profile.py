@@ -99,7 +99,9 @@ def test_a_card_margin_is_recorded_and_read_back():
     assert m.fixed_lines() == {"context": H100.context, "workspaces": H100.workspace_bytes}
     assert m.overhead(100, reserved_bytes=100 + H100.workspace_bytes + 4096) == H100.context + H100.workspace_bytes \
         + 4096
-    assert "assumed" in m.text()  # no card's context has been measured yet: the estimate says so
+    assert "assumed" in m.text()  # not measured on an H100 yet: the estimate says so
+    assert "assumed" not in CardMargin(find_gpu("h200")).text()  # measured by make gpu-check on an H200
+    assert find_gpu("h200").context == 802750464
 
 
 def test_a_flat_margin_still_overrides_and_the_card_still_decides_kernels(tiny):
