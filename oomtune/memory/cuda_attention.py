@@ -233,10 +233,37 @@ def _efficient_mask(c: Call) -> torch.Tensor | None:
     return mask
 
 
+_SEEN: dict[str, None] = {}  # what the kernels chosen since the last kernel_notes() would not tell a user by itself
+
+
+def kernel_notes() -> tuple[str, ...]:
+    """The notes on kernel choices made since the last call (and forget them)."""
+    notes = tuple(_SEEN)
+    _SEEN.clear()
+    return notes
+
+
+def _grouped_note(card: GpuSpec, c: Call) -> None:
+    """Math taken only because the heads are grouped (efficient would take the same call with equal heads)."""
+    hq, hk = c.q.shape[1], c.k.shape[1]
+    if not c.gqa or c.q.dim() != 4 or hq == hk or hq % hk:
+        return
+    b, _, t, _ = c.k.shape
+    wide = [x[:, :1].expand(b, hq, t, x.shape[-1]) for x in (c.k, c.v)]
+    if not can_use_efficient(card, Call(c.q, *wide, c.mask, c.dropout, c.causal, c.scale)):
+        return
+    kind = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}.get(c.q.dtype, str(c.q.dtype))
+    _SEEN[f"on {card.name}, {kind} attention with grouped query heads ({hq} query, {hk} key/value) runs PyTorch's "
+          "math kernel, which keeps each layer's (batch, heads, context, context) attention matrix: the "
+          "memory-efficient kernel takes no grouped heads" + ("" if c.q.dtype in _HALF else
+                                                              ", and flash only fp16/bf16 (the amp rung)")] = None
+
+
 def attention(card: GpuSpec, c: Call) -> torch.Tensor:
     """SDPA on `card`'s backend (inputs as CUDA autocast, where it runs, cast them already: cuda_autocast.py)."""
     backend = choose_backend(card, c)
     if backend == "math":
+        _grouped_note(card, c)
         return _math(c)
     mask = _efficient_mask(c) if backend == "efficient" else None
     return _FusedAttention.apply(c.q, c.k, c.v, mask, backend, (c.dropout, c.causal, c.scale, c.gqa), c.needs_grad,

@@ -17,6 +17,7 @@ from ..errors import BAD_INPUT, OomtuneError
 from ..hook_names import hook_name_notes
 from ..memory.breakdown import StaticMemory, static_memory
 from ..memory.cards import GENERIC, find_gpu
+from ..memory.cuda_attention import kernel_notes
 from ..memory.devices import Device, make_device, resolve_kind
 from ..memory.host_kernels import amp_cannot_run
 from ..memory.margin import Margin, parse_margin
@@ -218,6 +219,7 @@ def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: 
     rungs, past, floor = all_rungs(model_file, device, amp, static, world, sharding, levers, limit, sharded_by,
                                    statics[1] if statics else None)
     check_static_fits(floor, device, limit, headroom, sharded_by, past if levers != frozenset(LEVERS) else None)
+    kernel_notes()  # forget what trials before this probe chose (its own choose again)
     notes = measurement_notes(model_file, static, device, targets.min_context)
     unrunnable = amp_cannot_run(static.lstm, device, amp)
     notes += (f"{model_file.label} {unrunnable}",) if unrunnable and "amp" in levers else ()
@@ -238,7 +240,7 @@ def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: 
             trials, limit, report, rungs, past, targets, world, objective, "accumulation" in levers))
     records, host = trials.records, trials.host
     climbed_past = len(ladder.rungs) > len(rungs)
-    notes += computed + (past.notes() if climbed_past or ladder.choice is None else ())
+    notes += computed + kernel_notes() + (past.notes() if climbed_past or ladder.choice is None else ())
     if ladder.choice is None:
         why = why_nothing_fits(ladder, targets, floor if climbed_past else static, limit, world,
                                "accumulation" in levers) + \

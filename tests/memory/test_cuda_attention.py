@@ -192,3 +192,25 @@ def test_flash_pads_a_head_dim_that_is_not_a_multiple_of_8():
     assert out.shape[-1] == 12 and all(g.shape == t_.shape for g, t_ in zip(grads, (q, k, v), strict=True))
     ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     torch.testing.assert_close(out, ref, atol=5e-2, rtol=2e-2)
+
+
+def test_math_taken_for_grouped_heads_alone_leaves_a_note_and_other_choices_none():
+    """fp32 grouped heads on a card: math (efficient takes no grouped heads, flash no fp32), and a note says why the
+    (B, H, T, T) matrix is kept; bf16 without a mask is flash's (no note); equal heads are efficient's (no note);
+    bf16 with a mask and grouped heads is math again, the note without the fp16/bf16 clause."""
+    from oomtune.memory.cuda_attention import kernel_notes
+
+    def run(dtype, kv_heads, **kw):
+        q, k, v = qkv(t=16, d=8, dtype=dtype, kv_heads=kv_heads, grad=False)
+        with cuda_kernels(H100):
+            F.scaled_dot_product_attention(q, k, v, enable_gqa=kv_heads is not None, **kw)
+        return kernel_notes()
+
+    kernel_notes()
+    (note,) = run(FP32, 2, is_causal=True)
+    assert note.startswith("on H100 80GB, fp32 attention with grouped query heads (4 query, 2 key/value) runs "
+                           "PyTorch's math kernel") and note.endswith("and flash only fp16/bf16 (the amp rung)")
+    assert run(FP32, 2, is_causal=True) == (note,) and kernel_notes() == ()  # once per choice, then forgotten
+    assert run(BF16, 2, is_causal=True) == () and run(FP32, None) == ()
+    (masked,) = run(BF16, 2, attn_mask=torch.zeros(16, 16, dtype=BF16))
+    assert "bf16 attention" in masked and masked.endswith("the memory-efficient kernel takes no grouped heads")
