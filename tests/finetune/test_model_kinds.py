@@ -330,3 +330,13 @@ def test_a_layer_drop_model_is_measured_running_every_layer_and_the_probe_says_s
         "hf_wav2vec2_layerdrop.py skips layers at random in training (layerdrop 0.5 on Wav2Vec2Config): every trial "
         "runs all of them, the worst case, so training's peaks stay at or under the measured ones")
     assert static_memory(without).layer_drop is None
+
+
+def test_a_what_if_plan_says_when_grouped_heads_send_fp32_attention_to_math():
+    """device: fake, with the generic card's rules. The Llama's 4 query heads share 2 key/value heads: fp32
+    attention is math's on a card (the note); in bf16 flash takes it (no note)."""
+    args = ("estimate", MODELS / "hf_llama_lora.py", *AS_A_CARD, "--micro-batch", "2", "--json")
+    fp32, bf16 = run_cli(*args), run_cli(*args, "--precision", "bf16")
+    assert fp32.exit_code == bf16.exit_code == 0, fp32.output + bf16.output
+    grouped = [[n for n in json.loads(r.stdout)["notes"] if "grouped query heads" in n] for r in (fp32, bf16)]
+    assert len(grouped[0]) == 1 and grouped[1] == []
