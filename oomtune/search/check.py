@@ -10,6 +10,7 @@ from ..config.schema import HEADROOM, TRIAL_STEPS, Config, FoundBy, MemoryBreakd
 from ..errors import OomtuneError
 from ..memory.breakdown import breakdown, breakdown_difference, static_memory
 from ..memory.cards import GENERIC, GpuSpec, find_gpu
+from ..memory.cuda_attention import kernel_notes
 from ..memory.devices import CpuDevice, Device, FakeDevice, TrackedDevice, make_device
 from ..memory.margin import AnyMargin, Margin, parse_margin
 from ..model_file import ModelFile, eager_note
@@ -141,8 +142,10 @@ def check(config: Config, model_file: ModelFile, *, device_kind: str = "fake", b
         check_floor(model_file, config.plan, device.kind, budget_bytes, tensors, headroom)
     old_peak, old_bd, versions = *recorded_for(fb, config.plan), version_notes(fb)
     if isinstance(device, TrackedDevice):
+        kernel_notes()  # (earlier trials' choices in this process)
         bd, computed = computing_where_needed(device, model_file.label,
                                               lambda: breakdown(model_file, config.plan, device, steps))
+        computed += kernel_notes()
         from .estimate import no_bf16_note
 
         notes = (eager_note(model_file.label, device.kind),) if static_memory(model_file).compiled else ()

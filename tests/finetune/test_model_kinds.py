@@ -68,8 +68,9 @@ def test_each_kind_probes_trains_estimates_and_checks_and_fake_equals_cpu(kind, 
     assert estimated["peak_bytes"] == probed["peak_bytes"] == checked["new_peak_bytes"]  # to the byte
     computed = [n for n in estimated["notes"] + checked["notes"] if "computed on the cpu" in n]
     assert computed == ([COMPUTED, COMPUTED] if kind == "moe_nonzero" else [])  # only it needs missing values
-    grouped = [n for n in probed["notes"] + estimated["notes"] if "with grouped query heads (4 query, 2" in n]
-    assert len(grouped) == (2 if kind in ("hf_llama_lora", "hf_llama_loha") else 0)  # fp32 attention: math's
+    grouped = [n for n in probed["notes"] + estimated["notes"] + checked["notes"]
+               if "with grouped query heads (4 query, 2" in n]
+    assert len(grouped) == (3 if kind in ("hf_llama_lora", "hf_llama_loha") else 0)  # fp32 attention: math's
     eager = [n for n in probed["notes"] + estimated["notes"] + checked["notes"] if n.startswith(EAGER)]
     assert len(eager) == (3 if kind == "compiled" else 0)
     if kind == "compiled":
