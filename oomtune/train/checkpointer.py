@@ -8,13 +8,15 @@ call it at the same step, so a rank that fails alone cannot save (`collective`).
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
 from .. import rank_allocation
-from ..config.schema import Plan
+from ..config.schema import Plan, TrainConfig
 from ..dist.group import Dist
 from ..errors import BAD_INPUT, OomtuneError, first_line
 from ..levers import load_model_state, model_state
@@ -22,6 +24,7 @@ from ..memory.devices import Device, is_oom
 from ..step import Training, as_on_cuda, set_weight_decay
 from .checkpoint import KEEP, LAYOUT, save_checkpoint, state_dict_mismatch
 from .events import Note
+from .schedule import lr_at
 
 
 class Checkpointer(Protocol):
@@ -155,10 +158,19 @@ def optimizer_mismatch(state: dict[str, Any], optimizer: torch.optim.Optimizer) 
     return None
 
 
-def resume_notes(state: dict[str, Any], plan: Plan, in_file: Plan, data_hook: str) -> list[Note]:
+def resume_notes(state: dict[str, Any], plan: Plan, in_file: Plan, data_hook: str,
+                 cfg: TrainConfig | None = None) -> list[Note]:
     """What a resume says once training has started: other data than the checkpoint's, another number of ranks,
-    the checkpoint's plan where the config says another."""
+    the checkpoint's plan where the config says another, a learning rate that jumps (`cfg`: this run's settings;
+    another --steps stretches or shrinks the cosine schedule)."""
     notes = []
+    before = state.get("train", {}).get("steps") if isinstance(state.get("train"), dict) else None
+    if cfg is not None and isinstance(before, int) and before != cfg.steps:
+        step, was = state["step"], dataclasses.replace(cfg, steps=before)
+        if not math.isclose(lr_at(step, was), lr_at(step, cfg), rel_tol=1e-6):
+            notes.append(Note(f"the learning-rate schedule now decays to step {cfg.steps} (the run began with "
+                              f"{before}): at step {step + 1} the learning rate goes from {lr_at(step, was):.3g} to "
+                              f"{lr_at(step, cfg):.3g}", warning=True))
     if state["data"].get("hook") not in (None, data_hook):
         notes.append(Note(f"the checkpoint was trained on {state['data']['hook']}() data, this run uses "
                           f"{data_hook}()", warning=True))

@@ -389,7 +389,7 @@ class Trainer:
         elif self.dist.is_main:
             self.notes.append(Note("the checkpoint has no RNG state for some ranks (it had fewer): they keep their "
                                    "own seed, so dropout will not repeat the original run's"))
-        self.notes.extend(resume_notes(st, self.state.plan, self.state.file_config.plan, self.data_hook))
+        self.notes.extend(resume_notes(st, self.state.plan, self.state.file_config.plan, self.data_hook, self.cfg))
 
 
 def train(config_path: str | Path, *, overrides: dict[str, Any] | None = None, device: str | None = None,

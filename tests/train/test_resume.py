@@ -107,11 +107,17 @@ def test_a_resume_goes_on_with_the_settings_the_run_started_with_unless_a_flag_s
                    "warmup_steps 2 (the config says 10)"):
         assert unused in said
 
-    # a flag given with --resume wins: train longer
-    assert train("--run-dir", "cut", "--resume", "--steps", "8").exit_code == 0
+    assert "learning-rate schedule" not in said  # the same length: the same schedule
+
+    # a flag given with --resume wins: train longer; the cosine schedule is stretched, and the jump is said
+    result = train("--run-dir", "cut", "--resume", "--steps", "8")
+    assert result.exit_code == 0, result.stderr
     longer = losses(model_dir / "cut")
     assert longer[::3] == list(range(1, 9))
     assert longer[:9] == pytest.approx(whole[:9], rel=1e-6)
+    step7 = longer[3 * 6 + 2]
+    assert f"the learning-rate schedule now decays to step 8 (the run began with 6): at step 7 the learning rate " \
+           f"goes from 3e-05 to {step7:.3g}" in " ".join(result.stderr.split())  # (6 steps: min_lr there)
 
 
 def test_an_oom_while_the_batches_are_drawn_stops_with_a_checkpoint_and_resumes_exactly(model_dir):
