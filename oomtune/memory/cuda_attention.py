@@ -256,7 +256,10 @@ def _grouped_note(card: GpuSpec, c: Call) -> None:
     _SEEN[f"on {card.name}, {kind} attention with grouped query heads ({hq} query, {hk} key/value) runs PyTorch's "
           "math kernel, which keeps each layer's (batch, heads, context, context) attention matrix: the "
           "memory-efficient kernel takes no grouped heads" + ("" if c.q.dtype in _HALF else
-                                                              ", and flash only fp16/bf16 (the amp rung)")] = None
+                                                              ", and flash only fp16/bf16 (the amp rung)") +
+          (". In a transformers model a padded batch (a 0 in its attention_mask) takes less: the key/value heads are "
+           "repeated for the memory-efficient kernel, so an unpadded batch is the worst case" if c.mask is None
+           else "")] = None
 
 
 def attention(card: GpuSpec, c: Call) -> torch.Tensor:

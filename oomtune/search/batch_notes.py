@@ -54,7 +54,8 @@ def all_ones_mask_note(model_file: ModelFile, context: int) -> tuple[str, ...]:
         return ()
     return (f"{model_file.label}'s make_batch() gives an attention_mask of all ones, which transformers drops (the "
             "attention then runs unmasked): if your real batches are padded, set a 0 in it (e.g. mask[:, -1] = 0) so "
-            "that plans are measured with the mask training will build, which can take more memory",)
+            "that plans are measured with the mask training will build, which can take more memory (or less: see the "
+            "note on grouped query heads, where there is one)",)
 
 
 def _uses_transformers(model_file: ModelFile) -> bool:

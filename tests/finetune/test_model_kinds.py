@@ -339,5 +339,6 @@ def test_a_what_if_plan_says_when_grouped_heads_send_fp32_attention_to_math():
     args = ("estimate", MODELS / "hf_llama_lora.py", *AS_A_CARD, "--micro-batch", "2", "--json")
     fp32, bf16 = run_cli(*args), run_cli(*args, "--precision", "bf16")
     assert fp32.exit_code == bf16.exit_code == 0, fp32.output + bf16.output
-    grouped = [[n for n in json.loads(r.stdout)["notes"] if "grouped query heads" in n] for r in (fp32, bf16)]
+    grouped = [[n for n in json.loads(r.stdout)["notes"] if "attention with grouped query heads" in n]
+               for r in (fp32, bf16)]
     assert len(grouped[0]) == 1 and grouped[1] == []

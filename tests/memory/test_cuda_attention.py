@@ -209,7 +209,8 @@ def test_math_taken_for_grouped_heads_alone_leaves_a_note_and_other_choices_none
     kernel_notes()
     (note,) = run(FP32, 2, is_causal=True)
     assert note.startswith("on H100 80GB, fp32 attention with grouped query heads (4 query, 2 key/value) runs "
-                           "PyTorch's math kernel") and note.endswith("and flash only fp16/bf16 (the amp rung)")
+                           "PyTorch's math kernel") and "and flash only fp16/bf16 (the amp rung). In a transformers " \
+        "model a padded batch" in note and note.endswith("so an unpadded batch is the worst case")
     assert run(FP32, 2, is_causal=True) == (note,) and kernel_notes() == ()  # once per choice, then forgotten
     assert run(BF16, 2, is_causal=True) == () and run(FP32, None) == ()
     (masked,) = run(BF16, 2, attn_mask=torch.zeros(16, 16, dtype=BF16))
