@@ -280,6 +280,9 @@ def render_check(result, config_path: Path) -> None:
             o = getattr(result.old, key) if result.old else None
             n = getattr(result.new, key)
             table.add_row(label, fmt_bytes(o), fmt_bytes(n), _delta(n - o) if o is not None else "-")
+        o, n = result.old.host_bytes if result.old else None, result.new.host_bytes
+        if n or o:  # the offloaded parts (and an NF4 build), apart from the device's peak
+            table.add_row("host memory", fmt_bytes(o), fmt_bytes(n), _delta(n - o) if o is not None else "-")
         out.print(table)
         if result.old is None:
             out.print("[dim]  (no old column: the config records the peak alone, as `probe` writes it; `oomtune "

@@ -190,3 +190,15 @@ def test_a_flat_margin_that_leaves_out_the_allocator_models_reserve_says_so(writ
     with_room = run_cli("estimate", write_model(), "--budget", "4MiB", "--margin", "0", "--micro-batch", "2",
                         "--context", "4")
     assert with_room.exit_code == 0 and "past what is allowed" not in " ".join(with_room.stdout.split())
+
+
+def test_check_shows_an_offload_plans_host_memory_as_estimate_does(write_model, tmp_path):
+    """device: fake. An offloaded optimizer's state is in host memory: check's breakdown had no row for it (the
+    estimate's had one), so its old and new columns said nothing of it."""
+    model = write_model()
+    plan = {"micro_batch_size": 2, "context_length": 4, "offload_optimizer": True}
+    (tmp_path / "off.yaml").write_text(json.dumps({"model": str(model), "plan": plan}))
+    r = run_cli("check", "--config", tmp_path / "off.yaml", "--budget", "64MiB")
+    assert r.exit_code == 0, r.output
+    (row,) = [line for line in r.stdout.splitlines() if line.strip().startswith("host memory")]
+    assert "KiB" in row, row
