@@ -233,12 +233,16 @@ def _efficient_mask(c: Call) -> torch.Tensor | None:
     return mask
 
 
-_SEEN: dict[str, None] = {}  # what the kernels chosen since the last kernel_notes() would not tell a user by itself
+# what the kernels chosen since the last kernel_notes() would not tell a user by itself -> the attention's dtype
+_SEEN: dict[str, torch.dtype] = {}
+_ATTENTION_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "bf16-true": torch.bfloat16, "fp16": torch.float16}
 
 
-def kernel_notes() -> tuple[str, ...]:
-    """The notes on kernel choices made since the last call (and forget them)."""
-    notes = tuple(_SEEN)
+def kernel_notes(precision: str | None = None) -> tuple[str, ...]:
+    """The notes on kernel choices made since the last call (and forget them): those of a plan of `precision`'s
+    attention alone where it is given (an fp32 rung's choice says nothing of a bf16 plan)."""
+    want = _ATTENTION_DTYPE.get(precision) if precision is not None else None
+    notes = tuple(n for n, dtype in _SEEN.items() if want is None or dtype == want)
     _SEEN.clear()
     return notes
 
@@ -259,7 +263,7 @@ def _grouped_note(card: GpuSpec, c: Call) -> None:
                                                               ", and flash only fp16/bf16 (the amp rung)") +
           (". In a transformers model a padded batch (a 0 in its attention_mask) takes less: the key/value heads are "
            "repeated for the memory-efficient kernel, so an unpadded batch is the worst case" if c.mask is None
-           else "")] = None
+           else "")] = c.q.dtype
 
 
 def attention(card: GpuSpec, c: Call) -> torch.Tensor:

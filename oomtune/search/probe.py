@@ -240,7 +240,8 @@ def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: 
             trials, limit, report, rungs, past, targets, world, objective, "accumulation" in levers))
     records, host = trials.records, trials.host
     climbed_past = len(ladder.rungs) > len(rungs)
-    notes += computed + kernel_notes() + (past.notes() if climbed_past or ladder.choice is None else ())
+    kernels = kernel_notes(ladder.choice.rung.precision if ladder.choice is not None else None)  # the plan's own
+    notes += computed + kernels + (past.notes() if climbed_past or ladder.choice is None else ())
     if ladder.choice is None:
         why = why_nothing_fits(ladder, targets, floor if climbed_past else static, limit, world,
                                "accumulation" in levers) + \

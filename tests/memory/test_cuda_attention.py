@@ -212,6 +212,10 @@ def test_math_taken_for_grouped_heads_alone_leaves_a_note_and_other_choices_none
                            "PyTorch's math kernel") and "and flash only fp16/bf16 (the amp rung). In a transformers " \
         "model a padded batch" in note and note.endswith("so an unpadded batch is the worst case")
     assert run(FP32, 2, is_causal=True) == (note,) and kernel_notes() == ()  # once per choice, then forgotten
+    for precision, said in (("bf16", ()), ("bf16-true", ()), ("fp32", (note,))):  # a plan's own attention only
+        with cuda_kernels(H100):
+            F.scaled_dot_product_attention(*qkv(t=16, d=8, dtype=FP32, kv_heads=2, grad=False), enable_gqa=True)
+        assert kernel_notes(precision) == said
     assert run(BF16, 2, is_causal=True) == () and run(FP32, None) == ()
     (masked,) = run(BF16, 2, attn_mask=torch.zeros(16, 16, dtype=BF16))
     assert "bf16 attention" in masked and masked.endswith("the memory-efficient kernel takes no grouped heads")
