@@ -87,10 +87,6 @@ def export(plan: Plan, target: str, optimizer_of: str | None = None, blocks_of: 
     return Export(target, values, tuple(line for line in unexpressed if line not in yours), tuple(yours))
 
 
-def defines_optimizer(model_path: str | Path) -> bool:
-    return defines(model_path, "optimizer")
-
-
 def defines(model_path: str | Path, name: str) -> bool:
     """Whether the model file binds `name` (a hook: optimizer, blocks) at its top level (a def, an assignment, an
     import), read with `ast`: the file is not run (no torch, nothing it prints lands in the export). A file that is

@@ -249,14 +249,16 @@ def kernel_notes(precision: str | None = None) -> tuple[str, ...]:
 
 def _grouped_note(card: GpuSpec, c: Call) -> None:
     """Math taken only because the heads are grouped (efficient would take the same call with equal heads)."""
+    if not c.gqa or c.q.dim() != 4 or c.k.dim() != 4:
+        return
     hq, hk = c.q.shape[1], c.k.shape[1]
-    if not c.gqa or c.q.dim() != 4 or hq == hk or hq % hk:
+    if hq == hk or hq % hk:
         return
     b, _, t, _ = c.k.shape
     wide = [x[:, :1].expand(b, hq, t, x.shape[-1]) for x in (c.k, c.v)]
     if not can_use_efficient(card, Call(c.q, *wide, c.mask, c.dropout, c.causal, c.scale)):
         return
-    kind = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}.get(c.q.dtype, str(c.q.dtype))
+    kind = next((k for k, d in _ATTENTION_DTYPE.items() if d == c.q.dtype), str(c.q.dtype))  # (bf16 before bf16-true)
     _SEEN[f"on {card.name}, {kind} attention with grouped query heads ({hq} query, {hk} key/value) runs PyTorch's "
           "math kernel, which keeps each layer's (batch, heads, context, context) attention matrix: the "
           "memory-efficient kernel takes no grouped heads" + ("" if c.q.dtype in _HALF else

@@ -164,7 +164,8 @@ def resume_notes(state: dict[str, Any], plan: Plan, in_file: Plan, data_hook: st
     the checkpoint's plan where the config says another, a learning rate that jumps (`cfg`: this run's settings;
     another --steps stretches or shrinks the cosine schedule)."""
     notes = []
-    before = state.get("train", {}).get("steps") if isinstance(state.get("train"), dict) else None
+    train = state.get("train")
+    before = train.get("steps") if isinstance(train, dict) else None
     if cfg is not None and isinstance(before, int) and before != cfg.steps:
         step, was = state["step"], dataclasses.replace(cfg, steps=before)
         if not math.isclose(lr_at(step, was), lr_at(step, cfg), rel_tol=1e-6):

@@ -8,7 +8,7 @@ from importlib.util import find_spec
 
 import pytest
 
-from oomtune.config.export import defines_optimizer, export
+from oomtune.config.export import defines, export
 from oomtune.config.loading import load_config
 from oomtune.config.output import write_config
 from oomtune.config.schema import Config, Plan
@@ -200,10 +200,10 @@ def test_no_optimizer_note_without_an_optimizer_hook_or_a_readable_model_file(mo
     ("try:\n    from hooks import optimizer\nexcept ImportError:\n    pass\n", True),
     ("def build_model():\n    optimizer = None\n", False), ("optimizer_8bit = True\n", False), ("", False),
 ])
-def test_defines_optimizer_reads_the_files_top_level_without_running_it(text, found, tmp_path):
+def test_defines_reads_the_files_top_level_without_running_it(text, found, tmp_path):
     (tmp_path / "m.py").write_text("raise SystemExit(3)\n" + text)  # never run
-    assert defines_optimizer(tmp_path / "m.py") is found
-    assert defines_optimizer(tmp_path / "absent.py") is False and defines_optimizer(tmp_path) is False
+    assert defines(tmp_path / "m.py", "optimizer") is found
+    assert defines(tmp_path / "absent.py", "optimizer") is False and defines(tmp_path, "optimizer") is False
 
 
 @pytest.mark.parametrize("target", ["hf", "lightning", "accelerate", "torchtune"])
