@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 from ..errors import OomtuneError
-from ..files import nearest_existing, try_write_in
+from ..files import nearest_existing, try_write_in, what_stands
 from .loading import load_config
 from .schema import Config, TrainConfig
 from .writing import save_config
@@ -24,6 +24,11 @@ def check_out(out_path: Path, model: Path, command: str = "probe") -> TrainConfi
     if str(out_path) == "-":  # (not standard output: the command's own report is printed there)
         raise OomtuneError("--out -: the config is written to a file, not to standard output: name one (e.g. --out "
                            "best.yaml; --json prints the plan)")
+    stands = what_stands(p)
+    if stands not in (None, "a folder"):  # (never written through, nor read: a pipe would hang the check)
+        instead = f"pass --out {p.resolve()} (where it points)" if "link" in stands else "name another file"
+        raise OomtuneError(f"--out {p} is {stands}: oomtune writes no file through a link, nor into a pipe or a "
+                           f"device; {instead}, or remove it")
     try:
         if p.resolve() == model.resolve() or (p.exists() and model.exists() and os.path.samefile(p, model)):
             raise OomtuneError(f"--out {p} is the model file: the config needs another name (e.g. --out best.yaml)")

@@ -13,9 +13,9 @@ from typing import Any
 
 import yaml
 
-from ..errors import ConfigError
-from ..files import atomic_write
-from .loading import from_dict
+from ..errors import ConfigError, OomtuneError
+from ..files import atomic_write, refuse_unless_file
+from .loading import from_dict, load_config
 from .schema import Config, Plan
 from .text import COMMENTS, keep_unchanged_text, parse
 
@@ -64,11 +64,10 @@ def dump_config(config: Config, header: str = "") -> str:
 def save_config(config: Config, path: str | Path, header: str = "") -> None:
     """Write atomically; an absolute model path is stored relative to the config's folder (`../models/m.py`)
     where the two share a folder at least two levels below the root (a project's folder, not just /tmp or /home),
-    so a config committed with its model works in any clone. Only a regular file is replaced, never a device node
-    or a folder (the CLI checks --out before the search too)."""
+    so a config committed with its model works in any clone. Only a regular file is replaced, never a link, a
+    device node or a folder (the CLI checks --out before the search too)."""
     p = Path(path)
-    if p.exists() and not p.is_file():
-        raise ConfigError(f"cannot write the config to {p}: it exists and is not a regular file")
+    refuse_unless_file(p)  # a link, a pipe, a device, a folder: never written through
     model, folder = Path(config.model), p.resolve().parent
     if model.is_absolute() and len(Path(os.path.commonpath([model, folder])).parts) >= 3:  # /work/proj, not /tmp
         config = dataclasses.replace(config, model=os.path.relpath(model, folder))
@@ -84,12 +83,28 @@ def save_config(config: Config, path: str | Path, header: str = "") -> None:
 _PLAN_KEY = re.compile(r"^(\s+)(micro_batch_size|grad_accum_steps|global_batch_size)(\s*:\s*)(\d+)(.*)$")
 
 
-def rewrite_plan(path: Path, config: Config, plan: Plan, note: str) -> None:
-    """Replace the config file's plan with `plan`, atomically. The numbers are edited in place where the file
-    has the block layout `oomtune probe` writes, so a person's comments and edits survive; the result is read
-    back and must equal the intended config, else the whole file is written out fresh."""
-    want = dataclasses.replace(config, plan=plan)
-    text = path.read_text()
+class NotRewritten(OomtuneError):
+    """The config file was left as it is (an OOM fallback's plan not written back), and why."""
+
+
+def rewrite_plan(path: Path, started: Plan, plan: Plan, note: str) -> Config:
+    """Write `plan` into the config file as it is on disk now, atomically, changing only the plan: every other key
+    (an `lr:` edited while the run went on) stays as the file has it. The numbers are edited in place where the file
+    has the block layout `oomtune probe` writes, so a person's comments survive; the result is read back and must
+    equal the intended config, else the file is written out fresh (its unchanged sections kept as written). Where
+    the file's plan is no longer `started` (the plan this run started from: a newer probe's, a hand edit), or the file
+    no longer reads as a config, or a link stands there, nothing is written: NotRewritten says why. -> the config
+    the file now holds."""
+    try:
+        refuse_unless_file(path)
+        current = load_config(path)
+        text = path.read_text(encoding="utf-8")
+    except (OomtuneError, OSError, UnicodeDecodeError) as e:
+        raise NotRewritten(f"{path} was not updated: {str(e).removeprefix(f'{path}: ')}") from None
+    if current.plan != started:
+        raise NotRewritten(f"{path} was not updated: its plan is no longer the one this run started from (a newer "
+                           "probe's, or edited during the run), so it is left as it is")
+    want = dataclasses.replace(current, plan=plan)
     lines, in_plan = text.splitlines(keepends=True), False
     for i, line in enumerate(lines):
         if re.match(r"^plan\s*:\s*(#.*)?$", line):
@@ -104,4 +119,4 @@ def rewrite_plan(path: Path, config: Config, plan: Plan, note: str) -> None:
     except (ConfigError, yaml.YAMLError):
         same = False
     atomic_write(path, edited if same else keep_unchanged_text(text, dump_config(want, header=note)))
-
+    return want

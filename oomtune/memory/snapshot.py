@@ -13,7 +13,7 @@ import pickle
 from pathlib import Path
 
 from ..errors import OomtuneError
-from ..files import atomic_write, nearest_existing, try_write_in
+from ..files import atomic_write, nearest_existing, try_write_in, what_stands
 from .recorder import Recorder
 
 
@@ -48,6 +48,10 @@ def check_path(path: Path | None, on_ranks: bool = False, others: tuple = ()) ->
     if on_ranks:
         raise OomtuneError("--memory-snapshot records one process's trial: run it without --nproc-per-node")
     p = Path(path)
+    stands = what_stands(p)
+    if stands not in (None, "a folder"):  # (never written through, nor read: a pipe would hang the check)
+        raise OomtuneError(f"--memory-snapshot {p} is {stands}: oomtune writes no file through a link, nor into a "
+                           "pipe or a device; name another file, or remove it")
     if p.is_dir():
         raise OomtuneError(f"--memory-snapshot {p} is a folder: name a file in it (e.g. {p / 'memory.pickle'})")
     for other in others:

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from ..errors import BAD_INPUT, NO_FIT, OomtuneError, first_line
-from ..files import atomic_write
+from ..files import NotAFileError, atomic_write, refuse_unless_file
 from ..units import format_bytes
 
 FORMAT = "oomtune-checkpoint"
@@ -76,9 +76,18 @@ def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
     found = []
     for p in d.iterdir():
         m = _NAME.match(p.name)
-        if m and (p.is_file() if m.group(2) else (p / META).is_file()):
-            found.append((int(m.group(1)), p))
+        if m and not p.is_symlink() and (p.is_file() if m.group(2) else (p / META).is_file()):
+            found.append((int(m.group(1)), p))  # (a link named like one is no checkpoint oomtune wrote)
     return sorted(found)
+
+
+def planted(run_dir: str | Path) -> Path | None:
+    """The first symbolic link in `run_dir` under a name checkpoints use (ckpt-*, .ckpt-*): oomtune never makes
+    one, so one there was put there, and a write or a prune would go through it."""
+    d = Path(run_dir)
+    if not d.is_dir():
+        return None
+    return next((p for p in sorted(d.iterdir()) if p.name.startswith(("ckpt-", ".ckpt-")) and p.is_symlink()), None)
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
@@ -91,11 +100,15 @@ def stale_temp_files(run_dir: str | Path) -> list[Path]:
     d = Path(run_dir)
     if not d.is_dir():
         return []
-    return sorted({*d.glob(".ckpt-*.pt.*.tmp"), *(p for p in d.glob(".ckpt-*.tmp") if _TEMP_FOLDER.match(p.name))})
+    found = {*d.glob(".ckpt-*.pt.*.tmp"), *(p for p in d.glob(".ckpt-*.tmp") if _TEMP_FOLDER.match(p.name))}
+    return sorted(p for p in found if not p.is_symlink())
 
 
 def remove(path: Path) -> None:
-    """Delete a checkpoint (or temp) file or folder."""
+    """Delete a checkpoint (or temp) file or folder oomtune wrote; a symbolic link there is NotAFileError (never
+    followed, never removed)."""
+    if path.is_symlink():
+        refuse_unless_file(path)
     if path.is_dir():
         shutil.rmtree(path, ignore_errors=True)
     else:
@@ -110,6 +123,8 @@ def save_checkpoint(run_dir: str | Path, state: dict[str, Any], keep: int = KEEP
     final = checkpoint_path(d, int(state["step"]))
     try:
         atomic_write(final, lambda f: torch.save({"format": FORMAT, "version": VERSION, **state}, f))
+    except NotAFileError:  # a link (or a pipe, a folder) planted under the checkpoint's name: bad input, exit 2
+        raise
     except Exception as e:  # the temp file is gone; the earlier checkpoints are untouched
         raise CheckpointWriteError(write_failure(final, e)) from e
     fsync_dir(d)  # the rename itself survives a power cut

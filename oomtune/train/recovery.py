@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config.schema import Plan, TrainConfig
-from ..config.writing import to_dict
+from ..config.writing import NotRewritten, rewrite_plan, to_dict
 from ..errors import BAD_INPUT, NO_FIT, OOM_RELAUNCH, ModelFileError, OomtuneError, first_line
 from .checkpoint import KEEP
 from .events import OomFallback
@@ -230,3 +230,14 @@ class RecoveryPolicy:
                     forget_step=saves, rewind_rng=saves and not phase.step_done, save="error" if saves else None,
                     if_save_fails=f"{head} {older or 'No checkpoint could be saved ({error})'}", error_type=kind,
                     cause=e)
+
+
+def write_relaunch_plan(config_path: Path, started: Plan, stop: Stop, line: str) -> tuple[str, int]:
+    """Write a relaunch stop's plan into the config for the launcher -> the stop's line and exit code; where the
+    config on disk no longer holds the plan this run started from (nothing written), no relaunch: it would run the
+    plan that ran out of memory again."""
+    try:
+        rewrite_plan(config_path, started, stop.relaunch_plan, stop.relaunch_note)
+    except NotRewritten as e:
+        return f"{line} No relaunch: {e}; continue with --resume once the plan is smaller.", NO_FIT
+    return line, stop.exit_code

@@ -15,9 +15,17 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import BAD_INPUT, NO_FIT, OomtuneError
-from ..files import atomic_write, nearest_existing, try_write_in
+from ..files import (
+    NotAFileError,
+    append_line,
+    atomic_write,
+    nearest_existing,
+    refuse_unless_file,
+    try_write_in,
+    what_stands,
+)
 from ..units import utc_now
-from .checkpoint import latest_checkpoint, remove, stale_temp_files
+from .checkpoint import latest_checkpoint, planted, remove, stale_temp_files
 
 try:
     import fcntl
@@ -26,7 +34,7 @@ except ImportError:  # (not POSIX: no lock, as before)
 
 METRICS = "metrics.jsonl"  # one JSON object per logged step: step, loss, lr, tokens_per_s, peak_bytes[, eval_loss]
 EVENTS = "events.jsonl"  # start / resume / oom_fallback / config_updated / checkpoint / diverged / error / ...
-LOCK = ".oomtune.lock"  # flock'd by the run writing the run dir (its pid inside); the OS lets go when it ends
+LOCK = ".oomtune.lock"  # the pid of the run holding the run dir (whose folder it flock'd: let go at its end)
 
 
 def check_run_dir(run_dir: Path) -> None:
@@ -43,6 +51,18 @@ def check_run_dir(run_dir: Path) -> None:
         where = "" if mine else f" (in {folder})"
         raise OomtuneError(f"run dir {run_dir} cannot be written{where}: {(e.strerror or str(e)).lower()}; pass "
                            "--run-dir with a folder you can write", BAD_INPUT) from None
+    if mine:
+        refuse_planted(run_dir)
+
+
+def refuse_planted(run_dir: Path) -> None:
+    """NotAFileError where a symbolic link (or a pipe, a device, a folder) stands under a name oomtune writes in the
+    run dir: its logs, its lock, a checkpoint's. oomtune never makes one; writing or pruning would go through it."""
+    for name in (METRICS, EVENTS, LOCK):
+        refuse_unless_file(run_dir / name)
+    link = planted(run_dir)
+    if link is not None:
+        refuse_unless_file(link)
 
 
 def open_run_dir(run_dir: Path) -> None:
@@ -55,27 +75,44 @@ def open_run_dir(run_dir: Path) -> None:
 
 
 def run_dir_user(run_dir: Path) -> int | None:
-    """The pid of the `oomtune train` writing `run_dir` now (it holds LOCK), else None; 0 where its pid is not known.
-    Two runs in one run dir interleave their metrics and rotate each other's checkpoints."""
+    """The pid of the `oomtune train` writing `run_dir` now (it holds the folder's lock), else None; 0 where its pid
+    is not known. Two runs in one run dir interleave their metrics and rotate each other's checkpoints."""
     if fcntl is None:
         return None
     try:
-        with open(run_dir / LOCK, "rb") as f:
-            try:
-                fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            except BlockingIOError:
-                return _pid_in(f)
-    except OSError:  # no lock file (no run has held this run dir), or a file system without flock
+        fd = os.open(run_dir, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError:  # no run dir yet
         return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return _pid_in(run_dir)
+    except OSError:  # a file system without flock
+        return None
+    finally:
+        os.close(fd)
     return None
 
 
-_HELD: list = []  # the lock files this process holds: a child it forks (a DataLoader worker) lets go of its copy
+class Held:
+    """The run dir's lock: an open descriptor of the folder itself, flock'd. A lock on the folder, not on a file
+    in it, cannot be undone by deleting a file (a deleted .oomtune.lock let a second run in beside a live one)."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # (closing the descriptor lets go of its flock)
+            self.fd = None
+
+
+_HELD: list[Held] = []  # the locks this process holds: a child it forks (a DataLoader worker) lets go of its copy
 
 
 def _forked() -> None:
-    for f in _HELD:
-        f.close()  # (the child's descriptor only: the flock stays with the parent's)
+    for held in _HELD:
+        held.close()  # (the child's descriptor only: the flock stays with the parent's)
     _HELD.clear()
 
 
@@ -83,36 +120,37 @@ if fcntl is not None:
     os.register_at_fork(after_in_child=_forked)
 
 
-def hold_run_dir(run_dir: Path, tries: int = 5):
-    """Take the run dir's lock for this process; one line, exit 2, where a live run holds it (after `tries` 0.1 s
-    apart: another process's run_dir_user holds it for a moment). None where it cannot be had at all (no fcntl; a
-    file system without flock: Lustre without -o flock, some NFS mounts): the run goes on unlocked, as before."""
+def hold_run_dir(run_dir: Path, tries: int = 5) -> Held | None:
+    """Take the run dir's lock for this process (a flock on the folder, held to the run's end; its pid written to
+    .oomtune.lock for others to name); one line, exit 2, where a live run holds it (after `tries` 0.1 s apart:
+    another process's run_dir_user holds it for a moment), or where a link, a pipe or a folder stands at
+    .oomtune.lock. None where it cannot be had at all (no fcntl; a file system without flock: Lustre without -o
+    flock, some NFS mounts): the run goes on unlocked, as before."""
     if fcntl is None:
         return None
-    try:
-        f = open(run_dir / LOCK, "a+b")  # noqa: SIM115 - held open for the run (RunLog.release closes it)
-    except PermissionError:  # another user's lock file in a shared run dir: locked as it is, without our pid
-        f = open(run_dir / LOCK, "rb")  # noqa: SIM115
+    refuse_unless_file(run_dir / LOCK)
+    held = Held(os.open(run_dir, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0)))
     for attempt in range(tries):
         try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(held.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             break
         except BlockingIOError:
             if attempt == tries - 1:
-                pid = _pid_in(f)
-                f.close()
-                raise OomtuneError(in_use_message(run_dir, pid), BAD_INPUT) from None
+                held.close()
+                raise OomtuneError(in_use_message(run_dir, _pid_in(run_dir)), BAD_INPUT) from None
             time.sleep(0.1)
         except OSError:  # ENOSYS, ENOLCK, EOPNOTSUPP: no locks on this file system
-            f.close()
+            held.close()
             return None
-    if f.writable():
-        f.seek(0)
-        f.truncate()
-        f.write(f"{os.getpid()}\n".encode())
-        f.flush()
-    _HELD.append(f)
-    return f
+    try:
+        atomic_write(run_dir / LOCK, f"{os.getpid()}\n")
+    except NotAFileError:
+        held.close()
+        raise
+    except OSError:  # (another user's shared run dir, read-only for the pid: the lock holds all the same)
+        pass
+    _HELD.append(held)
+    return held
 
 
 def in_use_message(run_dir: Path, pid: int) -> str:
@@ -124,10 +162,13 @@ def in_use_message(run_dir: Path, pid: int) -> str:
             "checkpoints; wait for it to end, or pass --run-dir for a new run")
 
 
-def _pid_in(f) -> int:
-    f.seek(0)
+def _pid_in(run_dir: Path) -> int:
+    """The pid in the run dir's .oomtune.lock (read without following a link or waiting on a pipe), else 0."""
     try:
-        return int(f.read().decode().strip() or 0)
+        if what_stands(run_dir / LOCK) is not None:
+            return 0
+        with open(run_dir / LOCK, "rb") as f:
+            return int(f.read(64).decode().strip() or 0)
     except (OSError, ValueError, UnicodeDecodeError):
         return 0
 
@@ -179,6 +220,7 @@ class RunLog:
         `fresh` (not a resume): a run that started and ended while this one was being built left its files: refused
         as check_inputs refuses them."""
         open_run_dir(self.run_dir)
+        refuse_planted(self.run_dir)  # (again: one may have been put there while the model was built)
         if self.enabled:
             self.lock = hold_run_dir(self.run_dir)
             latest = latest_checkpoint(self.run_dir) if fresh else None
@@ -196,7 +238,7 @@ class RunLog:
         if self.lock is not None:
             if self.lock in _HELD:
                 _HELD.remove(self.lock)
-            self.lock.close()  # (closing the file lets go of its flock)
+            self.lock.close()
             self.lock = None
 
     def __enter__(self) -> RunLog:
@@ -208,8 +250,7 @@ class RunLog:
     def _append(self, name: str, record: dict) -> None:
         path = self.run_dir / name
         try:
-            with open(path, "a") as f:
-                f.write(json.dumps(json_safe(record), allow_nan=False) + "\n")
+            append_line(path, json.dumps(json_safe(record), allow_nan=False) + "\n")
         except OSError as e:  # a full disk, a run dir gone read-only
             raise OomtuneError(f"could not write {path}: {(e.strerror or str(e)).lower()}", NO_FIT) from None
 

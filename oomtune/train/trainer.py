@@ -18,7 +18,6 @@ through `on_event` callbacks and returns a TrainResult; it never prints."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 from collections.abc import Callable
@@ -28,7 +27,7 @@ from typing import Any, NoReturn
 import torch
 
 from .. import rank_allocation as adalora
-from ..config.writing import rewrite_plan, to_dict
+from ..config.writing import NotRewritten, rewrite_plan, to_dict
 from ..dist.group import LoneOutOfMemory, init
 from ..dist.launch import DEFAULT_TIMEOUT_S, launched_by_torchrun
 from ..errors import BAD_INPUT, OomtuneError, first_line
@@ -43,7 +42,7 @@ from .inputs import Inputs, check_inputs, check_weights_fit, device_kind, resolv
 from .losses import NonFiniteLoss, check_losses, tainted_buffer
 from .metrics import StepMetrics, Window
 from .notes import built_notes, run_notes
-from .recovery import RecoveryPolicy, Retry, Stop
+from .recovery import RecoveryPolicy, Retry, Stop, write_relaunch_plan
 from .rng import capture_rng, restore_rng, seed_everything
 from .rundir import RunLog
 from .schedule import lr_at
@@ -290,11 +289,10 @@ class Trainer:
         note = (f"plan updated by `oomtune train` at step {step}: out of memory at micro-batch "
                 f"{s.file_config.plan.micro_batch_size}, now {s.plan.describe()}")
         try:
-            rewrite_plan(path, s.file_config, s.plan, note)
-        except OSError as e:
+            s.file_config = rewrite_plan(path, s.file_config.plan, s.plan, note)  # (as on disk now, but the plan)
+        except (OSError, NotRewritten) as e:
             self.on_event(Note(f"could not update {path} with the new plan: {e}", warning=True))
             return
-        s.file_config = dataclasses.replace(s.file_config, plan=s.plan)
         self.log.event("config_updated", step=step, path=str(path), plan=to_dict(s.plan))
         self.on_event(Note(f"updated {path}: plan is now {s.plan.describe()}"))
 
@@ -316,8 +314,9 @@ class Trainer:
                     raise
                 line = stop.if_save_fails.replace("{error}", w.message)
         line = line.replace("{checkpoint}", str(s.last_checkpoint))
+        exit_code = stop.exit_code
         if stop.relaunch_plan is not None and stop.writes:
-            rewrite_plan(self.inputs.config_path, s.file_config, stop.relaunch_plan, stop.relaunch_note)
+            line, exit_code = write_relaunch_plan(self.inputs.config_path, s.file_config.plan, stop, line)
         if stop.event is not None:
             named = ({"checkpoint": s.last_checkpoint.name if s.last_checkpoint else None}
                      if stop.name_checkpoint else {})
@@ -327,7 +326,7 @@ class Trainer:
                 pass  # the run dir cannot be written: the stop's own line says more
         if stop.reraise is not None:
             raise stop.reraise
-        raise stop.error_type(line, stop.exit_code) from stop.cause
+        raise stop.error_type(line, exit_code) from stop.cause
 
     def _forget_step(self, rewind_rng: bool) -> None:
         """Drop what the step in flight did (half-accumulated gradients, its RNG draws): the state is then that of

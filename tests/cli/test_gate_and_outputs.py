@@ -147,19 +147,24 @@ def test_check_says_why_a_probed_config_has_no_old_breakdown(write_model, tmp_pa
         assert r.exit_code == 0 and (said in " ".join(r.stdout.split())) is (args[0] == "probe"), r.output
 
 
-def test_a_config_behind_a_symlink_is_rewritten_where_it_lives(config, write_model, tmp_path):
-    """--out a symlink (a config shared between folders): the file it points to gets the new plan and the link
-    stays. os.replace on the link's own path had replaced the link with a file, left the target stale, and kept a
-    relative `model:` path that no longer led to the model file from the link's folder (check: exit 2)."""
+def test_a_config_behind_a_symlink_is_refused_before_the_search_and_read_through_by_check(config, write_model,
+                                                                                          tmp_path):
+    """--out a symlink: oomtune writes no file through a link (issue 39: a link planted where oomtune writes had its
+    target overwritten). One line naming the link and the file it points to, exit 2, before any trial: the link and
+    its target as they were. Reading a config through a link (check, train) is fine."""
     elsewhere = tmp_path / "links"
     elsewhere.mkdir()
     link = elsewhere / "best.yaml"
     link.symlink_to(config)
     before = config.read_text()
-    r = run_cli("estimate", write_model(), *ESTIMATE[:-4], "--batch", "4", "--context", "4", "--out", link)
-    assert r.exit_code == 0, r.output
-    assert link.is_symlink() and link.resolve() == config.resolve()
-    assert config.read_text() != before and "micro_batch_size: 4" in config.read_text()
+    for command in ("estimate", "probe"):
+        device = ("--device", "cpu") if command == "probe" else ()
+        r = run_cli(command, write_model(), *ESTIMATE[:-4], *device, "--batch", "4", "--context", "4", "--out", link)
+        assert r.exit_code == 2, r.output
+        assert r.output.strip().splitlines() == [
+            f"error: --out {link} is a symbolic link (to {config}): oomtune writes no file through a link, nor into "
+            f"a pipe or a device; pass --out {config.resolve()} (where it points), or remove it"]
+    assert link.is_symlink() and config.read_text() == before
     assert run_cli("check", "--config", link).exit_code == 0
 
 

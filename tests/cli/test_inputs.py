@@ -17,6 +17,7 @@ from oomtune.config.loading import load_config
 from oomtune.config.schema import Config, Plan, TrainConfig
 from oomtune.config.writing import save_config
 from oomtune.errors import ConfigError, OomtuneError
+from oomtune.files import NotAFileError
 
 from ..conftest import EXAMPLES, TINY_MODEL, one_line_error, run_cli
 
@@ -114,7 +115,7 @@ def test_a_bad_out_is_refused_before_anything_runs(write_model, tmp_path, no_sea
     (tmp_path / "file").write_text("x")
     fifo = tmp_path / "pipe"
     os.mkfifo(fifo)
-    cases = [(tmp_path, "is a folder"), (fifo, "not a regular file"),
+    cases = [(tmp_path, "is a folder"), (fifo, "is a named pipe: oomtune writes no file through a link"),
              (tmp_path / "file" / "best.yaml", "is not a folder")]
     if Path("/proc/self").is_dir():
         cases.append((Path("/proc/oomtune-test.yaml"), "cannot write there"))
@@ -136,7 +137,7 @@ def test_out_in_folders_that_do_not_exist_yet_is_fine(write_model, tmp_path):
 def test_save_config_never_replaces_a_device_node_or_a_pipe(tmp_path):
     fifo = tmp_path / "pipe"
     os.mkfifo(fifo)
-    with pytest.raises(ConfigError, match="not a regular file"):
+    with pytest.raises(NotAFileError, match="pipe is a named pipe: oomtune writes no file through a link"):
         save_config(Config(model="model.py", plan=Plan(2, 4)), fifo)
     assert fifo.is_fifo()
 

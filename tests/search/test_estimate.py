@@ -275,7 +275,7 @@ def test_check_compares_no_peak_recorded_for_another_plan(write_model, tmp_path)
     assert plan.micro_batch_size > 1, "a plan the fallback can halve"
     halved = dataclasses.replace(plan, micro_batch_size=plan.micro_batch_size // 2,
                                  grad_accum_steps=plan.grad_accum_steps * 2)
-    rewrite_plan(config, loaded, halved, "plan updated by `oomtune train` at step 3")
+    rewrite_plan(config, plan, halved, "plan updated by `oomtune train` at step 3")
     report = json.loads(run_cli("check", "--config", config, "--json").stdout)
     assert report["old_peak_bytes"] is None and report["difference"] is None
     assert report["new_peak_bytes"] < loaded.found_by.peak_bytes

@@ -226,7 +226,7 @@ def test_a_run_dir_that_is_a_file_empty_or_unwritable_is_one_line_and_exit_2(cas
         raise OSError(errno.EROFS, os.strerror(errno.EROFS))
 
     built = []
-    monkeypatch.setattr("oomtune.files.tempfile.mkstemp", read_only)
+    monkeypatch.setattr("oomtune.files.os.open", read_only)
     monkeypatch.setattr("oomtune.train.trainer.build_training", lambda *a, **k: built.append(1))
     result = train("--run-dir", "sub/run")
     assert result.exit_code == 2
@@ -249,10 +249,10 @@ def test_a_full_disk_while_writing_a_checkpoint_is_one_line_and_the_earlier_chec
             raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 4416 vs 4310")
         return real_save(obj, f, *args, **kwargs)
 
-    def replace(src, dst):
+    def replace(src, dst, **dir_fds):
         if len(calls) == 2 and failure == "enospc":
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return real_replace(src, dst)
+        return real_replace(src, dst, **dir_fds)
 
     monkeypatch.setattr(ckpt.torch, "save", save)
     monkeypatch.setattr(ckpt.os, "replace", replace)
