@@ -8,6 +8,9 @@ NO_FIT = 1  # valid input, but nothing fits / the config no longer fits
 PEER_FAILED = 3  # a rank stopped because another rank failed or stopped answering (its collective broke)
 OOM_RELAUNCH = 4  # FSDP ran out of memory: the halved plan is in the config, --resume continues (the launcher does)
 
+MAX_COUNT = 2**31 - 1  # the most a count may be (a batch, a context, steps): a shape past it is no plan
+MAX_MESSAGE = 2000  # characters of an error's line, at most: the rest is cut (a value echoed back can be megabytes)
+
 
 class OomtuneError(Exception):
     """An error the user can act on: one line, naming the thing that is wrong."""
@@ -38,3 +41,20 @@ def first_line(e: BaseException, empty: str | None = None) -> str:
     if not lines:
         return empty if empty is not None else type(e).__name__
     return f"{lines[0]} {lines[1]}" if lines[0].endswith(":") and len(lines) > 1 else lines[0]
+
+
+def shown(value, limit: int = 60) -> str:
+    """`repr(value)` as an error shows it: cut to `limit` characters, saying how long it was (a 401-digit number, a
+    value expanded from YAML aliases)."""
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    what = f"a {len(text):,}-digit number" if isinstance(value, int) else f"{len(text):,} characters"
+    return f"{text[:limit // 2]}... ({what})"
+
+
+def capped(message: str, limit: int = MAX_MESSAGE) -> str:
+    """An error's line, at most `limit` characters: the cut says how much was left out."""
+    if len(message) <= limit:
+        return message
+    return f"{message[:limit]}... ({len(message) - limit:,} more characters cut)"

@@ -7,7 +7,7 @@ import datetime as dt
 import re
 from typing import TYPE_CHECKING
 
-from .errors import OomtuneError
+from .errors import OomtuneError, shown
 
 if TYPE_CHECKING:
     from .memory.cards import GpuSpec
@@ -18,6 +18,7 @@ _UNITS = {
     "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
 }
 BARE_BYTES_FLOOR = 1024  # a budget given as a bare number below this is a unit left out
+MAX_BUDGET = 1024**6  # 1 EiB: more than any device, far less than a float's range
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
 
 
@@ -28,21 +29,24 @@ def parse_budget(text: str, capacity_bytes: int | None = None) -> int:
         try:
             pct = float(s[:-1])
         except ValueError:
-            raise OomtuneError(f"budget {text!r}: expected a size like 24GiB or a percentage like 80%") from None
+            raise OomtuneError(f"budget {shown(text)}: expected a size like 24GiB or a percentage like 80%") from None
         if not 0 < pct <= 100:
-            raise OomtuneError(f"budget {text!r}: a percentage must be in (0, 100]")
+            raise OomtuneError(f"budget {shown(text)}: a percentage must be in (0, 100]")
         if capacity_bytes is None:
-            raise OomtuneError(f"budget {text!r}: a percentage needs a device whose memory size is known")
+            raise OomtuneError(f"budget {shown(text)}: a percentage needs a device whose memory size is known")
         return int(capacity_bytes * pct / 100)
     m = _SIZE.match(s)
     if not m or m.group(2).lower() not in _UNITS:
-        raise OomtuneError(f"budget {text!r}: expected a size like 24GiB, 512MiB, 1.5GB or a percentage like 80%")
-    value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+        raise OomtuneError(f"budget {shown(text)}: expected a size like 24GiB, 512MiB, 1.5GB or a percentage like 80%")
+    number = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if not number <= MAX_BUDGET:  # (a 401-digit budget: inf, which int() cannot take)
+        raise OomtuneError(f"budget {shown(text)}: more than any device holds (at most 1 EiB)")
+    value = int(number)
     if not m.group(2) and 0 < float(m.group(1)) < BARE_BYTES_FLOOR:  # `--budget 24` meant 24 GB, not 24 bytes
-        raise OomtuneError(f"budget {text!r}: a number without a unit is bytes, and {m.group(1)} bytes hold no model: "
-                           f"give the unit ({m.group(1)}GiB, {m.group(1)}GB or {m.group(1)}MiB)")
+        raise OomtuneError(f"budget {shown(text)}: a number without a unit is bytes, and {m.group(1)} bytes hold no "
+                           f"model: give the unit ({m.group(1)}GiB, {m.group(1)}GB or {m.group(1)}MiB)")
     if value <= 0:
-        raise OomtuneError(f"budget {text!r}: must be more than zero bytes")
+        raise OomtuneError(f"budget {shown(text)}: must be more than zero bytes")
     return value
 
 

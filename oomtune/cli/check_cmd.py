@@ -40,7 +40,7 @@ def check(
 
     Example: [cyan]oomtune check --config best.yaml[/]
     """
-    with user_errors(debug, as_json):
+    with user_errors(debug, as_json, searches=True):
         from ..api import check as run_check
 
         result = run_check(config_path, device=device, budget=budget, headroom=headroom, margin=margin, steps=steps,

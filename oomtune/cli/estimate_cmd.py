@@ -124,7 +124,7 @@ def estimate(
     What-if: [cyan]oomtune estimate model.py --budget 24GiB --micro-batch 8 --context 1024 --precision bf16
     --checkpointing[/]
     """
-    with user_errors(debug, as_json):
+    with user_errors(debug, as_json, searches=True):
         from .. import api
         from ..errors import OomtuneError
         from ..search.options import check_estimate_options, check_what_if_options

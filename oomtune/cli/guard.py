@@ -4,6 +4,7 @@ ranks prefixes its rank and exits 3 when it only stopped because a peer did."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -18,8 +19,9 @@ import typer
 from rich.markup import escape
 
 from ..dist.launch import worker_rank
-from ..errors import PEER_FAILED, OomtuneError, first_line
+from ..errors import PEER_FAILED, OomtuneError, capped, first_line
 from .console import err, out
+from .model_output import model_lines_once
 
 
 def _drop_record(record: logging.LogRecord) -> bool:
@@ -122,26 +124,53 @@ def _remember_signals():
 
 
 @contextmanager
-def user_errors(debug: bool, as_json: bool = False):
+def user_errors(debug: bool, as_json: bool = False, searches: bool = False):
     """One project error -> one line on stderr and its exit code; anything else -> a short line + exit 1; with
     `debug` the traceback first, and the same line and code; with `as_json` (--json) also {"error", "exit_code"} on
     stdout, where a script parses the result. A worker on several ranks prefixes its rank, and exits 3 when it only
-    stopped because a peer did."""
+    stopped because a peer did. `searches` (probe, estimate, check: trials build the model again and again): what
+    the model file prints is shown a line once."""
     rank = worker_rank()
     who = escape(f"[rank {rank}] ") if rank is not None else ""
     _quiet_torch_noise(debug)
     _quiet_libraries(debug)
-    if as_json:  # what the model file prints goes to stderr: stdout holds the JSON alone (print_json)
-        _json_stdout.append(sys.stdout)
-        sys.stdout = sys.stderr
-    try:
+    with _json_alone_on_stdout() if as_json else contextlib.nullcontext(), \
+            model_lines_once() if searches else contextlib.nullcontext():
         yield from _reporting_errors(debug, as_json, rank, who)
-    finally:
-        if as_json:
-            sys.stdout = _json_stdout.pop()
 
 
 _json_stdout: list = []  # under --json, the real stdout (sys.stdout is stderr meanwhile)
+
+
+@contextmanager
+def _json_alone_on_stdout():
+    """--json: what the model file prints goes to stderr, so stdout holds the JSON alone (print_json). Not only
+    Python's sys.stdout: file descriptor 1 itself points at stderr meanwhile, so os.write(1, ...), sys.__stdout__, a
+    logging handler on it and a child process all land there too; the JSON goes to a copy of the real stdout."""
+    original = stdout = sys.stdout
+    real = None
+    try:
+        if stdout.fileno() == 1:  # (under a test's runner sys.stdout is no descriptor: it is kept as it is)
+            stdout.flush()
+            real = os.dup(1)
+            stdout = open(real, "w", closefd=False)  # noqa: SIM115 - closed below
+            os.dup2(2, 1)
+    except (OSError, ValueError, AttributeError):  # (io.UnsupportedOperation is an OSError and a ValueError)
+        real = None
+    _json_stdout.append(stdout)
+    sys.stdout = sys.stderr
+    try:
+        yield
+    finally:
+        _json_stdout.pop()
+        sys.stdout = original
+        if real is not None:
+            for f in (sys.__stdout__, sys.stderr, stdout):
+                with contextlib.suppress(OSError, ValueError, AttributeError):
+                    f.flush()
+            os.dup2(real, 1)
+            stdout.close()
+            os.close(real)
 
 
 def print_json(text: str) -> None:
@@ -156,8 +185,9 @@ def _reporting_errors(debug: bool, as_json: bool, rank, who: str):
     except OomtuneError as e:
         if debug:  # the traceback, then the same line and exit code as without --debug (2: bad input)
             traceback.print_exc()
-        err.print(f"[bold red]error:[/] {who}{escape(e.message)}")
-        _json_error(as_json, e.message, e.exit_code)
+        message = capped(e.message)
+        err.print(f"[bold red]error:[/] {who}{escape(message)}")
+        _json_error(as_json, message, e.exit_code)
         raise typer.Exit(e.exit_code) from None
     except KeyboardInterrupt:
         terminated = _interrupted == signal.SIGTERM
@@ -172,7 +202,7 @@ def _reporting_errors(debug: bool, as_json: bool, rank, who: str):
     except Exception as e:
         if debug:
             traceback.print_exc()
-        first = first_line(e, "")
+        first = capped(first_line(e, ""))
         if rank is not None and _peer_failure(e):
             err.print(f"[bold red]error:[/] {who}a collective with the other ranks failed ({escape(first[:200])}): "
                       "another rank failed, died or stopped answering (--dist-timeout)")

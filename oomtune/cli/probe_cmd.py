@@ -83,7 +83,7 @@ def probe(
 
     On several GPUs: [cyan]oomtune probe model.py --nproc-per-node 4[/] (all ranks run each trial; +fsdp rung).
     """
-    with user_errors(debug, as_json):
+    with user_errors(debug, as_json, searches=True):
         from ..api import prepare_probe
         from ..dist.launch import Launch, run
         from ..search.probe import check_ranks_batch

@@ -4,6 +4,7 @@ unknown key (named, with the allowed ones), a missing key or a wrong type is one
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import types
 import typing
@@ -11,10 +12,11 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any, Literal
 
-from ..errors import ConfigError
+from ..errors import ConfigError, shown
 from .schema import Config
 from .text import parse
 
+MAX_INT = 10**30  # the largest whole number a config may hold (its own checks say more below it)
 _NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")  # what a float field takes written as a string
 
 
@@ -60,16 +62,23 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
             return value
     elif tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
+            if abs(value) > MAX_INT:  # (no count or byte size oomtune writes is near it)
+                raise ConfigError(f"{where}: {shown(value)} is too large")
             return value
     elif tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+        number = value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
         if isinstance(value, str) and _NUMBER.fullmatch(value.strip()):  # `lr: 3e-4`: YAML 1.1 reads a string
-            return float(value)
+            number = value
+        if number is not None:
+            try:
+                number = float(number)
+            except OverflowError:  # (an int of hundreds of digits)
+                number = math.inf
+            return number  # (a NaN or an infinity: the section's own checks name what it must be)
     elif tp is str:
         if isinstance(value, str):
             return value
-    raise ConfigError(f"{where}: expected {_type_name(tp)}, got {value!r}")
+    raise ConfigError(f"{where}: expected {_type_name(tp)}, got {shown(value)}")
 
 
 def from_dict(cls: type, data: dict, where: str = "") -> Any:
@@ -106,6 +115,8 @@ def load_config(path: str | Path) -> Config:
         raise ConfigError(f"{p}: not a text file in UTF-8 (byte {e.start} is {e.object[e.start]:#04x})") from None
     except OSError as e:
         raise ConfigError(f"cannot read the config {p}: {e.strerror or e}") from None
+    except RecursionError:  # (nesting the loader's own limit did not stop: a key's deep value)
+        raise ConfigError(f"{p}: not a config: nested too deeply") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         line = f" at line {mark.line + 1}" if mark else ""

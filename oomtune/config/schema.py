@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from ..errors import ConfigError
+from ..errors import MAX_COUNT, ConfigError, shown
 
 PRECISIONS = ("fp32", "bf16", "fp16", "bf16-true")
 
@@ -63,6 +63,8 @@ class Plan:
         for name in ("micro_batch_size", "context_length", "grad_accum_steps", "world_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"plan.{name} must be at least 1, got {getattr(self, name)}")
+            if getattr(self, name) > MAX_COUNT:
+                raise ConfigError(f"plan.{name} must be at most {MAX_COUNT:,}, got {shown(getattr(self, name))}")
         if self.precision not in PRECISIONS:
             raise ConfigError(f"plan.precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if self.sharding != "none" and (self.optimizer_8bit or self.offload_optimizer or self.nf4_frozen_weights):
@@ -142,8 +144,12 @@ class TrainConfig:
         for name in ("steps", "eval_interval", "eval_steps", "checkpoint_interval", "log_every_n_steps"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"train.{name} must be at least 1, got {getattr(self, name)}")
+            if getattr(self, name) > MAX_COUNT:
+                raise ConfigError(f"train.{name} must be at most {MAX_COUNT:,}, got {shown(getattr(self, name))}")
         if self.warmup_steps < 0:
             raise ConfigError(f"train.warmup_steps must be 0 or more, got {self.warmup_steps}")
+        if self.warmup_steps > MAX_COUNT:
+            raise ConfigError(f"train.warmup_steps must be at most {MAX_COUNT:,}, got {shown(self.warmup_steps)}")
         for name in ("lr", "min_lr", "weight_decay", "clip_grad_norm"):
             if getattr(self, name) is not None and not math.isfinite(getattr(self, name)):  # .nan / .inf in YAML
                 raise ConfigError(f"train.{name} must be a finite number, got {getattr(self, name)}")
@@ -157,6 +163,8 @@ class TrainConfig:
             raise ConfigError(f"train.clip_grad_norm must be > 0, or null for no clipping, got {self.clip_grad_norm}")
         if not str(self.run_dir).strip():
             raise ConfigError("train.run_dir must not be empty")
+        if "\0" in str(self.run_dir):  # (no file system takes one: open() raised a bare ValueError)
+            raise ConfigError(f"train.run_dir must not hold a NUL byte, got {shown(self.run_dir)}")
         if not 0 <= self.seed < 2**63:  # (torch's generators take 64 bits; the ranks add their rank to it)
             raise ConfigError(f"train.seed must be from 0 to 2**63 - 1, got {self.seed}")
 

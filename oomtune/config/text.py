@@ -56,12 +56,33 @@ def parse(text: str):
     return yaml.load(text, Loader=unique_keys_loader())
 
 
+MAX_DEPTH = 50  # nested collections a config may hold (oomtune's are 3 deep: found_by.trials[i].key)
+
+
 def unique_keys_loader():
     """PyYAML's safe loader, refusing a key given twice in one mapping (plain PyYAML keeps the last one, so
-    a second `model:` or `lr:` would silently win)."""
+    a second `model:` or `lr:` would silently win), an alias (`*name`: a 482-byte file of nested aliases expands
+    to hundreds of megabytes) and collections nested past MAX_DEPTH (PyYAML recurses: 20,000 levels were a
+    RecursionError). oomtune writes neither."""
     import yaml
 
     class UniqueKeys(yaml.SafeLoader):
+        def compose_node(self, parent, index):
+            if self.check_event(yaml.AliasEvent):
+                event = self.peek_event()
+                raise yaml.composer.ComposerError(
+                    None, None, f"an alias (*{event.anchor}) repeats another node: an oomtune config holds plain "
+                    "values, write them out", event.start_mark)
+            depth = self.__dict__.setdefault("_depth", 0)
+            if depth >= MAX_DEPTH:
+                raise yaml.composer.ComposerError(None, None, f"collections nested more than {MAX_DEPTH} deep",
+                                                  self.peek_event().start_mark)
+            self._depth = depth + 1
+            try:
+                return super().compose_node(parent, index)
+            finally:
+                self._depth = depth
+
         def construct_mapping(self, node, deep=False):
             seen: dict = {}
             for key_node, _ in node.value:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..errors import OomtuneError
+from ..errors import OomtuneError, shown
 from ..units import format_bytes, parse_budget
 from .allocator import CachingAllocatorModel
 from .cards import WORKSPACE_HANDLES, GpuSpec, find_gpu
@@ -144,12 +144,14 @@ def parse_margin(text: str | None) -> AnyMargin:
         if part.endswith("%"):
             try:
                 fraction += float(part[:-1]) / 100
+                if not 0 <= fraction < 1:  # (nan, inf, or all of the budget)
+                    raise ValueError(part)
             except ValueError:
-                raise OomtuneError(f"--margin {text!r}: expected e.g. 512MiB+5%, 1GiB, 8% or 0") from None
+                raise OomtuneError(f"--margin {shown(text)}: expected e.g. 512MiB+5%, 1GiB, 8% or 0") from None
         else:
             try:
                 fixed += parse_budget(part)
             except OomtuneError:
-                raise OomtuneError(f"--margin {text!r}: expected e.g. 512MiB+5%, 1GiB, 8% or 0") from None
+                raise OomtuneError(f"--margin {shown(text)}: expected e.g. 512MiB+5%, 1GiB, 8% or 0") from None
     return Margin(fixed, fraction)
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from ..config.schema import PRECISIONS, TRIAL_STEPS
 from ..dist.wrap import fsdp_unsupported
-from ..errors import BAD_INPUT, OomtuneError
+from ..errors import BAD_INPUT, MAX_COUNT, OomtuneError, shown
 from ..model_file import ModelFile
 
 OBJECTIVES = ("fit", "throughput")
@@ -49,7 +49,9 @@ def whole(value, where: str) -> int:
     """`value` where a count is asked (the Python API passes what it is given): an int, not a bool, a float or a
     string; one line naming `where` otherwise."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):  # (numpy's integers are Integral)
-        raise OomtuneError(f"{where} must be a whole number, got {value!r} ({type(value).__name__})")
+        raise OomtuneError(f"{where} must be a whole number, got {shown(value)} ({type(value).__name__})")
+    if abs(int(value)) > MAX_COUNT:  # (a 401-digit --steps ran for ever; a --batch overflowed inside torch)
+        raise OomtuneError(f"{where} must be at most {MAX_COUNT:,}, got {shown(value)}")
     return int(value)
 
 

@@ -26,6 +26,7 @@ from ..units import format_bytes, utc_now
 from .batch_notes import batch_notes
 from .certify import CertifyingSearch
 from .ladder import LadderResult, LadderSearch, Measurement, Objective, Point, Rung, Trial
+from .leaks import LeakWatch
 from .options import LEVERS, Targets, check_prior, check_search_options
 from .past import PastRungs, past_rungs
 from .prior import PriorReport, run_prior
@@ -166,8 +167,8 @@ class _Trials:
     and told to the callbacks."""
 
     def __init__(self, run: Callable[[Point], TrialResult], world: int, on_start: Callable[[Point], None] | None,
-                 on_trial: Callable[[TrialRecord], None] | None):
-        self.run, self.world, self.on_start, self.on_trial = run, world, on_start, on_trial
+                 on_trial: Callable[[TrialRecord], None] | None, leaks: LeakWatch):
+        self.run, self.world, self.on_start, self.on_trial, self.leaks = run, world, on_start, on_trial, leaks
         self.records: list[TrialRecord] = []
         self.seconds: dict[Point, float] = {}
         self.host: dict[Point, int] = {}
@@ -177,6 +178,7 @@ class _Trials:
         if self.on_start:
             self.on_start(point)
         r = self.run(point)
+        self.leaks.after(r.left_bytes)  # (a model file that keeps tensors from trial to trial: exit 2 past a share)
         self.seconds[point], self.host[point], self.build[point] = r.seconds, r.host_peak_bytes, r.build_seconds
         return Measurement(oom=r.oom, peak_bytes=r.peak_bytes, tokens_per_s=r.tokens_per_s,
                            batch_peak_bytes=r.batch_peak_bytes)
@@ -235,13 +237,14 @@ def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: 
                            device, model_file.label) if estimating else None
         reuse = {"models": ModelCache()} if trial is run_trial else {}  # (estimate's recording trials build anew)
         trials = _Trials(lambda point: trial(model_file, plan_of(point, world), device, steps=steps, dist=dist,
-                                             **reuse), world, on_start, on_trial)
+                                             **reuse), world, on_start, on_trial, LeakWatch(model_file.label, limit))
         ladder, computed = computing_where_needed(device, model_file.label, lambda: _climb(
             trials, limit, report, rungs, past, targets, world, objective, "accumulation" in levers))
     records, host = trials.records, trials.host
     climbed_past = len(ladder.rungs) > len(rungs)
     kernels = kernel_notes(ladder.choice.rung.precision if ladder.choice is not None else None)  # the plan's own
     notes += computed + kernels + (past.notes() if climbed_past or ladder.choice is None else ())
+    notes += tuple(n for n in (trials.leaks.note(),) if n)
     if ladder.choice is None:
         why = why_nothing_fits(ladder, targets, floor if climbed_past else static, limit, world,
                                "accumulation" in levers) + \

@@ -17,6 +17,7 @@ from .. import rank_allocation
 from ..config.schema import TRIAL_STEPS, Plan, TrainConfig
 from ..dist.group import LOCAL, Dist, RanksOutOfMemory
 from ..errors import ModelFileError, first_line
+from ..memory.allocator import rounded
 from ..memory.devices import Device, FakeDevice, is_oom
 from ..memory.fakes import NeedsValues
 from ..memory.layer_drop import every_layer
@@ -86,6 +87,19 @@ class ModelCache:
             self.saved = [(t, t.detach().to("cpu", copy=True)) for t in tensors]
         self.key, self.model = self.key_of(plan), model
 
+    def held_bytes(self) -> int:
+        """The bytes the kept model's tensors hold (512-byte blocks, each storage once): alive between trials by
+        design, not left behind by the model file."""
+        if self.model is None:
+            return 0
+        storages = {id(s): s for t in (*self.model.parameters(), *self.model.buffers())
+                    if t.layout == torch.strided and (s := t.untyped_storage()) is not None}
+        return sum(rounded(s.nbytes()) for s in storages.values())
+
+
+def held(models: ModelCache | None) -> int:
+    return models.held_bytes() if models is not None else 0
+
 
 @dataclass(frozen=True)
 class TrialResult:
@@ -105,6 +119,7 @@ class TrialResult:
     modelled_reserved_bytes: int | None = None  # simulated devices: what the CUDA caching allocator would reserve
     trace: Trace | None = dataclasses.field(default=None, repr=False, compare=False)  # where the device traces
     replayed: bool = False  # from two traced trials (memory/replay.py), not run
+    left_bytes: int = 0  # still alive once the trial let go of its memory, beyond what was before (leaks.py)
 
 
 def _steps(model_file: ModelFile, plan: Plan, device: Device, steps: int, reading_box: list, built: list,
@@ -240,6 +255,7 @@ def run_trial(model_file: ModelFile, plan: Plan, device: Device, steps: int = TR
     oom_message = None
     built: list[float] = []  # the build's seconds (none where the build itself ran out of memory)
     agreed = False
+    alive = device.live_bytes() - held(models)  # what lives already (what a model file keeps from before)
     try:
         step_s, tps, loss, complete = _steps(model_file, plan, device, steps, box, built, observe, dist,
                                              device.primes, models)
@@ -260,6 +276,7 @@ def run_trial(model_file: ModelFile, plan: Plan, device: Device, steps: int = TR
         oom_message = first_line(e)
         agreed = isinstance(e, RanksOutOfMemory)  # every rank knows already: no other agreement for this trial
     device.release()
+    left = device.live_bytes() - held(models) - alive
     if not agreed:
         try:
             dist.agree(oom_message)  # one process: nothing to agree on
@@ -268,7 +285,8 @@ def run_trial(model_file: ModelFile, plan: Plan, device: Device, steps: int = TR
     seconds = time.perf_counter() - start
     build_s = sum(built)  # (both builds where the trial ran twice)
     if oom_message is not None:
-        return TrialResult(plan, oom=True, oom_message=oom_message, seconds=seconds, build_seconds=build_s)
+        return TrialResult(plan, oom=True, oom_message=oom_message, seconds=seconds, build_seconds=build_s,
+                           left_bytes=left)
     reading = box[0]
     peak, allocated, batch_peak = reading.peak_bytes, reading.peak_allocated_bytes, reading.batch_peak_bytes
     host = int(dist.max(reading.host_peak_bytes)[0])
@@ -284,4 +302,4 @@ def run_trial(model_file: ModelFile, plan: Plan, device: Device, steps: int = TR
                        batch_peak_bytes=batch_peak, phase_peaks=phases, step_seconds=step_s,
                        tokens_per_s=tps, loss=loss, seconds=seconds, host_peak_bytes=host,
                        build_seconds=build_s, modelled_reserved_bytes=reading.modelled_reserved_bytes,
-                       trace=reading.trace)
+                       trace=reading.trace, left_bytes=left)

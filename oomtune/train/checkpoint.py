@@ -26,6 +26,7 @@ import torch
 from ..errors import BAD_INPUT, NO_FIT, OomtuneError, first_line
 from ..files import NotAFileError, atomic_write, refuse_unless_file
 from ..units import format_bytes
+from .checkpoint_fields import field_problem
 
 FORMAT = "oomtune-checkpoint"
 
@@ -263,5 +264,8 @@ def _validate(p: Path, state: Any, required: tuple[str, ...]) -> dict[str, Any]:
     missing = [k for k in required if k not in state]
     if missing:
         raise CheckpointError(f"checkpoint {p} is incomplete: no {', '.join(missing)}")
+    wrong = field_problem(state)
+    if wrong is not None:  # (made or edited by hand: caught here, not as a bare error deep in the resume)
+        raise CheckpointError(f"checkpoint {p} is not one oomtune wrote: {wrong}")
     return state
 

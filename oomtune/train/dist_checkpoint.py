@@ -33,6 +33,7 @@ from .checkpoint import (
     remove,
     unreadable_because,
 )
+from .checkpoint_fields import rng_problem
 
 
 def folder(run_dir: Path, step: int) -> Path:
@@ -88,9 +89,13 @@ def load_rng(path: Path, rank: int) -> dict[str, Any] | None:
     if not p.is_file():
         return None
     try:
-        return torch.load(p, map_location="cpu", weights_only=True)
+        rng = torch.load(p, map_location="cpu", weights_only=True)
     except Exception as e:
         raise CheckpointError(f"checkpoint {p} {unreadable_because(p, e)}") from None
+    wrong = rng_problem(rng)
+    if wrong is not None:
+        raise CheckpointError(f"checkpoint {p} is not one oomtune wrote: {wrong}")
+    return rng
 
 
 def load_single_file(state: dict[str, Any], t: Training) -> None:

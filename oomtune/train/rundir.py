@@ -276,4 +276,7 @@ class RunLog:
                     kept.append(line)
             except (json.JSONDecodeError, AttributeError):
                 continue  # a line cut short by a kill
-        atomic_write(path, "".join(k + "\n" for k in kept))
+        try:
+            atomic_write(path, "".join(k + "\n" for k in kept))
+        except OSError as e:  # a full disk: the old file is whole (the temp one is gone)
+            raise OomtuneError(f"could not write {path}: {(e.strerror or str(e)).lower()}", NO_FIT) from None
