@@ -236,6 +236,9 @@ def what_if_plan(model_file: ModelFile, micro_batch: int, context: int | None, p
     if static is not None and static.checkpointing_breaks:
         raise OomtuneError(f"{model_file.label}: --checkpointing, but it cannot train checkpointed "
                            f"({static.checkpointing_breaks})")
+    if static is not None and static.checkpointing_idle:
+        raise OomtuneError(f"{model_file.label}: --checkpointing, but its forward runs none of the "
+                           f"{static.checkpointing_idle} it would wrap (define blocks(model))")
     if static is not None and not static.checkpointing_supported:
         raise OomtuneError(f"{model_file.label}: --checkpointing, but no blocks to wrap (define blocks(model))")
     return plan

@@ -29,6 +29,7 @@ from .ladder import LadderResult, LadderSearch, Measurement, Objective, Point, R
 from .options import LEVERS, Targets, check_prior, check_search_options
 from .past import PastRungs, past_rungs
 from .prior import PriorReport, run_prior
+from .rung_notes import checkpointing_saved_nothing
 from .trial import ModelCache, TrialResult, computing_where_needed, run_trial, settled_objects
 
 
@@ -242,6 +243,7 @@ def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: 
     climbed_past = len(ladder.rungs) > len(rungs)
     kernels = kernel_notes(ladder.choice.rung.precision if ladder.choice is not None else None)  # the plan's own
     notes += computed + kernels + (past.notes() if climbed_past or ladder.choice is None else ())
+    notes += checkpointing_saved_nothing(model_file.label, rungs, ladder.trials, static)
     if ladder.choice is None:
         why = why_nothing_fits(ladder, targets, floor if climbed_past else static, limit, world,
                                "accumulation" in levers) + \
@@ -321,7 +323,7 @@ def measurement_notes(model_file: ModelFile, static: StaticMemory, device: Devic
     what make_batch() shows of its batches (batch_notes)."""
     notes = (() if static.checkpointing_supported
              else (no_checkpointing_note(model_file.label, static.checkpoints_itself,
-                                         static.checkpointing_breaks),))
+                                         static.checkpointing_breaks, static.checkpointing_idle),))
     notes += batch_notes(model_file, device, context) + hook_name_notes(model_file.label, model_file.module)
     if static.compiled and device.kind != "cuda":
         notes += (eager_note(model_file.label, device.kind),)
