@@ -64,6 +64,8 @@ class StaticMemory:
     checkpointing_via: str | None = None  # "switch" (the model's own: Hugging Face's) | "blocks" (wrapped) | None
     checkpointing_idle: str | None = None  # the blocks checkpointing would wrap, where a forward runs none: no rung
     blocks_wrapped: str | None = None  # the blocks checkpointing wraps, described ("8 blocks (MLP x4, ...)"), else None
+    optimizer_blocks: tuple[tuple[str, str], ...] = ()  # (plan key, why) of the 8-bit / offload levers that cannot
+    # apply to the model file's own optimizer() (levers/own_optimizer.py)
 
     @property
     def trained_elements(self) -> int:
@@ -123,6 +125,7 @@ def static_memory(model_file: ModelFile, plan: Plan | None = None, levers: str =
     NF4 weights, 8-bit AdamW state, the optimizer and its gradients offloaded (counted as host memory)."""
     from ..levers import make_optimizer, prepare_model
     from ..levers.nf4 import frozen_linears
+    from ..levers.own_optimizer import blocked_levers
 
     tracker = MemoryTracker()
     with FakeTensorMode(allow_non_fake_inputs=True), real_code_paths(), tracker, torch.device("cpu"):
@@ -140,6 +143,7 @@ def static_memory(model_file: ModelFile, plan: Plan | None = None, levers: str =
             p.grad = torch.zeros_like(p)
         opt = (make_optimizer(model_file, params, 1e-3, model, plan, _Ledger(tracker)) if plan is not None
                else model_file.optimizer(params, 1e-3, model))
+        own = blocked_levers(opt) if plan is None and model_file.has("optimizer") else ()
         if hasattr(opt, "take_gradients"):  # offloaded: what backward's hooks do as each gradient is made
             opt.take_gradients()
         grads = tracker.live_bytes - weights
@@ -166,7 +170,8 @@ def static_memory(model_file: ModelFile, plan: Plan | None = None, levers: str =
         del model, params, opt
     return StaticMemory(weights, grads, optimizer_state, name, checkpointing, compiled, temporaries, nf4, host,
                         levers, low, trained, batch_norm, itself, lstm, breaks, frozen_dtype=frozen,
-                        layer_drop=drops, checkpointing_via=via, checkpointing_idle=idle, blocks_wrapped=wrapped)
+                        layer_drop=drops, checkpointing_via=via, checkpointing_idle=idle, blocks_wrapped=wrapped,
+                        optimizer_blocks=own)
 
 
 def _wrapped_blocks(model_file: ModelFile, model: torch.nn.Module) -> tuple[str, str | None]:

@@ -202,8 +202,8 @@ def what_if(model_file: ModelFile, plan: Plan, device: FakeDevice, *, bounded: b
     limit = int(device.budget_bytes * (1 - headroom))
     lev: tuple[str, ...] = ()
     if bd.peak_bytes > limit:
-        past = past_rungs(device, device.amp_dtype(), static, model_file.label, model_file.has("optimizer"),
-                          frozenset(LEVERS))  # (for why a lever cannot apply to this model: its own optimizer...)
+        past = past_rungs(device, device.amp_dtype(), static, model_file.label,  # (why a lever cannot apply to
+                          frozenset(LEVERS))  # this model: its own optimizer's class...)
         lev = tuple(levers_that_help(bd, static, limit, device.margin, headroom, plan, past))
     return WhatIf(plan, bd, limit, device.budget_bytes, headroom, lev, computed, optimizer=own, card=card)
 

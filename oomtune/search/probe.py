@@ -302,8 +302,7 @@ def all_rungs(model_file: ModelFile, device: Device, amp: str, static: StaticMem
     if amp_cannot_run(static.lstm, device, amp):  # (host_kernels.py)
         levers = levers - {"amp"}
     rungs = ladder_rungs(device, amp, static.checkpointing_supported, world, sharding, levers)
-    past = past_rungs(device, rungs[-1].precision, static, model_file.label, model_file.has("optimizer"), levers,
-                      world)
+    past = past_rungs(device, rungs[-1].precision, static, model_file.label, levers, world)
     return rungs, past, floor or floor_static(model_file, static, past, limit, sharded_by)
 
 
