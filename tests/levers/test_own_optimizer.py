@@ -107,3 +107,47 @@ def test_an_optimizer_class_the_levers_cannot_rebuild_keeps_them_out_with_a_note
         "error: plan.offload_optimizer: model.py's optimizer() returns Tuned, which this lever cannot rebuild (it "
         "keeps the param groups of torch's AdamW, Adam and SGD) (remove the key)"), t.output
     assert not (tmp_path / "run").exists()
+
+
+def _one(cls, **kwargs) -> torch.optim.Optimizer:
+    return cls([torch.nn.Parameter(torch.zeros(4))], lr=1e-3, **kwargs)
+
+
+@pytest.mark.parametrize("optimizer, eight_bit", [
+    (_one(torch.optim.AdamW), None),
+    (_one(torch.optim.Adam), None),  # no decay: the same update as AdamW's
+    (_one(torch.optim.Adam, weight_decay=0.1, decoupled_weight_decay=True), None),
+    (_one(torch.optim.Adam, weight_decay=0.1), "returns torch.optim.Adam with weight_decay, which Adam adds to the "
+     "gradient (L2) and 8-bit AdamW decouples from it: use torch.optim.AdamW"),
+    (_one(torch.optim.AdamW, amsgrad=True), "returns torch.optim.AdamW with amsgrad or maximize, which 8-bit AdamW "
+     "does not do"),
+    (_one(torch.optim.SGD, momentum=0.9), "returns torch.optim.SGD, which keeps no moments for 8-bit AdamW to store"),
+])
+def test_which_optimizers_8bit_rebuilds_and_offload_rebuilds_them_all(optimizer, eight_bit):
+    """device: none (construction only). 8-bit AdamW stands in only for an update it does (AdamW's, or Adam's without
+    L2 decay); offload runs torch's own class on the host, so every one of AdamW, Adam and SGD takes it."""
+    from oomtune.levers.own_optimizer import blocked
+
+    assert blocked(optimizer, "optimizer_8bit") == eight_bit
+    assert blocked(optimizer, "offload_optimizer") is None
+
+
+SGD_GROUPS = GROUPED.read_text().replace(
+    "    return torch.optim.AdamW([{\"params\": decay, \"weight_decay\": DECAY}, {\"params\": no_decay, "
+    "\"weight_decay\": 0.0}],\n                             lr=lr, betas=BETAS, eps=EPS)",
+    "    return torch.optim.SGD([{\"params\": decay, \"momentum\": 0.9}, {\"params\": no_decay, \"lr\": lr / 10}],\n"
+    "                           lr=lr, nesterov=False)")
+
+
+def test_an_offloaded_sgd_keeps_its_groups_on_the_host(write_model):
+    """device: cpu. SGD with a momentum group and a slower group, offloaded: the host optimizer is torch's SGD over
+    the same two groups (momentum 0.9 and 0; lr 0.01 and 0.001), and a step moves the weights."""
+    assert "torch.optim.SGD" in SGD_GROUPS
+    mf = load_model_file(write_model(SGD_GROUPS))
+    t = build_training(mf, Plan(2, 4, offload_optimizer=True), CpuDevice("64MiB"), lr=1e-2)
+    inner = t.optimizer.inner
+    assert type(inner) is torch.optim.SGD
+    assert [(g["lr"], g["momentum"], len(g["params"])) for g in inner.param_groups] == [(1e-2, 0.9, 3), (1e-3, 0, 7)]
+    before = [p.detach().clone() for p in t.module.parameters()]
+    train_step(t, [mf.batch(2, 4, torch.device("cpu"))])
+    assert all(not torch.equal(a, p) for a, p in zip(before, t.module.parameters(), strict=True))
