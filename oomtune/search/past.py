@@ -49,7 +49,13 @@ def past_rungs(device, amp_dtype: str, static: StaticMemory, label: str, levers:
     ckpt = static.checkpointing_supported and "checkpointing" in levers
     fields = {"precision": amp_dtype if "amp" in levers else "fp32", "activation_checkpointing": ckpt}
     names: list[str] = []
-    if "bf16-true" in levers:
+    if static.weights_dtype == "bfloat16":  # built in bf16: every rung trains bf16-true already (weights_dtype.py)
+        fields["precision"] = "bf16-true"
+        names.append("bf16-true")
+        if "bf16-true" in levers:
+            out.skipped["bf16-true"] = (f"{label}'s trained weights are bfloat16, as build_model() returns them: every "
+                                        "rung trains bf16-true already")
+    elif "bf16-true" in levers:
         if device.supports_bf16():
             fields["precision"] = "bf16-true"
             names.append("bf16-true")
