@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
 import yaml
 
 from oomtune.train.checkpoint import load_checkpoint
@@ -88,3 +89,21 @@ def test_a_what_if_plan_that_says_fp32_of_bf16_weights_says_what_it_trains():
             "trains them, their gradients and AdamW state in bfloat16, with no fp32 copy (--precision bf16-true to "
             "say so, or build the model in fp32 for fp32 master weights under autocast)") in notes()
     assert not [n for n in notes("--precision", "bf16-true") if "plan.precision is" in n]
+
+
+def test_bf16_true_keeps_what_a_model_built_in_bf16_keeps_in_fp32():
+    """device: cpu. The plan of a model built in bf16 is bf16-true, whose lever cast the whole model to bf16: the
+    rotary frequencies the model keeps in fp32 (a buffer) became bf16, and every position's angle drifted from the
+    model as built (it trained in fp32 frequencies under the 'fp32' label). Its trained weights are bf16 as built, so
+    it is kept as built; an fp32 model's bf16-true still casts every weight and buffer (tests/levers)."""
+    from oomtune.config.schema import Plan
+    from oomtune.memory.devices import make_device
+    from oomtune.model_file import load_model_file
+    from oomtune.step import build_training
+
+    mf = load_model_file(BF16_CONFIG)
+    built = mf.build().model.rotary_emb.inv_freq
+    t = build_training(mf, Plan(1, 8, "bf16-true"), make_device("cpu", "1GiB"), lr=1e-3)
+    kept = t.module.model.rotary_emb.inv_freq
+    assert built.dtype == kept.dtype == torch.float32 and torch.equal(built, kept)
+    assert {p.dtype for p in t.module.parameters()} == {torch.bfloat16}
