@@ -36,6 +36,54 @@ def block_stacks(model: nn.Module) -> list[nn.ModuleList]:
     return taken
 
 
+def callable_blocks(member: nn.Module) -> list[nn.Module]:
+    """What checkpointing wraps for one member of a block stack: the member, where its class has a forward; else
+    (an nn.ModuleList or nn.ModuleDict, or a module with no forward of its own, which nothing can call: vit-pytorch
+    keeps each layer as a ModuleList([attention, feed-forward]) and calls the two) its children's, in order.
+    Wrapping a member that is never called does nothing."""
+    if type(member).forward is not nn.Module.forward:
+        return [member]
+    return [b for child in member.children() for b in callable_blocks(child)]
+
+
+def describe_blocks(blocks: list[nn.Module]) -> str:
+    """"12 blocks (Attention x6, FeedForward x6)": how many, of which classes."""
+    counts: dict[str, int] = {}
+    for b in blocks:
+        counts[type(b).__name__] = counts.get(type(b).__name__, 0) + 1
+    kinds = ", ".join(f"{name} x{n}" for name, n in counts.items())
+    return f"{len(blocks)} block{'s' if len(blocks) != 1 else ''} ({kinds})"
+
+
+def blocks_that_run(blocks: list[nn.Module], forward: Callable[[], object]) -> int | None:
+    """How many of `blocks` a forward runs: `forward()` (one forward and loss, on fake tensors) with each block's
+    forward counted where checkpointing would wrap it (its instance's `forward`, which a call through the module
+    and a direct `.forward()` both reach). None where the forward fails: it says nothing."""
+    ran: set[int] = set()
+    own = [b.__dict__.get("forward") for b in blocks]  # (an instance forward already there is put back)
+
+    def counted(i: int, call: Callable) -> Callable:
+        @functools.wraps(call)
+        def run(*args, **kwargs):
+            ran.add(i)
+            return call(*args, **kwargs)
+        return run
+
+    for i, b in enumerate(blocks):
+        b.forward = counted(i, b.forward)
+    try:
+        forward()
+    except Exception:  # (a forward that needs another batch than the probe's first: the rung stays)
+        return None
+    finally:
+        for b, before in zip(blocks, own, strict=True):
+            if before is None:
+                del b.forward
+            else:
+                b.forward = before
+    return len(ran)
+
+
 def hf_checkpointing(model: nn.Module) -> Callable | None:
     """A Hugging Face model's own checkpointing switch (transformers 5 renamed it), through a PEFT wrapper too; None
     where the model says it has none (supports_gradient_checkpointing False: ConvNext, ResNet, EfficientNet, whose
@@ -125,9 +173,15 @@ def calls_checkpoint(model: nn.Module, forward: Callable[[], object]) -> str | N
     return f"{names} calls torch.utils.checkpoint in every forward" if calls else None
 
 
-def no_checkpointing_note(label: str, itself: str | None = None, breaks: str | None = None) -> str:
+def no_checkpointing_note(label: str, itself: str | None = None, breaks: str | None = None,
+                          idle: str | None = None) -> str:
     """Why a ladder has no checkpointing rung: the model checkpoints itself (`itself` says how; a rung would
-    measure the same thing again), it cannot run checkpointed (`breaks`: why), or it has nothing to wrap."""
+    measure the same thing again), it cannot run checkpointed (`breaks`: why), what checkpointing would wrap never
+    runs (`idle`: what), or it has nothing to wrap."""
+    if idle:
+        return (f"no activation checkpointing rung: {label}'s forward runs none of the {idle} it would wrap, so it "
+                "would save nothing; define blocks(model) returning the modules the forward calls, one or a few "
+                "per layer (e.g. each layer's attention and feed-forward)")
     if itself:
         return (f"no activation checkpointing rung: {label}'s build_model() turns the model's own activation "
                 f"checkpointing on ({itself}), so every rung runs checkpointed already")

@@ -27,6 +27,7 @@ from torch.utils._pytree import tree_leaves
 from .checkpointing import (
     block_stacks,
     buffers_kept,
+    callable_blocks,
     cannot_checkpoint,
     checkpointed,
     enable_hf_checkpointing,
@@ -205,10 +206,11 @@ class ModelFile:
         return len(positional) >= 3 or any(p.kind is p.VAR_POSITIONAL for p in params)
 
     def blocks(self, model: nn.Module) -> list[nn.Module]:
-        """What activation checkpointing wraps: the `blocks` hook, else the members of `block_stacks(model)`."""
+        """What activation checkpointing wraps: the `blocks` hook, else the members of `block_stacks(model)` (a member
+        that cannot be called, a ModuleList of a layer's parts, stands for its parts: callable_blocks)."""
         if self.has("blocks"):
             return self._hooked_blocks(model)
-        return [block for stack in block_stacks(model) for block in stack]
+        return [block for stack in block_stacks(model) for member in stack for block in callable_blocks(member)]
 
     def _hooked_blocks(self, model: nn.Module) -> list[nn.Module]:
         """The `blocks` hook's modules: an iterable of nn.Module, at least one (a defined hook that finds

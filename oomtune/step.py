@@ -70,7 +70,7 @@ def build_training(model_file: ModelFile, plan: Plan, device: Device, lr: float,
     if plan.sharding != "none" and (not dist.grouped or dist.world_size != plan.world_size):
         have = f"{dist.world_size} ranks" if dist.grouped else "no process group"
         raise OomtuneError(f"plan is {plan.sharding} on {plan.world_size} ranks but this process has {have}")
-    check_plan_runs(plan, device.kind, model_file.has("optimizer"), model_file.label)
+    check_plan_runs(plan, device.kind)
 
     def build() -> nn.Module:
         return build_model(model_file, plan, device)  # on the device, its weights as the plan's levers store them

@@ -35,18 +35,15 @@ def missing_library(lever: str, device_kind: str) -> str | None:
     return None
 
 
-def check_plan_runs(plan, device_kind: str, has_optimizer_hook: bool, label: str) -> None:
-    """One line, exit 2, for a plan whose levers cannot run here."""
+def check_plan_runs(plan, device_kind: str) -> None:
+    """One line, exit 2, for a plan whose levers' libraries are missing here (one whose levers cannot apply to the
+    model file's own optimizer: make_optimizer)."""
     for lever in LIBRARY_LEVERS:
         if lever == "optimizer_8bit" and plan.offload_optimizer:
             continue  # offloaded, 8-bit AdamW is the stand-in on the host (make_optimizer): no library
         why = getattr(plan, lever) and missing_library(lever, device_kind)
         if why:
             raise OomtuneError(f"plan.{lever}: {why}", BAD_INPUT)
-    if has_optimizer_hook and (plan.optimizer_8bit or plan.offload_optimizer):
-        key = "optimizer_8bit" if plan.optimizer_8bit else "offload_optimizer"
-        raise OomtuneError(f"plan.{key}: {label} defines its own optimizer; the 8-bit and offload levers replace "
-                           "only the default AdamW (remove the key, or the optimizer hook)", BAD_INPUT)
 
 
 def build_model(model_file, plan, device) -> nn.Module:
@@ -111,9 +108,13 @@ def _copy(t: torch.Tensor) -> torch.Tensor:
 
 
 def prepare_model(model: nn.Module, plan, label: str, computes: bool = True) -> None:
-    """bf16-true: every floating weight and buffer in bf16. NF4: every frozen Linear weight in 4 bits (`computes`
-    False: tensors without values, see nf4.quantize_frozen)."""
-    if plan.precision == "bf16-true":
+    """bf16-true: every floating weight and buffer in bf16, unless every trained weight is bf16 as built (under bf16
+    as the default dtype, or by the model file: a config saying torch_dtype bfloat16), where what the model keeps in
+    fp32 stays so, as Hugging Face's own bf16 loading keeps it (the rotary frequencies: in bf16 every position's
+    angle would drift). NF4: every frozen Linear weight in 4 bits (`computes` False: tensors without values, see
+    nf4.quantize_frozen)."""
+    trained = {p.dtype for p in model.parameters() if p.requires_grad and p.is_floating_point()}
+    if plan.precision == "bf16-true" and trained != {torch.bfloat16}:
         model.to(torch.bfloat16)
     if plan.nf4_frozen_weights:
         from .nf4 import quantize_frozen
@@ -126,10 +127,20 @@ def prepare_model(model: nn.Module, plan, label: str, computes: bool = True) -> 
 
 
 def make_optimizer(model_file, params: Sequence[nn.Parameter], lr: float, model: nn.Module, plan, device):
-    """The model file's optimizer, or for the 8-bit / offload levers the default AdamW made so."""
+    """The model file's optimizer (the default AdamW where it has none); for the 8-bit / offload levers, made so over
+    its param groups and their hyper-parameters (own_optimizer.py: a class they cannot rebuild is one line, exit 2)."""
     if not (plan.optimizer_8bit or plan.offload_optimizer):
         return model_file.optimizer(params, lr, model)
-    check_plan_runs(plan, device.kind, model_file.has("optimizer"), model_file.label)
+    from .own_optimizer import blocked, group_settings, rebuilt
+
+    check_plan_runs(plan, device.kind)
+    optimizer = model_file.optimizer(params, lr, model)
+    for key in ("optimizer_8bit", "offload_optimizer"):
+        why = getattr(plan, key) and blocked(optimizer, key)
+        if why:
+            raise OomtuneError(f"plan.{key}: {model_file.label}'s optimizer() {why} (remove the key)", BAD_INPUT)
+    groups, cls = group_settings(optimizer, eight_bit=plan.optimizer_8bit), type(optimizer)
+    del optimizer  # (a fresh one: no state)
     if plan.optimizer_8bit:
         from .adamw8bit import BlockwiseAdamW8bit, library_adamw8bit
 
@@ -138,17 +149,13 @@ def make_optimizer(model_file, params: Sequence[nn.Parameter], lr: float, model:
         # torch 2.11, broke the compiled GPU step of every model trained after it in the process (make gpu-check)
         on_gpu = device.kind == "cuda" and not plan.offload_optimizer
         cls = library_adamw8bit() if on_gpu else BlockwiseAdamW8bit
-    else:
-        cls = torch.optim.AdamW
-
-    def make(ps: list) -> torch.optim.Optimizer:
-        return cls(ps, lr=lr)
-
+    make = rebuilt(groups, cls)
+    ordered = [p for g in groups for p in g["params"]]
     if plan.offload_optimizer:
         from .offload import HostOffloadOptimizer
 
-        return HostOffloadOptimizer(params, make, device)
-    return make(list(params))
+        return HostOffloadOptimizer(ordered, make, device)
+    return make(ordered)
 
 
 def model_state(model: nn.Module) -> dict:

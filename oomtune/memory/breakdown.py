@@ -16,7 +16,14 @@ from dataclasses import dataclass
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from ..checkpointing import calls_checkpoint, cannot_checkpoint, checkpoints_itself, hf_checkpointing
+from ..checkpointing import (
+    blocks_that_run,
+    calls_checkpoint,
+    cannot_checkpoint,
+    checkpoints_itself,
+    describe_blocks,
+    hf_checkpointing,
+)
 from ..config.schema import TRIAL_STEPS, MemoryBreakdown, Plan
 from ..dist.group import LOCAL, Dist, ranks_for
 from ..errors import OomtuneError
@@ -55,6 +62,10 @@ class StaticMemory:
     frozen_dtype: str | None = None  # "bfloat16" / "float16": every frozen weight is, where the trained ones are not
     layer_drop: str | None = None  # the note for a model that skips layers at random (layer_drop.py), else None
     checkpointing_via: str | None = None  # "switch" (the model's own: Hugging Face's) | "blocks" (wrapped) | None
+    checkpointing_idle: str | None = None  # the blocks checkpointing would wrap, where a forward runs none: no rung
+    blocks_wrapped: str | None = None  # the blocks checkpointing wraps, described ("8 blocks (MLP x4, ...)"), else None
+    optimizer_blocks: tuple[tuple[str, str], ...] = ()  # (plan key, why) of the 8-bit / offload levers that cannot
+    # apply to the model file's own optimizer() (levers/own_optimizer.py)
 
     @property
     def trained_elements(self) -> int:
@@ -114,6 +125,7 @@ def static_memory(model_file: ModelFile, plan: Plan | None = None, levers: str =
     NF4 weights, 8-bit AdamW state, the optimizer and its gradients offloaded (counted as host memory)."""
     from ..levers import make_optimizer, prepare_model
     from ..levers.nf4 import frozen_linears
+    from ..levers.own_optimizer import blocked_levers
 
     tracker = MemoryTracker()
     with FakeTensorMode(allow_non_fake_inputs=True), real_code_paths(), tracker, torch.device("cpu"):
@@ -131,6 +143,7 @@ def static_memory(model_file: ModelFile, plan: Plan | None = None, levers: str =
             p.grad = torch.zeros_like(p)
         opt = (make_optimizer(model_file, params, 1e-3, model, plan, _Ledger(tracker)) if plan is not None
                else model_file.optimizer(params, 1e-3, model))
+        own = blocked_levers(opt) if plan is None and model_file.has("optimizer") else ()
         if hasattr(opt, "take_gradients"):  # offloaded: what backward's hooks do as each gradient is made
             opt.take_gradients()
         grads = tracker.live_bytes - weights
@@ -145,6 +158,8 @@ def static_memory(model_file: ModelFile, plan: Plan | None = None, levers: str =
         breaks = None if hooked else cannot_checkpoint(model)
         checkpointing = model_file.supports_checkpointing(model) and not itself and not breaks
         via = ("blocks" if hooked or hf_checkpointing(model) is None else "switch") if checkpointing else None
+        wrapped, idle = _wrapped_blocks(model_file, model) if via == "blocks" else (None, None)
+        checkpointing, via = (False, None) if idle else (checkpointing, via)
         name = type(getattr(opt, "inner", opt)).__name__
         compiled = is_compiled(model)
         host = tracker.host_live_bytes
@@ -155,7 +170,16 @@ def static_memory(model_file: ModelFile, plan: Plan | None = None, levers: str =
         del model, params, opt
     return StaticMemory(weights, grads, optimizer_state, name, checkpointing, compiled, temporaries, nf4, host,
                         levers, low, trained, batch_norm, itself, lstm, breaks, frozen_dtype=frozen,
-                        layer_drop=drops, checkpointing_via=via)
+                        layer_drop=drops, checkpointing_via=via, checkpointing_idle=idle, blocks_wrapped=wrapped,
+                        optimizer_blocks=own)
+
+
+def _wrapped_blocks(model_file: ModelFile, model: torch.nn.Module) -> tuple[str, str | None]:
+    """(what checkpointing wraps, described; the same where a first forward runs none of it: a rung that would save
+    nothing, else None)."""
+    blocks = model_file.blocks(model)
+    ran = blocks_that_run(blocks, functools.partial(_first_forward, model_file, model))
+    return describe_blocks(blocks), describe_blocks(blocks) if ran == 0 else None
 
 
 def _low_dtype(params) -> str | None:

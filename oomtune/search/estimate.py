@@ -20,7 +20,7 @@ from ..memory.margin import AnyMargin, parse_margin
 from ..model_file import ModelFile, eager_note
 from ..units import card_budget, card_memory
 from .batch_notes import batch_notes
-from .ladder import LadderResult, Point
+from .ladder import LadderResult, Point, Rung
 from .options import (
     LEVERS,
     check_estimate_options,
@@ -31,8 +31,9 @@ from .options import (
     resolve_targets,
 )
 from .past import PAST_LEVERS, PastRungs, past_rungs
-from .probe import ProbeResult, all_rungs, fsdp_reach, ladder_rungs, no_fsdp_note, plan_of, probe
+from .probe import ProbeResult, all_rungs, fsdp_reach, no_fsdp_note, plan_of, probe
 from .trial import TrialResult, computing_where_needed, run_trial
+from .weights_dtype import precision_note
 
 
 @dataclass
@@ -81,13 +82,10 @@ def make_fake_device(budget: str | None, gpu: str | None, margin: str | None) ->
     return FakeDevice(budget, gpu=spec or GENERIC, margin=parse_margin(margin) if margin is not None else None)
 
 
-def smallest_plan(device: Device, targets, amp: str, checkpointing_supported: bool, world_size: int = 1,
-                  sharding: str | None = None, levers: frozenset[str] = frozenset(LEVERS),
-                  past: PastRungs | None = None) -> Plan:
+def smallest_plan(targets, rungs: list[Rung], world_size: int = 1, past: PastRungs | None = None) -> Plan:
     """The ladder's most frugal plan: micro-batch 1 at the shortest context allowed, on the last rung (past
-    accumulation, where it has such rungs: every lever applied)."""
-    last = (past.rungs if past is not None and past.rungs else
-            ladder_rungs(device, amp, checkpointing_supported, world_size, sharding, levers))[-1]
+    accumulation, where it has such rungs: every lever applied; else the last of the usual `rungs`)."""
+    last = (past.rungs if past is not None and past.rungs else rungs)[-1]
     return plan_of(Point(last, 1, targets.min_context), world_size)
 
 
@@ -135,8 +133,8 @@ def _estimate(model_file, device, targets, headroom, steps, objective, amp, on_s
     recording = RecordingTrials()
     static = static_memory(model_file)
     sharded_by, no_fsdp = fsdp_reach(device, world, sharding)
-    _, past, floor = all_rungs(model_file, device, amp, static, world, sharding, levers,
-                               device.margin.tensor_budget(limit), sharded_by)  # the limit less the margin
+    rungs, past, floor = all_rungs(model_file, device, amp, static, world, sharding, levers,
+                                   device.margin.tensor_budget(limit), sharded_by)  # the limit less the margin
     if device.margin.total(floor.floor_bytes // sharded_by) > limit:
         # nothing can fit: skip the ladder (every trial would run out) and explain with the smallest plan
         search = ProbeResult(LadderResult((), None, ()), [], static, targets, limit, None, world_size=world,
@@ -151,7 +149,7 @@ def _estimate(model_file, device, targets, headroom, steps, objective, amp, on_s
         found_by = dataclasses.replace(search.config.found_by, breakdown=bd)
         search.config = dataclasses.replace(search.config, found_by=found_by)
         return EstimateResult(search, device.margin, bd, plan)
-    plan = smallest_plan(device, targets, amp, static.checkpointing_supported, world, sharding, levers, past)
+    plan = smallest_plan(targets, rungs, world, past)
     bd = breakdown(model_file, plan, device, steps, dist)
     if any(r.found for r in search.ladder.rungs):  # the smallest plan fits: the global batch is what cannot be
         return EstimateResult(search, device.margin, bd, plan)  # reached (the search's own reason says how)
@@ -195,6 +193,8 @@ def what_if(model_file: ModelFile, plan: Plan, device: FakeDevice, *, bounded: b
     static = static_memory(model_file)
     if static.compiled:  # as the ladder says it (measurement_notes): the eager model's memory, not the compiled one's
         computed += (eager_note(model_file.label, device.kind),)
+    mislabelled = precision_note(model_file.label, plan.precision, static.weights_dtype, "--precision bf16-true")
+    computed += (mislabelled,) if mislabelled else ()
     own = static.optimizer_name if model_file.has("optimizer") else None  # (its class: "SGD's state", as the ladder's)
     card = device.name.removesuffix(" (estimated)")
     if not bounded:  # no budget given: the breakdown alone (it lifts the device's budget anyway)
@@ -202,8 +202,8 @@ def what_if(model_file: ModelFile, plan: Plan, device: FakeDevice, *, bounded: b
     limit = int(device.budget_bytes * (1 - headroom))
     lev: tuple[str, ...] = ()
     if bd.peak_bytes > limit:
-        past = past_rungs(device, device.amp_dtype(), static, model_file.label, model_file.has("optimizer"),
-                          frozenset(LEVERS))  # (for why a lever cannot apply to this model: its own optimizer...)
+        past = past_rungs(device, device.amp_dtype(), static, model_file.label,  # (why a lever cannot apply to
+                          frozenset(LEVERS))  # this model: its own optimizer's class...)
         lev = tuple(levers_that_help(bd, static, limit, device.margin, headroom, plan, past))
     return WhatIf(plan, bd, limit, device.budget_bytes, headroom, lev, computed, optimizer=own, card=card)
 
@@ -236,6 +236,9 @@ def what_if_plan(model_file: ModelFile, micro_batch: int, context: int | None, p
     if static is not None and static.checkpointing_breaks:
         raise OomtuneError(f"{model_file.label}: --checkpointing, but it cannot train checkpointed "
                            f"({static.checkpointing_breaks})")
+    if static is not None and static.checkpointing_idle:
+        raise OomtuneError(f"{model_file.label}: --checkpointing, but its forward runs none of the "
+                           f"{static.checkpointing_idle} it would wrap (define blocks(model))")
     if static is not None and not static.checkpointing_supported:
         raise OomtuneError(f"{model_file.label}: --checkpointing, but no blocks to wrap (define blocks(model))")
     return plan

@@ -37,8 +37,8 @@ class PastRungs:
         return tuple(f"no {lever} rung: {why}" for lever, why in self.skipped.items())
 
 
-def past_rungs(device, amp_dtype: str, static: StaticMemory, label: str, has_optimizer_hook: bool,
-               levers: frozenset[str], world_size: int = 1) -> PastRungs:
+def past_rungs(device, amp_dtype: str, static: StaticMemory, label: str, levers: frozenset[str],
+               world_size: int = 1) -> PastRungs:
     """The rungs past accumulation this model, device and --levers allow (see the module doc)."""
     out = PastRungs()
     wanted = [name for name in ("bf16-true", *PAST_LEVERS) if name in levers]
@@ -49,7 +49,13 @@ def past_rungs(device, amp_dtype: str, static: StaticMemory, label: str, has_opt
     ckpt = static.checkpointing_supported and "checkpointing" in levers
     fields = {"precision": amp_dtype if "amp" in levers else "fp32", "activation_checkpointing": ckpt}
     names: list[str] = []
-    if "bf16-true" in levers:
+    if static.weights_dtype == "bfloat16":  # built in bf16: every rung trains bf16-true already (weights_dtype.py)
+        fields["precision"] = "bf16-true"
+        names.append("bf16-true")
+        if "bf16-true" in levers:
+            out.skipped["bf16-true"] = (f"{label}'s trained weights are bfloat16, as build_model() returns them: every "
+                                        "rung trains bf16-true already")
+    elif "bf16-true" in levers:
         if device.supports_bf16():
             fields["precision"] = "bf16-true"
             names.append("bf16-true")
@@ -59,7 +65,7 @@ def past_rungs(device, amp_dtype: str, static: StaticMemory, label: str, has_opt
     for lever, (key, _) in PAST_LEVERS.items():
         if lever not in levers:
             continue
-        why = _why_not(lever, static, label, has_optimizer_hook, device.kind) or \
+        why = _why_not(lever, static, label, device.kind) or \
             (_no_smaller(static, fields["precision"]) if lever == "8bit" else None)
         if why is not None:
             out.skipped[lever] = why
@@ -86,10 +92,11 @@ def _no_smaller(static: StaticMemory, precision: str) -> str | None:
             f"would be {format_bytes(eight)}, as without it")
 
 
-def _why_not(lever: str, static: StaticMemory, label: str, has_optimizer_hook: bool, device_kind: str) -> str | None:
+def _why_not(lever: str, static: StaticMemory, label: str, device_kind: str) -> str | None:
     key = PAST_LEVERS[lever][0]
-    if key in ("optimizer_8bit", "offload_optimizer") and has_optimizer_hook:
-        return f"{label} defines its own optimizer, and this lever replaces only the default AdamW"
+    own = dict(static.optimizer_blocks).get(key)  # the model file's optimizer(), of a class it cannot rebuild
+    if own is not None:
+        return f"{label}'s optimizer() {own}"
     if key == "nf4_frozen_weights" and not static.nf4_elements:
         return (f"{label} has no frozen nn.Linear (or Conv1D) weights of a whole number of NF4 blocks (64 x 256 "
                 "elements; NF4 is for a PEFT LoRA model's base layers, the output head kept) whose forward is "

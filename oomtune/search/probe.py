@@ -30,7 +30,9 @@ from .leaks import LeakWatch
 from .options import LEVERS, Targets, check_prior, check_search_options
 from .past import PastRungs, past_rungs
 from .prior import PriorReport, run_prior
+from .rung_notes import checkpointing_saved_nothing
 from .trial import ModelCache, TrialResult, computing_where_needed, run_trial, settled_objects
+from .weights_dtype import amp_adds_nothing, base_precision, weights_dtype_notes
 
 
 def fsdp_reach(device: Device, world: int, sharding: str | None) -> tuple[int, str | None]:
@@ -45,14 +47,16 @@ def no_fsdp_note(no_fsdp: str | None) -> str:
 
 
 def ladder_rungs(device: Device, amp: str, checkpointing_supported: bool, world_size: int = 1,
-                 sharding: str | None = None, levers: frozenset[str] = frozenset(LEVERS)) -> list[Rung]:
+                 sharding: str | None = None, levers: frozenset[str] = frozenset(LEVERS),
+                 precision: str = "fp32") -> list[Rung]:
     """fp32 -> +amp -> +checkpointing (which keeps amp); on several ranks these replicate the model (ddp) and
     the ladder adds +fsdp (sharded weights, gradients and optimizer state; keeps amp and checkpointing) before
     accumulation is the only lever left. `sharding` puts every rung on that one instead. A lever not in `levers`
-    is left out (the rungs past accumulation are past.py's)."""
-    dtype = (device.amp_dtype() if amp == "auto" else amp) if "amp" in levers else "fp32"
+    is left out (the rungs past accumulation are past.py's). `precision`: what the rungs without amp train in
+    (bf16-true for weights built in bf16, the first rung named so: weights_dtype.py)."""
+    dtype = (device.amp_dtype() if amp == "auto" else amp) if "amp" in levers else precision
     base = sharding or ("ddp" if world_size > 1 else "none")
-    rungs = [Rung("fp32", "fp32", False, base)]
+    rungs = [Rung(precision, precision, False, base)]
     if "amp" in levers:
         rungs.append(Rung("amp", dtype, False, base))
     ckpt = checkpointing_supported and "checkpointing" in levers
@@ -222,7 +226,7 @@ def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: 
                                    statics[1] if statics else None)
     check_static_fits(floor, device, limit, headroom, sharded_by, past if levers != frozenset(LEVERS) else None)
     kernel_notes()  # forget what trials before this probe chose (its own choose again)
-    notes = measurement_notes(model_file, static, device, targets.min_context)
+    notes = measurement_notes(model_file, static, device, targets.min_context, amp)
     unrunnable = amp_cannot_run(static.lstm, device, amp)
     notes += (f"{model_file.label} {unrunnable}",) if unrunnable and "amp" in levers else ()
     check_prior(prior, device.kind, world > 1)
@@ -244,6 +248,7 @@ def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: 
     climbed_past = len(ladder.rungs) > len(rungs)
     kernels = kernel_notes(ladder.choice.rung.precision if ladder.choice is not None else None)  # the plan's own
     notes += computed + kernels + (past.notes() if climbed_past or ladder.choice is None else ())
+    notes += checkpointing_saved_nothing(model_file.label, rungs, ladder.trials, static)
     notes += tuple(n for n in (trials.leaks.note(),) if n)
     if ladder.choice is None:
         why = why_nothing_fits(ladder, targets, floor if climbed_past else static, limit, world,
@@ -298,13 +303,13 @@ def all_rungs(model_file: ModelFile, device: Device, amp: str, static: StaticMem
               floor: StaticMemory | None = None) -> tuple[list[Rung], PastRungs, StaticMemory]:
     """The usual rungs, those past accumulation, and the floor the budget is checked against (`floor`: measured
     already)."""
-    if static.weights_dtype is not None and amp == "auto":  # 16-bit weights: autocast would only copy them
+    if amp_adds_nothing(static, amp):  # 16-bit weights: autocast would only copy them (weights_dtype.py)
         levers = levers - {"amp"}
     if amp_cannot_run(static.lstm, device, amp):  # (host_kernels.py)
         levers = levers - {"amp"}
-    rungs = ladder_rungs(device, amp, static.checkpointing_supported, world, sharding, levers)
-    past = past_rungs(device, rungs[-1].precision, static, model_file.label, model_file.has("optimizer"), levers,
-                      world)
+    rungs = ladder_rungs(device, amp, static.checkpointing_supported, world, sharding, levers,
+                         base_precision(static))
+    past = past_rungs(device, rungs[-1].precision, static, model_file.label, levers, world)
     return rungs, past, floor or floor_static(model_file, static, past, limit, sharded_by)
 
 
@@ -319,25 +324,18 @@ def floor_static(model_file: ModelFile, static: StaticMemory, past: PastRungs, l
 
 
 def measurement_notes(model_file: ModelFile, static: StaticMemory, device: Device,
-                      context: int) -> tuple[str, ...]:
+                      context: int, amp: str = "auto") -> tuple[str, ...]:
     """What the ladder leaves out and how its memory is measured, where either is not what the user would assume;
-    what make_batch() shows of its batches (batch_notes)."""
+    what make_batch() shows of its batches (batch_notes); what a plan trains for weights built in 16 bits."""
     notes = (() if static.checkpointing_supported
              else (no_checkpointing_note(model_file.label, static.checkpoints_itself,
-                                         static.checkpointing_breaks),))
+                                         static.checkpointing_breaks, static.checkpointing_idle),))
     notes += batch_notes(model_file, device, context) + hook_name_notes(model_file.label, model_file.module)
     if static.compiled and device.kind != "cuda":
         notes += (eager_note(model_file.label, device.kind),)
-    if static.weights_dtype is not None:
-        notes += (f"{model_file.label}'s trained weights are {static.weights_dtype}, as build_model() returns them: "
-                  f"every plan trains them in {static.weights_dtype} (its 'fp32' means no autocast), and the ladder "
-                  "has no amp rung (autocast would only add copies of them)",)
+    notes += weights_dtype_notes(model_file.label, static, amp_adds_nothing(static, amp))
     if static.layer_drop is not None:
         notes += (static.layer_drop,)
-    if static.frozen_dtype is not None:
-        notes += (f"{model_file.label}'s frozen weights are {static.frozen_dtype}, as build_model() returns them, and "
-                  f"its trained ones are not: every plan keeps them so (its 'fp32' means no autocast, not fp32 "
-                  "weights); the memory counts them at their size",)
     return notes
 
 

@@ -14,6 +14,7 @@ from ..errors import OomtuneError
 from ..hook_names import hook_name_notes
 from ..memory.cards import find_gpu
 from ..memory.devices import Device
+from ..search.weights_dtype import precision_note
 from ..step import Training
 from ..units import format_bytes
 from .events import Note
@@ -40,11 +41,13 @@ def run_notes(inputs: Inputs, start_step: int, requested: str | None, device: De
 
 
 def built_notes(t: Training, inputs: Inputs) -> list[Note]:
-    """What the built model and optimizer show: AdaLoRA's schedule against the run's steps, and the decay the model
+    """What the built model and optimizer show: AdaLoRA's schedule against the run's steps, trained weights built in
+    16 bits under a plan whose precision says otherwise, and the decay the model
     file's optimizer() gave its groups where the config's train.weight_decay replaces it (not a --weight-decay given
     now: that is the user's word)."""
     cfg, label = inputs.cfg, inputs.model_file.label
     notes = [Note(n, warning=True) for n in adalora.notes(t.rank_allocator, cfg.steps)]
+    notes += [Note(n, warning=True) for n in _built_in_16_bits(t, label)]
     theirs = sorted({d for d in t.decaying if d and not math.isclose(d, cfg.weight_decay)})
     if inputs.model_file.has("optimizer") and theirs and cfg.weight_decay == inputs.file_config.train.weight_decay:
         notes.append(Note(f"{label}'s optimizer() builds its decaying param groups with weight_decay "
@@ -52,6 +55,16 @@ def built_notes(t: Training, inputs: Inputs) -> list[Note]:
                           f"it (pass --weight-decay {theirs[0]:g}, or set train.weight_decay, to keep it)",
                           warning=True))
     return notes
+
+
+def _built_in_16_bits(t: Training, label: str) -> list[str]:
+    """A plan whose precision says fp32 weights (fp32, or autocast's bf16 / fp16) for a model whose build_model()
+    returns every trained weight in 16 bits (a config written before the probe labelled such a plan bf16-true, or
+    by hand): what it trains is those weights, their gradients and AdamW state in 16 bits."""
+    dtypes = {p.dtype for p in t.module.parameters() if p.requires_grad and p.is_floating_point()}
+    dtype = str(next(iter(dtypes))).removeprefix("torch.") if dtypes in ({torch.bfloat16}, {torch.float16}) else None
+    note = precision_note(label, t.plan.precision, dtype, "set plan.precision: bf16-true")
+    return [note] if note else []
 
 
 def _trains_for_a_gpu_without_one(found: FoundBy | None, requested: str | None, device: Device) -> bool:

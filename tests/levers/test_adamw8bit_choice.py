@@ -67,6 +67,6 @@ def test_an_offloaded_8bit_plan_needs_no_library_on_cuda(monkeypatch):
     from oomtune.errors import OomtuneError
 
     monkeypatch.setattr(levers, "installed", lambda name: False)
-    levers.check_plan_runs(Plan(1, 1, optimizer_8bit=True, offload_optimizer=True), "cuda", False, "m.py")
+    levers.check_plan_runs(Plan(1, 1, optimizer_8bit=True, offload_optimizer=True), "cuda")
     with pytest.raises(OomtuneError, match="8-bit AdamW on cuda needs torchao or bitsandbytes"):
-        levers.check_plan_runs(Plan(1, 1, optimizer_8bit=True), "cuda", False, "m.py")
+        levers.check_plan_runs(Plan(1, 1, optimizer_8bit=True), "cuda")

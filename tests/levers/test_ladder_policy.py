@@ -143,12 +143,14 @@ def test_a_missing_library_skips_its_rung_with_a_note_and_a_config_that_needs_it
 
 def test_a_model_files_own_optimizer_is_kept_and_the_8bit_and_offload_rungs_say_why_they_are_left_out(tmp_path,
                                                                                                    write_model):
+    """SGD keeps no moments (no 8bit rung; offload rebuilds it on the host: tests/levers/test_own_optimizer.py); a
+    class the levers cannot rebuild (a subclass of AdamW) keeps both out, named."""
     model = write_model(FROZEN_MODEL + "\ndef optimizer(params, lr):\n    return torch.optim.SGD(params, lr=lr)\n")
     r = run_cli("probe", model, "--device", "cpu", "--budget", "3MiB", "--context", "1", "--batch", "8",
                 "--out", tmp_path / "p.yaml", "--json")
     why = json.loads(r.stdout)["levers_not_used"]
-    assert why["8bit"] == why["offload"] == ("model.py defines its own optimizer, and this lever replaces only the "
-                                             "default AdamW")
+    assert why["8bit"] == ("model.py's optimizer() returns torch.optim.SGD, which keeps no moments for 8-bit AdamW "
+                           "to store") and "offload" not in why
     # the breakdown names that optimizer's state, not AdamW's (device: fake)
     for extra in (("--batch", "8", "--out", tmp_path / "e.yaml"), ("--micro-batch", "2")):  # the estimate's plan,
         est = run_cli("estimate", model, "--budget", "64MiB", "--margin", "0", "--context", "1", *extra)  # one plan
@@ -157,13 +159,14 @@ def test_a_model_files_own_optimizer_is_kept_and_the_8bit_and_offload_rungs_say_
     # a what-if that does not fit says why 8-bit and offload cannot apply (it offered them as "enough")
     from oomtune.api import what_if
 
-    adamw = write_model(FROZEN_MODEL + "\ndef optimizer(params, lr):\n    return torch.optim.AdamW(params, lr=lr)\n",
-                        name="adamw.py")
+    adamw = write_model(FROZEN_MODEL + "\nclass Tuned(torch.optim.AdamW):\n    pass\n\ndef optimizer(params, lr):\n"
+                        "    return Tuned(params, lr=lr)\n", name="adamw.py")
     peak = what_if(adamw, 64, context=1, margin="0").breakdown.peak_bytes
     advice = what_if(adamw, 64, context=1, budget=f"{peak}B", margin="0").levers  # (90% of it is allowed)
     said = [line for line in advice if "--levers 8bit" in line or "--levers offload)" in line]
-    assert len(said) == 2 and all(line.endswith("; the ladder could not use it: adamw.py defines its own optimizer, "
-                                                "and this lever replaces only the default AdamW") for line in said)
+    assert len(said) == 2 and all(line.endswith("; the ladder could not use it: adamw.py's optimizer() returns "
+                                                "Tuned, which this lever cannot rebuild (it keeps the param groups of "
+                                                "torch's AdamW, Adam and SGD)") for line in said)
 
 
 # weights, gradients and AdamW state of 2 x 128 x 128 fp32 weights: 1 MiB; half of them frozen (NF4's target)

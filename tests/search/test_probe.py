@@ -325,10 +325,13 @@ def test_a_model_whose_memory_is_not_a_line_in_the_batch_misleads_a_replay_not_t
 
 
 @pytest.mark.parametrize("dtype", ["half", "bfloat16", "float"])
-def test_a_model_built_in_16_bits_has_no_amp_rung_and_a_note_saying_what_fp32_means(dtype, write_model):
+def test_a_model_built_in_16_bits_has_no_amp_rung_and_a_note_saying_what_it_trains(dtype, write_model):
     """device: cpu. build_model() returning `.half()` / `.bfloat16()`: autocast would only copy the weights (and
-    on the CPU mixes fp16 weights with bf16 activations), so the ladder has no amp rung, and the plan's 'fp32'
-    (no autocast) is explained. An fp32 model keeps its amp rung. An explicit --amp keeps it too."""
+    on the CPU mixes fp16 weights with bf16 activations), so the ladder has no amp rung. A bf16 model's rungs are
+    bf16-true, named and labelled so (they were 'fp32' over bf16 weights, gradients and AdamW state), and an explicit
+    --amp bf16 adds no amp rung either (bf16-true runs under bf16 autocast already); an fp16 model's plans say
+    'fp32' (no autocast; no precision names fp16 weights without one), explained. An fp32 model keeps its amp rung,
+    and an explicit --amp fp16 keeps it for a bf16 model."""
     from ..conftest import TINY_MODEL
 
     source = (TINY_MODEL.replace("return Net()", f"return Net().{dtype}()")
@@ -341,13 +344,17 @@ def test_a_model_built_in_16_bits_has_no_amp_rung_and_a_note_saying_what_fp32_me
     if dtype == "float":
         assert "amp" in names and "trained weights are" not in notes
         return
-    wanted = {"half": "float16", "bfloat16": "bfloat16"}[dtype]
-    assert "amp" not in names and names[0] == "fp32" and len(names) >= 2, names
+    wanted, first = {"half": ("float16", "fp32"), "bfloat16": ("bfloat16", "bf16-true")}[dtype]
+    assert "amp" not in names and names[0] == first and len(names) >= 2, names
+    assert {r.rung.precision for r in result.ladder.rungs} == {first} and result.config.plan.precision == first
     assert f"trained weights are {wanted}" in notes and "no amp rung" in notes
     if dtype == "half":  # (autocast to bf16 over fp16 weights: the CPU's autocast mixes the two)
+        assert "its precision 'fp32' means no autocast, and no GradScaler" in notes
         return
-    explicit = probe(mf, CpuDevice("64MiB"), targets, levers=CLASSIC, objective="throughput", amp="bf16")
-    assert "amp" in [r.rung.name for r in explicit.ladder.rungs]
+    same = probe(mf, CpuDevice("64MiB"), targets, levers=CLASSIC, objective="throughput", amp="bf16")
+    assert "amp" not in [r.rung.name for r in same.ladder.rungs] and "no amp rung" in " ".join(same.notes)
+    explicit = probe(mf, CpuDevice("64MiB"), targets, levers=CLASSIC, objective="throughput", amp="fp16")
+    assert "amp" in [r.rung.name for r in explicit.ladder.rungs] and "no amp rung" not in " ".join(explicit.notes)
 
 @pytest.mark.parametrize("norm, noted", [("nn.BatchNorm1d(16)", True), ("nn.GroupNorm(4, 16)", False)])
 def test_a_batchnorm_model_that_accumulates_gets_a_note(norm, noted, write_model, tmp_path):
