@@ -136,7 +136,7 @@ def autocast(t: Training) -> contextlib.AbstractContextManager:
     return torch.autocast(t.device.autocast_device_type, dtype=DTYPES[t.plan.precision])
 
 
-def _accumulate(t: Training, micro_batches: Sequence[Batch]) -> torch.Tensor:
+def _accumulate(t: Training, micro_batches: Sequence[Batch], weights: Sequence[float] | None) -> torch.Tensor:
     """-> each micro-batch's loss, in one tensor (one block, in training as in a trial: the trainer's check for a
     non-finite loss reads them, where a tensor kept per micro-batch put training above the trial's peak)."""
     n = len(micro_batches)
@@ -149,7 +149,8 @@ def _accumulate(t: Training, micro_batches: Sequence[Batch]) -> torch.Tensor:
             t.phase("backward")
             of = "loss()" if t.model_file.has("loss") else "the model"
             with t.model_file.user_code(f"the backward pass of {of}"):  # a recompute mismatch, a custom Function
-                t.scaler.scale(loss / n).backward()  # grads accumulate across micro-steps
+                part = loss / n if weights is None else loss * weights[i]  # (a short batch: its examples' part)
+                t.scaler.scale(part).backward()  # grads accumulate across micro-steps
         losses[i] = loss.detach()
         del loss
     return losses
@@ -170,13 +171,16 @@ def _sparse_gradients_refused(t: Training) -> Iterator[None]:
                              "clips their norm, and the memory levers need dense ones)") from e
 
 
-def train_step(t: Training, micro_batches: Sequence[Batch], step: int = 0) -> torch.Tensor:
+def train_step(t: Training, micro_batches: Sequence[Batch], step: int = 0,
+               weights: Sequence[float] | None = None) -> torch.Tensor:
     """Optimizer step `step` (0: the first; a probe's trials take each as a first) over `micro_batches` (normally
-    grad_accum_steps of them; on several ranks, this rank's share of the global batch). Returns this rank's mean
-    loss as a detached 0-dim tensor (reading it is a sync point; the caller decides when)."""
+    grad_accum_steps of them; on several ranks, this rank's share of the global batch). `weights`: each
+    micro-batch's part of the step's gradient, where they are not equal (a pass's short last batch: its examples
+    over the step's); None: 1 / len(micro_batches) each. Returns this rank's mean loss (weighted alike) as a
+    detached 0-dim tensor (reading it is a sync point; the caller decides when)."""
     n = len(micro_batches)
     fsdp = t.plan.sharding == "fsdp"  # its forward and backward hold collectives
-    t.micro_losses = t.dist.agreed(lambda: _accumulate(t, micro_batches), fsdp)  # every rank: OOM or not
+    t.micro_losses = t.dist.agreed(lambda: _accumulate(t, micro_batches, weights), fsdp)  # every rank: OOM or not
     t.phase("optimizer")
     sync_gradients(t.model, t.plan.sharding, t.dist)  # ddp: averaged once a step; otherwise nothing
     with _sparse_gradients_refused(t):
@@ -190,6 +194,8 @@ def train_step(t: Training, micro_batches: Sequence[Batch], step: int = 0) -> to
     after_optimizer_step(t.rank_allocator, t.optimizer, step, scale is not None and t.scaler.get_scale() < scale)
     t.optimizer.zero_grad(set_to_none=True)  # frees gradient memory until the next backward
     losses, t.micro_losses = t.micro_losses, None
+    if weights is not None:
+        return (losses * torch.tensor(weights, device=losses.device)).sum() / sum(weights)
     return losses.sum() / n
 
 

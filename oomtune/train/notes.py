@@ -13,7 +13,8 @@ from ..config.schema import FoundBy
 from ..errors import OomtuneError
 from ..hook_names import hook_name_notes
 from ..memory.cards import find_gpu
-from ..memory.devices import Device
+from ..memory.devices import Device, TrackedDevice
+from ..model_file import ModelFile, eager_note, is_compiled
 from ..search.weights_dtype import precision_note
 from ..step import Training
 from ..units import format_bytes
@@ -54,6 +55,20 @@ def built_notes(t: Training, inputs: Inputs) -> list[Note]:
                           f"{', '.join(f'{d:g}' for d in theirs)}; train.weight_decay {cfg.weight_decay:g} replaces "
                           f"it (pass --weight-decay {theirs[0]:g}, or set train.weight_decay, to keep it)",
                           warning=True))
+    return notes
+
+
+def data_notes(t: Training, model_file: ModelFile, device: Device) -> list[Note]:
+    """Warnings about what the run trains on: a compiled model on a simulated device (run eagerly), synthetic data
+    (no train_batches), no evaluation (no eval_batches)."""
+    label, notes = model_file.label, []
+    if isinstance(device, TrackedDevice) and is_compiled(t.module):
+        notes.append(Note(eager_note(label, device.kind, training=True), warning=True))
+    if not model_file.has("train_batches"):
+        notes.append(Note(f"{label} has no train_batches(): training on make_batch(), random synthetic data (the loss "
+                          "shows the loop runs, not that the model learns)", warning=True))
+    if not model_file.has("eval_batches"):
+        notes.append(Note(f"{label} has no eval_batches(): no evaluation", warning=True))
     return notes
 
 

@@ -9,6 +9,8 @@ import threading
 import time
 from collections.abc import Iterator
 
+from ..dist.group import Dist
+
 
 class StopRequest:
     """Set by the handler: the name of the signal that asked the run to stop, None until one did."""
@@ -16,6 +18,13 @@ class StopRequest:
     def __init__(self) -> None:
         self.signal_name: str | None = None
         self.forced = False  # a second one came: stop at once (whatever error its KeyboardInterrupt turned into)
+
+    def agreed(self, dist: Dist) -> str | None:
+        """The signal every rank stops on: one reaches the ranks at different moments, all stop after the same
+        step."""
+        if dist.world_size == 1:
+            return self.signal_name
+        return (self.signal_name or "SIGTERM") if dist.max(1 if self.signal_name else 0)[0] else None
 
 
 @contextlib.contextmanager

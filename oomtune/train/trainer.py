@@ -31,8 +31,8 @@ from ..config.writing import NotRewritten, rewrite_plan, to_dict
 from ..dist.group import LoneOutOfMemory, init
 from ..dist.launch import DEFAULT_TIMEOUT_S, launched_by_torchrun
 from ..errors import BAD_INPUT, OomtuneError, first_line
-from ..memory.devices import TrackedDevice, is_oom
-from ..model_file import Batch, eager_note, is_compiled
+from ..memory.devices import is_oom
+from ..model_file import Batch
 from ..step import Training, build_training, eval_loss, state_bytes, train_step
 from .checkpoint import KEEP
 from .checkpointer import checkpointer_for, optimizer_class, restore, resume_notes
@@ -41,7 +41,7 @@ from .events import Checkpointed, Event, Note, Started, StepDone, TrainResult
 from .inputs import Inputs, check_inputs, check_weights_fit, device_kind, resolve_device, resumed_device
 from .losses import NonFiniteLoss, check_losses, tainted_buffer
 from .metrics import StepMetrics, Window
-from .notes import built_notes, run_notes
+from .notes import built_notes, data_notes, run_notes
 from .recovery import RecoveryPolicy, Retry, Stop, write_relaunch_plan
 from .rng import capture_rng, restore_rng, seed_everything
 from .rundir import RunLog
@@ -115,7 +115,8 @@ class Trainer:
                     n = self.state.step * self.batches_per_step  # replay the data stream to where it stood
                     self.on_event(Note(f"replaying the data to step {self.state.step}: {n:,} batches drawn, dropped"))
                     stream.skip(n, until=(lambda: stop.signal_name is not None) if self.dist.world_size == 1 else None)
-                    stopping = self._stop_over_ranks(stop.signal_name)
+                    stream.notices.clear()  # (told by the run that drew them)
+                    stopping = stop.agreed(self.dist)
                 if stopping is None:
                     first_loss, last_loss, last_eval, stopping = self._loop(stream, base_lrs, stop)
             except NonFiniteLoss as e:
@@ -162,16 +163,8 @@ class Trainer:
                        checkpoint=inputs.resumed_from.name if inputs.resumed_from else None)
         self.on_event(Started(self.state.plan, cfg, self.state.step, self.device.name, inputs.run_dir, self.data_hook,
                               self.evaluates, inputs.resumed_from))
-        for note in self.notes + built_notes(self.t, inputs):
+        for note in self.notes + built_notes(self.t, inputs) + data_notes(self.t, inputs.model_file, self.device):
             self.on_event(note)
-        label = self.model_file.label
-        if isinstance(self.device, TrackedDevice) and is_compiled(self.t.module):
-            self.on_event(Note(eager_note(label, self.device.kind, training=True), warning=True))
-        if self.data_hook == "make_batch":
-            self.on_event(Note(f"{label} has no train_batches(): training on make_batch(), random synthetic data "
-                               "(the loss shows the loop runs, not that the model learns)", warning=True))
-        if not self.evaluates:
-            self.on_event(Note(f"{label} has no eval_batches(): no evaluation", warning=True))
         return base_lrs
 
     def _loop(self, stream: DataStream, base_lrs: list[float],
@@ -192,9 +185,10 @@ class Trainer:
             window.seconds += time.perf_counter() - tic  # synchronized: measure() waits for the device
             s.step += 1
             s.phase = Phase.AFTER
+            self._tell(stream)
             window.tokens += s.plan.tokens_per_step
             window.peak = max(window.peak, step_peak)
-            stopping = self._stop_over_ranks(stop.signal_name)
+            stopping = stop.agreed(self.dist)
             eval_now = self.evaluates and (s.step % cfg.eval_interval == 0 or s.step == cfg.steps)
             metrics = None
             if (s.step % cfg.log_every_n_steps == 0 or s.step in (1, cfg.steps) or eval_now
@@ -207,14 +201,22 @@ class Trainer:
                 window = Window()
             self.on_event(StepDone(s.step, cfg.steps, metrics))
             if eval_now and stopping is None:  # a signal during the evaluation: stop after this step, not the next
-                stopping = self._stop_over_ranks(stop.signal_name)
+                stopping = stop.agreed(self.dist)
             if s.step % cfg.checkpoint_interval == 0 or s.step == cfg.steps:
                 self._checkpoint("final" if s.step == cfg.steps else "interval")
         return first_loss, last_loss, last_eval, stopping
 
     def _train_step(self, batches: list[Batch]) -> torch.Tensor:
         s = self.state  # (the step's index: AdaLoRA's schedule reads it)
-        return train_step(self.t, self.shares.micro_batches(batches, s.plan.micro_batch_size), s.step)
+        micro_batches, weights = self.shares.train_cut(batches, s.plan.micro_batch_size)  # (a short batch: weights)
+        return train_step(self.t, micro_batches, s.step, weights)
+
+    def _tell(self, stream: DataStream) -> None:
+        """What the data stream noticed drawing this step's batches (a new epoch, an empty batch skipped)."""
+        for notice in stream.notices:
+            self.log.event(notice.event, step=self.state.step, **notice.fields)
+            self.on_event(Note(f"{notice.message} (step {self.state.step})"))
+        stream.notices.clear()
 
     def _evaluate(self) -> tuple[float, int]:
         def draw() -> list[Batch]:
@@ -231,12 +233,6 @@ class Trainer:
         if self.cuda:
             torch.cuda.empty_cache()  # give back the eval batches' blocks before training resumes
         return total / max(count, 1), peak
-
-    def _stop_over_ranks(self, signal_name: str | None) -> str | None:
-        """A signal reaches the ranks at different moments: all stop after the same step."""
-        if self.dist.world_size == 1:
-            return signal_name
-        return (signal_name or "SIGTERM") if self.dist.max(1 if signal_name else 0)[0] else None
 
     # -- out of memory, divergence, errors ------------------------------------------------------------
     def _attempt(self, work: Callable[[list[Batch]], Any], phase: Phase, batches: list[Batch],

@@ -40,14 +40,15 @@ def test_a_train_batches_error_mid_run_saves_the_last_finished_step_and_resume_g
 
 
 def test_a_train_batches_batch_of_another_size_is_named_and_the_last_step_saved(case_dir):
-    """A batch shorter than the batch_size the hook was given (an epoch's last, without drop_last) trained
-    silently: another plan than the one measured, and another global batch."""
+    """A batch shorter than the batch_size the hook was given trained silently: another plan than the one measured,
+    and another global batch. Only the last batch of a pass may be short (tests/train/test_short_batch.py): a short
+    one followed by another is named when that one comes (step 4's second draw)."""
     (case_dir / "short-at").write_text("7")  # step 4's first draw
     result = train("--checkpoint-interval", "100", "--run-dir", "run")
     assert result.exit_code == 2, result.stderr
-    assert ("model.py: train_batches() yielded a batch with first dimensions [1], none of them the batch_size 2 it "
-            "was given: yield batches of exactly batch_size examples (drop_last=True) (at step 4)"
-            ) in error_line(result)
+    assert ("model.py: train_batches() yielded a batch of 1 example (of batch_size 2) that was not the last of its "
+            "pass: yield batches of batch_size examples (only a pass's last may be shorter, as a DataLoader's is) "
+            "(at step 4)") in error_line(result)
     assert steps_saved(case_dir / "run") == [3]
 
 
