@@ -34,7 +34,7 @@ from .checkpointing import (
     hf_checkpointing,
 )
 from .errors import ModelFileError, OomtuneError, first_line
-from .hook_names import REQUIRED, did_you_mean
+from .hook_names import REQUIRED, batch_taken, did_you_mean, not_a_loss
 from .memory.devices import is_oom
 from .memory.host_kernels import host_hint
 from .model_import import neighbours_first
@@ -145,6 +145,8 @@ class ModelFile:
             where = f"the default loss (model output{near})"
         if not isinstance(value, torch.Tensor):
             raise ModelFileError(f"{self.label}: {where} gave {_describe(value)}; expected a scalar Tensor")
+        if value.dim() != 0 and not self.has("loss"):
+            raise ModelFileError(not_a_loss(self.label, value, batch, did_you_mean(self.module, "loss", "{}")))
         if value.dim() != 0:
             raise ModelFileError(f"{self.label}: {where} gave a tensor of shape {tuple(value.shape)}; expected a "
                                  "scalar (reduce it, e.g. .mean())")
@@ -154,7 +156,7 @@ class ModelFile:
 
     def _default_loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
         """model(*batch) / model(**batch) / model(batch) -> a scalar, (logits, loss), or an object with .loss."""
-        with self.user_code("the model's forward"):
+        with self.user_code("the model's forward"), batch_taken(self.label, model, batch):
             if isinstance(batch, dict):
                 out = model(**batch)
             elif isinstance(batch, (tuple, list)):

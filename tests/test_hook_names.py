@@ -43,7 +43,8 @@ def test_a_default_loss_that_fails_beside_a_misspelt_loss_says_so(write_model):
     r = run_cli("probe", str(write_model(source + "\ndef losses(model, batch):\n    return model(*batch).mean()\n")),
                 *PROBE)
     assert r.exit_code == 2
-    assert "the default loss (model output; the file defines losses(): misspelt?) gave a tensor of shape" in r.stderr
+    assert ("the model returned what looks like logits, of shape (1, 16, 4), not a loss: training needs a loss, a "
+            "scalar; rename losses() to loss(), or define loss(model, batch) to compute it") in r.stderr
 
 
 def test_misspelt_optional_hooks_are_noted_in_probe_and_warned_in_train(write_model, tmp_path):

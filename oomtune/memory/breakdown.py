@@ -27,6 +27,7 @@ from ..checkpointing import (
 from ..config.schema import TRIAL_STEPS, MemoryBreakdown, Plan
 from ..dist.group import LOCAL, Dist, ranks_for
 from ..errors import OomtuneError
+from ..hook_names import check_first_loss
 from ..model_file import ModelFile, is_compiled
 from ..step import as_on_cuda
 from ..units import format_bytes
@@ -167,6 +168,9 @@ def static_memory(model_file: ModelFile, plan: Plan | None = None, levers: str =
         batch_norm = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
         lstm = has_lstm(model)
         drops = layer_drop_note(model_file.label, model)
+        if plan is None:  # the default loss's first mistakes, before any trial
+            with CudaOnHost():
+                check_first_loss(model_file, model, functools.partial(_first_batch, model_file))
         del model, params, opt
     return StaticMemory(weights, grads, optimizer_state, name, checkpointing, compiled, temporaries, nf4, host,
                         levers, low, trained, batch_norm, itself, lstm, breaks, frozen_dtype=frozen,
@@ -192,8 +196,13 @@ def _first_forward(model_file: ModelFile, model: torch.nn.Module) -> None:
     """One forward and loss at micro-batch 1 and a short context, in training mode (on the caller's fake tensors)."""
     model.train()
     with CudaOnHost():
-        context = min(model_file.defaults.get("context", 16), 64)
-        model_file.loss(model, model_file.batch(1, context, torch.device("cpu")))
+        model_file.loss(model, _first_batch(model_file))
+
+
+def _first_batch(model_file: ModelFile):
+    """make_batch at micro-batch 1 and a short context (on the caller's fake tensors)."""
+    with CudaOnHost():
+        return model_file.batch(1, min(model_file.defaults.get("context", 16), 64), torch.device("cpu"))
 
 
 PART_LABELS = {
