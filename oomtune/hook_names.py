@@ -21,7 +21,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from .errors import ModelFileError
+from .errors import ModelFileError, OomtuneError
 
 REQUIRED = ("build_model", "make_batch")
 OPTIONAL = ("loss", "blocks", "optimizer", "train_batches", "eval_batches")
@@ -142,11 +142,11 @@ def check_first_loss(model_file, model: nn.Module, batch_of) -> None:
         return
     try:
         batch = batch_of()
-    except ModelFileError:  # (make_batch's own errors: the trials say them)
+    except OomtuneError:  # (make_batch's own errors: the trials say them)
         return
     model.train()
     try:
         model_file.loss(model, batch)
-    except ModelFileError as e:
-        if not e.raised:
+    except OomtuneError as e:  # (a value fake tensors do not have, NeedsValues: the trials compute it)
+        if isinstance(e, ModelFileError) and not e.raised:
             raise
