@@ -115,6 +115,7 @@ def result_json(result, config_path: Path | None) -> dict:
         "trials": [to_dict(t) for t in result.records],
         "config_path": str(config_path) if config_path else None,
         "why_nothing_fits": result.why_nothing_fits,
+        "over_headroom": result.over_headroom.to_json() if result.over_headroom is not None else None,
         "divisor_note": divisor_note(result),
         "notes": list(result.notes),
         "prior": result.prior.to_json() if result.prior is not None else None,

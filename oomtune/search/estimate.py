@@ -20,6 +20,7 @@ from ..memory.margin import AnyMargin, parse_margin
 from ..model_file import ModelFile, eager_note
 from ..units import card_budget, card_memory
 from .batch_notes import batch_notes
+from .headroom_note import over_headroom
 from .ladder import LadderResult, Point, Rung
 from .options import (
     LEVERS,
@@ -154,6 +155,9 @@ def _estimate(model_file, device, targets, headroom, steps, objective, amp, on_s
     if any(r.found for r in search.ladder.rungs):  # the smallest plan fits: the global batch is what cannot be
         return EstimateResult(search, device.margin, bd, plan)  # reached (the search's own reason says how)
     why = why_nothing_fits(bd, plan, floor, limit, device.budget_bytes, headroom, device.margin)
+    search.over_headroom = over_headroom([(plan.describe(with_global=False), bd.peak_bytes)], device.budget_bytes,
+                                         headroom) or search.over_headroom  # (the smallest plan's, as `why` says)
+    why += f". {search.over_headroom.text()}" if search.over_headroom else ""
     search.why_nothing_fits = why + ("." if no_fsdp and not why.endswith(".") else "") + no_fsdp_note(no_fsdp)
     return EstimateResult(search, device.margin, bd, plan,
                           levers_that_help(bd, floor, limit, device.margin, headroom, plan, past))

@@ -25,6 +25,7 @@ from ..model_file import ModelFile, eager_note
 from ..units import format_bytes, utc_now
 from .batch_notes import batch_notes
 from .certify import CertifyingSearch
+from .headroom_note import OverHeadroom, admitting, over_headroom
 from .ladder import LadderResult, LadderSearch, Measurement, Objective, Point, Rung, Trial
 from .leaks import LeakWatch
 from .options import LEVERS, Targets, check_prior, check_search_options
@@ -83,6 +84,7 @@ class ProbeResult:
     past: PastRungs | None = None  # the rungs past accumulation it could climb, and the levers it could not use
     prior: PriorReport | None = None  # the fake pre-estimate the rungs were certified from (None: none was tried)
     too_small: bool = False  # the budget is under the floor (estimate: bad input, exit 2, as probe's error is)
+    over_headroom: OverHeadroom | None = None  # nothing fits, but a plan ran under the budget, over the limit
 
     @property
     def plan(self):
@@ -155,13 +157,16 @@ def check_static_fits(static: StaticMemory, device: Device, limit_bytes: int, he
                       world_size: int = 1, past: PastRungs | None = None) -> None:
     """The floor fits the limit, else exit 2, saying which levers past accumulation `past` could not use (the
     user's --levers named them)."""
-    if static.floor_bytes // world_size > limit_bytes:  # FSDP shards it across the ranks
+    floor = static.floor_bytes // world_size  # FSDP shards it across the ranks
+    if floor > limit_bytes:
         unused = "; ".join(past.notes()) if past is not None else ""
+        under = (f"; it is under the budget itself: --headroom {admitting(floor, device.budget_bytes):g} would leave "
+                 "room for it, if not yet for the activations" if floor <= device.budget_bytes else "")
         raise OomtuneError(
             f"budget {format_bytes(device.budget_bytes)} ({format_bytes(limit_bytes)} after {headroom:.0%} "
             f"headroom) is too small for the weights alone: {static.describe()}"
-            + (f", {format_bytes(static.floor_bytes // world_size)} per rank" if world_size > 1 else "")
-            + (f" ({unused})" if unused else ""),
+            + (f", {format_bytes(floor)} per rank" if world_size > 1 else "")
+            + (f" ({unused})" if unused else "") + under,
             BAD_INPUT,
         )
 
@@ -251,11 +256,13 @@ def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: 
     notes += checkpointing_saved_nothing(model_file.label, rungs, ladder.trials, static)
     notes += tuple(n for n in (trials.leaks.note(),) if n)
     if ladder.choice is None:
+        refused = over_headroom(((plan_of(t.point, world).describe(with_global=False), t.measurement.peak_bytes)
+                                 for t in ladder.trials if t.result == "over-headroom"), device.budget_bytes, headroom)
         why = why_nothing_fits(ladder, targets, floor if climbed_past else static, limit, world,
-                               "accumulation" in levers) + \
+                               "accumulation" in levers) + (f" {refused.text()}." if refused else "") + \
             no_fsdp_note(no_fsdp)
         return ProbeResult(ladder, records, static, targets, limit, None, why, world, device.budget_bytes, notes,
-                           past=past, prior=report)
+                           past=past, prior=report, over_headroom=refused)
     c = ladder.choice
     chosen = Point(c.rung, c.micro_batch_size, c.context_length, c.grad_accum_steps)
     notes += batch_norm_note(model_file, static, c.micro_batch_size, c.grad_accum_steps * world)
