@@ -20,6 +20,7 @@ from rich.markup import escape
 
 from ..dist.launch import worker_rank
 from ..errors import PEER_FAILED, OomtuneError, capped, first_line
+from ..stdio import descriptor_1_to_stderr
 from .console import err, out
 from .model_output import model_lines_once
 
@@ -144,33 +145,13 @@ _json_stdout: list = []  # under --json, the real stdout (sys.stdout is stderr m
 
 @contextmanager
 def _json_alone_on_stdout():
-    """--json: what the model file prints goes to stderr, so stdout holds the JSON alone (print_json). Not only
-    Python's sys.stdout: file descriptor 1 itself points at stderr meanwhile, so os.write(1, ...), sys.__stdout__, a
-    logging handler on it and a child process all land there too; the JSON goes to a copy of the real stdout."""
-    original = stdout = sys.stdout
-    real = None
-    try:
-        if stdout.fileno() == 1:  # (under a test's runner sys.stdout is no descriptor: it is kept as it is)
-            stdout.flush()
-            real = os.dup(1)
-            stdout = open(real, "w", closefd=False)  # noqa: SIM115 - closed below
-            os.dup2(2, 1)
-    except (OSError, ValueError, AttributeError):  # (io.UnsupportedOperation is an OSError and a ValueError)
-        real = None
-    _json_stdout.append(stdout)
-    sys.stdout = sys.stderr
-    try:
-        yield
-    finally:
-        _json_stdout.pop()
-        sys.stdout = original
-        if real is not None:
-            for f in (sys.__stdout__, sys.stderr, stdout):
-                with contextlib.suppress(OSError, ValueError, AttributeError):
-                    f.flush()
-            os.dup2(real, 1)
-            stdout.close()
-            os.close(real)
+    """--json: what the model file prints goes to stderr, so stdout holds the JSON alone (print_json); see stdio.py."""
+    with descriptor_1_to_stderr() as stdout:
+        _json_stdout.append(stdout)
+        try:
+            yield
+        finally:
+            _json_stdout.pop()
 
 
 def print_json(text: str) -> None:

@@ -18,6 +18,7 @@ import sys
 from dataclasses import dataclass
 
 from ..errors import BAD_INPUT, NO_FIT, OOM_RELAUNCH, PEER_FAILED, OomtuneError
+from ..stdio import real_stdout
 
 INTERRUPTED = 130
 DEFAULT_TIMEOUT_S = 300.0  # a collective waits this long for the other ranks before the run stops with an error
@@ -127,7 +128,7 @@ def run(launch: Launch, worker_args: list[str]) -> None:
     if cmd != sys.executable:  # PYTHON_EXEC chooses another interpreter: fine, but ours knows oomtune
         cmd = sys.executable
     try:
-        with _quiet_agent():
+        with _quiet_agent(), real_stdout():  # (--json: rank 0 prints it)
             elastic_launch(config, cmd)(*cmd_args)
     except ChildFailedError as e:
         failures = e.failures

@@ -92,7 +92,8 @@ class ModelCache:
         design, not left behind by the model file."""
         if self.model is None:
             return 0
-        storages = {id(s): s for t in (*self.model.parameters(), *self.model.buffers())
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]  # (an OOM trial's, dropped by take)
+        storages = {id(s): s for t in (*self.model.parameters(), *self.model.buffers(), *grads)
                     if t.layout == torch.strided and (s := t.untyped_storage()) is not None}
         return sum(rounded(s.nbytes()) for s in storages.values())
 
