@@ -34,7 +34,7 @@ demo: $(STAMP)
 	@echo; echo "--- $(DEMO_DIR)/best.yaml (plan) ---"; sed -n '/^plan:/,/^train:/p' $(DEMO_DIR)/best.yaml | sed '$$d'
 	@echo; echo "--- oomtune train: that plan, in the same 12 MiB, on the standard library's own sources ---"
 	@rm -rf $(DEMO_DIR)/run
-	OMP_NUM_THREADS=1 $(VENV)/bin/oomtune train --config $(DEMO_DIR)/best.yaml --run-dir $(DEMO_DIR)/run \
+	$(VENV)/bin/oomtune train --config $(DEMO_DIR)/best.yaml --run-dir $(DEMO_DIR)/run \
 		--steps 12 --lr 0.01 --warmup-steps 2 --log-every-n-steps 2 --eval-interval 12 --eval-steps 4
 
 lint: $(STAMP)

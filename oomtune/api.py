@@ -79,17 +79,22 @@ class Job:
     def run(self, on_start: OnStart = None, on_trial: OnTrial = None, on_begin: Callable | None = None):
         """The search; `on_begin(estimating)` (probe) once its input is checked, before the first trial (True:
         the estimate on fake tensors runs first)."""
+        from .memory.threads import simulated_threads, with_threads
+
         if self.kind == "estimate":
             from .search.estimate import estimate as run_estimate
 
-            return run_estimate(self.model_file, self.device, self.targets, on_start=on_start, on_trial=on_trial,
-                                **self.options)
+            with simulated_threads(self.device.kind):  # (nothing computes: no speed to tell)
+                return run_estimate(self.model_file, self.device, self.targets, on_start=on_start,
+                                    on_trial=on_trial, **self.options)
         from .search.probe import probe as run_probe
 
         if self.device is None:
             self.connect()
-        return run_probe(self.model_file, self.device, self.targets, on_start=on_start, on_trial=on_trial,
-                         dist=self.dist, on_begin=on_begin, **self.options)
+        with simulated_threads(self.device.kind) as threads:  # (cpu: the count its tokens/s are measured with)
+            result = run_probe(self.model_file, self.device, self.targets, on_start=on_start, on_trial=on_trial,
+                               dist=self.dist, on_begin=on_begin, **self.options)
+        return with_threads(result, threads, self.device.kind)
 
     @keeps_callers_rng
     def write(self, result, before_writing: Hook = None) -> bool:
@@ -245,8 +250,11 @@ def check(config: str | Path | Config, *, model=None, device: str = "fake", budg
     model = named if model is None else model
     snapshot.check_path(_path(memory_snapshot), others=(path, _model_path(model)))
     model_file = model_file_of(model)
-    result = run_check(config, model_file, device_kind=device, budget=budget, headroom=headroom, margin=margin,
-                       steps=steps, gpu=gpu)
+    from .memory.threads import simulated_threads
+
+    with simulated_threads(device):
+        result = run_check(config, model_file, device_kind=device, budget=budget, headroom=headroom, margin=margin,
+                           steps=steps, gpu=gpu)
     if _model_path(model) is None or _model_path(model).resolve() != named.resolve():
         result = dataclasses.replace(result, notes=(*result.notes, f"checked {model_file.label} with the plan of "
                                                     f"{path or 'the config'}, which names {config.model}"))

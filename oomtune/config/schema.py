@@ -261,6 +261,7 @@ class FoundBy:
     margin: str | None = None  # probe: the flat margin a simulated device with a card (or fake) accounted by
     checkpointing_via: Literal["switch", "blocks"] | None = None  # a checkpointed plan: the model's own switch
     # (Hugging Face's gradient_checkpointing_enable) or blocks oomtune wrapped (a blocks() hook, a ModuleList)
+    threads: int | None = None  # probe on the cpu device: torch's threads its tokens/s were measured with
 
     def __post_init__(self):
         if self.budget_bytes <= 0:  # `check` re-measures against it

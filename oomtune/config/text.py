@@ -43,6 +43,7 @@ COMMENTS = {
     "found_by.prior": "how the probe's trials were chosen: certified from the estimate, or why not",
     "found_by.margin": "the flat --margin the probe accounted by beside its card (or on fake); check and train use it",
     "found_by.checkpointing_via": "switch: the model's own (Hugging Face's); blocks: the blocks oomtune wrapped",
+    "found_by.threads": "torch's threads the cpu device measured tokens/s with; train on cpu uses as many",
     "found_by.breakdown.phase": "the step's phase at the peak: forward | backward | optimizer",
     "found_by.breakdown.margin": "added for what tensors do not show on a GPU: CUDA context, workspaces, allocator",
     "found_by.breakdown.peak_bytes": "tensor_peak_bytes + margin_bytes",

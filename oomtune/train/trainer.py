@@ -32,6 +32,7 @@ from ..dist.group import LoneOutOfMemory, init
 from ..dist.launch import DEFAULT_TIMEOUT_S, launched_by_torchrun
 from ..errors import BAD_INPUT, OomtuneError, first_line
 from ..memory.devices import is_oom
+from ..memory.threads import simulated_threads
 from ..model_file import Batch
 from ..step import Training, build_training, eval_loss, state_bytes, train_step
 from .checkpoint import KEEP
@@ -99,8 +100,10 @@ class Trainer:
 
     # -- the run -------------------------------------------------------------------------------------
     def run(self) -> TrainResult:
-        with self.log:  # the run dir's lock, taken in _prepare, is let go however the run ends
-            return self._run(time.perf_counter())
+        found = self.inputs.file_config.found_by  # (cpu: as many threads as the probe measured tokens/s with)
+        with self.log, simulated_threads(self.device.kind, found.threads if found else None) as threads:
+            self.notes += [Note(threads.note(self.device.kind))] if threads else []
+            return self._run(time.perf_counter())  # (the run dir's lock, taken in _prepare, is let go however it ends)
 
     def _run(self, started: float) -> TrainResult:
         base_lrs = self._prepare()
