@@ -20,9 +20,9 @@ from rich.markup import escape
 
 from ..dist.launch import worker_rank
 from ..errors import PEER_FAILED, OomtuneError, capped, first_line
-from ..stdio import descriptor_1_to_stderr
 from .console import err, out
 from .model_output import model_lines_once
+from .stdio import descriptor_1_to_stderr
 
 
 def _drop_record(record: logging.LogRecord) -> bool:

@@ -18,7 +18,6 @@ import sys
 from dataclasses import dataclass
 
 from ..errors import BAD_INPUT, NO_FIT, OOM_RELAUNCH, PEER_FAILED, OomtuneError
-from ..stdio import real_stdout
 
 INTERRUPTED = 130
 DEFAULT_TIMEOUT_S = 300.0  # a collective waits this long for the other ranks before the run stops with an error
@@ -119,6 +118,8 @@ def run(launch: Launch, worker_args: list[str]) -> None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
     from torch.distributed.run import config_from_args, parse_args
+
+    from ..cli.stdio import real_stdout  # (here: the command line imports this module)
 
     launch.check()
     args = torchrun_args(launch, worker_args)
