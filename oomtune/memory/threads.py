@@ -53,7 +53,9 @@ def with_threads(result, threads: Threads | None, device_kind: str):
         return result
     config = result.config
     if config is not None:
-        config = dataclasses.replace(config, found_by=dataclasses.replace(config.found_by, threads=threads.count))
+        found = config.found_by
+        config = dataclasses.replace(config, found_by=dataclasses.replace(
+            found, threads=threads.count, notes=(*found.notes, threads.note(device_kind))))
     return dataclasses.replace(result, config=config, notes=(*result.notes, threads.note(device_kind)))
 
 
