@@ -16,6 +16,7 @@ from ..memory.breakdown import breakdown, recorded_trial, static_memory
 from ..memory.cards import GENERIC, find_gpu
 from ..memory.cuda_attention import kernel_notes
 from ..memory.devices import Device, FakeDevice
+from ..memory.fakes import NeedsValues
 from ..memory.margin import AnyMargin, parse_margin
 from ..model_file import ModelFile, eager_note
 from ..units import card_budget, card_memory
@@ -32,6 +33,7 @@ from .options import (
     resolve_targets,
 )
 from .past import PAST_LEVERS, PastRungs, past_rungs
+from .prior import ReplayingTrials, prior_device
 from .probe import ProbeResult, all_rungs, fsdp_reach, no_fsdp_note, plan_of, probe
 from .trial import TrialResult, computing_where_needed, run_trial
 from .weights_dtype import precision_note
@@ -69,6 +71,31 @@ class RecordingTrials:
         return result
 
 
+class ReplayedTrials(ReplayingTrials):
+    """The estimate's trials, on the fake device's twin that never runs out (prior.prior_device): each plan is traced
+    until two of its micro-batches line up, and every other micro-batch of it is replayed from them (replay.py);
+    those run are recorded, so a plan run has the breakdown of its own trial. A peak past the budget is an OOM, as
+    on the device (the twin reports it instead of running out, which tells the search by how much)."""
+
+    def __init__(self, budget_bytes: int):
+        super().__init__()
+        self.budget_bytes = budget_bytes
+        self.breakdowns: dict[Plan, MemoryBreakdown] = {}
+
+    def run_one(self, model_file: ModelFile, plan: Plan, device: FakeDevice, steps: int, dist) -> TrialResult:
+        result, bd = recorded_trial(model_file, plan, device, steps, dist, run_trial)
+        if bd is not None:
+            self.breakdowns[plan] = bd
+        return result
+
+    def __call__(self, model_file: ModelFile, plan: Plan, device: FakeDevice, steps: int = TRIAL_STEPS,
+                 dist=LOCAL) -> TrialResult:
+        result = super().__call__(model_file, plan, device, steps, dist)
+        if not result.oom and (result.peak_bytes or 0) > self.budget_bytes:
+            result = dataclasses.replace(result, oom=True, tokens_per_s=None)
+        return result
+
+
 def make_fake_device(budget: str | None, gpu: str | None, margin: str | None) -> FakeDevice:
     """--budget / --gpu / --margin -> the fake device that stands in for that GPU: without --gpu, a card of the
     budget's memory with the generic profile's rules (cards.GENERIC); without --margin, the card's own margin.
@@ -93,7 +120,8 @@ def smallest_plan(targets, rungs: list[Rung], world_size: int = 1, past: PastRun
 def estimate(model_file: ModelFile, device: FakeDevice, targets, *, headroom: float = HEADROOM,
              steps: int = TRIAL_STEPS, objective: str = "fit", amp: str = "auto", on_start: Callable | None = None,
              on_trial: Callable[[TrialRecord], None] | None = None, world_size: int = 1,
-             sharding: str | None = None, levers: frozenset[str] = frozenset(LEVERS)) -> EstimateResult:
+             sharding: str | None = None, levers: frozenset[str] = frozenset(LEVERS),
+             replays: bool = True) -> EstimateResult:
     """The probe's ladder on the fake device, then the breakdown of its choice (see module doc).
 
     On `world_size` ranks the ladder runs in a fake process group (torch's `fake` backend: collectives do
@@ -107,7 +135,8 @@ def estimate(model_file: ModelFile, device: FakeDevice, targets, *, headroom: fl
     told = _once(on_trial)  # a rerun computing on the cpu (computing_where_needed) repeats the trials it told of
     with ranks as d:
         result, computed = computing_where_needed(device, model_file.label, lambda: _estimate(
-            model_file, device, targets, headroom, steps, objective, amp, on_start, told, d, sharding, levers))
+            model_file, device, targets, headroom, steps, objective, amp, on_start, told, d, sharding, levers,
+            replays))
     result.search.notes += computed  # where the breakdown needed the values (the probe notes its own ladder's)
     return result
 
@@ -128,7 +157,7 @@ def _once(on_trial: Callable[[TrialRecord], None] | None) -> Callable[[TrialReco
 
 
 def _estimate(model_file, device, targets, headroom, steps, objective, amp, on_start, on_trial, dist,
-              sharding, levers) -> EstimateResult:
+              sharding, levers, replays) -> EstimateResult:
     world = dist.world_size
     limit = int(device.budget_bytes * (1 - headroom))
     recording = RecordingTrials()
@@ -141,9 +170,14 @@ def _estimate(model_file, device, targets, headroom, steps, objective, amp, on_s
         search = ProbeResult(LadderResult((), None, ()), [], static, targets, limit, None, world_size=world,
                              budget_bytes=device.budget_bytes, notes=past.notes(), past=past, too_small=True)
     else:
-        search = probe(model_file, device, targets, headroom=headroom, steps=steps, objective=objective, amp=amp,
-                       command="estimate", on_start=on_start, on_trial=on_trial, dist=dist, sharding=sharding,
-                       levers=levers, statics=(static, floor), trial=recording)
+        search = None
+        if dist.world_size == 1 and replays:
+            search = _replayed(model_file, device, targets, headroom, steps, objective, amp, on_start, on_trial,
+                               levers, (static, floor), recording)
+        if search is None:
+            search = probe(model_file, device, targets, headroom=headroom, steps=steps, objective=objective,
+                           amp=amp, command="estimate", on_start=on_start, on_trial=on_trial, dist=dist,
+                           sharding=sharding, levers=levers, statics=(static, floor), trial=recording)
     if search.config is not None:
         plan = search.config.plan
         bd = recording.breakdowns.get(plan) or breakdown(model_file, plan, device, steps, dist)
@@ -161,6 +195,31 @@ def _estimate(model_file, device, targets, headroom, steps, objective, amp, on_s
     search.why_nothing_fits = why + ("." if no_fsdp and not why.endswith(".") else "") + no_fsdp_note(no_fsdp)
     return EstimateResult(search, device.margin, bd, plan,
                           levers_that_help(bd, floor, limit, device.margin, headroom, plan, past))
+
+
+def _replayed(model_file, device, targets, headroom, steps, objective, amp, on_start, on_trial, levers, statics,
+              recording: RecordingTrials) -> ProbeResult | None:
+    """The ladder with ReplayedTrials, then the chosen plan run (recorded) where it was replayed: its breakdown,
+    and the check of the replay at the answer. None where it cannot stand (the model needs tensor values, or the
+    replay was off at the answer): the caller then searches with every trial run."""
+    twin = prior_device(device)
+    trials = ReplayedTrials(device.budget_bytes)
+    try:
+        search = probe(model_file, twin, targets, headroom=headroom, steps=steps, objective=objective, amp=amp,
+                       command="estimate", on_start=on_start, on_trial=on_trial, levers=levers, statics=statics,
+                       trial=trials)
+    except NeedsValues:
+        return None
+    recording.breakdowns.update(trials.breakdowns)
+    if search.config is None:
+        return search
+    plan = search.config.plan
+    if plan not in trials.breakdowns:  # replayed: run it, as the answer's check and for its breakdown
+        result, bd = recorded_trial(model_file, plan, twin, steps, LOCAL, run_trial)
+        if bd is None or result.peak_bytes != search.config.found_by.peak_bytes:
+            return None
+        recording.breakdowns[plan] = bd
+    return search
 
 
 @dataclass(frozen=True)

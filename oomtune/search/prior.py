@@ -88,7 +88,7 @@ class ReplayingTrials:
                                    batch_peak_bytes=reading.batch_peak_bytes, phase_peaks=dict(reading.phase_peaks),
                                    seconds=time.perf_counter() - start,
                                    modelled_reserved_bytes=reading.modelled_reserved_bytes, replayed=True)
-        result = run_trial(model_file, plan, device, steps, dist=dist)
+        result = self.run_one(model_file, plan, device, steps, dist)
         self.run += 1
         if key is not None and lines is None and result.trace is not None:
             known = self.traces.setdefault(key, [])
@@ -101,6 +101,11 @@ class ReplayingTrials:
             else:
                 known.append((plan.micro_batch_size, result.trace))
         return result
+
+
+    def run_one(self, model_file: ModelFile, plan: Plan, device: FakeDevice, steps: int, dist) -> TrialResult:
+        """One trial run (traced), not replayed."""
+        return run_trial(model_file, plan, device, steps, dist=dist)
 
 
 def run_prior(run_ladder, device: Device, label: str) -> PriorReport:
