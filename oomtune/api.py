@@ -116,7 +116,7 @@ class Job:
 def prepare_probe(model, *, batch: int | None = None, context: int | None = None, min_context: int | None = None,
                   device: str = "auto", budget: str | None = None, gpu: str | None = None,
                   headroom: float = HEADROOM, steps: int = TRIAL_STEPS, objective: str = "fit", amp: str = "auto",
-                  levers: str | None = None, prior: bool | None = None, out: str | Path | None = None,
+                  levers: str | None = None, prior: bool | str | None = None, out: str | Path | None = None,
                   memory_snapshot: str | Path | None = None, on_ranks: bool = False,
                   header: str | None = None, margin: str | None = None) -> Job:
     """Everything `probe` checks before its first trial (the options, `out`, the snapshot's path, the model, the
@@ -142,10 +142,11 @@ def prepare_probe(model, *, batch: int | None = None, context: int | None = None
 def probe(model, *, batch: int | None = None, context: int | None = None, min_context: int | None = None,
           device: str = "auto", budget: str | None = None, gpu: str | None = None, headroom: float = HEADROOM,
           steps: int = TRIAL_STEPS, objective: str = "fit", amp: str = "auto", levers: str | None = None,
-          prior: bool | None = None, out: str | Path | None = None, memory_snapshot: str | Path | None = None,
+          prior: bool | str | None = None, out: str | Path | None = None, memory_snapshot: str | Path | None = None,
           on_start: OnStart = None, on_trial: OnTrial = None, margin: str | None = None):
     """`oomtune probe` on one process: the ladder on `device` (auto: cuda where PyTorch sees a GPU, else cpu),
-    starting from the estimate where `prior` (None: on cuda only). Returns the ProbeResult (`.plan` and `.config`
+    starting from the estimate where `prior` ("auto": where one trial timed on the device and one on fake tensors
+    say it pays; None: "auto" on cuda, none on cpu). Returns the ProbeResult (`.plan` and `.config`
     None when nothing fits); `out`: also write the config there; `memory_snapshot`: the plan's trial, for
     PyTorch's memory viewer."""
     job = prepare_probe(model, batch=batch, context=context, min_context=min_context, device=device, budget=budget,

@@ -42,7 +42,9 @@ from .render import render_search, snapshot_written, trial_progress
 PriorOpt = Annotated[bool | None, typer.Option("--prior/--no-prior", help="Estimate on fake tensors first, then "
                                                "certify each rung's boundary on the device (two trials a rung where "
                                                "the estimate is right; the search where it is off). --no-prior: the "
-                                               "search alone. Default: --prior on cuda, --no-prior on cpu.")]
+                                               "search alone. Default on cuda: the estimate where one trial timed on "
+                                               "each says its fake trials cost less than the device trials they "
+                                               "save; on cpu: --no-prior.")]
 ObjectiveOpt = Annotated[str, typer.Option(help="fit: the first rung that fits the whole batch at the target "
                                            "context, else the largest plan at the longest context (the earlier rung on "
                                            "a tie); throughput: the fastest fitting rung (measures them all).")]

@@ -188,6 +188,8 @@ class TrialRecord:
     sharding: Sharding = "none"
     host_peak_bytes: int | None = None  # host memory the plan's offloaded parts held at most (offload rungs)
     build_seconds: float = 0.0  # of `seconds`: building the model, its wrappers and its optimizer
+    source: Literal["run", "replayed"] = "run"  # run: the step ran; replayed: its peaks were predicted
+    # from two runs of the same plan at other micro-batches (memory/replay.py), no step ran
 
 
 @dataclass(frozen=True)

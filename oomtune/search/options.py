@@ -113,8 +113,11 @@ def check_search_options(headroom: float, steps: int, objective: str, amp: str) 
         raise OomtuneError(f"--amp {amp!r}: expected one of {', '.join(AMP_CHOICES)}")
 
 
-def check_prior(prior: bool | None, kind: str, on_ranks: bool) -> None:
-    """--prior certifies the estimate on one process of a device that is not the estimate's own."""
+def check_prior(prior: bool | str | None, kind: str, on_ranks: bool) -> None:
+    """--prior certifies the estimate on one process of a device that is not the estimate's own; "auto" (the
+    API's) first times whether it pays."""
+    if prior not in (None, True, False, "auto"):
+        raise OomtuneError(f"prior must be True, False, None or 'auto', got {shown(prior)}", BAD_INPUT)
     if prior and (on_ranks or kind == "fake"):
         raise OomtuneError("--prior certifies the estimate on one process of the cpu or cuda device: not on "
                            + ("several ranks" if on_ranks else "the fake device, whose probe is the estimate"))

@@ -4,6 +4,7 @@ rung can be certified on the device in two trials (certify.py)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -108,6 +109,42 @@ class ReplayingTrials:
         return run_trial(model_file, plan, device, steps, dist=dist)
 
 
+# What the prior costs and saves, a rung: it traces about three sizes of it on fake tensors (the target, micro-batch
+# 1, one more; the other sizes are replayed from two of them), and the device then runs two trials to certify the
+# rung where the search alone bisects the batch (bench/RESULTS.md, "The probe from the estimate").
+FAKE_TRIALS_PER_RUNG = 3
+CERTIFYING_TRIALS = 2
+
+
+def device_trials_saved(batch: int) -> int:
+    """About how many device trials a rung's search alone runs beyond the two that certify it (at least one): a
+    bisection of the micro-batch up to `batch`."""
+    return max(1, math.ceil(math.log2(max(batch, 2))) - CERTIFYING_TRIALS)
+
+
+def why_it_would_not_pay(device_seconds: float, fake_seconds: float, batch: int) -> str | None:
+    """None where the prior's fake trials cost less wall time than the device trials they save, a rung (one of
+    each timed at the same plan, `device_seconds` without building the model, which the device's later trials
+    reuse); else why the probe searches without it (found_by.prior)."""
+    saved = device_trials_saved(batch)
+    if FAKE_TRIALS_PER_RUNG * fake_seconds < saved * device_seconds:
+        return None
+    return (f"it would not pay: a trial on fake tensors took {fake_seconds:.2f} s against {device_seconds:.2f} s "
+            f"on the device, and the estimate's ~{FAKE_TRIALS_PER_RUNG} fake trials a rung would cost more than "
+            f"the ~{saved} device trials a rung it saves (--prior runs it anyway)")
+
+
+def fake_trial_seconds(model_file: ModelFile, plan: Plan, device: Device, steps: int) -> float | str:
+    """The wall time of one trial of `plan` on the fake device that stands in for `device` (as the prior runs it),
+    or why it could not run (the prior could not either)."""
+    start = time.perf_counter()
+    try:
+        run_trial(model_file, plan, prior_device(device), steps)
+    except Exception as e:  # noqa: BLE001 - as run_prior: the device's own search can do without
+        return f"the estimate of {model_file.label} on fake tensors failed: {first_line(e)}"
+    return time.perf_counter() - start
+
+
 def run_prior(run_ladder, device: Device, label: str) -> PriorReport:
     """`run_ladder(fake_device, trial) -> ProbeResult` on the fake device standing in for `device`, with
     ReplayingTrials; the priors of the rungs it searched. Where the fake device cannot stand in or cannot run the
@@ -124,4 +161,5 @@ def run_prior(run_ladder, device: Device, label: str) -> PriorReport:
     return PriorReport(trials.run, trials.replayed, time.perf_counter() - start, priors=priors_from(result.ladder))
 
 
-__all__ = ["PriorReport", "ReplayingTrials", "RungPrior", "prior_device", "run_prior"]
+__all__ = ["PriorReport", "ReplayingTrials", "RungPrior", "fake_trial_seconds", "prior_device", "run_prior",
+           "why_it_would_not_pay"]

@@ -25,8 +25,9 @@ from ..model_file import ModelFile, eager_note
 from ..units import format_bytes, utc_now
 from .batch_notes import batch_notes
 from .certify import CertifyingSearch
+from .device_trials import DeviceTrials, prior_would_not_pay
 from .headroom_note import OverHeadroom, admitting, over_headroom
-from .ladder import LadderResult, LadderSearch, Measurement, Objective, Point, Rung, Trial
+from .ladder import LadderResult, LadderSearch, Objective, Point, Rung
 from .leaks import LeakWatch
 from .options import LEVERS, Targets, check_prior, check_search_options
 from .past import PastRungs, past_rungs
@@ -110,17 +111,6 @@ def plan_of(point: Point, world_size: int = 1) -> Plan:
                 offload_optimizer=r.offload_optimizer, offload_activations=r.offload_activations)
 
 
-def _record(trial: Trial, seconds: float, world_size: int = 1, host: int = 0, build: float = 0.0) -> TrialRecord:
-    p, m = trial.point, trial.measurement
-    return TrialRecord(rung=p.rung.name, stage=trial.stage, micro_batch_size=p.micro_batch_size,
-                       context_length=p.context_length, grad_accum_steps=p.grad_accum_steps,
-                       precision=p.rung.precision, activation_checkpointing=p.rung.activation_checkpointing,
-                       result=trial.result, peak_bytes=m.peak_bytes,
-                       tokens_per_s=round(m.tokens_per_s, 1) if m.tokens_per_s else None,
-                       seconds=round(seconds, 3), world_size=world_size, sharding=p.rung.sharding,
-                       host_peak_bytes=host or None, build_seconds=round(build, 3))
-
-
 def why_nothing_fits(ladder: LadderResult, targets: Targets, static: StaticMemory, limit: int, world: int,
                      accumulation: bool = True) -> str:
     found = [r for r in ladder.rungs if r.found]
@@ -171,42 +161,13 @@ def check_static_fits(static: StaticMemory, device: Device, limit_bytes: int, he
         )
 
 
-class _Trials:
-    """The probe's trials on its device: each point run (`run(point) -> TrialResult`), recorded as a TrialRecord,
-    and told to the callbacks."""
-
-    def __init__(self, run: Callable[[Point], TrialResult], world: int, on_start: Callable[[Point], None] | None,
-                 on_trial: Callable[[TrialRecord], None] | None, leaks: LeakWatch):
-        self.run, self.world, self.on_start, self.on_trial, self.leaks = run, world, on_start, on_trial, leaks
-        self.records: list[TrialRecord] = []
-        self.seconds: dict[Point, float] = {}
-        self.host: dict[Point, int] = {}
-        self.build: dict[Point, float] = {}
-
-    def measure(self, point: Point) -> Measurement:
-        if self.on_start:
-            self.on_start(point)
-        r = self.run(point)
-        self.leaks.after(r.left_bytes)  # (a model file that keeps tensors from trial to trial: exit 2 past a share)
-        self.seconds[point], self.host[point], self.build[point] = r.seconds, r.host_peak_bytes, r.build_seconds
-        return Measurement(oom=r.oom, peak_bytes=r.peak_bytes, tokens_per_s=r.tokens_per_s,
-                           batch_peak_bytes=r.batch_peak_bytes)
-
-    def collect(self, trial: Trial) -> None:
-        p = trial.point
-        self.records.append(_record(trial, self.seconds.get(p, 0.0), self.world, self.host.get(p, 0),
-                                    self.build.get(p, 0.0)))
-        if self.on_trial:
-            self.on_trial(self.records[-1])
-
-
 def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: float = HEADROOM,
           steps: int = TRIAL_STEPS, objective: Objective = "fit", amp: str = "auto", command: str = "probe",
           on_start: Callable[[Point], None] | None = None,
           on_trial: Callable[[TrialRecord], None] | None = None, dist: Dist = LOCAL,
           sharding: str | None = None, levers: frozenset[str] = frozenset(LEVERS),
           statics: tuple[StaticMemory, StaticMemory] | None = None,
-          trial: Callable[..., TrialResult] = run_trial, prior: bool | None = None,
+          trial: Callable[..., TrialResult] = run_trial, prior: bool | str | None = None,
           on_begin: Callable[[bool], None] | None = None) -> ProbeResult:
     """Climb the ladder with real trials on `device`; every trial runs the training step itself.
 
@@ -217,9 +178,11 @@ def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: 
     one (run_trial's arguments and result; estimate's records each trial's breakdown as it runs).
 
     `prior`: on one process, on a device other than the fake one, run the same ladder on the fake device first and
-    certify each rung from it (certify.py, prior.py): two device trials a rung where the prior is right. None: on
-    cuda only, where a device trial costs GPU time (and on a shared card, OOMs); on the cpu device the estimate's
-    fake trials cost more than the cpu trials they save (bench/RESULTS.md)."""
+    certify each rung from it (certify.py, prior.py): two device trials a rung where the prior is right. "auto":
+    first time one trial on the device and one on fake tensors, and run the prior only where its fake trials cost
+    less than the device trials they save (prior.why_it_would_not_pay). None: "auto" on cuda (a device trial costs
+    GPU time, and on a shared card, OOMs), none on cpu (the estimate's fake trials cost more than the cpu trials
+    they save, bench/RESULTS.md)."""
     check_search_options(headroom, steps, objective, amp)
     world = dist.world_size
     check_ranks_batch(targets, world)
@@ -235,18 +198,22 @@ def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: 
     unrunnable = amp_cannot_run(static.lstm, device, amp)
     notes += (f"{model_file.label} {unrunnable}",) if unrunnable and "amp" in levers else ()
     check_prior(prior, device.kind, world > 1)
-    estimating = device.kind == "cuda" and world == 1 if prior is None else prior
+    auto = prior == "auto" or (prior is None and device.kind == "cuda" and world == 1)  # timed: does it pay?
+    estimating = auto or bool(prior)
     if on_begin is not None:  # the input is good: the search begins (True: with the estimate on fake tensors)
         on_begin(estimating)
     with settled_objects():  # one full collection; then each trial's walks only what the trials made
-        report = run_prior(lambda fake, trial: probe(model_file, fake, targets, headroom=headroom, steps=steps,
-                                                     objective=objective, amp=amp, command="estimate",
-                                                     levers=levers, statics=(static, floor), trial=trial,
-                                                     prior=False),
-                           device, model_file.label) if estimating else None
         reuse = {"models": ModelCache()} if trial is run_trial else {}  # (estimate's recording trials build anew)
-        trials = _Trials(lambda point: trial(model_file, plan_of(point, world), device, steps=steps, dist=dist,
+        trials = DeviceTrials(lambda point: trial(model_file, plan_of(point, world), device, steps=steps, dist=dist,
                                              **reuse), world, on_start, on_trial, LeakWatch(model_file.label, limit))
+        first = Point(rungs[0], 1, targets.context)  # (a trial the search runs anyway: kept for it)
+        why_not = prior_would_not_pay(trials, model_file, device, first, plan_of(first, 1), steps,
+                                      targets.batch) if auto else None
+        report = PriorReport(missing=why_not) if why_not else run_prior(
+            lambda fake, trial: probe(model_file, fake, targets, headroom=headroom, steps=steps,
+                                      objective=objective, amp=amp, command="estimate", levers=levers,
+                                      statics=(static, floor), trial=trial, prior=False),
+            device, model_file.label) if estimating else None
         ladder, computed = computing_where_needed(device, model_file.label, lambda: _climb(
             trials, limit, report, rungs, past, targets, world, objective, "accumulation" in levers))
     records, host = trials.records, trials.host
@@ -290,7 +257,7 @@ def flat_margin(device: Device) -> str | None:
     return None
 
 
-def _climb(trials: _Trials, limit: int, report: PriorReport | None, rungs: list[Rung], past: PastRungs,
+def _climb(trials: DeviceTrials, limit: int, report: PriorReport | None, rungs: list[Rung], past: PastRungs,
            targets: Targets, world: int, objective: Objective, accumulation: bool) -> LadderResult:
     """The search on the device: certified from the prior's rungs where there is one (the rungs it could not
     certify go into report.fell_back), else the ladder's own. Run afresh (records cleared) where it reruns on
