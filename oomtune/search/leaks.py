@@ -22,8 +22,8 @@ class LeakWatch:
         self.left: list[int] = []  # bytes each trial left alive, in order
 
     def after(self, left_bytes: int) -> None:
-        """Told after each trial; ModelFileError once two trials in a row left more and the total passes the
-        tolerated share of the limit."""
+        """Told after each trial; ModelFileError once two trials in a row left more and what they left, less the
+        largest single share, passes the tolerated share of the limit."""
         self.left.append(left_bytes if left_bytes >= BOOKKEEPING else 0)
         if self.growing() and self._beyond_the_largest() > TOLERATED * self.limit_bytes:
             raise ModelFileError(f"{self.label} keeps tensors alive from one trial to the next: "
