@@ -201,3 +201,19 @@ def test_what_the_model_file_prints_in_every_trial_is_shown_once(tmp_path, write
     assert r.stdout.count("building the net") == 1
     trials = len(yaml.safe_load((tmp_path / "best.yaml").read_text())["found_by"]["trials"])
     assert trials > 3 and "line(s) again, one trial after another: each is shown once" in " ".join(r.stderr.split())
+
+
+def test_the_leak_watch_counts_growth_not_torchs_bookkeeping_nor_a_one_time_cache():
+    """On 2 ranks of the cpu device, FSDP's probe was refused: trials 2-5 left 512 B each (torch's, around the
+    collectives) and trial 6, FSDP's first, 256 KiB once. A batch kept every trial is still named. No device."""
+    from oomtune.errors import ModelFileError
+    from oomtune.search.leaks import LeakWatch
+
+    ranks = LeakWatch("wide.py", 4 << 20)
+    for left in (0, 512, 512, 512, 512, 256 << 10, 0, 0):
+        ranks.after(left)
+    assert ranks.note() is None
+    leaky = LeakWatch("model.py", 4 << 20)
+    leaky.after(1 << 20)
+    with pytest.raises(ModelFileError, match="trial 1 left 1.00 MiB, trial 2 left 1.00 MiB"):
+        leaky.after(1 << 20)
