@@ -179,10 +179,8 @@ def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: 
 
     `prior`: on one process, on a device other than the fake one, run the same ladder on the fake device first and
     certify each rung from it (certify.py, prior.py): two device trials a rung where the prior is right. "auto":
-    first time one trial on the device and one on fake tensors, and run the prior only where its fake trials cost
-    less than the device trials they save (prior.why_it_would_not_pay). None: "auto" on cuda (a device trial costs
-    GPU time, and on a shared card, OOMs), none on cpu (the estimate's fake trials cost more than the cpu trials
-    they save, bench/RESULTS.md)."""
+    only where it pays (_prior). None: "auto" on cuda (a device trial costs GPU time, and on a shared card, OOMs),
+    none on cpu (there fake trials cost more than the cpu trials they save, bench/RESULTS.md)."""
     check_search_options(headroom, steps, objective, amp)
     world = dist.world_size
     check_ranks_batch(targets, world)
@@ -206,14 +204,11 @@ def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: 
         reuse = {"models": ModelCache()} if trial is run_trial else {}  # (estimate's recording trials build anew)
         trials = DeviceTrials(lambda point: trial(model_file, plan_of(point, world), device, steps=steps, dist=dist,
                                              **reuse), world, on_start, on_trial, LeakWatch(model_file.label, limit))
-        first = Point(rungs[0], 1, targets.context)  # (a trial the search runs anyway: kept for it)
-        why_not = prior_would_not_pay(trials, model_file, device, first, plan_of(first, 1), steps,
-                                      targets.batch) if auto else None
-        report = PriorReport(missing=why_not) if why_not else run_prior(
-            lambda fake, trial: probe(model_file, fake, targets, headroom=headroom, steps=steps,
-                                      objective=objective, amp=amp, command="estimate", levers=levers,
-                                      statics=(static, floor), trial=trial, prior=False),
-            device, model_file.label) if estimating else None
+        report = _prior(trials, model_file, device, Point(rungs[0], 1, targets.context), steps, targets.batch,
+                        auto, lambda fake, trial: probe(
+                            model_file, fake, targets, headroom=headroom, steps=steps, objective=objective, amp=amp,
+                            command="estimate", levers=levers, statics=(static, floor), trial=trial, prior=False),
+                        ) if estimating else None
         ladder, computed = computing_where_needed(device, model_file.label, lambda: _climb(
             trials, limit, report, rungs, past, targets, world, objective, "accumulation" in levers))
     records, host = trials.records, trials.host
@@ -246,6 +241,14 @@ def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: 
     config = Config(model=str(model_file.path), plan=plan_of(chosen, world), found_by=found)
     return ProbeResult(ladder, records, static, targets, limit, config, world_size=world, notes=notes,
                        budget_bytes=device.budget_bytes, past=past, prior=report)
+
+
+def _prior(trials: DeviceTrials, model_file: ModelFile, device: Device, first: Point, steps: int, batch: int,
+           auto: bool, ladder: Callable) -> PriorReport:
+    """The prior's report: run (`ladder` on the fake device), or, "auto", skipped where timing the `first` trial
+    (one the search runs anyway, kept for it) on both says it would not pay."""
+    why_not = prior_would_not_pay(trials, model_file, device, first, plan_of(first, 1), steps, batch) if auto else None
+    return PriorReport(missing=why_not) if why_not else run_prior(ladder, device, model_file.label)
 
 
 def flat_margin(device: Device) -> str | None:

@@ -30,7 +30,7 @@ def _peaks(report: dict, rung: str) -> dict[int, int]:
 def test_a_layer_kept_as_a_modulelist_of_its_parts_is_checkpointed_by_its_parts(tmp_path):
     """device: fake. The outer list's items are ModuleLists that are never called (the encoder unpacks each into its
     attention and feed-forward): the default wrapped them, and the checkpointing rung measured exactly the amp rung's
-    peaks (14 a micro-batch at most on both; plan 8x8). The parts are wrapped now: at micro-batch 8 its peak is
+    peaks (14 a micro-batch at most on both; plan 8x8). The parts are wrapped now: at the same micro-batch its peak is
     lower, and it fits micro-batches the amp rung does not."""
     mf = load_model_file(PAIRED)
     blocks = mf.blocks(mf.build())
@@ -38,7 +38,8 @@ def test_a_layer_kept_as_a_modulelist_of_its_parts_is_checkpointed_by_its_parts(
     assert static_memory(mf).blocks_wrapped == "8 blocks (SelfAttention x4, MLP x4)"
     report = _estimate(PAIRED, tmp_path / "e.yaml", "--budget", "6MiB")
     amp, ckpt = _peaks(report, "amp"), _peaks(report, "checkpointing")
-    assert ckpt[8] < amp[8]
+    both = max(set(amp) & set(ckpt))  # the ladder's target micro-batch, which each rung tries first
+    assert ckpt[both] < amp[both]
     best = {r["rung"]: r["micro_batch_size"] for r in report["rungs"]}
     assert best["amp"] == 14 and best["checkpointing"] == 43
     assert not any("saved nothing" in n for n in report["notes"])

@@ -117,15 +117,18 @@ def test_a_breakdown_that_does_not_add_up_is_rejected_and_old_configs_load_witho
 
 def test_estimate_on_fake_climbs_the_same_ladder_as_probe_on_cpu(write_model):
     """Same accountant: with no margin, the fake device's ladder is the cpu device's, trial for trial (the probe's
-    own search: no prior, which would be this very estimate)."""
+    own search: no prior, which would be this very estimate), where the estimate runs every trial; by default it
+    replays sizes and searches on a twin that reports the peak past the budget (fewer trials), to the same plan."""
     mf = load_model_file(write_model(WIDE_MODEL.format(width=32)))
     targets = resolve_targets(mf, None, None, None)
     on_cpu = probe(mf, CpuDevice("300KiB"), targets, prior=False)
+    every = estimate(mf, FakeDevice("300KiB", margin=NO_MARGIN), targets, replays=False)
     est = estimate(mf, FakeDevice("300KiB", margin=NO_MARGIN), targets)
     seen = lambda records: [(r.rung, r.micro_batch_size, r.context_length, r.grad_accum_steps, r.result,  # noqa: E731
                              r.peak_bytes) for r in records]
-    assert seen(est.search.records) == seen(on_cpu.records)
-    assert len(est.search.records) >= 4  # it climbed: the target did not fit at fp32
+    assert seen(every.search.records) == seen(on_cpu.records)
+    assert len(every.search.records) >= 4  # it climbed: the target did not fit at fp32
+    assert every.config.plan == est.config.plan and every.breakdown == est.breakdown
     assert est.config.plan == on_cpu.config.plan
     fb = est.config.found_by
     assert fb.command == "estimate" and fb.estimated is True and fb.device == "fake"
