@@ -15,7 +15,7 @@ from .trial import TrialResult
 
 
 def record_of(trial: Trial, seconds: float, world_size: int = 1, host: int = 0, build: float = 0.0,
-            replayed: bool = False) -> TrialRecord:
+              source: str = "run") -> TrialRecord:
     p, m = trial.point, trial.measurement
     return TrialRecord(rung=p.rung.name, stage=trial.stage, micro_batch_size=p.micro_batch_size,
                        context_length=p.context_length, grad_accum_steps=p.grad_accum_steps,
@@ -24,7 +24,7 @@ def record_of(trial: Trial, seconds: float, world_size: int = 1, host: int = 0, 
                        tokens_per_s=round(m.tokens_per_s, 1) if m.tokens_per_s else None,
                        seconds=round(seconds, 3), world_size=world_size, sharding=p.rung.sharding,
                        host_peak_bytes=host or None, build_seconds=round(build, 3),
-                       source="replayed" if replayed else "run")
+                       source=source)
 
 
 class DeviceTrials:
@@ -38,7 +38,7 @@ class DeviceTrials:
         self.seconds: dict[Point, float] = {}
         self.host: dict[Point, int] = {}
         self.build: dict[Point, float] = {}
-        self.replayed: set[Point] = set()  # predicted from two runs, not run (ReplayingTrials)
+        self.sources: dict[Point, str] = {}  # how each was found, where not run (TrialRecord.source)
         self.ahead: dict[Point, TrialResult] = {}  # run before the search asked (run_ahead)
 
     def run_ahead(self, point: Point) -> TrialResult:
@@ -55,14 +55,14 @@ class DeviceTrials:
             r = self.run(point)
             self.leaks.after(r.left_bytes)  # (a model file that keeps tensors from trial to trial: exit 2 past a share)
         self.seconds[point], self.host[point], self.build[point] = r.seconds, r.host_peak_bytes, r.build_seconds
-        (self.replayed.add if r.replayed else self.replayed.discard)(point)
+        self.sources[point] = "replayed" if r.replayed else "extrapolated" if r.extrapolated else "run"
         return Measurement(oom=r.oom, peak_bytes=r.peak_bytes, tokens_per_s=r.tokens_per_s,
                            batch_peak_bytes=r.batch_peak_bytes)
 
     def collect(self, trial: Trial) -> None:
         p = trial.point
         self.records.append(record_of(trial, self.seconds.get(p, 0.0), self.world, self.host.get(p, 0),
-                                    self.build.get(p, 0.0), p in self.replayed))
+                                    self.build.get(p, 0.0), self.sources.get(p, "run")))
         if self.on_trial:
             self.on_trial(self.records[-1])
 

@@ -21,6 +21,7 @@ from ..memory.margin import AnyMargin, parse_margin
 from ..model_file import ModelFile, eager_note
 from ..units import card_budget, card_memory
 from .batch_notes import batch_notes
+from .extrapolate import BlockTrials
 from .headroom_note import over_headroom
 from .ladder import LadderResult, Point, Rung
 from .options import (
@@ -83,7 +84,9 @@ class ReplayedTrials(ReplayingTrials):
         self.breakdowns: dict[Plan, MemoryBreakdown] = {}
 
     def run_one(self, model_file: ModelFile, plan: Plan, device: FakeDevice, steps: int, dist) -> TrialResult:
-        result, bd = recorded_trial(model_file, plan, device, steps, dist, run_trial)
+        made = self.blocks.trial(model_file, plan, device,
+                                 lambda fewer, p: recorded_trial(fewer, p, device, steps, dist, run_trial))
+        result, bd = made or recorded_trial(model_file, plan, device, steps, dist, run_trial)
         if bd is not None:
             self.breakdowns[plan] = bd
         return result
@@ -121,13 +124,15 @@ def estimate(model_file: ModelFile, device: FakeDevice, targets, *, headroom: fl
              steps: int = TRIAL_STEPS, objective: str = "fit", amp: str = "auto", on_start: Callable | None = None,
              on_trial: Callable[[TrialRecord], None] | None = None, world_size: int = 1,
              sharding: str | None = None, levers: frozenset[str] = frozenset(LEVERS),
-             replays: bool = True) -> EstimateResult:
+             replays: bool = True, min_blocks: int | None = None) -> EstimateResult:
     """The probe's ladder on the fake device, then the breakdown of its choice (see module doc).
 
     On `world_size` ranks the ladder runs in a fake process group (torch's `fake` backend: collectives do
     nothing) on rank 0, with FSDP2's own code: sharded weights, gradients and optimizer state, the units'
     gathered weights, full activations (DDP cannot wrap fake tensors: its reducer's buckets are added instead).
-    `sharding` puts every rung on ddp or fsdp; by default the ladder replicates (ddp) and adds an fsdp rung."""
+    `sharding` puts every rung on ddp or fsdp; by default the ladder replicates (ddp) and adds an fsdp rung.
+    `replays`: replay sizes and extrapolate blocks where they line up (ReplayedTrials), from models of at least
+    `min_blocks` repeated blocks (extrapolate.MIN_BLOCKS; 0: never)."""
     check_estimate_options(objective, headroom, steps, amp)
     check_world(world_size, sharding)
     ranks = (fake_world(world_size) if world_size > 1 or sharding in ("ddp", "fsdp")
@@ -136,7 +141,7 @@ def estimate(model_file: ModelFile, device: FakeDevice, targets, *, headroom: fl
     with ranks as d:
         result, computed = computing_where_needed(device, model_file.label, lambda: _estimate(
             model_file, device, targets, headroom, steps, objective, amp, on_start, told, d, sharding, levers,
-            replays))
+            replays, min_blocks))
     result.search.notes += computed  # where the breakdown needed the values (the probe notes its own ladder's)
     return result
 
@@ -157,7 +162,7 @@ def _once(on_trial: Callable[[TrialRecord], None] | None) -> Callable[[TrialReco
 
 
 def _estimate(model_file, device, targets, headroom, steps, objective, amp, on_start, on_trial, dist,
-              sharding, levers, replays) -> EstimateResult:
+              sharding, levers, replays, min_blocks) -> EstimateResult:
     world = dist.world_size
     limit = int(device.budget_bytes * (1 - headroom))
     recording = RecordingTrials()
@@ -173,7 +178,7 @@ def _estimate(model_file, device, targets, headroom, steps, objective, amp, on_s
         search = None
         if dist.world_size == 1 and replays:
             search = _replayed(model_file, device, targets, headroom, steps, objective, amp, on_start, on_trial,
-                               levers, (static, floor), recording)
+                               levers, (static, floor), recording, min_blocks)
         if search is None:
             search = probe(model_file, device, targets, headroom=headroom, steps=steps, objective=objective,
                            amp=amp, command="estimate", on_start=on_start, on_trial=on_trial, dist=dist,
@@ -198,12 +203,14 @@ def _estimate(model_file, device, targets, headroom, steps, objective, amp, on_s
 
 
 def _replayed(model_file, device, targets, headroom, steps, objective, amp, on_start, on_trial, levers, statics,
-              recording: RecordingTrials) -> ProbeResult | None:
+              recording: RecordingTrials, min_blocks: int | None) -> ProbeResult | None:
     """The ladder with ReplayedTrials, then the chosen plan run (recorded) where it was replayed: its breakdown,
     and the check of the replay at the answer. None where it cannot stand (the model needs tensor values, or the
     replay was off at the answer): the caller then searches with every trial run."""
     twin = prior_device(device)
     trials = ReplayedTrials(device.budget_bytes)
+    if min_blocks is not None:
+        trials.blocks = BlockTrials(min_blocks or 1 << 30)
     try:
         search = probe(model_file, twin, targets, headroom=headroom, steps=steps, objective=objective, amp=amp,
                        command="estimate", on_start=on_start, on_trial=on_trial, levers=levers, statics=statics,

@@ -120,6 +120,7 @@ class TrialResult:
     modelled_reserved_bytes: int | None = None  # simulated devices: what the CUDA caching allocator would reserve
     trace: Trace | None = dataclasses.field(default=None, repr=False, compare=False)  # where the device traces
     replayed: bool = False  # from two traced trials (memory/replay.py), not run
+    extrapolated: bool = False  # from trials of fewer of its repeated blocks (search/extrapolate.py)
     left_bytes: int = 0  # still alive once the trial let go of its memory, beyond what was before (leaks.py)
 
 

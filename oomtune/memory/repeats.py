@@ -1,0 +1,339 @@
+"""A trace at N repeated blocks from traces at k, k+1 and k+2 of them, instead of traced. No torch here.
+
+A model of N identical blocks (a transformer's layers) runs, in each phase of the step, the same events once per
+block: a block's forward makes the same tensors, its backward frees them and makes the same gradients, a foreach
+optimizer op makes one tensor per parameter, blocks' in a row. Between traces of the same plan with n and n+1
+blocks, the trace with n+1 has, at each place where the blocks repeat, one more period of the same events; a few
+sizes (a stack of one norm per parameter) grow by the same bytes a block; and a freed storage is found, counting
+back from the event that frees it, a number of births earlier that is affine in n and in the period it is in.
+
+`Template.fit` lines up three traces (k, k+1, k+2 blocks) that way; `Template.at(n)` makes the trace at any n. The
+fit is accepted only where it reproduces all three traces event by event, each affine rule checked on more points
+than it was fitted on; anything else (blocks that differ, an event that is not a line in n) is None, and the caller
+traces the whole model instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .allocator import rounded
+from .replay import Trace
+
+WINDOW = 12  # events that must match after a mismatch for an insertion (or a changed size) to be taken
+MIN_AGREE = 4  # ... or at least this many, where another insertion follows closer
+Token = tuple  # (kind, value, ref): b birth (raw bytes), r resize (raw), f free (rounded bytes), m mark (phase), h
+
+
+def tokens(trace: Trace) -> list[Token]:
+    """The trace's events with each storage named by where it was born: ("i", k) for the k-th storage alive at the
+    start, ("d", d) for the one born d births before the latest."""
+    sizes = dict(enumerate(trace.initial))
+    first = len(trace.initial)
+    born = first
+    out: list[Token] = []
+
+    def ref(n: int) -> tuple:
+        return ("i", n) if n < first else ("d", born - 1 - n)
+
+    for ev in trace.events:
+        kind = ev[0]
+        if kind == "set":
+            n, raw = ev[1], ev[2]
+            if n >= born:
+                out.append(("b", raw, None))
+                born += 1
+            else:
+                out.append(("r", raw, ref(n)))
+            sizes[n] = rounded(raw)
+        elif kind == "free":
+            out.append(("f", sizes.pop(ev[1]), ref(ev[1])))
+        elif kind == "mark":
+            out.append(("m", ev[1], None))
+        else:
+            out.append(("h", None, None))
+    return out
+
+
+def _key(t: Token) -> tuple:
+    return t[0], t[1]
+
+
+def _agree(a: list[Token], i: int, b: list[Token], j: int) -> int:
+    """How many events a[i:] and b[j:] agree on in a row, up to WINDOW (or a's end), one of them allowed another size
+    (a size that grows a block, as the stack of per-parameter norms that clipping makes)."""
+    sized = 0
+    for x in range(min(WINDOW, len(a) - i)):
+        if j + x >= len(b):
+            return x
+        ea, eb = a[i + x], b[j + x]
+        if _key(ea) != _key(eb):
+            sized += 1
+            if ea[0] != eb[0] or ea[0] not in "br" or sized > 1:
+                return x
+    return min(WINDOW, len(a) - i)
+
+
+def _periodic(b: list[Token], j: int, length: int) -> bool:
+    """b[j:j+length] repeats the `length` events before it: the last period of a run (a run's other periods agree
+    with the trace of one block fewer)."""
+    return j >= length and all(_key(b[j - length + x]) == _key(b[j + x]) for x in range(length))
+
+
+def _inserted(a: list[Token], i: int, b: list[Token], j: int) -> tuple[int, int] | None:
+    """The events of b from j on that a lacks, after which a[i:] resumes: (how many, how many then agree). The
+    fewest that repeat the period before them (a run's last period) and after which a whole window agrees; else
+    (another insertion close behind: a parameter's frees after its norms) after which at least MIN_AGREE do; else
+    the fewest after which a window agrees, whether or not they repeat."""
+    full = min(WINDOW, len(a) - i)
+    partial = plain = None
+    for length in range(1, (len(b) - j) - (len(a) - i) + 1):
+        agree = _agree(a, i, b, j + length)
+        if agree < min(MIN_AGREE, full):
+            continue
+        if _periodic(b, j, length):
+            if agree == full:
+                return length, agree
+            partial = partial or (length, agree)
+        elif agree == full:
+            plain = plain or (length, agree)
+    return partial or plain
+
+
+def align(a: list[Token], b: list[Token]) -> list[tuple] | None:
+    """How `b` (one block more) is `a` with periods inserted: ("eq", i, j) pairs, ("sub", i, j) pairs whose size
+    differs, ("ins", j, length) runs of b that a lacks. None where they do not line up so."""
+    ops: list[tuple] = []
+    i = j = 0
+    while i < len(a) or j < len(b):
+        if i < len(a) and j < len(b) and _key(a[i]) == _key(b[j]):
+            ops.append(("eq", i, j))
+            i, j = i + 1, j + 1
+            continue
+        if i < len(a) and j < len(b) and a[i][0] == b[j][0] and a[i][0] in "br" \
+                and _agree(a, i + 1, b, j + 1) == min(WINDOW, len(a) - i - 1):
+            ops.append(("sub", i, j))
+            i, j = i + 1, j + 1
+            continue
+        found = _inserted(a, i, b, j)
+        if found is None:
+            return None
+        ops.append(("ins", j, found[0]))
+        j += found[0]
+        for _ in range(found[1]):  # what agrees after it, a changed size included
+            ops.append(("eq" if _key(a[i]) == _key(b[j]) else "sub", i, j))
+            i, j = i + 1, j + 1
+    return ops
+
+
+@dataclass(frozen=True)
+class Run:
+    """Periods of events repeated once per block: `start` in the trace with k+1 blocks, `length` events a period,
+    `n + offset` periods at n blocks."""
+
+    start: int
+    length: int
+    offset: int
+
+
+def runs_of(b: list[Token], ops: list[tuple], k: int) -> list[Run] | None:
+    """The runs of `b` (k+1 blocks) that end with each inserted period (a run's last: the ones before it lined up
+    with the trace of one block fewer): the period and up to k more repeating it before, not reaching into the
+    run before."""
+    found: list[Run] = []
+    for op in ops:
+        if op[0] != "ins":
+            continue
+        j, length = op[1], op[2]
+        floor = found[-1].start + found[-1].length * (found[-1].offset + k + 1) if found else 0
+        if j < floor:
+            return None  # an insertion inside the run before: not a layout of repeated blocks
+        start = j
+        while (j - start) // length < k and start - length >= floor and _periodic(b, start, length):
+            start -= length
+        found.append(Run(start, length, (j - start) // length - k))
+    return found
+
+
+def _layout(b: list[Token], runs: list[Run], k: int) -> list[tuple]:
+    """The trace with k+1 blocks as segments: ("fixed", index in b) and ("run", run)."""
+    out: list[tuple] = []
+    j = 0
+    for run in runs:
+        out += [("fixed", x) for x in range(j, run.start)]
+        out.append(("run", run))
+        j = run.start + run.length * (k + 1 + run.offset)
+    out += [("fixed", x) for x in range(j, len(b))]
+    return out
+
+
+def _positions(layout: list[tuple], n: int, k: int):
+    """(slot, period) for each event of the trace at n blocks, in order; a slot is ("fixed", x) or (run, x)."""
+    for seg in layout:
+        if seg[0] == "fixed":
+            yield seg, 0
+            continue
+        run = seg[1]
+        for t in range(n + run.offset):
+            for x in range(run.length):
+                yield (run, x), t
+
+
+def _solve(points: list[tuple[int, int, int]]) -> tuple[int, int, int] | None:
+    """Integer (c0, c1, c2) with v = c0 + c1 n + c2 t at every (n, t, v), fitted on some and checked on at least one
+    more; None where the points do not determine it or it misses one."""
+    ns = sorted({p[0] for p in points})
+    if len(ns) < 2:
+        return None
+    by = {(n, t): v for n, t, v in points}
+    n0, n1 = ns[0], ns[1]
+    ts0 = sorted(t for n, t in by if n == n0)
+    ts1 = sorted(t for n, t in by if n == n1)
+    if not ts0 or not ts1:
+        return None
+    t0 = ts0[0]
+    if (n1, t0) not in by:
+        return None
+    c1 = by[(n1, t0)] - by[(n0, t0)]
+    c2 = 0
+    if len(ts1) > 1:
+        c2 = by[(n1, ts1[1])] - by[(n1, ts1[0])]
+        if ts1[1] - ts1[0] != 1:
+            return None
+    c0 = by[(n0, t0)] - c1 * n0 - c2 * t0
+    if len(points) < 4 and len(ts1) > 1 or len(points) < 3:
+        return None  # fitted on all it has: nothing checks it
+    if any(c0 + c1 * n + c2 * t != v for n, t, v in points):
+        return None
+    return c0, c1, c2
+
+
+def without_last_frees(trace: Trace) -> Trace:
+    """The trace less the frees after its last birth or resize (the end of a trial letting go of its model and
+    state): they raise no peak and come before no allocation, so every reading replayed from it is the same, and
+    their order (by birth, across all the blocks' tensors at once) is the one part of a trace that does not repeat
+    block by block."""
+    last = max((x for x, ev in enumerate(trace.events) if ev[0] == "set"), default=-1)
+    events = trace.events[:last + 1] + tuple(ev for ev in trace.events[last + 1:] if ev[0] != "free")
+    return Trace(trace.initial, events, trace.hosted)
+
+
+@dataclass(frozen=True)
+class Template:
+    """Traces at any number of blocks: the layout of fixed events and runs, and each slot's rules."""
+
+    initial: tuple[int, ...]
+    layout: tuple[tuple, ...]
+    k: int  # blocks in the first of the three fitted traces
+    rules: dict  # slot -> (kind, value or (c0, c1, c2) for the raw bytes, ref rule or None)
+    hosted: bool
+
+    @staticmethod
+    def fit(traces: list[Trace], k: int) -> Template | None:
+        """From the traces at k, k+1 and k+2 blocks; None where they are not repeated blocks (module doc)."""
+        traces = [without_last_frees(t) for t in traces]
+        a, b, c = traces
+        if not (a.initial == b.initial == c.initial and a.hosted == b.hosted == c.hosted):
+            return None
+        ta, tb, tc = tokens(a), tokens(b), tokens(c)
+        ops = align(ta, tb)
+        runs = runs_of(tb, ops, k) if ops is not None else None
+        if not runs:
+            return None
+        peels = {run: 0 for run in runs}  # per run: none, its first period, its last, both (PEELS) peeled off
+        while True:
+            layout = tuple(_layout(tb, [_peeled(run, PEELS[p]) for run, p in peels.items()], k))
+            rules, failed = _rules(layout, k, [(k, ta), (k + 1, tb), (k + 2, tc)])
+            if rules is not None:
+                break
+            failed = {run for run, p in peels.items() if _peeled(run, PEELS[p]) in failed}
+            if not failed or any(peels[run] == len(PEELS) - 1 for run in failed):
+                return None
+            for run in failed:
+                peels[run] += 1
+        template = Template(a.initial, layout, k, rules, a.hosted)
+        if any(template.at(n) != trace for n, trace in zip((k, k + 1, k + 2), traces, strict=True)):
+            return None
+        return template
+
+    def at(self, n: int) -> Trace | None:
+        """The trace at n blocks, less its last frees (without_last_frees); None where a rule gives a storage that
+        does not exist or a negative size."""
+        events: list[tuple] = []
+        first = len(self.initial)
+        born = first
+        for slot, t in _positions(self.layout, n, self.k):
+            kind, value, ref = self.rules[slot]
+            key = None
+            if ref is not None:
+                key = ref[1] if ref[0] == "i" else born - 1 - (ref[1][0] + ref[1][1] * n + ref[1][2] * t)
+                if key < 0 or key >= born:
+                    return None
+            if kind in "br":
+                raw = value[0] + value[1] * n + value[2] * t
+                if raw < 0:
+                    return None
+                if kind == "b":
+                    key, born = born, born + 1
+                events.append(("set", key, raw))
+            elif kind == "f":
+                events.append(("free", key))
+            elif kind == "m":
+                events.append(("mark", value))
+            else:
+                events.append(("host",))
+        try:
+            return Trace.of(list(enumerate(self.initial)), events)
+        except KeyError:  # a storage freed twice
+            return None
+
+
+PEELS = ((), ("first",), ("last",), ("first", "last"))
+
+
+def _peeled(run: Run, which: tuple[str, ...]) -> Run:
+    """The run less its first and/or last period (the layout then holds them as fixed events)."""
+    if "first" in which:
+        run = Run(run.start + run.length, run.length, run.offset - 1)
+    if "last" in which:
+        run = Run(run.start, run.length, run.offset - 1)
+    return run
+
+
+def _rules(layout: tuple, k: int, seen: list[tuple[int, list[Token]]]) -> tuple[dict | None, set[Run]]:
+    """Each slot's kind, value rule and storage rule, from the tokens at three block counts; (None, the runs whose
+    rules are not affine) where they do not fit (no runs: a trace does not fit the layout)."""
+    kinds: dict = {}
+    values: dict = {}
+    refs: dict = {}
+    for n, toks in seen:
+        positions = list(_positions(layout, n, k))
+        if len(positions) != len(toks):
+            return None, set()
+        for (slot, t), (kind, value, ref) in zip(positions, toks, strict=True):
+            shape = (kind, value if kind in "mh" else None)
+            if kinds.setdefault(slot, shape) != shape:
+                return None, set()
+            if kind in "br":
+                values.setdefault(slot, []).append((n, t, value))
+            if ref is not None:
+                known = refs.setdefault(slot, ref if ref[0] == "i" else [])
+                if isinstance(known, list) != (ref[0] == "d") or (ref[0] == "i" and known != ref):
+                    return None, set()
+                if ref[0] == "d":
+                    known.append((n, t, ref[1]))
+    rules: dict = {}
+    failed: set = set()
+    for slot, (kind, fixed) in kinds.items():
+        value = _solve(values[slot]) if kind in "br" else fixed
+        ref = refs.get(slot)
+        if isinstance(ref, list):
+            ref = ("d", _solve(ref)) if _solve(ref) is not None else None
+            if ref is None:
+                failed.add(slot[0])
+        if kind in "br" and value is None:
+            failed.add(slot[0])
+        rules[slot] = (kind, value, ref)
+    if failed:
+        return None, {run for run in failed if isinstance(run, Run)} or {None}
+    return rules, set()
