@@ -283,9 +283,10 @@ class Template:
             else:
                 events.append(("host",))
         try:
-            return Trace.of(list(enumerate(self.initial)), events)
+            made = Trace.of(list(enumerate(self.initial)), events)
         except KeyError:  # a storage freed twice
             return None
+        return Trace(made.initial, made.events, self.hosted)  # (a host storage's life is not in the events)
 
 
 PEELS = ((), ("first",), ("last",), ("first", "last"))

@@ -1,0 +1,140 @@
+"""A trial of N repeated blocks made from trials of 2, 3 and 4 of them (search/extrapolate.py, memory/repeats.py):
+its figures equal the whole model's trace to the byte, and where the traces do not line up it answers nothing (the
+trial then runs whole). Device: fake (the estimate's never-out twin, which traces). Models: the finetune kinds with
+six layers instead of two, the examples' GPT with nine."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from oomtune.config.schema import Plan
+from oomtune.memory.cards import find_gpu
+from oomtune.memory.devices import FakeDevice
+from oomtune.memory.repeats import Template, tokens, without_last_frees
+from oomtune.model_file import load_model_file
+from oomtune.search.estimate import estimate
+from oomtune.search.extrapolate import BlockTrials, extrapolated_breakdown
+from oomtune.search.fewer_blocks import FewerBlocks, repeated_runs
+from oomtune.search.options import resolve_targets
+from oomtune.search.trial import run_trial
+
+ROOT = Path(__file__).parents[2]
+MODELS = ROOT / "tests" / "finetune" / "models"
+
+
+def _deeper(tmp_path: Path, source: Path, layers: int, wide: bool = False) -> Path:
+    text = source.read_text()
+    text = re.sub(r"\b(num_hidden_layers|n_layer|num_layers|num_decoder_layers)=2\b", rf"\1={layers}", text)
+    text = text.replace("N_LAYER, N_HEAD, N_EMBD = 4,", f"N_LAYER, N_HEAD, N_EMBD = {layers},")
+    if wide:  # Linear weights NF4 can store (blocks of 64 values, scales in blocks of 256)
+        text = text.replace("hidden_size=64, intermediate_size=128", "hidden_size=256, intermediate_size=512")
+    out = tmp_path / source.name
+    out.write_text(text)
+    return out
+
+
+def _twin() -> FakeDevice:
+    return FakeDevice("80GiB", gpu=find_gpu("a100-80"), never_runs_out=True, traces=True)
+
+
+def _blocks_and_whole(path: Path, plan: Plan):
+    mf = load_model_file(path)
+    trials = BlockTrials(min_blocks=5)
+    device = _twin()
+    made = trials.trial(mf, plan, device, lambda fewer, p: (run_trial(fewer, p, device), None))
+    whole = run_trial(mf, plan, _twin())
+    return made, whole, trials
+
+
+NF4 = Plan(1, 64, "bf16-true", activation_checkpointing=True, optimizer_8bit=True, nf4_frozen_weights=True)
+CASES = [  # (model, layers, plan)
+    (ROOT / "examples" / "tiny_gpt.py", 9, Plan(4, 64, "bf16", activation_checkpointing=True)),
+    (ROOT / "examples" / "tiny_gpt.py", 9, Plan(3, 32, "fp32")),
+    (MODELS / "hf_llama_lora.py", 6, Plan(2, 32, "bf16", activation_checkpointing=True)),
+    (MODELS / "hf_llama_lora.py", 6, Plan(2, 32, "bf16", activation_checkpointing=True, optimizer_8bit=True)),
+    (MODELS / "hf_llama_lora.py", 6, Plan(2, 32, "bf16", activation_checkpointing=True, offload_optimizer=True)),
+    ("wide", 6, NF4),
+    (MODELS / "hf_mistral_lora_all.py", 6, Plan(2, 32, "bf16", activation_checkpointing=True)),
+    (MODELS / "hf_llama_loha.py", 6, Plan(2, 32, "fp32")),
+    (MODELS / "hf_self_checkpointing.py", 6, Plan(2, 32, "bf16")),
+]
+
+
+def _id(case) -> str | None:
+    return case if isinstance(case, str) else getattr(case, "stem", None)
+
+
+@pytest.mark.parametrize(("source", "layers", "plan"), CASES, ids=_id)
+def test_the_made_trial_is_the_whole_models_to_the_byte(tmp_path, source, layers, plan):
+    """device: fake. Peak, allocated, reserved (the caching allocator model replayed on the made trace) and the
+    step's phase peaks equal the whole model's trial; the build's (setup) peak is at most the whole build's (the
+    fewer-block model is built untracked, then counted: the build's temporaries are not in it). The host memory
+    of the offload and NF4 levers (NF4's build on the host) too."""
+    wide = source == "wide"  # the LoRA Llama, wide enough for NF4
+    made, whole, trials = _blocks_and_whole(_deeper(tmp_path, MODELS / "hf_llama_lora.py" if wide else source, layers,
+                                                    wide), plan)
+    assert trials.blocks == layers
+    assert made is not None, "the three traces did not line up"
+    result = made[0]
+    assert result.extrapolated and not whole.oom
+    assert (result.peak_bytes, result.peak_allocated_bytes, result.modelled_reserved_bytes, result.host_peak_bytes) \
+        == (whole.peak_bytes, whole.peak_allocated_bytes, whole.modelled_reserved_bytes, whole.host_peak_bytes)
+    step = {p: v for p, v in whole.phase_peaks.items() if p != "setup"}
+    assert {p: v for p, v in result.phase_peaks.items() if p != "setup"} == step
+    assert result.phase_peaks["setup"] <= whole.phase_peaks["setup"]
+
+
+def test_the_made_trace_is_the_whole_models_event_for_event(tmp_path):
+    """device: fake. Not only the figures: every storage's birth, size and death, in order (the GPT: its whole trial
+    has no frees timed by the garbage collector)."""
+    path = _deeper(tmp_path, ROOT / "examples" / "tiny_gpt.py", 9)
+    plan = Plan(4, 64, "bf16", activation_checkpointing=True)
+    mf = load_model_file(path)
+    traces = [run_trial(FewerBlocks(mf, k), plan, _twin()).trace for k in (2, 3, 4)]
+    template = Template.fit(traces, 2)
+    assert template is not None
+    assert template.at(9) == without_last_frees(run_trial(mf, plan, _twin()).trace)
+    assert len(tokens(template.at(20))) > len(tokens(template.at(9)))
+
+
+def test_blocks_that_differ_are_not_made(tmp_path):
+    """device: fake. A model whose layers alternate two kinds (a hybrid's sliding and full attention, told by a flag
+    on each layer) has no run of alike blocks at its end longer than one: nothing is made; T5's stacks (first layer
+    apart) do not line up today, and are traced whole."""
+    line = "        self.h = nn.ModuleList(Block() for _ in range(N_LAYER))\n"
+    hybrid = (ROOT / "examples" / "tiny_gpt.py").read_text().replace(line, line + (
+        "        for i, b in enumerate(self.h):\n"
+        "            b.attention_type = 'sliding' if i % 2 else 'full'\n"))
+    assert "attention_type" in hybrid
+    path = tmp_path / "hybrid.py"
+    path.write_text(hybrid.replace("N_LAYER, N_HEAD, N_EMBD = 4,", "N_LAYER, N_HEAD, N_EMBD = 8,"))
+    assert repeated_runs(load_model_file(path).build()) == []
+    made, whole, trials = _blocks_and_whole(_deeper(tmp_path, MODELS / "hf_t5.py", 6), Plan(2, 32, "fp32"))
+    assert made is None and not whole.oom
+
+
+def test_the_estimate_says_which_trials_were_made_and_chooses_as_the_whole_models(tmp_path):
+    """device: fake. The estimate of a 20-layer GPT with blocks made and with every trial traced whole: the same
+    plan, peak and breakdown; its records say `extrapolated` for the trials made."""
+    mf = load_model_file(_deeper(tmp_path, ROOT / "examples" / "tiny_gpt.py", 20))
+    targets = resolve_targets(mf, None, None, None)
+    made = estimate(mf, FakeDevice("700MiB", gpu=find_gpu("generic")), targets)
+    whole = estimate(mf, FakeDevice("700MiB", gpu=find_gpu("generic")), targets, min_blocks=0)
+    assert made.plan == whole.plan and made.breakdown == whole.breakdown
+    sources = {r.source for r in made.search.records}
+    assert "extrapolated" in sources and "extrapolated" not in {r.source for r in whole.search.records}
+
+
+def test_a_breakdown_off_its_line_is_not_made():
+    """The breakdown at N blocks from three on a line; a count off it, or a peak that moved phase, gives none."""
+    from oomtune.config.schema import MemoryBreakdown
+
+    def bd(i: int, phase: str = "backward", extra: int = 0) -> MemoryBreakdown:
+        return MemoryBreakdown(phase, 100 * i, 10 * i, 20 * i, 0, 1000 * i + extra, 7, 1130 * i + 7 + extra)
+
+    assert extrapolated_breakdown([bd(2), bd(3), bd(4)], 32) == bd(32)
+    assert extrapolated_breakdown([bd(2), bd(3), bd(4, extra=512)], 32) is None
+    assert extrapolated_breakdown([bd(2), bd(3), bd(4, "optimizer")], 32) is None
