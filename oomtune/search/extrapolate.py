@@ -73,7 +73,11 @@ class BlockTrials:
         runs = []
         for keep in (KEPT, KEPT + 1, KEPT + 2):
             fewer = FewerBlocks(model_file, keep)
-            result, bd = run(fewer, plan)
+            try:
+                result, bd = run(fewer, plan)
+            except Exception:  # noqa: BLE001 - a model that cannot run with fewer blocks runs whole (and raises
+                self.off.add(key)  # there what is the user's)
+                return None
             if self.blocks is None:
                 self.blocks = fewer.repeated or 0
                 if self.blocks < self.min_blocks:
@@ -88,7 +92,8 @@ class BlockTrials:
             return None
         self.made += 1
         result, bd = made
-        return dataclasses.replace(result, seconds=time.perf_counter() - start), bd
+        return dataclasses.replace(result, seconds=time.perf_counter() - start,
+                                   build_seconds=sum(r.build_seconds for r, _ in runs)), bd
 
     def _made(self, plan: Plan, device: FakeDevice, runs: list) -> tuple[TrialResult, object] | None:
         template = Template.fit([r.trace for r, _ in runs], KEPT)

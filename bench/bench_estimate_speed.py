@@ -1,0 +1,127 @@
+"""`make bench-estimate` (second part): how fast the estimate answers, measured side by side in one run.
+
+- One bare FakeTensorMode training step of GPT-2 small (forward, backward, AdamW step; no tracker, no card rules),
+  warm: the unit the ladder's cost is counted in.
+- GPT-2 small's whole ladder with a card's rules (bench_estimate.COMMAND: --gpu t4, batch 32, context 1024), with
+  every trial traced whole (`replays=False`: the estimate before issue 40) and as it runs by default (sizes replayed
+  from two traces).
+- The three 7B questions of `make bench-levers`, with every trial traced whole (`min_blocks=0`) and by default
+  (repeated blocks made from traces of 2, 3 and 4 of them, sizes replayed).
+
+Each pair must choose the same plan with the same peak, to the byte. Written into bench/RESULTS.md between
+`<!-- estimate-speed:begin -->` and `<!-- estimate-speed:end -->`.
+
+    .venv/bin/python -m bench.bench_estimate_speed [--out bench/RESULTS.md] [--skip-7b]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+from bench.bench_estimate import MODEL
+from bench.bench_levers import CASES
+from bench.sections import write_section
+from oomtune.units import utc_now
+
+ROOT = Path(__file__).resolve().parent.parent
+GPT2 = (MODEL, "t4", 32, 1024)
+
+
+def bare_step_seconds() -> float:
+    """A warm bare FakeTensorMode step of GPT-2 small at micro-batch 4, context 1024, fp32 (the second of two)."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from oomtune.model_file import load_model_file
+
+    mf = load_model_file(ROOT / MODEL)
+    times = []
+    with FakeTensorMode():
+        model = mf.build()
+        opt = torch.optim.AdamW(model.parameters(), foreach=True)
+        for _ in range(2):
+            batch = mf.batch(4, 1024, torch.device("cpu"))
+            start = time.perf_counter()
+            mf.loss(model, batch).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            times.append(time.perf_counter() - start)
+    return times[-1]
+
+
+def timed_estimate(path: str, gpu: str, batch: int | None, context: int | None, **kw) -> tuple[float, object]:
+    from oomtune.model_file import load_model_file
+    from oomtune.search.estimate import estimate, make_fake_device
+    from oomtune.search.options import resolve_targets
+
+    mf = load_model_file(ROOT / path)
+    targets = resolve_targets(mf, batch, context, None)
+    start = time.perf_counter()
+    result = estimate(mf, make_fake_device(None, gpu, None), targets, **kw)
+    return time.perf_counter() - start, result
+
+
+def _sources(result) -> str:
+    counts = Counter(r.source for r in result.search.records)
+    return ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
+
+
+def row(what: str, before: tuple, after: tuple, unit: float | None) -> str:
+    (tb, rb), (ta, ra) = before, after
+    same = rb.plan == ra.plan and rb.breakdown.peak_bytes == ra.breakdown.peak_bytes
+    ratio = f" | {tb / unit:.0f}x -> {ta / unit:.0f}x" if unit else " | "
+    plan = ra.plan.describe(with_global=False) if ra.plan is not None else "nothing fits"
+    return (f"| {what} | {tb:.1f} s ({_sources(rb)}) | {ta:.1f} s ({_sources(ra)}){ratio} | {plan} | "
+            f"{rb.breakdown.peak_bytes:,} | {ra.breakdown.peak_bytes:,} | {'yes' if same else '**no**'} |")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "RESULTS.md")
+    ap.add_argument("--skip-7b", action="store_true", help="GPT-2 small only (about 2 minutes instead of 30)")
+    args = ap.parse_args(argv)
+    import torch
+
+    bare = bare_step_seconds()
+    print(f"bare fake step: {bare:.2f} s", file=sys.stderr)
+    rows = [row("GPT-2 small, T4, batch 32, context 1024", timed_estimate(*GPT2, replays=False),
+                timed_estimate(*GPT2), bare)]
+    print(rows[-1], file=sys.stderr)
+    for what, case in ([] if args.skip_7b else CASES):
+        path, gpu = case[0], case[case.index("--gpu") + 1]
+        rows.append(row(f"7B Llama, {what}", timed_estimate(path, gpu, None, None, min_blocks=0),
+                        timed_estimate(path, gpu, None, None), None))
+        print(rows[-1], file=sys.stderr)
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    text = "\n".join([
+        "### How fast the estimate answers",
+        "",
+        f"Command: `{shlex.join(['python', '-m', 'bench.bench_estimate_speed', *(argv or [])])}`  ",
+        f"Machine: {os.cpu_count()} CPU cores, torch {torch.__version__}, no GPU; {utc_now()}; load average {load} "
+        "at the end.",
+        "",
+        f"One bare FakeTensorMode training step of GPT-2 small (micro-batch 4, context 1024, fp32, AdamW; warm): "
+        f"{bare:.2f} s.",
+        "",
+        "| question | every trial traced whole | as the estimate runs | in bare steps | plan | peak before, B | "
+        "peak after, B | same plan and bytes |",
+        "| --- | ---: | ---: | ---: | --- | ---: | ---: | --- |",
+        *rows,
+        "",
+        "Before: GPT-2 small with `replays=False`, the 7B questions with `min_blocks=0` (each trial traced whole, "
+        "the 7B's sizes still replayed). After: the defaults. The trial counts say how each figure was found: run "
+        "(traced whole), replayed (from two sizes), extrapolated (from 2, 3 and 4 repeated blocks).",
+    ])
+    write_section(args.out, "estimate-speed", text, heading="## Estimate speed")
+    print(f"wrote the estimate-speed section of {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
