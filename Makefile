@@ -57,9 +57,11 @@ gpu-check:
 	PYTHONPATH=.$${PYTHONPATH:+:$$PYTHONPATH} env -u PYTHONPYCACHEPREFIX $(GPU_PYTHON) scripts/gpu_check.py
 
 # oomtune estimate on GPT-2 small (124M, context 1024): the whole ladder on fake tensors, wall time, trial count
-# and the breakdown against the design's reference figures -> the estimate section of bench/RESULTS.md
+# and the breakdown against the design's reference figures -> the estimate section of bench/RESULTS.md; then how
+# fast it answers (a bare fake step, GPT-2 small and the three 7B questions, before and after; ~35 min)
 bench-estimate: $(STAMP)
 	$(PY) -m bench.bench_estimate
+	$(PY) -m bench.bench_estimate_speed
 
 # the estimate without and with a card's CUDA rules: per rung for the examples and GPT-2 small, and BERT-large's saved
 # activations op by op under CPU and CUDA autocast accounting -> the autocast section of bench/RESULTS.md (~1 min)
