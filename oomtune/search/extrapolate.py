@@ -60,6 +60,7 @@ class BlockTrials:
     def __init__(self, min_blocks: int = MIN_BLOCKS):
         self.min_blocks = min_blocks
         self.blocks: int | None = None  # the model's repeated blocks, once seen (0: none)
+        self.seen = None  # what the first build found (fewer_blocks.Stacks): later builds cut as they are made
         self.off: set[Plan] = set()  # rungs (plans at micro-batch 1) where the three did not line up
         self.made = 0  # trials answered so
 
@@ -72,14 +73,14 @@ class BlockTrials:
         start = time.perf_counter()
         runs = []
         for keep in (KEPT, KEPT + 1, KEPT + 2):
-            fewer = FewerBlocks(model_file, keep)
+            fewer = FewerBlocks(model_file, keep, self.seen)
             try:
                 result, bd = run(fewer, plan)
             except Exception:  # noqa: BLE001 - a model that cannot run with fewer blocks runs whole (and raises
                 self.off.add(key)  # there what is the user's)
                 return None
             if self.blocks is None:
-                self.blocks = fewer.repeated or 0
+                self.blocks, self.seen = fewer.repeated or 0, fewer.seen
                 if self.blocks < self.min_blocks:
                     return None
             if result.oom or result.trace is None:

@@ -89,11 +89,17 @@ def test_the_made_trial_is_the_whole_models_to_the_byte(tmp_path, source, layers
 
 def test_the_made_trace_is_the_whole_models_event_for_event(tmp_path):
     """device: fake. Not only the figures: every storage's birth, size and death, in order (the GPT: its whole trial
-    has no frees timed by the garbage collector)."""
+    has no frees timed by the garbage collector). The blocks cut as the stack is made (after a first build found
+    it) trace as those cut after the build."""
     path = _deeper(tmp_path, ROOT / "examples" / "tiny_gpt.py", 9)
     plan = Plan(4, 64, "bf16", activation_checkpointing=True)
     mf = load_model_file(path)
-    traces = [run_trial(FewerBlocks(mf, k), plan, _twin()).trace for k in (2, 3, 4)]
+    first = FewerBlocks(mf, 2)
+    traces = [run_trial(first, plan, _twin()).trace]
+    traces += [run_trial(FewerBlocks(mf, k, first.seen), plan, _twin()).trace for k in (3, 4)]  # cut as made
+    assert first.seen is not None and first.seen.length == 9
+    cut_after = run_trial(FewerBlocks(mf, 3), plan, _twin()).trace
+    assert without_last_frees(cut_after) == without_last_frees(traces[1])
     template = Template.fit(traces, 2)
     assert template is not None
     assert template.at(9) == without_last_frees(run_trial(mf, plan, _twin()).trace)
