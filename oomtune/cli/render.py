@@ -129,6 +129,15 @@ def snapshot_written(path, plan) -> None:
                   f"{path}.html)")
 
 
+def found_text(records) -> str:
+    """How the estimate's trials were found, where not all were run whole: " (3 replayed, 10 made from fewer
+    blocks)"."""
+    made = sum(r.source == "extrapolated" for r in records)
+    replayed = sum(r.source == "replayed" for r in records)
+    parts = ([f"{replayed} replayed"] if replayed else []) + ([f"{made} made from fewer blocks"] if made else [])
+    return f" ({', '.join(parts)})" if parts else ""
+
+
 def prior_text(prior) -> str:
     """How the probe's trials were chosen: certified from a fake pre-estimate (its cost apart), or why not."""
     if prior is None:
@@ -165,7 +174,7 @@ def render_search(result, out_path: Path | None, as_json: bool, verb: str, extra
             out.print(f"[bold green]plan:[/] {result.config.plan.describe()}")
             out.print(f"      peak {fmt_bytes(fb.peak_bytes)} of {fmt_bytes(result.limit_bytes)} allowed "
                       f"(budget {fmt_bytes(fb.budget_bytes)}, {fb.headroom:.0%} headroom){tps}; "
-                      f"{counted(len(result.records), 'trial')}{prior_text(result.prior)}")
+                      f"{counted(len(result.records), 'trial')}{found_text(result.records)}{prior_text(result.prior)}")
             if fb.host_peak_bytes:
                 out.print(f"      host memory {fmt_bytes(fb.host_peak_bytes)} {host_use(result.config.plan)}"
                           + (" (estimated: check the machine has it free)" if fb.estimated else ""))

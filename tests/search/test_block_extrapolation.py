@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from oomtune.cli.render import found_text
 from oomtune.config.schema import Plan
 from oomtune.memory.cards import find_gpu
 from oomtune.memory.devices import FakeDevice
@@ -132,6 +133,8 @@ def test_the_estimate_says_which_trials_were_made_and_chooses_as_the_whole_model
     assert made.plan == whole.plan and made.breakdown == whole.breakdown
     sources = {r.source for r in made.search.records}
     assert "extrapolated" in sources and "extrapolated" not in {r.source for r in whole.search.records}
+    made_count = sum(r.source == "extrapolated" for r in made.search.records)
+    assert f"{made_count} made from fewer blocks" in found_text(made.search.records)  # the plan's line says it
 
 
 def test_a_breakdown_off_its_line_is_not_made():
