@@ -230,20 +230,22 @@ class Template:
 
     @staticmethod
     def fit(traces: list[Trace], k: int) -> Template | None:
-        """From the traces at k, k+1 and k+2 blocks; None where they are not repeated blocks (module doc)."""
+        """From the traces at k, k+1, k+2 (and more) blocks; None where they are not repeated blocks (module doc).
+        A fourth trace gives the rules of runs whose first or last period differs more points to be checked on."""
         traces = [without_last_frees(t) for t in traces]
-        a, b, c = traces
-        if not (a.initial == b.initial == c.initial and a.hosted == b.hosted == c.hosted):
+        if len({(t.initial, t.hosted) for t in traces}) != 1 or len(traces) < 3:
             return None
-        ta, tb, tc = tokens(a), tokens(b), tokens(c)
-        ops = align(ta, tb)
+        toks = [tokens(t) for t in traces]
+        seen = [(k + i, t) for i, t in enumerate(toks)]
+        a, tb = traces[0], toks[1]
+        ops = align(toks[0], tb)
         runs = runs_of(tb, ops, k) if ops is not None else None
         if not runs:
             return None
         peels = {run: 0 for run in runs}  # per run: none, its first period, its last, both (PEELS) peeled off
         while True:
             layout = tuple(_layout(tb, [_peeled(run, PEELS[p]) for run, p in peels.items()], k))
-            rules, failed = _rules(layout, k, [(k, ta), (k + 1, tb), (k + 2, tc)])
+            rules, failed = _rules(layout, k, seen)
             if rules is not None:
                 break
             failed = {run for run, p in peels.items() if _peeled(run, PEELS[p]) in failed}
@@ -252,7 +254,7 @@ class Template:
             for run in failed:
                 peels[run] += 1
         template = Template(a.initial, layout, k, rules, a.hosted)
-        if any(template.at(n) != trace for n, trace in zip((k, k + 1, k + 2), traces, strict=True)):
+        if any(template.at(k + i) != trace for i, trace in enumerate(traces)):
             return None
         return template
 
@@ -282,11 +284,15 @@ class Template:
                 events.append(("mark", value))
             else:
                 events.append(("host",))
-        try:
-            made = Trace.of(list(enumerate(self.initial)), events)
-        except KeyError:  # a storage freed twice
-            return None
-        return Trace(made.initial, made.events, self.hosted)  # (a host storage's life is not in the events)
+        live = set(range(born))
+        for ev in events:
+            if ev[0] == "free":
+                if ev[1] not in live:  # a storage freed twice
+                    return None
+                live.discard(ev[1])
+        # numbered by birth as Trace.of numbers them, each run of frees in the order of the traces it was fitted on
+        # (a host storage's life, which split a run there, is not in the events)
+        return Trace(self.initial, tuple(events), self.hosted)
 
 
 PEELS = ((), ("first",), ("last",), ("first", "last"))

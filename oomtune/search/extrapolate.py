@@ -27,16 +27,16 @@ def as_lines(trace: Trace) -> Lines:
 
 
 def _line(values: list[int], at: int) -> int | None:
-    """The value at `at` blocks on the line through values at KEPT, KEPT+1, KEPT+2; None where they are not on one."""
-    a, b, c = values
-    if b - a != c - b:
+    """The value at `at` blocks on the line through values at KEPT, KEPT+1, ...; None where they are not on one."""
+    step = values[1] - values[0]
+    if any(b - a != step for a, b in zip(values, values[1:], strict=False)):
         return None
-    return a + (b - a) * (at - KEPT)
+    return values[0] + step * (at - KEPT)
 
 
 def extrapolated_breakdown(breakdowns: list[MemoryBreakdown], blocks: int) -> MemoryBreakdown | None:
-    """The breakdown at `blocks` from the three: each byte count on its line, the peak in the same phase; None
-    where a count is off its line or the phase moved."""
+    """The breakdown at `blocks` from those at KEPT, KEPT+1, ...: each byte count on its line, the peak in the same
+    phase; None where a count is off its line or the phase moved."""
     first = breakdowns[0]
     if any(bd.phase != first.phase or bd.margin != first.margin for bd in breakdowns):
         return None
@@ -71,8 +71,11 @@ class BlockTrials:
         if (self.blocks is not None and self.blocks < self.min_blocks) or key in self.off:
             return None
         start = time.perf_counter()
-        runs = []
-        for keep in (KEPT, KEPT + 1, KEPT + 2):
+        runs: list = []
+        for keep in (KEPT, KEPT + 1, KEPT + 2, KEPT + 3):
+            if keep == KEPT + 3:  # a fourth trace only where three did not line up
+                if Template.fit([r.trace for r, _ in runs], KEPT) is not None:
+                    break
             fewer = FewerBlocks(model_file, keep, self.seen)
             try:
                 result, bd = run(fewer, plan)
