@@ -82,10 +82,13 @@ class ReplayedTrials(ReplayingTrials):
         super().__init__()
         self.budget_bytes = budget_bytes
         self.breakdowns: dict[Plan, MemoryBreakdown] = {}
+        self.made: set[Plan] = set()  # trials made from fewer blocks (extrapolate.py): the answer is run whole
 
     def run_one(self, model_file: ModelFile, plan: Plan, device: FakeDevice, steps: int, dist) -> TrialResult:
         made = self.blocks.trial(model_file, plan, device,
                                  lambda fewer, p: recorded_trial(fewer, p, device, steps, dist, run_trial))
+        if made is not None:
+            self.made.add(plan)
         result, bd = made or recorded_trial(model_file, plan, device, steps, dist, run_trial)
         if bd is not None:
             self.breakdowns[plan] = bd
@@ -221,7 +224,8 @@ def _replayed(model_file, device, targets, headroom, steps, objective, amp, on_s
     if search.config is None:
         return search
     plan = search.config.plan
-    if plan not in trials.breakdowns:  # replayed: run it, as the answer's check and for its breakdown
+    if plan not in trials.breakdowns or plan in trials.made:  # replayed or made from fewer blocks: run it whole,
+        # as the answer's check and for its breakdown
         result, bd = recorded_trial(model_file, plan, twin, steps, LOCAL, run_trial)
         if bd is None or result.peak_bytes != search.config.found_by.peak_bytes:
             return None
