@@ -22,7 +22,7 @@ from .replay import Trace
 
 WINDOW = 12  # events that must match after a mismatch for an insertion (or a changed size) to be taken
 MIN_AGREE = 4  # ... or at least this many, where another insertion follows closer
-Token = tuple  # (kind, value, ref): b birth (raw bytes), r resize (raw), f free (rounded bytes), m mark (phase), h
+Token = tuple  # (kind, value, ref): b birth (raw bytes), r resize (raw), f free (rounded bytes), m mark (phase)
 
 
 def tokens(trace: Trace) -> list[Token]:
@@ -48,10 +48,8 @@ def tokens(trace: Trace) -> list[Token]:
             sizes[n] = rounded(raw)
         elif kind == "free":
             out.append(("f", sizes.pop(ev[1]), ref(ev[1])))
-        elif kind == "mark":
+        else:  # (a Trace holds no host storage's events: only its `hosted` flag)
             out.append(("m", ev[1], None))
-        else:
-            out.append(("h", None, None))
     return out
 
 
@@ -280,10 +278,8 @@ class Template:
                 events.append(("set", key, raw))
             elif kind == "f":
                 events.append(("free", key))
-            elif kind == "m":
-                events.append(("mark", value))
             else:
-                events.append(("host",))
+                events.append(("mark", value))
         live = set(range(born))
         for ev in events:
             if ev[0] == "free":
@@ -318,7 +314,7 @@ def _rules(layout: tuple, k: int, seen: list[tuple[int, list[Token]]]) -> tuple[
         if len(positions) != len(toks):
             return None, set()
         for (slot, t), (kind, value, ref) in zip(positions, toks, strict=True):
-            shape = (kind, value if kind in "mh" else None)
+            shape = (kind, value if kind == "m" else None)
             if kinds.setdefault(slot, shape) != shape:
                 return None, set()
             if kind in "br":

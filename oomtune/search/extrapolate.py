@@ -62,7 +62,6 @@ class BlockTrials:
         self.blocks: int | None = None  # the model's repeated blocks, once seen (0: none)
         self.seen = None  # what the first build found (fewer_blocks.Stacks): later builds cut as they are made
         self.off: set[Plan] = set()  # rungs (plans at micro-batch 1) where the three did not line up
-        self.made = 0  # trials answered so
 
     def trial(self, model_file, plan: Plan, device: FakeDevice, run: Callable) -> tuple[TrialResult, object] | None:
         """`run(model_file, plan) -> (TrialResult, breakdown or None)` on the three fewer-block model files; the
@@ -72,10 +71,8 @@ class BlockTrials:
             return None
         start = time.perf_counter()
         runs: list = []
-        for keep in (KEPT, KEPT + 1, KEPT + 2, KEPT + 3):
-            if keep == KEPT + 3:  # a fourth trace only where three did not line up
-                if Template.fit([r.trace for r, _ in runs], KEPT) is not None:
-                    break
+        template = None
+        for keep in (KEPT, KEPT + 1, KEPT + 2, KEPT + 3):  # a fourth trace only where three do not line up
             fewer = FewerBlocks(model_file, keep, self.seen)
             try:
                 result, bd = run(fewer, plan)
@@ -90,18 +87,19 @@ class BlockTrials:
                 self.off.add(key)
                 return None
             runs.append((result, bd))
-        made = self._made(plan, device, runs)
+            template = Template.fit([r.trace for r, _ in runs], KEPT) if len(runs) >= 3 else None
+            if template is not None:
+                break
+        made = self._made(plan, device, runs, template) if template is not None else None
         if made is None:
             self.off.add(key)
             return None
-        self.made += 1
         result, bd = made
         return dataclasses.replace(result, seconds=time.perf_counter() - start,
                                    build_seconds=sum(r.build_seconds for r, _ in runs)), bd
 
-    def _made(self, plan: Plan, device: FakeDevice, runs: list) -> tuple[TrialResult, object] | None:
-        template = Template.fit([r.trace for r, _ in runs], KEPT)
-        trace = template.at(self.blocks) if template is not None else None
+    def _made(self, plan: Plan, device: FakeDevice, runs: list, template: Template) -> tuple | None:
+        trace = template.at(self.blocks)
         reading = device.replay(as_lines(trace), plan.micro_batch_size) if trace is not None else None
         host = _line([r.host_peak_bytes for r, _ in runs], self.blocks)
         if reading is None or host is None:
