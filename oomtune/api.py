@@ -21,10 +21,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .config.schema import HEADROOM, TRIAL_STEPS, Config, TrialRecord
+from .config.schema import HEADROOM, TRIAL_STEPS, Config, ModelSection, TrialRecord
 from .errors import ConfigError, OomtuneError
-from .model_file import ModelFile, model_file_of
+from .model_file import ModelFile
 from .model_import import unguarded_api_call
+from .models.source import model_file_of, open_model
 
 
 def keeps_callers_rng(fn: Callable) -> Callable:
@@ -247,18 +248,21 @@ def check(config: str | Path | Config, *, model=None, device: str = "fake", budg
             raise ConfigError(f"check's config must be a config file's path or a Config, got {config!r}")
         path = Path(config)
         config = load_config(path)
-    named = config.model_path(path) if path is not None else Path(config.model)
-    model = named if model is None else model
-    snapshot.check_path(_path(memory_snapshot), others=(path, _model_path(model)))
-    model_file = model_file_of(model)
+    named = config.model_path(path)
+    snapshot.check_path(_path(memory_snapshot), others=(path, named if model is None else _model_path(model)))
+    if model is None:  # the config's model, with the arguments it was found with; refused where its source changed
+        model_file = open_model(config.model, config_path=path, verify=True)
+    else:
+        model_file = model_file_of(model)
     from .memory.threads import simulated_threads
 
     with simulated_threads(device):
         result = run_check(config, model_file, device_kind=device, budget=budget, headroom=headroom, margin=margin,
                            steps=steps, gpu=gpu)
-    if _model_path(model) is None or _model_path(model).resolve() != named.resolve():
+    if model is not None and (_model_path(model) is None or config.model.on_hub or
+                              _model_path(model).resolve() != named.resolve()):
         result = dataclasses.replace(result, notes=(*result.notes, f"checked {model_file.label} with the plan of "
-                                                    f"{path or 'the config'}, which names {config.model}"))
+                                                    f"{path or 'the config'}, which names {config.model.source}"))
     _snapshot_of(memory_snapshot, model_file, result.plan, result.measured_on, steps, before_writing)
     return result
 
@@ -288,6 +292,8 @@ def _model_path(model) -> Path | None:
     """The model's file where the caller named one (a path, or a module imported from a file)."""
     if isinstance(model, (str, Path)):
         return Path(model)
+    if isinstance(model, ModelSection):
+        return None if model.on_hub else Path(model.source)
     if isinstance(model, ModelFile):
         return model.path
     file = getattr(model, "__file__", None)
@@ -305,8 +311,9 @@ def _check_out(out: str | Path | None, model, command: str = "probe") -> Path | 
     if out is None:
         return None
     out = Path(out)
-    if isinstance(model, (str, Path)) and Path(model).exists():  # (a missing one: loading it says so)
-        check_out(out, Path(model), command)
+    named = _model_path(model) if isinstance(model, (str, Path, ModelSection)) else None
+    if named is not None and named.exists():  # (a missing one: loading it says so)
+        check_out(out, named, command)
     return out
 
 
@@ -314,7 +321,7 @@ def _check_named(out: Path | None, model, model_file: ModelFile, command: str = 
     """`out` names a model file `oomtune train` can load, not a notebook's object (a path was checked already)."""
     from .config.output import check_out
 
-    if out is None or isinstance(model, (str, Path)):
+    if out is None or isinstance(model, (str, Path, ModelSection)):
         return
     if not model_file.path.is_file():
         raise OomtuneError(f"out={out}: the model {model_file.label} is not a file a config can name (give the "

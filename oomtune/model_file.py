@@ -13,11 +13,11 @@ import importlib.util
 import inspect
 import reprlib
 import sys
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType, SimpleNamespace
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -33,6 +33,7 @@ from .checkpointing import (
     enable_hf_checkpointing,
     hf_checkpointing,
 )
+from .config.schema import ModelSection
 from .errors import ModelFileError, OomtuneError, first_line
 from .hook_names import REQUIRED, batch_taken, did_you_mean, not_a_loss
 from .memory.devices import is_oom
@@ -48,6 +49,9 @@ class ModelFile:
     path: Path
     module: ModuleType
     defaults: dict[str, int] = field(default_factory=dict)
+    args: dict[str, Any] | None = None  # build_model(**args): the file's ARGS with --model-arg's values (None: no ARGS)
+    section: ModelSection | None = None  # what a config records of it (None: an object no config can name)
+    max_context: int | None = None  # MAX_CONTEXT: the longest context the model takes (a Hugging Face model's)
 
     # -- plumbing --------------------------------------------------------------------------------
     @property
@@ -83,9 +87,13 @@ class ModelFile:
 
     # -- the hooks -------------------------------------------------------------------------------
     def build(self) -> nn.Module:
-        model = self._call("build_model")
+        model = self._call("build_model", **(self.args or {}))
         if not isinstance(model, nn.Module):
             raise self.fail("build_model", f"returned {type(model).__name__}; expected a torch.nn.Module")
+        if self.section is not None and self.section.lora is not None:
+            from .models.lora import with_lora
+
+            model = with_lora(model, self.section.lora, self.section.task, self.label)
         if not any(p.requires_grad for p in model.parameters()):
             raise self.fail("build_model", "returned a model with no trainable parameters")
         if any(p.device.type == "meta" for p in model.parameters()):  # (a fake tensor's device is the cpu)
@@ -367,25 +375,14 @@ def checked(module, path: Path) -> ModelFile:
             raise ModelFileError(f"{path.name}: DEFAULTS has unknown key {k!r} (allowed: {allowed})")
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ModelFileError(f"{path.name}: DEFAULTS[{k!r}] must be a positive integer, got {v!r}")
-    return ModelFile(path=path, module=module, defaults=dict(defaults))
-
-
-def model_file_of(model) -> ModelFile:
-    """A model file from a path, or from a module or object that has the hooks (a notebook's namespace, a class
-    instance, a dict of them by name): a module imported from a file keeps that file's path (a config written for
-    it names the file); another object is labelled by its type and cannot be named in a config `oomtune train`
-    loads."""
-    if isinstance(model, ModelFile):
-        return model
-    if isinstance(model, (str, Path)):
-        return load_model_file(model)
-    if isinstance(model, Mapping):  # {"build_model": ..., "make_batch": ...}: the hooks by name
-        unknown = sorted(str(k) for k in model if not (isinstance(k, str) and k.isidentifier()))
-        if unknown:
-            raise ModelFileError(f"<dict>: the hooks are named by strings like 'build_model', got {unknown[0]}")
-        model = SimpleNamespace(**model)
-        return checked(model, Path("<dict>"))
-    file = getattr(model, "__file__", None)
-    path = Path(file).resolve() if isinstance(file, str) and file.endswith(".py") else \
-        Path(f"<{getattr(model, '__name__', type(model).__name__)}>")
-    return checked(model, path)
+    limit = getattr(module, "MAX_CONTEXT", None)
+    if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
+        raise ModelFileError(f"{path.name}: MAX_CONTEXT must be a positive integer, got {limit!r}")
+    args = getattr(module, "ARGS", None)
+    if args is not None and (not isinstance(args, dict) or not all(isinstance(k, str) and k.isidentifier() and
+                                                                   isinstance(v, (int, float, bool, str))
+                                                                   for k, v in args.items())):
+        raise ModelFileError(f"{path.name}: ARGS must be a dict of build_model()'s keyword arguments to numbers, "
+                             "true/false or strings, like {'n_layer': 12, 'dropout': 0.0}")
+    return ModelFile(path=path, module=module, defaults=dict(defaults), args=None if args is None else dict(args),
+                     max_context=limit)

@@ -186,7 +186,7 @@ def test_a_script_that_probes_itself_at_its_top_level_gets_no_config_that_would_
     out = tmp_path / "best.yaml"
     if guarded:
         assert oomtune.estimate(main, budget="600MiB", batch=4, context=1, out=out).plan is not None
-        assert load_config(out).model.endswith("script.py")
+        assert load_config(out).model.source.endswith("script.py")
     else:
         line = source.splitlines().index(f"result = {call}") + 1
         with pytest.raises(oomtune.OomtuneError, match=rf"top level calls estimate\(\) \(line {line}\).*__main__"):

@@ -67,4 +67,4 @@ def main() -> None:
 
 
 # each module registers its command on `app`, in the order --help lists them
-from . import probe_cmd, estimate_cmd, check_cmd, train_cmd, export_cmd, gpus_cmd  # noqa: E402, F401, I001  # isort: skip
+from . import probe_cmd, estimate_cmd, check_cmd, train_cmd, export_cmd, gpus_cmd, init_cmd  # noqa: E402, F401, I001  # isort: skip

@@ -12,6 +12,18 @@ from ..config.schema import HEADROOM, TRIAL_STEPS
 from . import app
 from .console import err, fmt_bytes, out
 from .guard import stop_if_interrupted, user_errors
+from .model_options import (
+    DtypeOpt,
+    LoraAlphaOpt,
+    LoraDropoutOpt,
+    LoraROpt,
+    LoraTargetsOpt,
+    ModelArg,
+    ModelArgOpt,
+    PaddingOpt,
+    TaskOpt,
+    model_source,
+)
 from .options import (
     AmpOpt,
     BatchOpt,
@@ -22,7 +34,6 @@ from .options import (
     LeversOpt,
     MarginOpt,
     MinContextOpt,
-    ModelArg,
     SnapshotOpt,
     StepsOpt,
     budget_option,
@@ -115,6 +126,9 @@ def estimate(
                                                   "best.yaml; with --micro-batch nothing is written).")] = None,
     memory_snapshot: SnapshotOpt = None,
     as_json: JsonOpt = False,
+    task: TaskOpt = None, dtype: DtypeOpt = None, padding: PaddingOpt = False, lora_r: LoraROpt = None,
+    lora_alpha: LoraAlphaOpt = None, lora_dropout: LoraDropoutOpt = None, lora_targets: LoraTargetsOpt = None,
+    model_arg: ModelArgOpt = None,
     debug: DebugOpt = False,
 ):
     """Predict the ladder without a GPU: run it on fake tensors (no compute, same memory accounting).
@@ -129,8 +143,9 @@ def estimate(
         from ..errors import OomtuneError
         from ..search.options import check_estimate_options, check_what_if_options
 
+        source = model_source(model, task, dtype, padding, lora_r, lora_alpha, lora_dropout, lora_targets, model_arg)
         if not check_what_if_options(micro_batch, precision, checkpointing, grad_accum, batch, min_context):
-            job = api.prepare_estimate(model, budget=budget, gpu=gpu, margin=margin, batch=batch, context=context,
+            job = api.prepare_estimate(source, budget=budget, gpu=gpu, margin=margin, batch=batch, context=context,
                                        min_context=min_context, headroom=headroom, steps=steps, objective=objective,
                                        amp=amp, levers=levers, world_size=world_size, sharding=sharding,
                                        out=out_path or Path("best.yaml"), memory_snapshot=memory_snapshot,
@@ -143,7 +158,7 @@ def estimate(
         if out_path is not None:
             raise OomtuneError(f"--out {out_path}: with --micro-batch, estimate writes no config (the plan is yours "
                                "already; drop --out, or run the ladder without --micro-batch to write one)")
-        result = api.what_if(model, micro_batch, context=context, precision=precision, checkpointing=checkpointing,
+        result = api.what_if(source, micro_batch, context=context, precision=precision, checkpointing=checkpointing,
                              grad_accum=grad_accum, budget=budget, gpu=gpu, margin=margin, headroom=headroom,
                              steps=steps, world_size=world_size, sharding=sharding, memory_snapshot=memory_snapshot,
                              before_writing=stop_if_interrupted, levers=levers)

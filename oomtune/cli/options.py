@@ -10,7 +10,6 @@ import typer
 
 from ..memory.cards import GENERIC, GPUS
 
-ModelArg = Annotated[Path, typer.Argument(help="Your model file (build_model, make_batch, optional hooks).")]
 ConfigOpt = Annotated[Path, typer.Option("--config", "-c", help="The config `oomtune probe` (or estimate) wrote.")]
 
 # -- the ladder's targets and the search (probe, estimate) ---------------------------------------------

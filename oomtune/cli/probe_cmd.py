@@ -12,6 +12,19 @@ from ..dist.launch import DEFAULT_TIMEOUT_S, worker_rank
 from . import app
 from .console import err
 from .guard import stop_if_interrupted, user_errors
+from .model_options import (
+    DtypeOpt,
+    LoraAlphaOpt,
+    LoraDropoutOpt,
+    LoraROpt,
+    LoraTargetsOpt,
+    ModelArg,
+    ModelArgOpt,
+    PaddingOpt,
+    TaskOpt,
+    model_flags,
+    model_source,
+)
 from .options import (
     AmpOpt,
     BatchOpt,
@@ -26,7 +39,6 @@ from .options import (
     MasterAddrOpt,
     MasterPortOpt,
     MinContextOpt,
-    ModelArg,
     NnodesOpt,
     NodeRankOpt,
     NprocOpt,
@@ -77,6 +89,9 @@ def probe(
     master_addr: MasterAddrOpt = "127.0.0.1",
     master_port: MasterPortOpt = None,
     dist_timeout: DistTimeoutOpt = DEFAULT_TIMEOUT_S,
+    task: TaskOpt = None, dtype: DtypeOpt = None, padding: PaddingOpt = False, lora_r: LoraROpt = None,
+    lora_alpha: LoraAlphaOpt = None, lora_dropout: LoraDropoutOpt = None, lora_targets: LoraTargetsOpt = None,
+    model_arg: ModelArgOpt = None,
     debug: DebugOpt = False,
 ):
     """Probe MODEL on a device: climb batch/context -> amp -> checkpointing -> accumulation until it fits.
@@ -91,7 +106,8 @@ def probe(
         from ..search.probe import check_ranks_batch
 
         rank = worker_rank()
-        job = prepare_probe(model, batch=batch, context=context, min_context=min_context, device=device,
+        source = model_source(model, task, dtype, padding, lora_r, lora_alpha, lora_dropout, lora_targets, model_arg)
+        job = prepare_probe(source, batch=batch, context=context, min_context=min_context, device=device,
                             budget=budget, gpu=gpu, headroom=headroom, steps=steps, objective=objective, amp=amp,
                             levers=levers, prior=prior, margin=margin,
                             out=out_path if rank in (None, 0) else None,  # the launcher and rank 0, which writes it
@@ -101,14 +117,11 @@ def probe(
             launch = Launch(nproc_per_node, nnodes, node_rank, master_addr, master_port)
             launch.check()
             check_ranks_batch(job.targets, launch.world_size)
-            run(launch, ["probe", str(model), *flags(batch=batch, context=context, min_context=min_context,
-                                                     device=device, budget=budget, gpu=gpu, margin=margin,
-                                                     headroom=headroom,
-                                                     steps=steps,
-                                                     objective=objective, amp=amp, levers=levers, out=out_path,
-                                                     prior=prior is True, no_prior=prior is False,
-                                                     json=as_json,
-                                                     dist_timeout=dist_timeout, debug=debug)])
+            run(launch, ["probe", model, *model_flags(source), *flags(
+                batch=batch, context=context, min_context=min_context, device=device, budget=budget, gpu=gpu,
+                margin=margin, headroom=headroom, steps=steps, objective=objective, amp=amp, levers=levers,
+                out=out_path, prior=prior is True, no_prior=prior is False, json=as_json, dist_timeout=dist_timeout,
+                debug=debug)])
             return
         job.connect(dist_timeout, launched=rank is not None)
         if rank not in (None, 0):  # every rank probes; rank 0 reports and writes the config

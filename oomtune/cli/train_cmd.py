@@ -80,6 +80,8 @@ def _render(progress: Progress, task):
                 f"{e.new_plan.global_batch_size} unchanged); retrying the same batch")
         elif isinstance(e, Checkpointed):
             say(f"[dim]checkpoint {e.path} (step {e.step}, {e.reason})[/]")
+            if e.pretrained is not None:
+                say(f"[dim]{e.pretrained.name} saved as Hugging Face does: {e.pretrained}[/]")
 
     return on_event
 
@@ -156,6 +158,8 @@ def train(
     run_dir: Annotated[str | None, typer.Option(help="Checkpoints, metrics.jsonl, events.jsonl (train.run_dir).")]
     = None,
     seed: Annotated[int | None, typer.Option(help="Seed of the model's and the data's RNGs (train.seed).")] = None,
+    save_adapter: Annotated[bool | None, typer.Option("--save-adapter/--no-save-adapter", help="Save a PEFT adapter "
+                            "(or a Hugging Face model) at every checkpoint, not only at the end.")] = None,
     resume: Annotated[bool, typer.Option("--resume/--no-resume", help="Continue from the latest checkpoint in "
                                          "the run dir (exactly: same data, same RNG).")] = False,
     device: Annotated[str | None, device_option("auto | cuda | cpu (default: where the config was probed).")] = None,
@@ -182,7 +186,7 @@ def train(
                      "weight_decay": weight_decay, "clip_grad_norm": clip_grad_norm, "eval_interval": eval_interval,
                      "eval_steps": eval_steps, "checkpoint_interval": checkpoint_interval,
                      "log_every_n_steps": log_every_n_steps, "run_dir": run_dir,  # str: "" is refused, not "."
-                     "seed": seed}
+                     "seed": seed, "save_adapter": save_adapter}
         rank_budgets = parse_rank_budgets(rank_budget)
         if nproc_per_node is None or worker_rank() is not None:
             _train_here(config, overrides, resume, device, budget, rank_budgets, dist_timeout, run_dir is not None)

@@ -51,6 +51,10 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
         (item_tp, _) = typing.get_args(tp)
         if isinstance(value, list):
             return tuple(_convert(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value))
+    elif origin is dict:
+        (key_tp, value_tp) = typing.get_args(tp)
+        if isinstance(value, dict):
+            return {_convert(k, key_tp, where): _convert(v, value_tp, f"{where}.{k}") for k, v in value.items()}
     elif dataclasses.is_dataclass(tp):
         if isinstance(value, dict):
             return from_dict(tp, value, where)
@@ -124,6 +128,8 @@ def load_config(path: str | Path) -> Config:
         raise ConfigError(f"{p}: not valid YAML{line}{problem}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{p}: expected a mapping with keys model, plan, train")
+    if isinstance(data.get("model"), str):  # `model: model.py`, as configs were first written
+        data = {**data, "model": {"source": data["model"]}}
     try:
         return from_dict(Config, data)
     except ConfigError as e:

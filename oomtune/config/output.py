@@ -47,7 +47,7 @@ def check_out(out_path: Path, model: Path, command: str = "probe") -> TrainConfi
                                    "choose another --out or move it away") from None
             except OSError as e:
                 raise OomtuneError(f"--out {p} exists and cannot be read ({e.strerror or e})") from None
-            theirs = Path(existing.model).name
+            theirs = Path(existing.model.source).name
             if theirs != model.name:
                 raise OomtuneError(f"--out {p} is the config of {theirs}, not {model.name}: not replacing another "
                                    "model's plan; choose another --out or move it away")

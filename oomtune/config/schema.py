@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -139,6 +140,7 @@ class TrainConfig:
     log_every_n_steps: int = 10
     run_dir: str = "runs/oomtune"
     seed: int = 1337
+    save_adapter: bool = False  # also at every checkpoint, not only at the end: the adapter / the HF model folder
 
     def __post_init__(self):
         for name in ("steps", "eval_interval", "eval_steps", "checkpoint_interval", "log_every_n_steps"):
@@ -273,14 +275,77 @@ class FoundBy:
             raise ConfigError(f"found_by.peak_bytes must be 0 or more, got {self.peak_bytes}")
 
 
+TASKS = ("causal-lm", "sequence-classification", "seq2seq")  # what a Hugging Face model is trained to do
+MODEL_DTYPES = ("float32", "bfloat16", "float16")  # what a Hugging Face model's weights are built or loaded in
+HUB = "hf:"  # a model source on the Hugging Face Hub: hf:ORG/NAME[@REVISION]
+
+
+@dataclass(frozen=True)
+class LoraSection:
+    """PEFT LoRA adapters put on the model after it is built (the base frozen, the adapters trained)."""
+    r: int
+    alpha: float | None = None  # None: 2 x r
+    dropout: float = 0.0
+    targets: tuple[str, ...] = ()  # module names; (): PEFT's defaults for the architecture
+
+    def __post_init__(self):
+        if self.r < 1 or self.r > MAX_COUNT:
+            raise ConfigError(f"model.lora.r must be a positive whole number, got {shown(self.r)}")
+        if self.alpha is not None and not (0 < self.alpha < math.inf):
+            raise ConfigError(f"model.lora.alpha must be more than 0, got {shown(self.alpha)}")
+        if not 0 <= self.dropout < 1:
+            raise ConfigError(f"model.lora.dropout must be at least 0 and under 1, got {shown(self.dropout)}")
+        if any(not t or "," in t for t in self.targets):
+            raise ConfigError(f"model.lora.targets must be module names, got {list(self.targets)}")
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    """Everything that shapes the model: where it comes from and the arguments it was built with."""
+    source: str  # a model file, a Hugging Face folder or its config.json (relative to the config's folder unless
+    # absolute), or hf:ORG/NAME[@REVISION]
+    sha256: str | None = None  # of the model file / config.json when the config was written: a changed one is refused
+    task: Literal["causal-lm", "sequence-classification", "seq2seq"] | None = None  # Hugging Face models
+    dtype: Literal["float32", "bfloat16", "float16"] | None = None  # Hugging Face models: None = float32
+    padding: bool = False  # Hugging Face models: batches carry an attention mask with padding
+    lora: LoraSection | None = None
+    args: dict[str, int | float | bool | str] = field(default_factory=dict)  # a model file's ARGS overrides
+
+    def __post_init__(self):
+        if not self.source or "\0" in self.source:
+            raise ConfigError(f"model.source must name a model file, a Hugging Face folder or hf:ORG/NAME, got "
+                              f"{shown(self.source)}")
+        if self.task is not None and self.task not in TASKS:
+            raise ConfigError(f"model.task must be one of {', '.join(TASKS)}, got {shown(self.task)}")
+        if self.dtype is not None and self.dtype not in MODEL_DTYPES:
+            raise ConfigError(f"model.dtype must be one of {', '.join(MODEL_DTYPES)}, got {shown(self.dtype)}")
+        if self.sha256 is not None and not re.fullmatch(r"[0-9a-f]{64}", self.sha256):
+            raise ConfigError(f"model.sha256 must be 64 hex digits, got {shown(self.sha256)}")
+        for key in self.args:
+            if not (isinstance(key, str) and key.isidentifier()):
+                raise ConfigError(f"model.args: {shown(key)} is not an argument name")
+
+    @property
+    def on_hub(self) -> bool:
+        return self.source.startswith(HUB)
+
+    def path(self, config_path: str | Path | None) -> Path:
+        """The model's file or folder, where a relative one is taken from the config's folder (None: as given)."""
+        p = Path(self.source)
+        return p if p.is_absolute() or config_path is None else (Path(config_path).resolve().parent / p)
+
+
 @dataclass(frozen=True)
 class Config:
-    model: str  # the model file, relative to the config file's folder or absolute
+    model: ModelSection  # a plain string in a file is read as {source: that string}
     plan: Plan
     train: TrainConfig = field(default_factory=TrainConfig)
     found_by: FoundBy | None = None
 
+    def __post_init__(self):
+        if isinstance(self.model, (str, Path)):
+            object.__setattr__(self, "model", ModelSection(source=str(self.model)))
+
     def model_path(self, config_path: str | Path) -> Path:
-        p = Path(self.model)
-        return p if p.is_absolute() else (Path(config_path).resolve().parent / p)
+        return self.model.path(config_path)
 

@@ -7,7 +7,17 @@ from __future__ import annotations
 import re
 
 COMMENTS = {
-    "model": "the model file (relative to this file's folder, unless absolute)",
+    "model": "what the model is and what shapes it: check, train and export rebuild it from this",
+    "model.source": ("a model file, a Hugging Face folder or config.json (relative to this file's folder, unless "
+                     "absolute), or hf:ORG/NAME[@REVISION]"),
+    "model.sha256": "of the model file / config.json when written: a changed one is refused (delete this to accept)",
+    "model.task": "causal-lm | sequence-classification | seq2seq",
+    "model.dtype": "the weights as built or loaded: float32 | bfloat16 | float16",
+    "model.padding": "batches carry an attention mask with padded positions",
+    "model.lora": "PEFT LoRA adapters on the model (the base frozen)",
+    "model.lora.alpha": "the adapters' scale is alpha / r",
+    "model.lora.targets": "the modules adapted ([]: PEFT's defaults for the architecture)",
+    "model.args": "the model file's ARGS given with --model-arg",
     "plan.micro_batch_size": "examples per forward/backward pass",
     "plan.context_length": "tokens per example",
     "plan.precision": ("fp32 | bf16 | fp16 (autocast keeps fp32 weights; fp16 adds a GradScaler) | bf16-true "
@@ -32,6 +42,8 @@ COMMENTS = {
     "train.checkpoint_interval": "optimizer steps between checkpoints",
     "train.log_every_n_steps": "optimizer steps between metric lines",
     "train.run_dir": "checkpoints and metrics.jsonl go here",
+    "train.save_adapter": ("a PEFT adapter (adapter/) or a Hugging Face model (model/) is saved at the end; true: at "
+                           "every checkpoint too"),
     "found_by.estimated": "true: predicted on the fake device, never measured",
     "found_by.budget_bytes": "memory the search was allowed to use",
     "found_by.headroom": "fraction of the budget kept free (fragmentation, longer batches)",

@@ -32,6 +32,8 @@ def _emit(obj: Any, path: str, indent: int, lines: list[str]) -> None:
         v = getattr(obj, f.name)
         key = f"{path}{f.name}"
         comment = f"  # {COMMENTS[key]}" if key in COMMENTS else ""
+        if key.startswith("model.") and (v is None or v == {} or (v is False and f.name == "padding")):
+            continue  # (the model's arguments a config records only where they were given)
         if dataclasses.is_dataclass(v):
             lines.append(f"{pad}{f.name}:{comment}")
             _emit(v, f"{key}.", indent + 1, lines)
@@ -68,9 +70,11 @@ def save_config(config: Config, path: str | Path, header: str = "") -> None:
     device node or a folder (the CLI checks --out before the search too)."""
     p = Path(path)
     refuse_unless_file(p)  # a link, a pipe, a device, a folder: never written through
-    model, folder = Path(config.model), p.resolve().parent
-    if model.is_absolute() and len(Path(os.path.commonpath([model, folder])).parts) >= 3:  # /work/proj, not /tmp
-        config = dataclasses.replace(config, model=os.path.relpath(model, folder))
+    model, folder = Path(config.model.source), p.resolve().parent
+    if not config.model.on_hub and model.is_absolute() and \
+            len(Path(os.path.commonpath([model, folder])).parts) >= 3:  # /work/proj, not /tmp
+        config = dataclasses.replace(config, model=dataclasses.replace(config.model,
+                                                                       source=os.path.relpath(model, folder)))
     text = dump_config(config, header)
     try:  # each section a person wrote stays as they wrote it, comments included, where its values are kept
         text = keep_unchanged_text(p.read_text(), text) if p.is_file() else text

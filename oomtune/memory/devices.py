@@ -1,13 +1,10 @@
 """Where a trial runs and how its memory is measured.
 
-| device | compute   | memory accounting                                    | OOM comes from                 |
-| cuda   | real GPU  | torch.cuda.max_memory_allocated / _reserved, NVML    | the caching allocator (capped) |
-| cpu    | real CPU  | MemoryTracker (tensor storages, 512-byte rounding)    | the tracker, CUDA-shaped       |
-| fake   | none      | the same MemoryTracker, on FakeTensors (no data)      | the tracker, CUDA-shaped       |
-
-A card profile (`--gpu NAME`) makes cpu and fake account like that CUDA card (TrackedDevice). Everything else
-(building the model, the training step) is identical across devices: a device only decides where tensors live
-and how the peak is read.
+cuda: a real GPU, read by torch.cuda.max_memory_allocated / _reserved and NVML, the caching allocator's
+OOM (capped); cpu: real compute, a MemoryTracker (tensor storages, 512-byte rounding) raising CUDA-shaped OOMs;
+fake: the same MemoryTracker on FakeTensors (no data). A card profile (`--gpu NAME`) makes cpu and fake account
+like that CUDA card (TrackedDevice). Everything else (building the model, the training step) is identical across
+devices: a device only decides where tensors live and how the peak is read.
 """
 
 from __future__ import annotations
@@ -206,17 +203,20 @@ class TrackedDevice(Device):
 
     def _model_allocator(self) -> CachingAllocatorModel:
         model = self.fresh_allocator()
+        alive = list(self.tracker._sizes.items())  # (a storage's finalizer may run while the model is filled)
         if self.traces:
             self.tracker.events = []
-            self._initial = list(self.tracker._sizes.items())
+            self._initial = alive
         try:
-            for key, size in self.tracker._sizes.items():  # what is alive already holds blocks too
+            for key, size in alive:  # what is alive already holds blocks too
                 model.malloc(key, size)
         except OutOfMemory as e:  # what lives already does not fit: the trial runs out of memory at once
             raise torch.cuda.OutOfMemoryError(simulated_oom_message(
                 size, model.capacity_bytes, model.reserved_bytes, self.kind, f" {e}.")) from None
-        model.reset_peak()
         self.tracker.allocator = model
+        for key in {k for k, _ in alive} - self.tracker._sizes.keys():  # died while the model was filled
+            model.free(key)
+        model.reset_peak()
         return model
 
     def fresh_allocator(self) -> CachingAllocatorModel:

@@ -90,7 +90,7 @@ class Recorder:
         self.on_op: Callable[[Recorder, object, tuple, object], None] | None = None  # tags op outputs
         self.op = ""  # the op running now (the tracker says)
         self.stacks = False  # record each birth's Python frames (the memory snapshot; costs a stack walk a birth)
-        for key, size in tracker._sizes.items():  # storages alive before recording began
+        for key, size in list(tracker._sizes.items()):  # storages alive before recording began
             self.born(key, size)
             self._live[key].tags.add("preexisting")
 

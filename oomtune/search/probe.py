@@ -238,7 +238,7 @@ def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: 
         card=device.card.aliases[0] if device.card is not None else None,
         prior=report.summary() if report is not None else None, margin=flat_margin(device),
         checkpointing_via=static.checkpointing_via if c.rung.activation_checkpointing else None)
-    config = Config(model=str(model_file.path), plan=plan_of(chosen, world), found_by=found)
+    config = Config(model=model_file.section or str(model_file.path), plan=plan_of(chosen, world), found_by=found)
     return ProbeResult(ladder, records, static, targets, limit, config, world_size=world, notes=notes,
                        budget_bytes=device.budget_bytes, past=past, prior=report)
 

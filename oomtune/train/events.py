@@ -47,6 +47,7 @@ class Checkpointed:
     step: int
     path: Path
     reason: str  # interval | final | interrupted | oom | diverged | error
+    pretrained: Path | None = None  # the adapter / model folder written beside it (train/pretrained.py)
 
 
 Event = Started | Note | StepDone | OomFallback | Checkpointed

@@ -23,7 +23,8 @@ from ..dist.launch import worker_rank
 from ..errors import BAD_INPUT, ConfigError, ModelFileError, OomtuneError, first_line
 from ..memory.cards import find_gpu
 from ..memory.devices import Device, make_device, resolve_kind
-from ..model_file import ModelFile, load_model_file
+from ..model_file import ModelFile
+from ..models.source import open_model
 from ..search.check import check_floor, check_margin
 from ..units import format_bytes
 from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, older_intact
@@ -58,7 +59,7 @@ def check_inputs(config_path: str | Path, overrides: dict[str, Any] | None, *, r
     except ConfigError as e:  # the dataclass validates: defaults and rules live there only
         raise ConfigError(flags_named(e.message, given)) from None
     try:
-        model_file = load_model_file(file_config.model_path(config_path))
+        model_file = open_model(file_config.model, config_path=config_path, verify=True, load_weights=True)
     except ModelFileError as e:
         raise ModelFileError(f"{config_path}: {e.message}") from None
     run_dir = Path(cfg.run_dir)

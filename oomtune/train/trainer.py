@@ -13,8 +13,8 @@ data's never interleave; resuming replays the data stream to its position (step 
 the global RNGs, so a resumed run computes what an uninterrupted run would have, bit for bit on the same machine.
 
 On several ranks (torchrun, plan.sharding ddp / fsdp) every rank runs this loop on its share of each global batch;
-rank 0 alone writes the run dir's logs and the config, every rank its part of a checkpoint. Library code: it reports
-through `on_event` callbacks and returns a TrainResult; it never prints."""
+rank 0 alone writes the run dir's logs, the config and the adapter (pretrained.py), every rank its part of a
+checkpoint. Library code: it reports through `on_event` callbacks and returns a TrainResult; it never prints."""
 
 from __future__ import annotations
 
@@ -43,6 +43,7 @@ from .inputs import Inputs, check_inputs, check_weights_fit, device_kind, resolv
 from .losses import NonFiniteLoss, check_losses, tainted_buffer
 from .metrics import StepMetrics, Window
 from .notes import built_notes, data_notes, run_notes
+from .pretrained import after_checkpoint
 from .recovery import RecoveryPolicy, Retry, Stop, write_relaunch_plan
 from .rng import capture_rng, restore_rng, seed_everything
 from .rundir import RunLog
@@ -373,8 +374,9 @@ class Trainer:
             "optimizer_class": optimizer_class(t.optimizer), **adalora.saved(t.rank_allocator)}  # AdaLoRA's scores
         path = self.checkpointer.save(self.inputs.run_dir, meta, capture_rng(self.cuda), t, keep)
         s.last_checkpoint, s.checkpoint_step = path, s.step
+        kept = after_checkpoint(t.module, self.inputs.run_dir, reason, self.cfg.save_adapter, s.plan, self.dist)
         self.log.event("checkpoint", step=s.step, path=path.name, reason=reason)
-        self.on_event(Checkpointed(s.step, path, reason))
+        self.on_event(Checkpointed(s.step, path, reason, kept))
         s.phase = Phase.AFTER
         return path
 

@@ -182,7 +182,7 @@ def test_a_model_files_own_optimizer_is_not_expressed_where_the_target_writes_ad
         strict = run_cli("export", "--config", path, "--to", target, "--strict")
         assert strict.exit_code == 2 and strict.stdout == ""
         assert f"--strict: {target} cannot express " in strict.stderr and "optimizer (each is named" in strict.stderr
-    assert load_config(path).model == "model.py"  # read, never rewritten
+    assert load_config(path).model.source == "model.py"  # read, never rewritten
 
 
 @pytest.mark.parametrize("model_text", [SGD_MODEL.split("\n\ndef optimizer")[0] + "\n", None, "def optimizer(:\n"],

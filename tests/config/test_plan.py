@@ -40,22 +40,22 @@ def test_model_path_is_stored_relative_to_the_config_wherever_they_share_a_folde
     (tmp_path / "m.py").write_text("")
     save_config(make_config(model=str(tmp_path / "m.py")), tmp_path / "sub" / ".." / "best.yaml")
     cfg = load_config(tmp_path / "best.yaml")
-    assert cfg.model == "m.py" and cfg.model_path(tmp_path / "best.yaml") == tmp_path / "m.py"
+    assert cfg.model.source == "m.py" and cfg.model_path(tmp_path / "best.yaml") == tmp_path / "m.py"
     beside = tmp_path / "cfgs" / "ci" / "best.yaml"  # a config folder next to the model's: ../ keeps it portable
     beside.parent.mkdir(parents=True)
     save_config(make_config(model=str(tmp_path / "m.py")), beside)
     cfg = load_config(beside)
-    assert cfg.model == "../../m.py" and cfg.model_path(beside).resolve() == (tmp_path / "m.py").resolve()
+    assert cfg.model.source == "../../m.py" and cfg.model_path(beside).resolve() == (tmp_path / "m.py").resolve()
     top = Path(tmp_path.resolve().parts[1])  # e.g. /tmp: shared by unrelated projects, so no ../../ through it
     for far in (Path("/") / top / "oomtune-elsewhere" / "m.py", Path("/srv-oomtune-none/m.py")):
         save_config(make_config(model=str(far)), beside)
-        assert load_config(beside).model == str(far)
+        assert load_config(beside).model.source == str(far)
 
 
 @pytest.mark.parametrize("edit, message", [
     (("plan:\n", "plan:\n  micro_batch: 3\n"), r"unknown key plan\.micro_batch \(allowed: activation_checkpointing"),
     (("train:\n", "train:\n  epochs: 3\n"), r"unknown key train\.epochs"),
-    (("model: model.py", "model: model.py\nmodle: x"), r"unknown key modle"),
+    (("\nplan:", "\nmodle: x\nplan:"), r"unknown key modle"),
     (("  steps: 50", "  steps: fifty"), r"train\.steps: expected int, got 'fifty'"),
     (("  steps: 50", "  steps: 50.0"), r"train\.steps: expected int, got 50\.0"),
     (("activation_checkpointing: true", "activation_checkpointing: 1"),
@@ -65,8 +65,8 @@ def test_model_path_is_stored_relative_to_the_config_wherever_they_share_a_folde
     (("global_batch_size: 32", "global_batch_size: 30"), r"plan\.global_batch_size is 30 but micro_batch_size x"),
     (("  micro_batch_size: 4", "  micro_batch_size: 0"), r"plan\.micro_batch_size must be at least 1"),
     (("result: fits", "result: maybe"), r"found_by\.trials\[0\]\.result: expected"),
-    (("model: model.py", "model: model.py\nmodel: other.py"),  # PyYAML alone would keep the last one
-     r"not valid YAML at line 2: key 'model' appears twice \(lines 1 and 2\)"),
+    (("\nplan:", "\nmodel: other.py\nplan:"),  # PyYAML alone would keep the last one
+     r"not valid YAML at line 3: key 'model' appears twice \(lines 1 and 3\)"),
     (("  lr: 0.001", "  lr: 0.001\n  lr: 0.1"), r"key 'lr' appears twice"),
     (("budget_bytes: 1048576", "budget_bytes: -1"), r"found_by\.budget_bytes must be more than 0, got -1"),
     (("  lr: 0.001", "  lr: 3e-4x"), r"train\.lr: expected float, got '3e-4x'"),
