@@ -38,7 +38,8 @@ def export(config_path: ConfigOpt, to: ToOpt, strict: StrictOpt = False, debug: 
         wrapped = defines(model, "blocks") or (config.found_by is not None
                                                and config.found_by.checkpointing_via == "blocks")
         result = make_export(config.plan, to, model.name if defines(model, "optimizer") else None,
-                             model.name if wrapped else None, model.name if defines(model, "loss") else None)
+                             model.name if wrapped else None, model.name if defines(model, "loss") else None,
+                             config.model)
         for line in result.in_your_code:
             err.print(f"[cyan]set in your code:[/] {escape(line)}")
         for line in result.unexpressed:

@@ -158,6 +158,9 @@ def train(
     run_dir: Annotated[str | None, typer.Option(help="Checkpoints, metrics.jsonl, events.jsonl (train.run_dir).")]
     = None,
     seed: Annotated[int | None, typer.Option(help="Seed of the model's and the data's RNGs (train.seed).")] = None,
+    data: Annotated[str | None, typer.Option("--data", help="A JSONL ({\"text\": ...} a line) or text file, "
+                    "tokenized by the Hugging Face model folder's tokenizer and packed to the plan's context "
+                    "(train.data).")] = None,
     save_adapter: Annotated[bool | None, typer.Option("--save-adapter/--no-save-adapter", help="Save a PEFT adapter "
                             "(or a Hugging Face model) at every checkpoint, not only at the end.")] = None,
     resume: Annotated[bool, typer.Option("--resume/--no-resume", help="Continue from the latest checkpoint in "
@@ -186,7 +189,7 @@ def train(
                      "weight_decay": weight_decay, "clip_grad_norm": clip_grad_norm, "eval_interval": eval_interval,
                      "eval_steps": eval_steps, "checkpoint_interval": checkpoint_interval,
                      "log_every_n_steps": log_every_n_steps, "run_dir": run_dir,  # str: "" is refused, not "."
-                     "seed": seed, "save_adapter": save_adapter}
+                     "seed": seed, "save_adapter": save_adapter, "data": data}
         rank_budgets = parse_rank_budgets(rank_budget)
         if nproc_per_node is None or worker_rank() is not None:
             _train_here(config, overrides, resume, device, budget, rank_budgets, dist_timeout, run_dir is not None)

@@ -16,7 +16,7 @@ from functools import cache
 from pathlib import Path
 
 from ..errors import OomtuneError
-from .schema import Plan
+from .schema import ModelSection, Plan
 
 TARGETS = ("hf", "lightning", "accelerate", "torchtune")
 
@@ -59,12 +59,13 @@ _OWN_OPTIMIZER = {"hf": "optim here is AdamW (adamw_torch), whose state may not 
 
 
 def export(plan: Plan, target: str, optimizer_of: str | None = None, blocks_of: str | None = None,
-           loss_of: str | None = None) -> Export:
+           loss_of: str | None = None, model: ModelSection | None = None) -> Export:
     """`plan` as `target` takes it (see TARGETS). `optimizer_of`: the model file's name where it defines its own
     optimizer() (see defines), which the plan was measured with and a target that writes AdamW does not express.
     `blocks_of`: its name where the plan's checkpointing wrapped its blocks (a blocks() hook; a model with no switch
     of its own): a target's switch turns the model's own checkpointing on instead (other modules, or an error).
-    `loss_of`: its name where it defines loss(), which Hugging Face's Trainer does not call (it takes the model's)."""
+    `loss_of`: its name where it defines loss(), which Hugging Face's Trainer does not call (it takes the model's).
+    `model`: the config's model section; for hf, the PEFT LoraConfig and BitsAndBytesConfig that build that model."""
     makers = {"hf": _hf, "lightning": _lightning, "accelerate": _accelerate, "torchtune": _torchtune}
     if target not in makers:
         raise OomtuneError(f"--to {target!r}: expected one of {', '.join(TARGETS)}")
@@ -84,7 +85,30 @@ def export(plan: Plan, target: str, optimizer_of: str | None = None, blocks_of: 
         unexpressed.append(f"loss: {loss_of}'s own loss(), which the plan was measured with; Trainer computes the "
                            "model's own (outputs.loss): pass yours as Trainer(compute_loss_func=...)")
     yours = [line for line in unexpressed if line.startswith(_IN_YOUR_CODE)]
+    if target == "hf":
+        yours += _hf_model_configs(plan, model)
+        unexpressed = [line for line in unexpressed if not (line.startswith("nf4_frozen_weights: ") and
+                                                            any(y.startswith("nf4_frozen_weights: ") for y in yours))]
     return Export(target, values, tuple(line for line in unexpressed if line not in yours), tuple(yours))
+
+
+def _hf_model_configs(plan: Plan, model: ModelSection | None) -> list[str]:
+    """The PEFT LoraConfig of the config's LoRA, and the BitsAndBytesConfig of an NF4 plan (its compute dtype the
+    plan's precision; double quantization, as torchao's NF4 quantizes its scales), as Python to paste."""
+    out = []
+    lora = model.lora if model is not None else None
+    if lora is not None:
+        task = {"causal-lm": "CAUSAL_LM", "sequence-classification": "SEQ_CLS", "seq2seq": "SEQ_2_SEQ_LM"}
+        args = [f"r={lora.r}", f"lora_alpha={2 * lora.r if lora.alpha is None else lora.alpha:g}",
+                f"lora_dropout={lora.dropout:g}", f"target_modules={list(lora.targets) or None}"]
+        args += [f"task_type={task[model.task]!r}"] if model.task is not None else []
+        out.append(f"lora: peft.get_peft_model(model, LoraConfig({', '.join(args)}))")
+    if plan.nf4_frozen_weights:
+        compute = {"fp32": "float32", "fp16": "float16"}.get(plan.precision, "bfloat16")
+        out.append("nf4_frozen_weights: from_pretrained(..., quantization_config=BitsAndBytesConfig(load_in_4bit=True, "
+                   f"bnb_4bit_quant_type='nf4', bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.{compute}"
+                   "))" + (", then the LoRA adapters" if lora is None else ", before the LoRA adapters"))
+    return out
 
 
 def defines(model_path: str | Path, name: str) -> bool:

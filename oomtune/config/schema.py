@@ -141,6 +141,7 @@ class TrainConfig:
     run_dir: str = "runs/oomtune"
     seed: int = 1337
     save_adapter: bool = False  # also at every checkpoint, not only at the end: the adapter / the HF model folder
+    data: str | None = None  # a JSONL / text file a Hugging Face model's tokenizer packs (None: the model's hooks)
 
     def __post_init__(self):
         for name in ("steps", "eval_interval", "eval_steps", "checkpoint_interval", "log_every_n_steps"):
@@ -165,6 +166,8 @@ class TrainConfig:
             raise ConfigError(f"train.clip_grad_norm must be > 0, or null for no clipping, got {self.clip_grad_norm}")
         if not str(self.run_dir).strip():
             raise ConfigError("train.run_dir must not be empty")
+        if self.data is not None and (not self.data.strip() or "\0" in self.data):
+            raise ConfigError(f"train.data must name a file, got {shown(self.data)}")
         if "\0" in str(self.run_dir):  # (no file system takes one: open() raised a bare ValueError)
             raise ConfigError(f"train.run_dir must not hold a NUL byte, got {shown(self.run_dir)}")
         if not 0 <= self.seed < 2**63:  # (torch's generators take 64 bits; the ranks add their rank to it)

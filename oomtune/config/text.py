@@ -42,6 +42,7 @@ COMMENTS = {
     "train.checkpoint_interval": "optimizer steps between checkpoints",
     "train.log_every_n_steps": "optimizer steps between metric lines",
     "train.run_dir": "checkpoints and metrics.jsonl go here",
+    "train.data": "JSONL ({\"text\": ...} a line) or text, packed by the model folder's tokenizer (null: its hooks)",
     "train.save_adapter": ("a PEFT adapter (adapter/) or a Hugging Face model (model/) is saved at the end; true: at "
                            "every checkpoint too"),
     "found_by.estimated": "true: predicted on the fake device, never measured",

@@ -25,6 +25,7 @@ from ..memory.cards import find_gpu
 from ..memory.devices import Device, make_device, resolve_kind
 from ..model_file import ModelFile
 from ..models.source import open_model
+from ..models.text_data import with_data
 from ..search.check import check_floor, check_margin
 from ..units import format_bytes
 from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, older_intact
@@ -97,6 +98,8 @@ def check_inputs(config_path: str | Path, overrides: dict[str, Any] | None, *, r
         plan = file_config.plan
     where = str(latest or config_path)
     plan = plan_for_ranks(plan, world_size, where)
+    if cfg.data is not None:  # (checked here: a bad file is one line before the run dir is touched)
+        with_data(model_file, cfg.data, plan.context_length)
     data_batch = state["data"]["batch_size"] if state else plan.micro_batch_size
     return Inputs(config_path, file_config, cfg, model_file, run_dir, plan, data_batch,
                   share_size(plan, data_batch, where), state, latest, notes)
