@@ -25,7 +25,7 @@ from .config.schema import HEADROOM, TRIAL_STEPS, Config, ModelSection, TrialRec
 from .errors import ConfigError, OomtuneError
 from .model_file import ModelFile
 from .model_import import unguarded_api_call
-from .models.source import model_file_of, open_model
+from .models.source import changed, model_file_of, open_model
 
 
 def keeps_callers_rng(fn: Callable) -> Callable:
@@ -250,15 +250,19 @@ def check(config: str | Path | Config, *, model=None, device: str = "fake", budg
         config = load_config(path)
     named = config.model_path(path)
     snapshot.check_path(_path(memory_snapshot), others=(path, named if model is None else _model_path(model)))
-    if model is None:  # the config's model, with the arguments it was found with; refused where its source changed
-        model_file = open_model(config.model, config_path=path, verify=True)
+    if model is None:  # the config's model, with the arguments it was found with: as it is now (the gate's point)
+        model_file = open_model(config.model, config_path=path)
+        grown = changed(config.model, path)
     else:
+        grown = None
         model_file = model_file_of(model)
     from .memory.threads import simulated_threads
 
     with simulated_threads(device):
         result = run_check(config, model_file, device_kind=device, budget=budget, headroom=headroom, margin=margin,
                            steps=steps, gpu=gpu)
+    if grown is not None:
+        result = dataclasses.replace(result, notes=(*result.notes, f"{grown}: checked as it is now"))
     if model is not None and (_model_path(model) is None or config.model.on_hub or
                               _model_path(model).resolve() != named.resolve()):
         result = dataclasses.replace(result, notes=(*result.notes, f"checked {model_file.label} with the plan of "

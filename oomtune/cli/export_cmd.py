@@ -32,8 +32,12 @@ def export(config_path: ConfigOpt, to: ToOpt, strict: StrictOpt = False, debug: 
         from ..config.export import export as make_export
         from ..config.loading import load_config
         from ..errors import OomtuneError
+        from ..models.source import changed
 
         config = load_config(config_path)
+        if not config.model.on_hub and (grown := changed(config.model, config_path)) is not None:
+            raise OomtuneError(f"{grown}: its plan may not fit it; probe or estimate it again, or delete model.sha256 "
+                               "from the config to export the plan as it is")
         model = config.model_path(config_path)
         wrapped = defines(model, "blocks") or (config.found_by is not None
                                                and config.found_by.checkpointing_via == "blocks")

@@ -56,13 +56,10 @@ def open_model(model: str | Path | ModelSection, *, config_path: str | Path | No
     section = model if isinstance(model, ModelSection) else ModelSection(source=str(model))
     where = Path(config_path) if config_path is not None else None
     kind, path = locate(section, where, weights=load_weights)
-    recorded = section.sha256
     now = sha256_of(hashed_file(path))
-    if verify and recorded is not None and now is not None and now != recorded:
-        what = "config.json" if kind == "hf" else "model file"
-        raise ConfigError(f"{where or 'the config'}: the {what} of {section.source} has changed since this config was "
-                          "written: probe or estimate it again, or delete model.sha256 from the config to use it as "
-                          "it is now")
+    if verify and changed(section, where, kind, now) is not None:
+        raise ConfigError(f"{changed(section, where, kind, now)}: probe or estimate it again, or delete model.sha256 "
+                          "from the config to use it as it is now")
     label = section.source if section.on_hub else path.name if path.name != "config.json" else path.parent.name
     if kind == "file":
         given = [name for name in HF_ONLY if getattr(section, name) not in (None, False)]
@@ -101,6 +98,21 @@ def resolved_lora(lora, model_type: str):
             defaults = {}
         targets = tuple(defaults.get(model_type, ()))
     return dataclasses.replace(lora, alpha=2.0 * lora.r if lora.alpha is None else lora.alpha, targets=targets)
+
+
+def changed(section: ModelSection, config_path: Path | None, kind: str | None = None,
+            now: str | None = None) -> str | None:
+    """What has changed where the config's model source's sha256 is no longer the one it recorded (None: the same,
+    or nothing recorded, or nothing there to read)."""
+    if section.sha256 is None:
+        return None
+    if kind is None:
+        kind, path = locate(section, config_path)
+        now = sha256_of(hashed_file(path)) if path.exists() else None
+    if now is None or now == section.sha256:
+        return None
+    what = "config.json" if kind == "hf" else "model file"
+    return f"{config_path or 'the config'}: the {what} of {section.source} has changed since this config was written"
 
 
 def with_args(model_file: ModelFile, given: Mapping[str, Any]) -> dict[str, Any] | None:
