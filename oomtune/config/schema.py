@@ -309,7 +309,8 @@ class ModelSection:
     # absolute), or hf:ORG/NAME[@REVISION]
     sha256: str | None = None  # of the model file / config.json when the config was written: a changed one is refused
     task: Literal["causal-lm", "sequence-classification", "seq2seq"] | None = None  # Hugging Face models
-    dtype: Literal["float32", "bfloat16", "float16"] | None = None  # Hugging Face models: None = float32
+    dtype: Literal["float32", "bfloat16", "float16"] | None = None  # Hugging Face models (None: float32, bf16 in a
+    # bf16-true plan; never config.json's torch_dtype)
     padding: bool = False  # Hugging Face models: batches carry an attention mask with padding
     lora: LoraSection | None = None
     args: dict[str, int | float | bool | str] = field(default_factory=dict)  # a model file's ARGS overrides

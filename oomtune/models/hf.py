@@ -112,7 +112,7 @@ class HFModel:
     config: Any
     task: str
     folder: Path | None  # where its weights may be (None: a config.json alone)
-    dtype: str = "float32"
+    dtype: str | None = None  # None: torch's default dtype (float32, or bf16 while a bf16-true plan builds)
     padding: bool = False
     load_weights: bool = False  # training: the folder's weights (probe and estimate build it from the config)
     DEFAULTS: dict = field(default_factory=dict)
@@ -139,7 +139,9 @@ class HFModel:
                 "seq2seq": transformers.AutoModelForSeq2SeqLM}[self.task]
         torch.manual_seed(0)  # the same model on every build (a resumed run rebuilds it)
         version = tuple(int(p) for p in transformers.__version__.split(".")[:2] if p.isdigit())
-        dtype = {"dtype" if version >= (4, 56) else "torch_dtype": getattr(torch, self.dtype)}  # (its name before)
+        # --dtype's, else torch's default (float32; bfloat16 while a bf16-true plan builds), not config.json's
+        wanted = torch.get_default_dtype() if self.dtype is None else getattr(torch, self.dtype)
+        dtype = {"dtype" if version >= (4, 56) else "torch_dtype": wanted}  # (its name before 4.56)
         if self.load_weights and self.weights:
             return auto.from_pretrained(str(self.folder), config=copy.deepcopy(self.config), **dtype)
         model = auto.from_config(copy.deepcopy(self.config), **dtype)

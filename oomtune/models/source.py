@@ -74,7 +74,7 @@ def open_model(model: str | Path | ModelSection, *, config_path: str | Path | No
                                  "its config.json")
         config = read_config(path, label)
         task = task_of(config, section.task, label)
-        hooks = HFModel(config, task, path if path.is_dir() else None, section.dtype or "float32", section.padding,
+        hooks = HFModel(config, task, path if path.is_dir() else None, section.dtype, section.padding,
                         load_weights, name=section.source if section.on_hub else str(path.resolve()))
         model_file = checked(hooks, path if path.is_dir() else path.parent)
         section = dataclasses.replace(section, task=task, lora=resolved_lora(section.lora, config.model_type))

@@ -190,3 +190,43 @@ def test_bad_input_is_one_line(tmp_path, case):
     if needles:
         one_line_error(run_cli("estimate", *args, "--out", tmp_path / "x.yaml"), *needles)
     assert not (tmp_path / "x.yaml").exists()
+
+
+def test_a_full_fine_tune_leaves_a_model_folder_at_every_checkpoint_and_weights_are_loaded(tmp_path):
+    """cpu device: a BERT classifier trained whole (no LoRA) from a folder with weights: train builds it from the
+    folder's weights, and --save-adapter writes the save_pretrained folder at every checkpoint; it loads back as
+    the trained model."""
+    where, out, run = folder(tmp_path, "bert"), tmp_path / "best.yaml", tmp_path / "run"
+    torch.manual_seed(1)
+    saved = transformers.AutoModelForSequenceClassification.from_config(transformers.AutoConfig.from_pretrained(where))
+    saved.save_pretrained(where)  # (weights other than the seed-0 build's)
+    assert run_cli("estimate", where, "--budget", "4GiB", "--margin", "0", "--batch", "2", "--context", "16",
+                   "--out", out).exit_code == 0
+    assert load_config(out).model.task == "sequence-classification"
+    built = open_model(load_config(out).model, config_path=out, load_weights=True).build()
+    for name, value in saved.state_dict().items():
+        torch.testing.assert_close(built.state_dict()[name], value)
+    r = run_cli("train", "--config", out, "--steps", "2", "--checkpoint-interval", "1", "--save-adapter",
+                "--run-dir", run)
+    assert r.exit_code == 0, r.output
+    assert r.output.count("model saved as Hugging Face does") == 2
+    trained = torch.load(sorted(run.glob("ckpt-*.pt"))[-1], weights_only=False)["model"]
+    loaded = transformers.AutoModelForSequenceClassification.from_pretrained(run / "model").state_dict()
+    for name, value in trained.items():
+        torch.testing.assert_close(loaded[name], value)
+    assert not any(p.name.startswith(".model") for p in run.iterdir())  # (no half-written folder left)
+
+
+def test_the_model_flags_a_launcher_passes_on_rebuild_the_same_section(tmp_path):
+    """The flags the probe's launcher gives its ranks (model_flags) make the section they came from."""
+    from oomtune.cli.model_options import model_flags, model_source
+
+    section = model_source(str(folder(tmp_path, "llama")), "causal-lm", "bfloat16", True, 4, 6.0, 0.1,
+                           "q_proj,o_proj")
+    out = tmp_path / "best.yaml"
+    r = run_cli("estimate", section.source, *model_flags(section), "--budget", "4GiB", "--margin", "0", "--batch",
+                "2", "--context", "16", "--out", out)
+    assert r.exit_code == 0, r.output
+    recorded = load_config(out).model
+    assert (recorded.task, recorded.dtype, recorded.padding, recorded.lora) == \
+        (section.task, section.dtype, section.padding, section.lora)
