@@ -1,6 +1,6 @@
 """`make bench-levers`: `oomtune estimate` on a 7B Llama (built from its config on fake tensors, no weights) at
 batch 8, context 2048, for the fine-tuning cases the levers past accumulation are for: full fine-tuning and LoRA
-on a 24 GB card, LoRA on a 12 GB card. The plan (or why nothing fits), its peak and host memory, the trials and
+on a 24 GB card, LoRA on a 12 GB card (from the model file, and from a Hugging Face folder with LoRA flags). The plan (or why nothing fits), its peak and host memory, the trials and
 the wall time of each go into bench/RESULTS.md between `<!-- levers:begin -->` and `<!-- levers:end -->`.
 
     .venv/bin/python -m bench.bench_levers [--out bench/RESULTS.md]
@@ -26,6 +26,9 @@ CASES = [  # (what, the command's arguments after `oomtune estimate`)
     ("full fine-tuning, 24 GB card", ["examples/finetune/llama_7b.py", "--gpu", "rtx4090"]),
     ("LoRA, 24 GB card", ["examples/finetune/llama_7b_lora.py", "--gpu", "rtx4090"]),
     ("LoRA, 12 GB card", ["examples/finetune/llama_7b_lora.py", "--gpu", "rtx3060"]),
+    ("LoRA, 12 GB card, asked as a Hugging Face folder (no Python)",  # the same model: plan and bytes must match
+     ["examples/hf/llama-2-7b", "--gpu", "rtx3060", "--batch", "8", "--context", "2048", "--lora-r", "16",
+      "--lora-alpha", "32", "--lora-targets", "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"]),
 ]
 
 
@@ -46,8 +49,9 @@ def row(what: str, report: dict, wall: float, command: list[str]) -> list[str]:
     rungs = " -> ".join(r["rung"] for r in report["rungs"]) or "none (the floor is over the budget)"
     if report["fits"]:
         result = Plan(**report["plan"]).describe()
-        peak = format_bytes(report["peak_bytes"])
-        host = format_bytes(report["host_peak_bytes"]) if report["host_peak_bytes"] else "-"
+        peak = f"{format_bytes(report['peak_bytes'])} ({report['peak_bytes']:,} B)"
+        host = f"{format_bytes(report['host_peak_bytes'])} ({report['host_peak_bytes']:,} B)" \
+            if report["host_peak_bytes"] else "-"
     else:
         result, peak, host = f"nothing fits: {report['why_nothing_fits']}", "-", "-"
     return [what, f"`{shlex.join(command)}`", rungs, result, peak, host, str(len(report["trials"])), f"{wall:.0f}"]
