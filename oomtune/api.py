@@ -109,7 +109,7 @@ class Job:
         if before_writing is not None:
             before_writing()
         kept = self.out is not None and result.config is not None and \
-            write_config(result.config, self.out, self.model_file.path, self.header)
+            write_config(result.config, self.out, _named(self.model_file), self.header)
         write_snapshot(self.snapshot, taken)
         return kept
 
@@ -302,6 +302,11 @@ def _model_path(model) -> Path | None:
         return model.path
     file = getattr(model, "__file__", None)
     return Path(file) if isinstance(file, str) else None
+
+
+def _named(model_file: ModelFile) -> Path:
+    """What a config names the model by (a Hugging Face config.json, not its folder; a Hub id, not the cache's)."""
+    return Path(model_file.section.source) if model_file.section is not None else model_file.path
 
 
 def _path(p: str | Path | None) -> Path | None:

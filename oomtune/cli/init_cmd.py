@@ -55,7 +55,10 @@ def init(
                 text = hf_template(out_path.name, source, config, task_of(config, task, model))
             except ValueError as e:
                 raise OomtuneError(f"{model}: no template for it: {e}") from None
-        out_path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write(out_path, text)
+        try:
+            out_path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write(out_path, text)
+        except OSError as e:
+            raise OomtuneError(f"--out {out_path}: cannot write it ({e.strerror or e})") from None
         err.print(f"wrote {out_path}: edit its hooks, then [cyan]oomtune estimate {out_path} --gpu NAME[/]")
         out.print(str(out_path), markup=False, highlight=False)

@@ -198,9 +198,9 @@ def train(
         from ..train.launcher import launch_training
 
         def worker_args(again: bool) -> list[str]:  # the launcher: check what can be checked, then torchrun
-            return ["train", "--config", str(config), *flags(**overrides, resume=again, device=device, budget=budget,
-                                                             dist_timeout=dist_timeout, rank_budget=rank_budget,
-                                                             debug=debug)]
+            return ["train", "--config", str(config), *(["--no-save-adapter"] if save_adapter is False else []),
+                    *flags(**overrides, resume=again, device=device, budget=budget, dist_timeout=dist_timeout,
+                           rank_budget=rank_budget, debug=debug)]
 
         launch_training(Launch(nproc_per_node, nnodes, node_rank, master_addr, master_port), config, overrides,
                         resume, worker_args, _on_relaunch)

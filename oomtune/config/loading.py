@@ -102,6 +102,14 @@ def from_dict(cls: type, data: dict, where: str = "") -> Any:
     return cls(**kwargs)
 
 
+def config_from(data: dict) -> Config:
+    """A Config from a parsed config file's mapping; `model: model.py`, as configs were first written, is read as
+    {source: model.py}."""
+    if isinstance(data.get("model"), str):
+        data = {**data, "model": {"source": data["model"]}}
+    return from_dict(Config, data)
+
+
 def load_config(path: str | Path) -> Config:
     import yaml  # here, not at the top: trials and probes run where PyYAML is not installed (gpu-check)
 
@@ -128,10 +136,8 @@ def load_config(path: str | Path) -> Config:
         raise ConfigError(f"{p}: not valid YAML{line}{problem}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{p}: expected a mapping with keys model, plan, train")
-    if isinstance(data.get("model"), str):  # `model: model.py`, as configs were first written
-        data = {**data, "model": {"source": data["model"]}}
     try:
-        return from_dict(Config, data)
+        return config_from(data)
     except ConfigError as e:
         raise ConfigError(f"{p}: {e.message}") from None
 

@@ -313,7 +313,7 @@ class ModelSection:
     # bf16-true plan; never config.json's torch_dtype)
     padding: bool = False  # Hugging Face models: batches carry an attention mask with padding
     lora: LoraSection | None = None
-    args: dict[str, int | float | bool | str] = field(default_factory=dict)  # a model file's ARGS overrides
+    args: dict[str, int | bool | str | float] = field(default_factory=dict)  # a model file's ARGS overrides
 
     def __post_init__(self):
         if not self.source or "\0" in self.source:

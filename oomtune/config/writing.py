@@ -15,7 +15,7 @@ import yaml
 
 from ..errors import ConfigError, OomtuneError
 from ..files import atomic_write, refuse_unless_file
-from .loading import from_dict, load_config
+from .loading import config_from, load_config
 from .schema import Config, Plan
 from .text import COMMENTS, keep_unchanged_text, parse
 
@@ -119,7 +119,7 @@ def rewrite_plan(path: Path, started: Plan, plan: Plan, note: str) -> Config:
             lines[i] = f"{m[1]}{m[2]}{m[3]}{getattr(plan, m[2])}{m[5]}\n"
     edited = f"# {note}\n" + "".join(lines)
     try:
-        same = from_dict(Config, parse(edited)) == want
+        same = config_from(parse(edited)) == want
     except (ConfigError, yaml.YAMLError):
         same = False
     atomic_write(path, edited if same else keep_unchanged_text(text, dump_config(want, header=note)))

@@ -96,7 +96,7 @@ def hub_folder(source: str, weights: bool) -> Path:
     try:
         if weights:
             return Path(hub.snapshot_download(repo, revision=revision or None,
-                                              allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]))
+                                              allow_patterns=["*.json", "*.safetensors", "*.bin", "*.model", "*.txt"]))
         return Path(hub.hf_hub_download(repo, "config.json", revision=revision or None)).parent
     except Exception as e:
         name = type(e).__name__
@@ -118,6 +118,7 @@ class HFModel:
     DEFAULTS: dict = field(default_factory=dict)
     MAX_CONTEXT: int | None = None
     name: str = ""  # the folder or Hub id, for the config's name_or_path (a saved adapter names its base by it)
+    data_sha256: str | None = None  # train --data: the packed tokens' (text_data.with_data sets the data hooks)
 
     def __post_init__(self):
         self.MAX_CONTEXT = getattr(self.config, "max_position_embeddings", None)

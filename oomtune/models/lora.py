@@ -3,6 +3,8 @@ Hugging Face folder built, the base frozen. Targets that match nothing name the 
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
@@ -49,9 +51,12 @@ def check_targets(model_file) -> None:
     section = model_file.section
     if section is None or section.lora is None:
         return
+    hooks = model_file.module
+    if getattr(hooks, "load_weights", False):  # (a Hugging Face model's layers are its config's: no weights read)
+        hooks = dataclasses.replace(hooks, load_weights=False)
     try:
         with torch.device("meta"):
-            model = model_file.module.build_model(**(model_file.args or {}))
+            model = hooks.build_model(**(model_file.args or {}))
     except Exception:
         return
     if not isinstance(model, nn.Module):

@@ -22,17 +22,19 @@ HF_BODY = '''from pathlib import Path
 from transformers import AutoConfig, {auto}
 
 SOURCE = {source}  # the folder (or Hub id) this was written from
+REVISION = {revision!r}  # the Hub revision (None: the default branch)
 ARGS = {{"num_hidden_layers": {layers}}}  # build_model's arguments: `--model-arg num_hidden_layers=2` overrides
 DEFAULTS = {{"batch": 8, "context": {context}}}  # probe targets where the command line gives none
 
 
 def build_model(num_hidden_layers):
     torch.manual_seed(0)  # the same weights on every build (a resumed run rebuilds the model)
-    config = AutoConfig.from_pretrained(SOURCE, num_hidden_layers=num_hidden_layers)
-    return {auto}.from_config(config)  # or {auto}.from_pretrained(SOURCE) for its weights
+    config = AutoConfig.from_pretrained(SOURCE, revision=REVISION, num_hidden_layers=num_hidden_layers){fixup}
+    model = {auto}.from_config(config)  # the weights too: .from_pretrained(SOURCE, revision=REVISION)
     # LoRA: `--lora-r 16` on the command line, or here:
     #   from peft import LoraConfig, get_peft_model
-    #   return get_peft_model(model, LoraConfig(r=16, target_modules=["q_proj", "v_proj"]))
+    #   model = get_peft_model(model, LoraConfig(r=16, target_modules=["q_proj", "v_proj"]))
+    return model
 
 
 def make_batch(batch_size, context_length, device):
@@ -125,7 +127,12 @@ def hf_template(name: str, source: str, config, task: str) -> str:
               "seq2seq": "ids.clone()"}.get(task, "ids")
     title = f"{source} ({config.model_type}, {task}), built from its config: change the loss or the data here."
     on_hub = source.startswith("hf:")
-    where = repr(source.removeprefix("hf:")) if on_hub else \
-        f"str(Path(__file__).resolve().parent / {source!r})"
+    repo, _, revision = source.removeprefix("hf:").partition("@")
+    where = repr(repo) if on_hub else f"str(Path(__file__).resolve().parent / {source!r})"
+    fixup = {"sequence-classification": "\n    if config.pad_token_id is None:  # (a decoder's classifier finds "
+                                        "the last token by it)\n        config.pad_token_id = 0",
+             "seq2seq": "\n    if config.decoder_start_token_id is None:\n        config.decoder_start_token_id = "
+                        "config.pad_token_id or 0"}.get(task, "")
     return HEAD.format(title=title, name=name) + HF_BODY.format(
-        auto=AUTO[task], source=where, layers=layers, context=context, vocab=config.vocab_size, labels=labels)
+        auto=AUTO[task], source=where, revision=revision or None, layers=layers, context=context,
+        vocab=config.vocab_size, labels=labels, fixup=fixup)

@@ -6,6 +6,7 @@ run draws what the first run drew."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -74,6 +75,7 @@ class PackedText:
             raise ModelFileError(f"--data {path}: {len(ids):,} tokens make fewer than two sequences of the plan's "
                                  f"context {context} (one to train on, one to evaluate)")
         sequences = torch.tensor(ids[:n * context]).view(n, context)  # (n, context)
+        self.digest = hashlib.sha256(sequences.numpy().tobytes()).hexdigest()  # the file, tokenizer and context
         held = max(1, n // EVAL_SHARE)
         self.train, self.eval = sequences[:-held], sequences[-held:]
         self.path, self.context = path, context
@@ -96,11 +98,13 @@ class PackedText:
             yield {"input_ids": ids, "labels": ids}
 
 
-def with_data(model_file, data: str | Path, context: int) -> None:
+def with_data(model_file, data: str | Path, context: int) -> str:
     """Give a Hugging Face causal LM's hooks the data of `data` (its tokenizer's), checked now: bad input is one
-    line before the run dir is touched."""
+    line before the run dir is touched. -> the packed tokens' sha256."""
+    from .hf import HFModel
+
     hooks = model_file.module
-    task = getattr(hooks, "task", None)
+    task = hooks.task if isinstance(hooks, HFModel) else None
     if task is None:
         raise ModelFileError(f"{model_file.label}: --data is for a Hugging Face model's folder (its tokenizer); a "
                              "model file gives its data with train_batches()")
@@ -109,3 +113,11 @@ def with_data(model_file, data: str | Path, context: int) -> None:
                              "labels: give them with a model file's train_batches() (oomtune init writes one)")
     packed = PackedText(Path(data), tokenizer_of(hooks.folder, model_file.label), hooks.config.vocab_size, context)
     hooks.train_batches, hooks.eval_batches = packed.train_batches, packed.eval_batches
+    hooks.data_sha256 = packed.digest
+    return packed.digest
+
+
+def data_digest(model_file) -> dict:
+    """What a checkpoint records of --data's tokens (a resume with other tokens is refused)."""
+    digest = getattr(model_file.module, "data_sha256", None)
+    return {} if digest is None else {"sha256": digest}

@@ -29,6 +29,7 @@ from ..models.text_data import with_data
 from ..search.check import check_floor, check_margin
 from ..units import format_bytes
 from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, older_intact
+from .pretrained import check_ours
 from .rundir import METRICS, check_run_dir, in_use_message, no_checkpoint_message, run_dir_user
 
 
@@ -65,6 +66,7 @@ def check_inputs(config_path: str | Path, overrides: dict[str, Any] | None, *, r
         raise ModelFileError(f"{config_path}: {e.message}") from None
     run_dir = Path(cfg.run_dir)
     check_run_dir(run_dir)  # a file, an unwritable folder: bad input, before the model is built
+    check_ours(run_dir)  # an adapter/ or model/ of the user's, which the end of the run would replace
     user = run_dir_user(run_dir) if worker_rank() in (None, 0) else None  # (rank 0 of these ranks may hold it now)
     if user is not None:
         raise OomtuneError(in_use_message(run_dir, user), BAD_INPUT)
@@ -99,7 +101,11 @@ def check_inputs(config_path: str | Path, overrides: dict[str, Any] | None, *, r
     where = str(latest or config_path)
     plan = plan_for_ranks(plan, world_size, where)
     if cfg.data is not None:  # (checked here: a bad file is one line before the run dir is touched)
-        with_data(model_file, cfg.data, plan.context_length)
+        digest = with_data(model_file, cfg.data, plan.context_length)
+        if state is not None and state["data"].get("sha256") not in (None, digest):
+            raise OomtuneError(f"--data {cfg.data}: its tokens are not those {latest} was trained on (another file, "
+                               "tokenizer or context): resume with the same data, or pass --run-dir for a new run",
+                               BAD_INPUT)
     data_batch = state["data"]["batch_size"] if state else plan.micro_batch_size
     return Inputs(config_path, file_config, cfg, model_file, run_dir, plan, data_batch,
                   share_size(plan, data_batch, where), state, latest, notes)

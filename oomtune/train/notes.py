@@ -62,6 +62,10 @@ def data_notes(t: Training, model_file: ModelFile, device: Device) -> list[Note]
     """Warnings about what the run trains on: a compiled model on a simulated device (run eagerly), synthetic data
     (no train_batches), no evaluation (no eval_batches)."""
     label, notes = model_file.label, []
+    hooks = model_file.module
+    if getattr(hooks, "load_weights", False) and not hooks.weights:  # (a Hugging Face folder, or a config.json)
+        notes.append(Note(f"{label} has no weights (model.safetensors, pytorch_model.bin): training starts from "
+                          "random ones, built from its config.json", warning=True))
     if isinstance(device, TrackedDevice) and is_compiled(t.module):
         notes.append(Note(eager_note(label, device.kind, training=True), warning=True))
     if not model_file.has("train_batches"):

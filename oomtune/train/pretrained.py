@@ -1,7 +1,8 @@
 """The trained model in the format users keep: a PEFT model's adapter (`adapter/`: adapter_config.json,
 adapter_model.safetensors) or a Hugging Face model's `save_pretrained` folder (`model/`), written into the run dir at
 the end of training (and at every checkpoint with train.save_adapter). Each is written whole into a new folder
-beside it, then swapped in: a crash leaves the previous one, never half of one."""
+beside it, then swapped in (a save cut short is undone by the next); only a folder oomtune wrote (its marker file)
+is ever replaced."""
 
 from __future__ import annotations
 
@@ -11,7 +12,30 @@ from pathlib import Path
 
 from torch import nn
 
+from ..errors import BAD_INPUT, OomtuneError
+
 ADAPTER, MODEL = "adapter", "model"
+MARKER = ".oomtune-saved"  # in each folder oomtune wrote: only such a folder is ever replaced
+
+
+def check_ours(run_dir: Path) -> None:
+    """Before training: an adapter/ or model/ in the run dir that oomtune did not write (no marker; a link, a file)
+    is bad input, never replaced at the end of the run."""
+    for kind in (ADAPTER, MODEL):
+        there = run_dir / kind
+        if there.is_symlink() or (there.exists() and not (there.is_dir() and (there / MARKER).is_file())):
+            raise OomtuneError(f"run dir {run_dir} holds {kind}/, which oomtune did not write: training saves the "
+                               f"trained {kind} there at the end; move it away, or pass another --run-dir", BAD_INPUT)
+
+
+def _recover(run_dir: Path, kind: str, final: Path) -> None:
+    """What a save cut short left: the previous folder put back where it was, the half-written ones removed."""
+    for old in run_dir.glob(f".{kind}.old-*"):
+        if not final.exists() and (old / kind).is_dir():
+            (old / kind).rename(final)
+        shutil.rmtree(old, ignore_errors=True)
+    for new in run_dir.glob(f".{kind}.new-*"):
+        shutil.rmtree(new, ignore_errors=True)
 
 
 def kind_of(module: nn.Module) -> str | None:
@@ -29,12 +53,13 @@ def save_pretrained(module: nn.Module, run_dir: Path) -> Path | None:
     if kind is None:
         return None
     final = run_dir / kind
-    if final.is_symlink() or (final.exists() and not final.is_dir()):
-        raise OSError(f"{final} is not a folder oomtune wrote: not replacing it")
+    _recover(run_dir, kind, final)
+    check_ours(run_dir)
     fresh = Path(tempfile.mkdtemp(prefix=f".{kind}.new-", dir=run_dir))
     old = None
     try:
         module.save_pretrained(str(fresh), safe_serialization=True)
+        (fresh / MARKER).write_text("written by oomtune train: replaced by the next save\n")
         if final.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{kind}.old-", dir=run_dir))
             final.rename(old / kind)

@@ -1,11 +1,10 @@
 """`oomtune train`: the training loop around `step.train_step`, the same step the probe measured.
 
 One optimizer step draws `global_batch / data_batch` batches from the data stream, cuts each into this rank's
-micro-batches of the current plan (data.Shares) and hands them to `train_step`. The trainer is made of parts:
-`RunState` (state.py: step, plan, phase, checkpoints, fallbacks, declared in one place); a `Checkpointer` (one file
-on one process, a DCP folder on a process group); a `RecoveryPolicy` (recovery.py: what an out-of-memory error, a
-diverged loss or an error mid-run does; the trainer carries it out: `_fall_back`, `_stop`); `check_losses`,
-`DataStream` and `Shares` (data.py), `RunLog` (rundir.py: the logs and the run dir's lock), `graceful_stop`.
+micro-batches of the current plan (data.Shares) and hands them to `train_step`. Its parts: `RunState` (state.py,
+declared in one place); a `Checkpointer` (a file on one process, a DCP folder on a group); a `RecoveryPolicy`
+(recovery.py: what an OOM, a diverged loss or an error mid-run does; the trainer carries it out: `_fall_back`,
+`_stop`); `check_losses`, `DataStream`, `Shares` (data.py), `RunLog` (rundir.py: logs, lock), `graceful_stop`.
 
 Exact resume: a checkpoint holds the model, optimizer, scaler, step and the global RNG states. The data come from a
 private RNG stream (seed + 1) that is swapped in around every draw, so the model's randomness (dropout) and the
@@ -13,8 +12,8 @@ data's never interleave; resuming replays the data stream to its position (step 
 the global RNGs, so a resumed run computes what an uninterrupted run would have, bit for bit on the same machine.
 
 On several ranks (torchrun, plan.sharding ddp / fsdp) every rank runs this loop on its share of each global batch;
-rank 0 alone writes the run dir's logs, the config and the adapter (pretrained.py), every rank its part of a
-checkpoint. Library code: it reports through `on_event` callbacks and returns a TrainResult; it never prints."""
+rank 0 alone writes the logs, the config and the adapter (pretrained.py), every rank its part of a checkpoint.
+Library code: it reports through `on_event` callbacks and returns a TrainResult; it never prints."""
 
 from __future__ import annotations
 
@@ -34,6 +33,7 @@ from ..errors import BAD_INPUT, OomtuneError, first_line
 from ..memory.devices import is_oom
 from ..memory.threads import simulated_threads
 from ..model_file import Batch
+from ..models.text_data import data_digest
 from ..step import Training, build_training, eval_loss, state_bytes, train_step
 from .checkpoint import KEEP
 from .checkpointer import checkpointer_for, optimizer_class, restore, resume_notes
@@ -161,10 +161,10 @@ class Trainer:
             inputs.resume_state = None  # free the loaded copy
         self.log.open(clean=self.dist.is_main, fresh=inputs.resumed_from is None)  # its lock: rank 0, to run()'s end
         self.log.truncate_metrics(self.state.step)
-        self.log.event("resume" if inputs.resumed_from else "start", step=self.state.step,
-                       plan=to_dict(self.state.plan), train=to_dict(cfg), device=self.device.name,
-                       config=str(inputs.config_path),
-                       checkpoint=inputs.resumed_from.name if inputs.resumed_from else None)
+        resumed = inputs.resumed_from
+        self.log.event("resume" if resumed else "start", step=self.state.step, plan=to_dict(self.state.plan),
+                       train=to_dict(cfg), device=self.device.name, config=str(inputs.config_path),
+                       checkpoint=resumed.name if resumed else None)
         self.on_event(Started(self.state.plan, cfg, self.state.step, self.device.name, inputs.run_dir, self.data_hook,
                               self.evaluates, inputs.resumed_from))
         for note in self.notes + built_notes(self.t, inputs) + data_notes(self.t, inputs.model_file, self.device):
@@ -368,7 +368,7 @@ class Trainer:
         meta = {
             "step": s.step, "plan": to_dict(s.plan),
             "data": {"batch_size": self.inputs.data_batch, "batches": s.step * self.batches_per_step,
-                     "hook": self.data_hook},
+                     "hook": self.data_hook, **data_digest(self.model_file)},
             "scaler": t.scaler.state_dict(), "train": to_dict(self.cfg), "model_file": str(self.model_file.path),
             "torch_version": str(torch.__version__), "run_on": self.run_on,
             "optimizer_class": optimizer_class(t.optimizer), **adalora.saved(t.rank_allocator)}  # AdaLoRA's scores

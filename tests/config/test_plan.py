@@ -173,3 +173,21 @@ def test_fp16_with_offloaded_optimizer_is_refused_in_one_line(tmp_path):
                      "--precision", "fp16", "--levers", "offload")
     assert result.exit_code == 2, result.output
     assert "AssertionError" not in result.output and "offload_optimizer" in result.output
+
+
+def test_an_out_of_memory_rewrite_of_a_config_naming_its_model_by_a_string_edits_the_plan_in_place(tmp_path):
+    """A config written as `model: m.py` (before model: was a section): the plan's numbers change in place, the
+    person's comments stay."""
+    import dataclasses
+
+    from oomtune.config.writing import rewrite_plan
+
+    path = tmp_path / "c.yaml"
+    path.write_text("model: m.py  # my model\nplan:\n  micro_batch_size: 4  # mine\n  context_length: 128\n"
+                    "  grad_accum_steps: 1\n  global_batch_size: 4\n")
+    started = load_config(path).plan
+    smaller = dataclasses.replace(started, micro_batch_size=2, grad_accum_steps=2)
+    rewrite_plan(path, started, smaller, "halved")
+    text = path.read_text()
+    assert "model: m.py  # my model" in text and "micro_batch_size: 2  # mine" in text
+    assert load_config(path).plan == smaller

@@ -230,3 +230,14 @@ def test_the_model_flags_a_launcher_passes_on_rebuild_the_same_section(tmp_path)
     recorded = load_config(out).model
     assert (recorded.task, recorded.dtype, recorded.padding, recorded.lora) == \
         (section.task, section.dtype, section.padding, section.lora)
+
+
+@pytest.mark.parametrize("named", ["config.json", "folder"])
+def test_an_estimate_again_replaces_its_own_config(tmp_path, named):
+    """fake device: the config of a config.json (or a folder) is the same model's on the next run, not another's."""
+    where, out = folder(tmp_path, "gpt2"), tmp_path / "best.yaml"
+    model = where / "config.json" if named == "config.json" else where
+    for _ in range(2):
+        r = run_cli("estimate", model, "--budget", "4GiB", "--margin", "0", "--batch", "2", "--context", "16",
+                    "--out", out)
+        assert r.exit_code == 0, r.output

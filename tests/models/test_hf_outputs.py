@@ -125,3 +125,49 @@ def test_init_writes_a_model_file_that_estimates(tmp_path, start):
     assert r.exit_code == 0, r.output
     assert load_config(tmp_path / "mine.yaml").model.args[arg.split("=")[0]] == int(arg.split("=")[1])
     one_line_error(run_cli(*args), "exists: not overwriting it")
+
+
+def test_a_resume_on_other_data_and_a_users_adapter_folder_are_refused(tmp_path, llama_config):
+    """cpu device: --resume with another --data file (other tokens) is one line and exit 2, the run dir left as it
+    was; an adapter/ folder of the user's in a new run dir is never replaced."""
+    out, data = llama_config
+    run = tmp_path / "run"
+    assert run_cli("train", "--config", out, "--data", data, "--steps", "1", "--run-dir", run).exit_code == 0
+    before = sorted(p.name for p in run.iterdir())
+    other = tmp_path / "other.jsonl"
+    other.write_text("".join(json.dumps({"text": " ".join(reversed(WORDS * 3))}) + "\n" for _ in range(40)))
+    one_line_error(run_cli("train", "--config", out, "--data", other, "--steps", "2", "--run-dir", run, "--resume"),
+                   "its tokens are not those", "ckpt-00000001.pt")
+    assert sorted(p.name for p in run.iterdir()) == before
+    mine = tmp_path / "mine"
+    (mine / "adapter").mkdir(parents=True)
+    (mine / "adapter" / "notes.txt").write_text("mine")
+    one_line_error(run_cli("train", "--config", out, "--steps", "1", "--run-dir", mine),
+                   "holds adapter/, which oomtune did not write")
+    assert (mine / "adapter" / "notes.txt").read_text() == "mine"
+
+
+def test_a_model_files_string_args_survive_the_config(tmp_path, write_model):
+    """fake device: an ARGS string that reads as a number ('2', '1e-3') is written and read back as a string."""
+    model = write_model('''
+import torch
+from torch import nn
+
+ARGS = {"tag": "v1", "width": 8}
+
+def build_model(tag, width):
+    assert isinstance(tag, str), tag
+    return nn.Linear(width, width)
+
+def make_batch(batch_size, context_length, device):
+    return torch.randn(batch_size, 8, device=device)
+
+def loss(model, batch):
+    return model(batch).pow(2).mean()
+''')
+    out = tmp_path / "best.yaml"
+    assert run_cli("estimate", model, "--budget", "1GiB", "--margin", "0", "--batch", "2", "--context", "1",
+                   "--model-arg", "tag=1e-3", "--out", out).exit_code == 0
+    assert load_config(out).model.args == {"tag": "1e-3", "width": 8}
+    r = run_cli("check", "--config", out)
+    assert r.exit_code == 0, r.output
