@@ -10,7 +10,8 @@ COMMENTS = {
     "model": "what the model is and what shapes it: check, train and export rebuild it from this",
     "model.source": ("a model file, a Hugging Face folder or config.json (relative to this file's folder, unless "
                      "absolute), or hf:ORG/NAME[@REVISION]"),
-    "model.sha256": "of the model file / config.json when written: a changed one is refused (delete this to accept)",
+    "model.sha256": ("of the model file / config.json when written: train and export refuse a changed one (delete "
+                     "this to accept)"),
     "model.task": "causal-lm | sequence-classification | seq2seq",
     "model.dtype": "the weights as built or loaded: float32 | bfloat16 | float16",
     "model.padding": "batches carry an attention mask with padded positions",
