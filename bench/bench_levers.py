@@ -1,7 +1,8 @@
 """`make bench-levers`: `oomtune estimate` on a 7B Llama (built from its config on fake tensors, no weights) at
 batch 8, context 2048, for the fine-tuning cases the levers past accumulation are for: full fine-tuning and LoRA
-on a 24 GB card, LoRA on a 12 GB card (from the model file, and from a Hugging Face folder with LoRA flags). The plan (or why nothing fits), its peak and host memory, the trials and
-the wall time of each go into bench/RESULTS.md between `<!-- levers:begin -->` and `<!-- levers:end -->`.
+on a 24 GB card, LoRA on a 12 GB card (from the model file, and from a Hugging Face folder with LoRA flags). The
+plan (or why nothing fits), its peak and host memory, the trials and the wall time of each go into bench/RESULTS.md
+between `<!-- levers:begin -->` and `<!-- levers:end -->`.
 
     .venv/bin/python -m bench.bench_levers [--out bench/RESULTS.md]
 
