@@ -18,7 +18,8 @@ TaskOpt = Annotated[str | None, typer.Option(
     "--task", help="A Hugging Face model's task: causal-lm | sequence-classification | seq2seq (default: from "
     "config.json's architectures).")]
 DtypeOpt = Annotated[str | None, typer.Option(
-    "--dtype", help="A Hugging Face model's weights as built or loaded: float32 (default) | bfloat16 | float16.")]
+    "--dtype", help="A Hugging Face model's weights as built or loaded: float32 | bfloat16 | float16 (default: "
+    "float32, bf16 in a bf16-true plan; never config.json's).")]
 PaddingOpt = Annotated[bool, typer.Option(
     "--padding", help="A Hugging Face model's batches carry an attention mask with padding (every other sequence "
     "a quarter padding).")]

@@ -16,7 +16,7 @@ from functools import cache
 from pathlib import Path
 
 from ..errors import OomtuneError
-from .schema import ModelSection, Plan
+from .schema import PEFT_TASKS, ModelSection, Plan
 
 TARGETS = ("hf", "lightning", "accelerate", "torchtune")
 
@@ -98,10 +98,9 @@ def _hf_model_configs(plan: Plan, model: ModelSection | None) -> list[str]:
     out = []
     lora = model.lora if model is not None else None
     if lora is not None:
-        task = {"causal-lm": "CAUSAL_LM", "sequence-classification": "SEQ_CLS", "seq2seq": "SEQ_2_SEQ_LM"}
         args = [f"r={lora.r}", f"lora_alpha={2 * lora.r if lora.alpha is None else lora.alpha:g}",
                 f"lora_dropout={lora.dropout:g}", f"target_modules={list(lora.targets) or None}"]
-        args += [f"task_type={task[model.task]!r}"] if model.task is not None else []
+        args += [f"task_type={PEFT_TASKS[model.task]!r}"] if model.task is not None else []
         out.append(f"lora: peft.get_peft_model(model, LoraConfig({', '.join(args)}))")
     if plan.nf4_frozen_weights:
         compute = {"fp32": "float32", "fp16": "float16"}.get(plan.precision, "bfloat16")

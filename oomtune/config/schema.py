@@ -279,6 +279,7 @@ class FoundBy:
 
 
 TASKS = ("causal-lm", "sequence-classification", "seq2seq")  # what a Hugging Face model is trained to do
+PEFT_TASKS = {"causal-lm": "CAUSAL_LM", "sequence-classification": "SEQ_CLS", "seq2seq": "SEQ_2_SEQ_LM"}  # PEFT's
 MODEL_DTYPES = ("float32", "bfloat16", "float16")  # what a Hugging Face model's weights are built or loaded in
 HUB = "hf:"  # a model source on the Hugging Face Hub: hf:ORG/NAME[@REVISION]
 
@@ -307,13 +308,13 @@ class ModelSection:
     """Everything that shapes the model: where it comes from and the arguments it was built with."""
     source: str  # a model file, a Hugging Face folder or its config.json (relative to the config's folder unless
     # absolute), or hf:ORG/NAME[@REVISION]
-    sha256: str | None = None  # of the model file / config.json when the config was written: a changed one is refused
+    sha256: str | None = None  # of the model file / config.json when written: train and export refuse a changed one
     task: Literal["causal-lm", "sequence-classification", "seq2seq"] | None = None  # Hugging Face models
     dtype: Literal["float32", "bfloat16", "float16"] | None = None  # Hugging Face models (None: float32, bf16 in a
     # bf16-true plan; never config.json's torch_dtype)
     padding: bool = False  # Hugging Face models: batches carry an attention mask with padding
     lora: LoraSection | None = None
-    args: dict[str, int | bool | str | float] = field(default_factory=dict)  # a model file's ARGS overrides
+    args: dict[str, int | bool | str | float] = field(default_factory=dict)  # a model file's ARGS, as built
 
     def __post_init__(self):
         if not self.source or "\0" in self.source:

@@ -8,10 +8,8 @@ import dataclasses
 import torch
 from torch import nn
 
-from ..config.schema import LoraSection
+from ..config.schema import PEFT_TASKS, LoraSection
 from ..errors import ModelFileError, first_line
-
-PEFT_TASKS = {"causal-lm": "CAUSAL_LM", "sequence-classification": "SEQ_CLS", "seq2seq": "SEQ_2_SEQ_LM"}
 
 
 def adaptable(model: nn.Module) -> list[str]:

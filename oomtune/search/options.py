@@ -86,7 +86,7 @@ def resolve_targets(model_file: ModelFile, batch: int | None, context: int | Non
                            + (f" (give --min-context {t} or less)" if min_context is None else ""))
     if model_file.max_context is not None and t > model_file.max_context:
         raise OomtuneError(f"{source('context')} {t} is longer than {model_file.label} takes: at most "
-                           f"{model_file.max_context} tokens (its max_position_embeddings)")
+                           f"{model_file.max_context} tokens (its max_position_embeddings, or MAX_CONTEXT)")
     return Targets(b, t, t_min)
 
 

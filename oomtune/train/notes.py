@@ -15,6 +15,7 @@ from ..hook_names import hook_name_notes
 from ..memory.cards import find_gpu
 from ..memory.devices import Device, TrackedDevice
 from ..model_file import ModelFile, eager_note, is_compiled
+from ..models.hf import HFModel
 from ..search.weights_dtype import precision_note
 from ..step import Training
 from ..units import format_bytes
@@ -63,7 +64,7 @@ def data_notes(t: Training, model_file: ModelFile, device: Device) -> list[Note]
     (no train_batches), no evaluation (no eval_batches)."""
     label, notes = model_file.label, []
     hooks = model_file.module
-    if getattr(hooks, "load_weights", False) and not hooks.weights:  # (a Hugging Face folder, or a config.json)
+    if isinstance(hooks, HFModel) and hooks.load_weights and not hooks.weights:  # (a folder, or a config.json)
         notes.append(Note(f"{label} has no weights (model.safetensors, pytorch_model.bin): training starts from "
                           "random ones, built from its config.json", warning=True))
     if isinstance(device, TrackedDevice) and is_compiled(t.module):
