@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .attention_shapes import made, result_layouts, valueless
 from .cards import GpuSpec
 from .tracker import adopt, untracked
 
@@ -168,6 +169,44 @@ def _math(c: Call) -> torch.Tensor:
         c.q, c.k, c.v, c.mask, c.dropout, c.causal, None, scale=c.scale, **gqa)[0]
 
 
+def _options(c: Call) -> tuple:
+    return c.dropout, c.causal, c.scale, c.gqa
+
+
+def _attention_elements(c: Call) -> int:
+    return c.q.shape[0] * c.q.shape[1] * c.q.shape[2] * c.k.shape[-2]
+
+
+def _math_run(options: tuple):
+    """The math backend on inputs (q, k, v, mask) with these options (for attention_shapes on meta tensors)."""
+    return lambda q, k, v, mask: _math(Call(q, k, v, mask, *options))
+
+
+def _fused_values(c: Call) -> torch.Tensor:
+    """The output a fused kernel returns, with the CPU's values; on valueless fake inputs only its layout
+    (attention_shapes), without running the composite."""
+    if valueless((c.q, c.k, c.v, c.mask), c.dropout, _attention_elements(c)):
+        layouts = result_layouts(_math_run(_options(c)), (c.q, c.k, c.v, c.mask), _options(c))
+        if layouts is not None:
+            return made(layouts, c.q.device)[0]
+    return _math(c).detach()
+
+
+def _fused_grads(ins: list, options: tuple, dout: torch.Tensor) -> list:
+    """The gradients of the inputs `ins` (q, k, v, mask; None or not requiring one: None) given the output's."""
+    wanted = [t for t in ins if t is not None and t.requires_grad]
+    c = Call(*ins, *options)
+    layouts = None
+    if valueless((*ins, dout), c.dropout, _attention_elements(c)):
+        layouts = result_layouts(_math_run(options), tuple(ins), options, grad_of=dout)
+    if layouts is not None:
+        grads = iter(made(layouts, dout.device))
+    else:
+        out = _math(c)
+        grads = iter(torch.autograd.grad(out, wanted, dout) if wanted else ())
+    return [next(grads) if t is not None and t.requires_grad else None for t in ins]
+
+
 def _padded(t: torch.Tensor) -> torch.Tensor:
     """The flash kernel's copy of q, k, v or the output gradient with the head dim padded to a multiple of 8."""
     return F.pad(t, (0, _round(t.shape[-1], 8) - t.shape[-1]))
@@ -186,7 +225,7 @@ class _FusedAttention(torch.autograd.Function):
         pad = backend == "flash" and q.shape[-1] % 8 != 0
         copies = [_padded(t) for t in (q, k, v)] if pad else []  # the kernel's inputs, freed once it returns
         with untracked():
-            out = _math(Call(q, k, v, mask, *options)).detach()
+            out = _fused_values(Call(q, k, v, mask, *options))
             stored = _padded(out) if pad else out
         adopt(stored)
         lse = torch.empty(_lse_shape(backend, q, needs_grad), dtype=torch.float32, device=q.device)
@@ -206,10 +245,7 @@ class _FusedAttention(torch.autograd.Function):
             if ctx.rng is not None:
                 torch.set_rng_state(ctx.rng)  # the forward's dropout mask again
             ins = [t.detach().requires_grad_(t.requires_grad) if t is not None else None for t in (q, k, v, mask)]
-            wanted = [t for t in ins if t is not None and t.requires_grad]
-            out = _math(Call(*ins, *ctx.options))
-            grads = iter(torch.autograd.grad(out, wanted, dout) if wanted else ())
-            result = [next(grads) if t is not None and t.requires_grad else None for t in ins]
+            result = _fused_grads(ins, ctx.options, dout)
             stored = [_padded(g) if pad and g is not None and i < 3 else g for i, g in enumerate(result)]
         adopt(*[g for g in stored if g is not None])
         del scratch
