@@ -14,8 +14,10 @@ PyYAML, typer and rich are not needed.
   3. the probe on the real GPU, per example (4 GiB budget, target batch 4096): the plan, trials, wall time, from
      the estimate and with --no-prior, next to the fake device's plan for the same targets and budget
   4. the kernels the fake device follows the CPU for (an LSTM's cuDNN reserve space, fp32 grouped matmul)
-  5. the probe table's row for a realistic model, GPT-2 small (16 GiB, target batch 32, context 1024), where the
-     time box leaves it ~2.5 minutes: whether the prior pays in wall time where a device trial costs real compute
+  5. the probe table's rows for realistic models, GPT-2 small (16 GiB, target batch 32, context 1024) and a 1.1B
+     Llama with LoRA (16 GiB, target batch 16, context 1024), where the time box leaves each ~2.5-3 minutes: whether
+     the prior (default "auto": skipped where it would not pay) pays in wall time where a device trial costs real
+     compute, against the search with --no-prior
 
 Prints one Markdown report; with $OUT set, also writes $OUT/gpu_check.md, $OUT/gpu_check.json and the full
 pytest output $OUT/gpu_tests.txt.
@@ -41,7 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # the checkout, not an installed copy
 sys.path.insert(0, str(ROOT / "scripts"))  # its tables, beside this file
 
-from gpu_probe import GPT2_NEEDS_S, probe_table, realistic_table  # noqa: E402 - after the path
+from gpu_probe import GPT2_NEEDS_S, LLAMA_1B_LORA, LORA_NEEDS_S, probe_table, realistic_table  # noqa: E402 - after the path
 from gpu_tables import Report, TimeBox, kernel_table, memory_table  # noqa: E402
 
 OPTIONAL = ("pytest", "pynvml", "yaml", "typer", "rich")
@@ -202,7 +204,8 @@ def run_checks(rep: Report, torch, args, deadline: float, out_dir: str | None) -
         rep.data["tests"] = {"status": "skipped by --skip-tests"}
         rep.problem("gpu tests skipped")
     else:  # the tests run in their own process; leave the tables ~2.5 minutes and the realistic row its own
-        run_gpu_tests(rep, max(30.0, min(args.tests_time, deadline - time.monotonic() - 150 - GPT2_NEEDS_S)), out_dir)
+        realistic = GPT2_NEEDS_S + LORA_NEEDS_S
+        run_gpu_tests(rep, max(30.0, min(args.tests_time, deadline - time.monotonic() - 150 - realistic)), out_dir)
     from oomtune.memory.devices import make_device
 
     signal.signal(signal.SIGALRM, _alarm)
@@ -211,7 +214,8 @@ def run_checks(rep: Report, torch, args, deadline: float, out_dir: str | None) -
         context = memory_table(rep, make_device("cuda"), deadline, gpu)
         probe_table(rep, deadline, context)
         kernel_table(rep, torch)
-        realistic_table(rep, deadline, context)  # last: where the time box is short, only it is lost
+        realistic_table(rep, deadline, context)  # last: where the time box is short, only they are lost
+        realistic_table(rep, deadline, context, case=LLAMA_1B_LORA, needs_s=LORA_NEEDS_S, key="probe_realistic_lora")
     except TimeBox:
         rep.problem("time box hit")
         rep.say(f"\n**time box**: stopped after {args.time_box:.0f} s")
