@@ -48,11 +48,13 @@ _RESIZE = torch.UntypedStorage.resize_
 def _tracked_resize(storage: torch.UntypedStorage, size: int):
     """UntypedStorage.resize_ while a tracker is active. FSDP frees and re-allocates an unsharded parameter by
     resizing its storage in place (to 0 and back), which never reaches the dispatcher: the trackers are told
-    here, and one over its budget refuses to grow the storage, as the CUDA allocator would."""
-    for tracker in _ACTIVE:
+    here, and one over its budget refuses to grow the storage, as the CUDA allocator would. Not those paused
+    (untracked(): a storage made there is none of theirs)."""
+    counting = [tracker for tracker in _ACTIVE if not tracker._paused]
+    for tracker in counting:
         tracker._check_resize(storage, size)
     out = _RESIZE(storage, size)
-    for tracker in _ACTIVE:
+    for tracker in counting:
         tracker._account_storage(storage)
     return out
 

@@ -82,13 +82,10 @@ class ReplayedTrials(ReplayingTrials):
         super().__init__()
         self.budget_bytes = budget_bytes
         self.breakdowns: dict[Plan, MemoryBreakdown] = {}
-        self.made: set[Plan] = set()  # trials made from fewer blocks (extrapolate.py): the answer is run whole
 
     def run_one(self, model_file: ModelFile, plan: Plan, device: FakeDevice, steps: int, dist) -> TrialResult:
         made = self.blocks.trial(model_file, plan, device,
                                  lambda fewer, p: recorded_trial(fewer, p, device, steps, dist, run_trial))
-        if made is not None:
-            self.made.add(plan)
         result, bd = made or recorded_trial(model_file, plan, device, steps, dist, run_trial)
         if bd is not None:
             self.breakdowns[plan] = bd
@@ -207,9 +204,12 @@ def _estimate(model_file, device, targets, headroom, steps, objective, amp, on_s
 
 def _replayed(model_file, device, targets, headroom, steps, objective, amp, on_start, on_trial, levers, statics,
               recording: RecordingTrials, min_blocks: int | None) -> ProbeResult | None:
-    """The ladder with ReplayedTrials, then the chosen plan run (recorded) where it was replayed: its breakdown,
-    and the check of the replay at the answer. None where it cannot stand (the model needs tensor values, or the
-    replay was off at the answer): the caller then searches with every trial run."""
+    """The ladder with ReplayedTrials, then the chosen plan traced (recorded) where it was replayed: its breakdown,
+    and the check of the replay at the answer (made from fewer blocks where the model repeats them). An answer made
+    from fewer blocks stands as made: the made trial is the whole model's to the byte (the build included), which
+    tests/search/test_block_extrapolation.py holds on every kind of model it has. None where it cannot stand (the
+    model needs tensor values, or the replay was off at the answer): the caller then searches with every trial
+    run."""
     twin = prior_device(device)
     trials = ReplayedTrials(device.budget_bytes)
     if min_blocks is not None:
@@ -224,12 +224,16 @@ def _replayed(model_file, device, targets, headroom, steps, objective, amp, on_s
     if search.config is None:
         return search
     plan = search.config.plan
-    if plan not in trials.breakdowns or plan in trials.made:  # replayed or made from fewer blocks: run it whole,
-        # as the answer's check and for its breakdown
-        result, bd = recorded_trial(model_file, plan, twin, steps, LOCAL, run_trial)
-        if bd is None or result.peak_bytes != search.config.found_by.peak_bytes:
+    if plan not in trials.breakdowns:  # replayed (or made without a breakdown on its lines): traced as its check
+        # and for its breakdown, from fewer blocks where the model repeats them (as exact: the tests hold the two
+        # to the byte on every kind of model), else whole
+        result = trials.run_one(model_file, plan, twin, steps, LOCAL)
+        if plan not in trials.breakdowns:
+            result, bd = recorded_trial(model_file, plan, twin, steps, LOCAL, run_trial)
+            trials.breakdowns[plan] = bd
+        if trials.breakdowns[plan] is None or result.peak_bytes != search.config.found_by.peak_bytes:
             return None
-        recording.breakdowns[plan] = bd
+    recording.breakdowns[plan] = trials.breakdowns[plan]
     return search
 
 

@@ -78,6 +78,8 @@ class BlockTrials:
                 result, bd = run(fewer, plan)
             except Exception:  # noqa: BLE001 - a model that cannot run with fewer blocks runs whole (and raises
                 self.off.add(key)  # there what is the user's)
+                if fewer.seen is not None and not fewer.seen.cut:  # its blocks are copied: never again
+                    self.blocks = 0
                 return None
             if self.blocks is None:
                 self.blocks, self.seen = fewer.repeated or 0, fewer.seen
@@ -105,8 +107,6 @@ class BlockTrials:
         if reading is None or host is None:
             return None
         phases = dict(reading.phase_peaks)
-        if max(phases, key=phases.get) == "setup":  # the build's own temporaries are not in the fewer-block traces
-            return None
         result = TrialResult(plan, oom=False, peak_bytes=reading.peak_bytes,
                              peak_allocated_bytes=reading.peak_allocated_bytes,
                              batch_peak_bytes=reading.batch_peak_bytes, phase_peaks=phases,

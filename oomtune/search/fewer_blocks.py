@@ -4,9 +4,9 @@ N of them is made, not traced (memory/repeats.py).
 The repeated blocks are the longest run of alike members at the end of the model's block stacks (checkpointing's:
 a transformer's layers; T5's first layer, which holds the relative position bias, stays out of the run), alike
 meaning the same classes, parameter and buffer shapes, dtypes and trainability, and the same flags (a hybrid's
-layer type). Every stack with a run as long as the longest keeps k of its run. The model is built untracked and
-truncated, then the tensors it keeps are counted, in the order the model holds them: the blocks cut never exist on
-the device.
+layer type). Every stack with a run as long as the longest keeps k of its run. A first build, untracked, finds them;
+every fewer-block build is then tracked as the whole model's is, with the blocks it cuts constructed untracked
+(cut_when_made): the blocks cut never exist on the device, and the build's own temporaries are in the trace.
 """
 
 from __future__ import annotations
@@ -45,32 +45,69 @@ def repeated_runs(model: nn.Module) -> list[tuple[nn.ModuleList, int]]:
     return [(s, start) for s, start in found if len(s) - start == longest] if longest >= 2 else []
 
 
-@dataclass(frozen=True)
+@dataclass
 class Stacks:
-    """What a first build found: the repeated blocks' class, how many the stacks hold and where their runs start."""
+    """What a first build found: the repeated blocks' class, how many the stacks hold and where their runs start;
+    `cut`: False once a build made them otherwise than by constructing each block (NotCut)."""
 
     kind: type
     length: int
     start: int
+    cut: bool = True
+
+
+class NotCut(Exception):
+    """The stacks were not made as the first build made them (blocks copied, not constructed; another count): the
+    fewer-block trial cannot be traced as the whole model's would be, and the trial runs whole."""
 
 
 @contextlib.contextmanager
 def cut_when_made(stacks: Stacks, keep: int) -> Iterator[None]:
-    """Inside, an nn.ModuleList made with the stacks' length of their blocks' class keeps `keep` of its run as it is
-    made: what the model file does to the model next (PEFT wrapping every projection of every layer) is done to the
-    blocks kept only. (A list filled after it is made is cut after the build.)"""
+    """Inside, a stack of the blocks' class keeps `keep` of its run as it is made, and the blocks it will not keep
+    are constructed untracked: what the model file does to the model next (PEFT wrapping every projection of every
+    layer) is done to the blocks kept only, and the build traces as the whole model's does, one period a block kept
+    (its temporaries included, which the caching allocator model's state after the build depends on). Blocks are
+    counted as they are constructed, from each stack made to the next; a stack made of another count of them
+    raises NotCut."""
     made = nn.ModuleList.__init__
+    kind = stacks.kind
+    own_init = kind.__dict__.get("__init__")
+    constructed = [0]
+    limit = stacks.start + keep
+
+    def block_init(self, *args, **kwargs):
+        def run():
+            if own_init is None:
+                return super(kind, self).__init__(*args, **kwargs)
+            return own_init(self, *args, **kwargs)
+
+        if type(self) is not kind:  # (a subclass's super().__init__)
+            return run()
+        constructed[0] += 1
+        if constructed[0] <= limit:
+            return run()
+        with untracked():  # a block the stack will not keep: never on the device
+            return run()
 
     def init(self, modules=None):
         made(self, modules)
-        if len(self) == stacks.length and all(type(m) is stacks.kind for m in list(self)[stacks.start:]):
-            del self[stacks.start + keep:]
+        if len(self) == stacks.length and all(type(m) is kind for m in list(self)[stacks.start:]):
+            if constructed[0] != stacks.length:
+                stacks.cut = False
+                raise NotCut(f"{stacks.length} blocks in the stack, {constructed[0]} constructed")
+            del self[limit:]
+            constructed[0] = 0
 
     nn.ModuleList.__init__ = init
+    kind.__init__ = block_init
     try:
         yield
     finally:
         nn.ModuleList.__init__ = made
+        if own_init is None:
+            del kind.__init__
+        else:
+            kind.__init__ = own_init
 
 
 @dataclass
@@ -88,17 +125,18 @@ class FewerBlocks:
         return getattr(self.model_file, name)
 
     def build(self) -> nn.Module:
-        cut = cut_when_made(self.seen, self.keep) if self.seen is not None else contextlib.nullcontext()
-        with untracked():
-            with cut:
+        """The model with `keep` blocks. The first build (nothing seen yet) finds the stacks on a whole model built
+        untracked; then, where there is a run to cut, the model is built again, tracked, cut as it is made."""
+        if self.seen is None:
+            with untracked():
                 model = self.model_file.build()
-            runs = repeated_runs(model)
+                runs = repeated_runs(model)
+            self.seen = Stacks(type(runs[0][0][-1]), len(runs[0][0]), runs[0][1]) if runs else None
             if self.seen is None:
-                self.repeated = len(runs[0][0]) - runs[0][1] if runs else 0
-                self.seen = Stacks(type(runs[0][0][-1]), len(runs[0][0]), runs[0][1]) if runs else None
-            else:
-                self.repeated = self.seen.length - self.seen.start
-            for stack, start in runs:
-                del stack[start + self.keep:]
-        adopt(*model.parameters(), *model.buffers())
-        return model
+                self.repeated = 0
+                adopt(*model.parameters(), *model.buffers())
+                return model
+            del model, runs
+        self.repeated = self.seen.length - self.seen.start
+        with cut_when_made(self.seen, self.keep):
+            return self.model_file.build()
