@@ -155,6 +155,7 @@ class LadderSearch:
         self.on_trial = on_trial
         self.trials: list[Trial] = []
         self._seen: dict[Point, Trial] = {}
+        self.out_of_reach: frozenset[str] = frozenset()  # rungs no plan of which can fit (their floor): not tried
 
     def check(self, point: Point, stage: str) -> bool:
         if point not in self._seen:
@@ -274,7 +275,8 @@ class LadderSearch:
         for i, rung in enumerate([*rungs, *past]):
             if i >= len(rungs) and self._reached(results, batch, context, objective, accumulation):
                 break  # the target context is reached: no costlier lever is needed
-            r = self.search_rung(rung, batch, context, min_context)
+            r = (RungResult(rung, None, None, 0) if rung.name in self.out_of_reach
+                 else self.search_rung(rung, batch, context, min_context))
             results.append(r)
             if objective == "fit" and r.context_length == context and r.micro_batch_size == batch:
                 break

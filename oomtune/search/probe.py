@@ -192,9 +192,7 @@ def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: 
                                    statics[1] if statics else None)
     check_static_fits(floor, device, limit, headroom, sharded_by, past if levers != frozenset(LEVERS) else None)
     kernel_notes()  # forget what trials before this probe chose (its own choose again)
-    notes = measurement_notes(model_file, static, device, targets.min_context, amp)
-    unrunnable = amp_cannot_run(static.lstm, device, amp)
-    notes += (f"{model_file.label} {unrunnable}",) if unrunnable and "amp" in levers else ()
+    unreachable, notes = _first_notes(model_file, static, device, targets, amp, levers, rungs, limit, world)
     check_prior(prior, device.kind, world > 1)
     auto = prior == "auto" or (prior is None and device.kind == "cuda" and world == 1)  # timed: does it pay?
     estimating = auto or bool(prior)
@@ -204,13 +202,14 @@ def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: 
         reuse = {"models": ModelCache()} if trial is run_trial else {}  # (estimate's recording trials build anew)
         trials = DeviceTrials(lambda point: trial(model_file, plan_of(point, world), device, steps=steps, dist=dist,
                                              **reuse), world, on_start, on_trial, LeakWatch(model_file.label, limit))
-        report = _prior(trials, model_file, device, Point(rungs[0], 1, targets.context), steps, targets.batch,
+        first = next((r for r in (*rungs, *past.rungs) if r.name not in unreachable), rungs[0])  # timed (auto)
+        report = _prior(trials, model_file, device, Point(first, 1, targets.context), steps, targets.batch,
                         auto, lambda fake, trial: probe(
                             model_file, fake, targets, headroom=headroom, steps=steps, objective=objective, amp=amp,
                             command="estimate", levers=levers, statics=(static, floor), trial=trial, prior=False),
                         ) if estimating else None
         ladder, computed = computing_where_needed(device, model_file.label, lambda: _climb(
-            trials, limit, report, rungs, past, targets, world, objective, "accumulation" in levers))
+            trials, limit, report, rungs, past, targets, world, objective, "accumulation" in levers, unreachable))
     records, host = trials.records, trials.host
     climbed_past = len(ladder.rungs) > len(rungs)
     kernels = kernel_notes(ladder.choice.rung.precision if ladder.choice is not None else None)  # the plan's own
@@ -243,6 +242,18 @@ def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: 
                        budget_bytes=device.budget_bytes, past=past, prior=report)
 
 
+def _first_notes(model_file: ModelFile, static: StaticMemory, device: Device, targets: Targets, amp: str,
+                 levers: frozenset[str], rungs: list[Rung], limit: int, world: int) -> tuple[frozenset[str], tuple]:
+    """The rungs out of reach (out_of_reach) and the notes known before any trial."""
+    notes = measurement_notes(model_file, static, device, targets.min_context, amp)
+    margin = getattr(device, "margin", None)  # (on cuda the budget is the caching allocator's: tensors alone)
+    tensor_budget = margin.tensor_budget(limit) if margin is not None else limit
+    unreachable, note = out_of_reach(rungs, static, tensor_budget, world, model_file.label)
+    unrunnable = amp_cannot_run(static.lstm, device, amp)
+    notes += note + ((f"{model_file.label} {unrunnable}",) if unrunnable and "amp" in levers else ())
+    return unreachable, notes
+
+
 def _prior(trials: DeviceTrials, model_file: ModelFile, device: Device, first: Point, steps: int, batch: int,
            auto: bool, ladder: Callable) -> PriorReport:
     """The prior's report: run (`ladder` on the fake device), or, "auto", skipped where timing the `first` trial
@@ -261,18 +272,35 @@ def flat_margin(device: Device) -> str | None:
 
 
 def _climb(trials: DeviceTrials, limit: int, report: PriorReport | None, rungs: list[Rung], past: PastRungs,
-           targets: Targets, world: int, objective: Objective, accumulation: bool) -> LadderResult:
+           targets: Targets, world: int, objective: Objective, accumulation: bool,
+           unreachable: frozenset[str] = frozenset()) -> LadderResult:
     """The search on the device: certified from the prior's rungs where there is one (the rungs it could not
-    certify go into report.fell_back), else the ladder's own. Run afresh (records cleared) where it reruns on
-    computed tensors."""
+    certify go into report.fell_back), else the ladder's own; the `unreachable` rungs are not tried (out_of_reach).
+    Run afresh (records cleared) where it reruns on computed tensors."""
     trials.records.clear()
     search = (CertifyingSearch(trials.measure, limit, report.priors, on_trial=trials.collect)
               if report and report.priors else LadderSearch(trials.measure, limit, on_trial=trials.collect))
+    search.out_of_reach = unreachable
     ladder = search.run(rungs, targets.batch // world, targets.context, targets.min_context, objective,
                         past=past.rungs, accumulation=accumulation)
     if isinstance(search, CertifyingSearch):
         report.fell_back = tuple(search.fell_back)
     return ladder
+
+
+def out_of_reach(rungs: list[Rung], static: StaticMemory, tensor_budget: int, world: int,
+                 label: str) -> tuple[frozenset[str], tuple[str, ...]]:
+    """The usual rungs (fp32, amp, checkpointing, fsdp) none of whose plans can fit, and the note that says so:
+    the floor, which none of them changes (the weights, gradients and optimizer state and the optimizer step's
+    temporaries; sharded on an fsdp rung), is past the tensor budget, so each of their trials would run out of
+    memory. The ladder climbs past them without trials."""
+    names = [r.name for r in rungs
+             if static.floor_bytes // (world if r.sharding == "fsdp" else 1) > tensor_budget]
+    if not names:
+        return frozenset(), ()
+    return frozenset(names), (f"{label}: not tried on the {', '.join(names)} rung{'s' if len(names) > 1 else ''}: "
+                              f"{static.describe()}, more than the {format_bytes(tensor_budget)} the budget leaves "
+                              "tensors, whatever the batch",)
 
 
 def all_rungs(model_file: ModelFile, device: Device, amp: str, static: StaticMemory, world: int,

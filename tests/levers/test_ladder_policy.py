@@ -87,14 +87,23 @@ def test_estimate_without_accumulation_says_the_batch_not_micro_batch_1_is_what_
 
 def test_probe_climbs_past_accumulation_where_fp32_state_alone_is_over_the_budget(tmp_path):
     """device: cpu. The tiny GPT's fp32 weights + gradients + AdamW state + step temporaries are 5.13 MiB: 5 MiB
-    (4.5 allowed) cannot hold them on any usual rung; bf16-true halves them."""
+    (4.5 allowed) cannot hold them on any usual rung, which are climbed past without a trial (each would run out of
+    memory), with a note; bf16-true halves them. Searched with those rungs tried, the same plan."""
     out = tmp_path / "low.yaml"
     r = run_cli("probe", EXAMPLES / "tiny_gpt.py", "--device", "cpu", "--budget", "5MiB", "--batch", "8", "--context",
                 "64", "--out", out, "--json")
     assert r.exit_code == 0, r.output
     report = json.loads(r.stdout)
     assert [x["rung"] for x in report["rungs"]] == ["fp32", "amp", "checkpointing", "bf16-true"]
-    assert all(t["result"] == "oom" for t in report["trials"] if t["rung"] != "bf16-true")
+    assert {t["rung"] for t in report["trials"]} == {"bf16-true"}
+    assert any("not tried on the fp32, amp, checkpointing rungs" in n for n in report["notes"]), report["notes"]
+    with pytest.MonkeyPatch.context() as mp:  # every rung tried: each of their trials runs out of memory
+        mp.setattr("oomtune.search.probe.out_of_reach", lambda *a: (frozenset(), ()))
+        tried = json.loads(run_cli("probe", EXAMPLES / "tiny_gpt.py", "--device", "cpu", "--budget", "5MiB", "--batch",
+                                   "8", "--context", "64", "--out", tmp_path / "tried.yaml", "--json").stdout)
+    assert {t["rung"] for t in tried["trials"]} == {"fp32", "amp", "checkpointing", "bf16-true"}
+    assert all(t["result"] == "oom" for t in tried["trials"] if t["rung"] != "bf16-true")
+    assert load_config(tmp_path / "tried.yaml").plan == load_config(out).plan
     plan = load_config(out).plan
     assert (plan.precision, plan.global_batch_size) == ("bf16-true", 8)
     check = run_cli("check", "--config", out)  # re-measured on the fake device: the same plan still fits
