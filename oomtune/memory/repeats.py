@@ -22,14 +22,16 @@ from .replay import Trace
 
 WINDOW = 12  # events that must match after a mismatch for an insertion (or a changed size) to be taken
 MIN_AGREE = 4  # ... or at least this many, where another insertion follows closer
-Token = tuple  # (kind, value, ref): b birth (raw bytes), r resize (raw), f free (rounded bytes), m mark (phase)
+Token = tuple  # (kind, value, ref): b birth (raw bytes), r resize (raw), f free (rounded bytes), m mark (phase);
+# B, R, F: the same for a storage in host memory
+SIZED = "brBR"  # the kinds whose value is a size in raw bytes (a rule in the blocks)
 
 
 def tokens(trace: Trace) -> list[Token]:
     """The trace's events with each storage named by where it was born: ("i", k) for the k-th storage alive at the
-    start, ("d", d) for the one born d births before the latest."""
-    sizes = dict(enumerate(trace.initial))
-    first = len(trace.initial)
+    start (those in host memory after the device's), ("d", d) for the one born d births before the latest."""
+    sizes = dict(enumerate((*trace.initial, *trace.host_initial)))
+    first = len(sizes)
     born = first
     out: list[Token] = []
 
@@ -38,17 +40,17 @@ def tokens(trace: Trace) -> list[Token]:
 
     for ev in trace.events:
         kind = ev[0]
-        if kind == "set":
+        if kind in ("set", "hset"):
             n, raw = ev[1], ev[2]
             if n >= born:
-                out.append(("b", raw, None))
+                out.append(("b" if kind == "set" else "B", raw, None))
                 born += 1
             else:
-                out.append(("r", raw, ref(n)))
+                out.append(("r" if kind == "set" else "R", raw, ref(n)))
             sizes[n] = rounded(raw)
-        elif kind == "free":
-            out.append(("f", sizes.pop(ev[1]), ref(ev[1])))
-        else:  # (a Trace holds no host storage's events: only its `hosted` flag)
+        elif kind in ("free", "hfree"):
+            out.append(("f" if kind == "free" else "F", sizes.pop(ev[1]), ref(ev[1])))
+        else:
             out.append(("m", ev[1], None))
     return out
 
@@ -67,7 +69,7 @@ def _agree(a: list[Token], i: int, b: list[Token], j: int) -> int:
         ea, eb = a[i + x], b[j + x]
         if _key(ea) != _key(eb):
             sized += 1
-            if ea[0] != eb[0] or ea[0] not in "br" or sized > 1:
+            if ea[0] != eb[0] or ea[0] not in SIZED or sized > 1:
                 return x
     return min(WINDOW, len(a) - i)
 
@@ -108,7 +110,7 @@ def align(a: list[Token], b: list[Token]) -> list[tuple] | None:
             ops.append(("eq", i, j))
             i, j = i + 1, j + 1
             continue
-        if i < len(a) and j < len(b) and a[i][0] == b[j][0] and a[i][0] in "br" \
+        if i < len(a) and j < len(b) and a[i][0] == b[j][0] and a[i][0] in SIZED \
                 and _agree(a, i + 1, b, j + 1) == min(WINDOW, len(a) - i - 1):
             ops.append(("sub", i, j))
             i, j = i + 1, j + 1
@@ -211,9 +213,9 @@ def without_last_frees(trace: Trace) -> Trace:
     state): they raise no peak and come before no allocation, so every reading replayed from it is the same, and
     their order (by birth, across all the blocks' tensors at once) is the one part of a trace that does not repeat
     block by block."""
-    last = max((x for x, ev in enumerate(trace.events) if ev[0] == "set"), default=-1)
-    events = trace.events[:last + 1] + tuple(ev for ev in trace.events[last + 1:] if ev[0] != "free")
-    return Trace(trace.initial, events, trace.hosted)
+    last = max((x for x, ev in enumerate(trace.events) if ev[0] in ("set", "hset")), default=-1)
+    events = trace.events[:last + 1] + tuple(ev for ev in trace.events[last + 1:] if ev[0] not in ("free", "hfree"))
+    return Trace(trace.initial, events, trace.hosted, trace.host_initial)
 
 
 @dataclass(frozen=True)
@@ -225,13 +227,14 @@ class Template:
     k: int  # blocks in the first of the three fitted traces
     rules: dict  # slot -> (kind, value or (c0, c1, c2) for the raw bytes, ref rule or None)
     hosted: bool
+    host_initial: tuple[int, ...] = ()
 
     @staticmethod
     def fit(traces: list[Trace], k: int) -> Template | None:
         """From the traces at k, k+1, k+2 (and more) blocks; None where they are not repeated blocks (module doc).
         A fourth trace gives the rules of runs whose first or last period differs more points to be checked on."""
         traces = [without_last_frees(t) for t in traces]
-        if len({(t.initial, t.hosted) for t in traces}) != 1 or len(traces) < 3:
+        if len({(t.initial, t.hosted, t.host_initial) for t in traces}) != 1 or len(traces) < 3:
             return None
         toks = [tokens(t) for t in traces]
         seen = [(k + i, t) for i, t in enumerate(toks)]
@@ -251,7 +254,7 @@ class Template:
                 return None
             for run in failed:
                 peels[run] += 1
-        template = Template(a.initial, layout, k, rules, a.hosted)
+        template = Template(a.initial, layout, k, rules, a.hosted, a.host_initial)
         if any(template.at(k + i) != trace for i, trace in enumerate(traces)):
             return None
         return template
@@ -260,7 +263,7 @@ class Template:
         """The trace at n blocks, less its last frees (without_last_frees); None where a rule gives a storage that
         does not exist or a negative size."""
         events: list[tuple] = []
-        first = len(self.initial)
+        first = len(self.initial) + len(self.host_initial)
         born = first
         for slot, t in _positions(self.layout, n, self.k):
             kind, value, ref = self.rules[slot]
@@ -269,26 +272,25 @@ class Template:
                 key = ref[1] if ref[0] == "i" else born - 1 - (ref[1][0] + ref[1][1] * n + ref[1][2] * t)
                 if key < 0 or key >= born:
                     return None
-            if kind in "br":
+            if kind in SIZED:
                 raw = value[0] + value[1] * n + value[2] * t
                 if raw < 0:
                     return None
-                if kind == "b":
+                if kind in "bB":
                     key, born = born, born + 1
-                events.append(("set", key, raw))
-            elif kind == "f":
-                events.append(("free", key))
+                events.append(("set" if kind in "br" else "hset", key, raw))
+            elif kind in "fF":
+                events.append(("free" if kind == "f" else "hfree", key))
             else:
                 events.append(("mark", value))
         live = set(range(born))
         for ev in events:
-            if ev[0] == "free":
+            if ev[0] in ("free", "hfree"):
                 if ev[1] not in live:  # a storage freed twice
                     return None
                 live.discard(ev[1])
         # numbered by birth as Trace.of numbers them, each run of frees in the order of the traces it was fitted on
-        # (a host storage's life, which split a run there, is not in the events)
-        return Trace(self.initial, tuple(events), self.hosted)
+        return Trace(self.initial, tuple(events), self.hosted, self.host_initial)
 
 
 PEELS = ((), ("first",), ("last",), ("first", "last"))
@@ -317,7 +319,7 @@ def _rules(layout: tuple, k: int, seen: list[tuple[int, list[Token]]]) -> tuple[
             shape = (kind, value if kind == "m" else None)
             if kinds.setdefault(slot, shape) != shape:
                 return None, set()
-            if kind in "br":
+            if kind in SIZED:
                 values.setdefault(slot, []).append((n, t, value))
             if ref is not None:
                 known = refs.setdefault(slot, ref if ref[0] == "i" else [])
@@ -328,13 +330,13 @@ def _rules(layout: tuple, k: int, seen: list[tuple[int, list[Token]]]) -> tuple[
     rules: dict = {}
     failed: set = set()
     for slot, (kind, fixed) in kinds.items():
-        value = _solve(values[slot]) if kind in "br" else fixed
+        value = _solve(values[slot]) if kind in SIZED else fixed
         ref = refs.get(slot)
         if isinstance(ref, list):
             ref = ("d", _solve(ref)) if _solve(ref) is not None else None
             if ref is None:
                 failed.add(slot[0])
-        if kind in "br" and value is None:
+        if kind in SIZED and value is None:
             failed.add(slot[0])
         rules[slot] = (kind, value, ref)
     if failed:

@@ -9,10 +9,11 @@ sample, give every storage's size at any micro-batch, and the tracker's count, t
 allocator model (allocator.py) are then re-run on those sizes in milliseconds, where a fake trial costs its Python
 (about half a second for a small model).
 
-Two traces that do not line up (the model branches on the batch size, pads it, or moved tensors to the host) are
-not replayed. A model that changes its sizes by other than a line would still line up at two points and be
-replayed wrong: the probe's prior uses replays (search/prior.py), and the device's own trials, which certify each
-rung, catch such a miss and correct it.
+Two traces that do not line up (the model branches on the batch size, or pads it) are not replayed. Storages in
+host memory (the offload levers, NF4's quantization) are replayed on lines too, counted apart: the host's peak. A
+model that changes its sizes by other than a line would still line up at two points and be replayed wrong: the
+probe's prior uses replays (search/prior.py), and the device's own trials, which certify each rung, catch such a
+miss and correct it.
 """
 
 from __future__ import annotations
@@ -27,9 +28,10 @@ from .reading import Reading
 @dataclass(frozen=True)
 class Trace:
     """One measurement: the (rounded) sizes of the storages alive when it began, in the order the allocator model
-    was fed them, then its events with storages numbered in order of birth (the initial ones first): ("set", n,
-    bytes), ("free", n), ("mark", phase or None). `hosted`: a storage lived in host memory (the offload levers),
-    which a replay does not model.
+    was fed them, then its events with storages numbered in order of birth (the initial ones first, then those in
+    host memory, `host_initial`): ("set", n, bytes), ("free", n), ("mark", phase or None); for a storage in host
+    memory (the offload levers, NF4's quantization), ("hset", n, bytes) and ("hfree", n), which the host's count
+    follows apart from the device's and its allocator. `hosted`: some storage lived in host memory.
 
     Storages that die together (a graph's saved tensors, released at once) die in an order that changes from run to
     run (it follows ids); a run of frees with nothing between them leaves the count and the allocator model alike
@@ -39,35 +41,36 @@ class Trace:
     initial: tuple[int, ...]
     events: tuple[tuple, ...] = field(repr=False)
     hosted: bool = False
+    host_initial: tuple[int, ...] = ()
 
     @staticmethod
-    def of(initial: list[tuple[int, int]], events: list[tuple]) -> Trace:
-        """From the tracker's record: `initial` as (key, size), events keyed by the storage's id, which a storage
-        born after another died may reuse."""
-        number = {key: i for i, (key, _) in enumerate(initial)}
-        born = len(initial)
+    def of(initial: list[tuple[int, int]], events: list[tuple], host_initial: list[tuple[int, int]] = ()) -> Trace:
+        """From the tracker's record: `initial` and `host_initial` as (key, size), events keyed by the storage's id,
+        which a storage born after another died may reuse."""
+        number = {key: i for i, (key, _) in enumerate([*initial, *host_initial])}
+        born = len(number)
         out: list[tuple] = []
         frees: list[tuple] = []  # a run of frees, in order of birth: the order within one is not kept (see below)
-        hosted = False
+        hosted = bool(host_initial)
         for ev in events:
             kind = ev[0]
-            if kind == "free":
-                frees.append(("free", number.pop(ev[1])))
+            if kind in ("free", "hfree"):
+                frees.append((kind, number.pop(ev[1])))
                 continue
-            out += sorted(frees)
+            out += sorted(frees, key=lambda f: f[1])
             frees.clear()
-            if kind == "set":
+            if kind in ("set", "host"):
                 n = number.get(ev[1])
                 if n is None:
                     n = number[ev[1]] = born
                     born += 1
-                out.append(("set", n, ev[2]))
-            elif kind == "mark":
-                out.append(ev)
+                out.append(("set" if kind == "set" else "hset", n, ev[2]))
+                hosted |= kind == "host"
             else:
-                hosted = True
-        out += sorted(frees)
-        return Trace(tuple(size for _, size in initial), tuple(out), hosted)
+                out.append(ev)
+        out += sorted(frees, key=lambda f: f[1])
+        return Trace(tuple(size for _, size in initial), tuple(out), hosted,
+                     tuple(size for _, size in host_initial))
 
 
 @dataclass(frozen=True)
@@ -75,14 +78,15 @@ class Lines:
     """Two traces lined up: each set event's bytes as `base + per_sample * micro_batch`."""
 
     initial: tuple[int, ...]
-    events: tuple[tuple, ...] = field(repr=False)  # ("set", n, base, per_sample) | ("free", n) | ("mark", phase)
-    micro_batches: tuple[int, int]  # the two traced
+    events: tuple[tuple, ...] = field(repr=False)  # ("set" | "hset", n, base, per_sample) | ("free" | "hfree", n)
+    micro_batches: tuple[int, int]  # the two traced                               # | ("mark", phase)
+    host_initial: tuple[int, ...] = ()
 
     @staticmethod
     def through(a: Trace, batch_a: int, b: Trace, batch_b: int) -> Lines | None:
         """The lines through two traces at different micro-batches; None where they do not line up (see module
         doc)."""
-        if (batch_a == batch_b or a.hosted or b.hosted or a.initial != b.initial
+        if (batch_a == batch_b or a.initial != b.initial or a.host_initial != b.host_initial
                 or len(a.events) != len(b.events)):
             return None
         events: list[tuple] = []
@@ -90,14 +94,14 @@ class Lines:
         for ea, eb in zip(a.events, b.events, strict=True):
             if ea[0] != eb[0] or ea[1] != eb[1]:
                 return None
-            if ea[0] != "set":
+            if ea[0] not in ("set", "hset"):
                 events.append(ea)
                 continue
             per_sample, rest = divmod(eb[2] - ea[2], step)
             if rest:
                 return None
-            events.append(("set", ea[1], ea[2] - per_sample * batch_a, per_sample))
-        return Lines(a.initial, tuple(events), (batch_a, batch_b))
+            events.append((ea[0], ea[1], ea[2] - per_sample * batch_a, per_sample))
+        return Lines(a.initial, tuple(events), (batch_a, batch_b), a.host_initial)
 
 
 def replay(lines: Lines, micro_batch: int, model: CachingAllocatorModel,
@@ -111,13 +115,20 @@ def replay(lines: Lines, micro_batch: int, model: CachingAllocatorModel,
         model.malloc(n, size)
     model.reset_peak()
     live = peak = sum(lines.initial)
+    hosts = dict(enumerate(lines.host_initial, start=len(lines.initial)))  # the host's storages, counted apart
+    host_live = out.host_peak_bytes = sum(lines.host_initial)
     for ev in lines.events:
         kind = ev[0]
-        if kind == "set":
+        if kind in ("set", "hset"):
             _, n, base, per_sample = ev
             raw = base + per_sample * micro_batch
             if raw < 0:
                 return None
+            if kind == "hset":
+                host_live += rounded(raw) - hosts.get(n, 0)
+                hosts[n] = rounded(raw)
+                out.host_peak_bytes = max(out.host_peak_bytes, host_live)
+                continue
             size, old = rounded(raw), sizes.get(n)
             if old == size:  # the tracker records no event for a resize that keeps the rounded size
                 continue
@@ -125,6 +136,8 @@ def replay(lines: Lines, micro_batch: int, model: CachingAllocatorModel,
             live += size - (old or 0)
             peak = max(peak, live)
             model.resize(n, size)
+        elif kind == "hfree":
+            host_live -= hosts.pop(ev[1])
         elif kind == "free":
             live -= sizes.pop(ev[1])
             model.free(ev[1])

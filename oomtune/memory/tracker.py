@@ -140,7 +140,8 @@ class MemoryTracker(TorchDispatchMode):
         self.allocator = None  # a CachingAllocatorModel fed every device storage's birth and death, where set
         self._paused = 0  # inside untracked(): ops run uncounted
         # where set, what the device's storages did, in order (replay.py): ("set", key, bytes before rounding) for
-        # a birth or a resize, ("free", key), ("mark", phase) from the device, ("host",) for a host storage
+        # a birth or a resize, ("free", key), ("mark", phase) from the device, ("host", key, bytes) and ("hfree", key)
+        # for a host storage
         self.events: list[tuple] | None = None
         self._raw: dict[int, int] = {}  # id(storage) -> its bytes before rounding, while events are recorded
 
@@ -220,9 +221,10 @@ class MemoryTracker(TorchDispatchMode):
                 f" The caching allocator (as modelled) {e}.")) from None
 
     def _account_host(self, st: torch.UntypedStorage, key: int, size: int) -> int:
-        if self.events is not None:
-            self.events.append(("host",))
-        old = self._host_sizes.get(key)
+        old, raw = self._host_sizes.get(key), st.nbytes()
+        if self.events is not None and (old != size or self._raw.get(key) != raw):
+            self._raw[key] = raw
+            self.events.append(("host", key, raw))
         if old is None and self.follow:
             weakref.finalize(st, self._release, key)
         self._host_sizes[key] = size
@@ -255,8 +257,8 @@ class MemoryTracker(TorchDispatchMode):
         return super().__exit__(*exc)
 
     def _release(self, key: int) -> None:
-        if self.events is not None and key in self._sizes:
-            self.events.append(("free", key))
+        if self.events is not None and (key in self._sizes or key in self._host_sizes):
+            self.events.append(("free" if key in self._sizes else "hfree", key))
         self._raw.pop(key, None)
         self.host_live_bytes -= self._host_sizes.pop(key, 0)
         self.live_bytes -= self._sizes.pop(key, 0)

@@ -22,8 +22,8 @@ MIN_BLOCKS = 16  # fewer repeated blocks than this: tracing 2 + 3 + 4 of them sa
 
 def as_lines(trace: Trace) -> Lines:
     """A trace as lines that do not change with the micro-batch (what replay() takes)."""
-    events = tuple(("set", e[1], e[2], 0) if e[0] == "set" else e for e in trace.events)
-    return Lines(trace.initial, events, (1, 1))
+    events = tuple((e[0], e[1], e[2], 0) if e[0] in ("set", "hset") else e for e in trace.events)
+    return Lines(trace.initial, events, (1, 1), trace.host_initial)
 
 
 def _line(values: list[int], at: int) -> int | None:
@@ -103,8 +103,8 @@ class BlockTrials:
     def _made(self, plan: Plan, device: FakeDevice, runs: list, template: Template) -> tuple | None:
         trace = template.at(self.blocks)
         reading = device.replay(as_lines(trace), plan.micro_batch_size) if trace is not None else None
-        host = _line([r.host_peak_bytes for r, _ in runs], self.blocks)
-        if reading is None or host is None:
+        host = _line([r.host_peak_bytes for r, _ in runs], self.blocks)  # (the made trace's own, checked on it)
+        if reading is None or host is None or host != reading.host_peak_bytes:
             return None
         phases = dict(reading.phase_peaks)
         result = TrialResult(plan, oom=False, peak_bytes=reading.peak_bytes,

@@ -89,7 +89,7 @@ class ReplayingTrials:
                 return TrialResult(plan, oom=False, peak_bytes=reading.peak_bytes,
                                    peak_allocated_bytes=reading.peak_allocated_bytes,
                                    batch_peak_bytes=reading.batch_peak_bytes, phase_peaks=dict(reading.phase_peaks),
-                                   seconds=time.perf_counter() - start,
+                                   seconds=time.perf_counter() - start, host_peak_bytes=reading.host_peak_bytes,
                                    modelled_reserved_bytes=reading.modelled_reserved_bytes, replayed=True)
         result = self.run_one(model_file, plan, device, steps, dist)
         self.run += 1

@@ -4,6 +4,7 @@ stands for, to the byte, on models of every kind and on a card profile."""
 
 from __future__ import annotations
 
+import dataclasses
 from importlib.util import find_spec
 from pathlib import Path
 
@@ -34,7 +35,12 @@ def test_a_trace_numbers_storages_by_birth_even_where_an_id_is_reused_and_sorts_
     assert t.initial == (512,)
     assert t.events == (("set", 1, 10), ("set", 2, 20), ("set", 3, 30), ("mark", "forward"), ("free", 1),
                         ("free", 3), ("set", 4, 40), ("set", 4, 4000), ("free", 2), ("free", 4), ("mark", None))
-    assert not t.hosted and Trace.of([], [("set", 1, 8), ("host",)]).hosted
+    assert not t.hosted
+    host = Trace.of([(77, 512)], [("set", 1, 8), ("host", 5, 100), ("host", 5, 700), ("free", 1), ("hfree", 5),
+                                  ("hfree", 6)], host_initial=[(6, 1024)])
+    assert host.hosted and host.host_initial == (1024,)
+    assert host.events == (("set", 2, 8), ("hset", 3, 100), ("hset", 3, 700), ("hfree", 1), ("free", 2),
+                           ("hfree", 3))  # (a run of frees in order of birth, whichever memory)
 
 
 def _trace(per_sample: int, batch: int, layout_copy: bool = False) -> Trace:
@@ -56,8 +62,21 @@ def test_lines_through_two_traces_and_where_they_do_not_line_up():
     odd = Trace.of([], [("set", 1, 1024), ("mark", "forward"), ("set", 2, 3000 * 10 + 5), ("set", 4, 4),
                         ("mark", "backward"), ("free", 2), ("mark", None)])
     assert Lines.through(a, 2, odd, 10) is None  # not a whole number of bytes a sample
-    hosted = Trace.of([], [("set", 1, 1024), ("host",)])
-    assert Lines.through(hosted, 2, hosted, 3) is None
+
+
+def test_storages_in_host_memory_are_replayed_on_lines_and_counted_apart():
+    """The offload levers' host storages: on lines as the device's are, in the host's peak, not the device's count
+    nor its allocator model."""
+    def traced(batch: int, host_initial=((9, 2048),)) -> Trace:
+        return Trace.of([], [("set", 1, 1024), ("mark", "forward"), ("host", 2, 4096 * batch), ("set", 3, 100),
+                             ("hfree", 2), ("host", 4, 512), ("mark", None)], host_initial=list(host_initial))
+
+    lines = Lines.through(traced(2), 2, traced(4), 4)
+    assert lines is not None and lines.host_initial == (2048,)
+    r = replay(lines, 7, CachingAllocatorModel(), Margin().total)
+    assert r.host_peak_bytes == 2048 + 4096 * 7
+    assert r.peak_allocated_bytes == 1024 + 512  # the host's bytes are not the device's
+    assert Lines.through(traced(2), 2, traced(4, host_initial=()), 4) is None  # another host start
 
 
 def test_a_replay_counts_as_the_tracker_and_splits_phases_as_the_device_marks_them():
@@ -77,7 +96,8 @@ def test_a_replay_counts_as_the_tracker_and_splits_phases_as_the_device_marks_th
 
 
 def _reading(r) -> tuple:
-    return r.peak_bytes, r.peak_allocated_bytes, r.batch_peak_bytes, r.phase_peaks, r.modelled_reserved_bytes
+    return (r.peak_bytes, r.peak_allocated_bytes, r.batch_peak_bytes, r.phase_peaks, r.modelled_reserved_bytes,
+            r.host_peak_bytes)
 
 
 CASES = {  # model file, plan at micro-batch 1, the card the prior accounts by (None: the cpu device's rules)
@@ -88,6 +108,12 @@ CASES = {  # model file, plan at micro-batch 1, the card the prior accounts by (
     "conv_net bf16+ckpt on an A100": (EXAMPLES / "conv_net.py", Plan(1, 16, "bf16", activation_checkpointing=True),
                                       "a100-80"),
     "peft llama fp32 on an A100": (FINETUNE / "hf_llama_lora.py", Plan(1, 32, "fp32"), "a100-80"),
+    "peft llama, 8-bit state and optimizer offloaded, on an A100": (  # the host's storages on lines too
+        FINETUNE / "hf_llama_lora.py", Plan(1, 32, "bf16-true", activation_checkpointing=True, optimizer_8bit=True,
+                                            offload_optimizer=True), "a100-80"),
+    "tiny_gpt, activations offloaded, on an A100": (
+        EXAMPLES / "tiny_gpt.py", Plan(1, 64, "bf16", activation_checkpointing=True, offload_activations=True),
+        "a100-80"),
 }
 
 
@@ -95,18 +121,40 @@ CASES = {  # model file, plan at micro-batch 1, the card the prior accounts by (
 def test_a_replay_is_the_fake_trial_it_stands_for_to_the_byte(case):
     """device: fake (the prior's: it never runs out, and traces). Traced at micro-batches 2 and 12, a plan replayed
     at 3, 7 and 40 reads what the fake trial at that size reads: peak, allocated peak, the forward and backward peak
-    the search predicts with, every phase's peak and the caching allocator model's reserved peak."""
+    the search predicts with, every phase's peak, the caching allocator model's reserved peak and the host's peak
+    (the offload levers)."""
     path, plan, card = CASES[case]
     if path.parent == FINETUNE and (find_spec("transformers") is None or find_spec("peft") is None):
         pytest.skip("transformers and peft are not installed (pip install -e '.[dev]')")
     mf = load_model_file(path)
     device = prior_device(CpuDevice("2GiB", card=find_gpu(card) if card else None))
-    at = lambda b: Plan(b, plan.context_length, plan.precision, plan.activation_checkpointing)  # noqa: E731
+    at = lambda b: dataclasses.replace(plan, micro_batch_size=b, global_batch_size=b)  # noqa: E731
     two, twelve = run_trial(mf, at(2), device), run_trial(mf, at(12), device)
+    levered = plan.offload_optimizer or plan.offload_activations or plan.nf4_frozen_weights
+    assert two.trace.hosted == levered and (two.host_peak_bytes > 0) == levered
     lines = Lines.through(two.trace, 2, twelve.trace, 12)
     assert lines is not None
     for b in (3, 7, 40):
         assert _reading(device.replay(lines, b)) == _reading(run_trial(mf, at(b), device)), b
+
+
+def test_nf4_weights_quantized_on_the_host_are_replayed_to_the_byte(tmp_path):
+    """device: fake (the prior's, an A100's rules). NF4's build quantizes on the host (its peak is the host's): a
+    LoRA Llama wide enough for NF4 blocks, traced at 2 and 12, replayed at 5 as its trial reads, host peak too."""
+    if find_spec("transformers") is None or find_spec("peft") is None or find_spec("torchao") is None:
+        pytest.skip("transformers, peft and torchao are not installed (pip install -e '.[dev]')")
+    text = (FINETUNE / "hf_llama_lora.py").read_text()
+    path = tmp_path / "wide_lora.py"
+    path.write_text(text.replace("hidden_size=64, intermediate_size=128", "hidden_size=256, intermediate_size=512"))
+    mf = load_model_file(path)
+    device = prior_device(CpuDevice("2GiB", card=find_gpu("a100-80")))
+    at = lambda b: Plan(b, 32, "bf16-true", activation_checkpointing=True, optimizer_8bit=True,  # noqa: E731
+                        nf4_frozen_weights=True)
+    two, twelve = run_trial(mf, at(2), device), run_trial(mf, at(12), device)
+    assert two.trace.hosted and two.host_peak_bytes > 0
+    lines = Lines.through(two.trace, 2, twelve.trace, 12)
+    assert lines is not None
+    assert _reading(device.replay(lines, 5)) == _reading(run_trial(mf, at(5), device))
 
 
 RESIZED = """
