@@ -95,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     print(rows[-1], file=sys.stderr)
     for what, case in ([] if args.skip_7b else CASES):
         path, gpu = case[0], case[case.index("--gpu") + 1]
+        if not path.endswith(".py"):  # (the Hugging Face folder row asks a model file's question again)
+            continue
         rows.append(row(f"7B Llama, {what}", timed_estimate(path, gpu, None, None, min_blocks=0),
                         timed_estimate(path, gpu, None, None), None))
         print(rows[-1], file=sys.stderr)
