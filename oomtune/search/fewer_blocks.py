@@ -5,7 +5,7 @@ The repeated blocks are the longest run of alike members at the end of the model
 a transformer's layers; T5's first layer, which holds the relative position bias, stays out of the run), alike
 meaning the same classes, parameter and buffer shapes, dtypes and trainability, and the same flags (a hybrid's
 layer type). Every stack with a run as long as the longest keeps k of its run. A first build, untracked, finds them;
-every fewer-block build is then tracked as the whole model's is, with the blocks it cuts constructed untracked
+every fewer-block build is then tracked as the whole model's is, with the blocks it cuts never built
 (cut_when_made): the blocks cut never exist on the device, and the build's own temporaries are in the trace.
 """
 
@@ -64,11 +64,13 @@ class NotCut(Exception):
 @contextlib.contextmanager
 def cut_when_made(stacks: Stacks, keep: int) -> Iterator[None]:
     """Inside, a stack of the blocks' class keeps `keep` of its run as it is made, and the blocks it will not keep
-    are constructed untracked: what the model file does to the model next (PEFT wrapping every projection of every
-    layer) is done to the blocks kept only, and the build traces as the whole model's does, one period a block kept
-    (its temporaries included, which the caching allocator model's state after the build depends on). Blocks are
-    counted as they are constructed, from each stack made to the next; a stack made of another count of them
-    raises NotCut."""
+    are never built: each is a bare nn.Module of the class (its own __init__ not run: a 7B Llama's 30 cut layers
+    cost their construction on fake tensors, about as much as the kept layers' steps) until the stack is made and
+    cuts it. What the model file does to the model next (PEFT wrapping every projection of every layer) is done to
+    the blocks kept only, and the build traces as the whole model's does, one period a block kept (its temporaries
+    included, which the caching allocator model's state after the build depends on). Blocks are counted as they are
+    constructed, from each stack made to the next; a stack made of another count of them raises NotCut (and code
+    that reads a cut block before its stack is made fails: the trial then runs whole)."""
     made = nn.ModuleList.__init__
     kind = stacks.kind
     own_init = kind.__dict__.get("__init__")
@@ -86,8 +88,7 @@ def cut_when_made(stacks: Stacks, keep: int) -> Iterator[None]:
         constructed[0] += 1
         if constructed[0] <= limit:
             return run()
-        with untracked():  # a block the stack will not keep: never on the device
-            return run()
+        nn.Module.__init__(self)  # a block the stack will not keep: never built
 
     def init(self, modules=None):
         made(self, modules)
