@@ -265,12 +265,13 @@ class Template:
         events: list[tuple] = []
         first = len(self.initial) + len(self.host_initial)
         born = first
+        on_host = [False] * len(self.initial) + [True] * len(self.host_initial)  # each storage's memory, by number
         for slot, t in _positions(self.layout, n, self.k):
             kind, value, ref = self.rules[slot]
             key = None
             if ref is not None:
                 key = ref[1] if ref[0] == "i" else born - 1 - (ref[1][0] + ref[1][1] * n + ref[1][2] * t)
-                if key < 0 or key >= born:
+                if key < 0 or key >= born or on_host[key] != kind.isupper():  # (a device free of a host storage)
                     return None
             if kind in SIZED:
                 raw = value[0] + value[1] * n + value[2] * t
@@ -278,6 +279,7 @@ class Template:
                     return None
                 if kind in "bB":
                     key, born = born, born + 1
+                    on_host.append(kind == "B")
                 events.append(("set" if kind in "br" else "hset", key, raw))
             elif kind in "fF":
                 events.append(("free" if kind == "f" else "hfree", key))

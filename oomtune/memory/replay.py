@@ -124,6 +124,8 @@ def replay(lines: Lines, micro_batch: int, model: CachingAllocatorModel,
             raw = base + per_sample * micro_batch
             if raw < 0:
                 return None
+            if n in (sizes if kind == "hset" else hosts):  # a number of the other memory's: not one trace's lines
+                return None
             if kind == "hset":
                 host_live += rounded(raw) - hosts.get(n, 0)
                 hosts[n] = rounded(raw)
@@ -137,8 +139,12 @@ def replay(lines: Lines, micro_batch: int, model: CachingAllocatorModel,
             peak = max(peak, live)
             model.resize(n, size)
         elif kind == "hfree":
+            if ev[1] not in hosts:
+                return None
             host_live -= hosts.pop(ev[1])
         elif kind == "free":
+            if ev[1] not in sizes:
+                return None
             live -= sizes.pop(ev[1])
             model.free(ev[1])
         else:

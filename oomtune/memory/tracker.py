@@ -48,9 +48,10 @@ _RESIZE = torch.UntypedStorage.resize_
 def _tracked_resize(storage: torch.UntypedStorage, size: int):
     """UntypedStorage.resize_ while a tracker is active. FSDP frees and re-allocates an unsharded parameter by
     resizing its storage in place (to 0 and back), which never reaches the dispatcher: the trackers are told
-    here, and one over its budget refuses to grow the storage, as the CUDA allocator would. Not those paused
-    (untracked(): a storage made there is none of theirs)."""
-    counting = [tracker for tracker in _ACTIVE if not tracker._paused]
+    here, and one over its budget refuses to grow the storage, as the CUDA allocator would. Not those paused for a
+    storage they do not count (untracked(): a storage made there is none of theirs)."""
+    key = id(storage)  # (paused: a storage it counts already still changes size)
+    counting = [t for t in _ACTIVE if not t._paused or key in t._sizes or key in t._host_sizes]
     for tracker in counting:
         tracker._check_resize(storage, size)
     out = _RESIZE(storage, size)
@@ -222,9 +223,9 @@ class MemoryTracker(TorchDispatchMode):
 
     def _account_host(self, st: torch.UntypedStorage, key: int, size: int) -> int:
         old, raw = self._host_sizes.get(key), st.nbytes()
-        if self.events is not None and (old != size or self._raw.get(key) != raw):
-            self._raw[key] = raw
+        if self.events is not None and (old != size or self._raw.get(key, raw) != raw):
             self.events.append(("host", key, raw))
+        self._raw[key] = raw
         if old is None and self.follow:
             weakref.finalize(st, self._release, key)
         self._host_sizes[key] = size

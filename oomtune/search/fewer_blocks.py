@@ -12,6 +12,7 @@ every fewer-block build is then tracked as the whole model's is, with the blocks
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -56,6 +57,9 @@ class Stacks:
     cut: bool = True
 
 
+CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)  # blocks that are themselves containers (vit-pytorch's)
+
+
 class NotCut(Exception):
     """The stacks were not made as the first build made them (blocks copied, not constructed; another count): the
     fewer-block trial cannot be traced as the whole model's would be, and the trial runs whole."""
@@ -89,6 +93,7 @@ def cut_when_made(stacks: Stacks, keep: int) -> Iterator[None]:
         if constructed[0] <= limit:
             return run()
         nn.Module.__init__(self)  # a block the stack will not keep: never built
+        bare.add(self)
 
     def init(self, modules=None):
         made(self, modules)
@@ -99,10 +104,17 @@ def cut_when_made(stacks: Stacks, keep: int) -> Iterator[None]:
             del self[limit:]
             constructed[0] = 0
 
-    nn.ModuleList.__init__ = init
-    kind.__init__ = block_init
+    bare: weakref.WeakSet = weakref.WeakSet()  # the blocks never built, while anything holds one
+    if issubclass(kind, CONTAINERS):  # (its __init__ is the stack's own: nothing to count blocks by)
+        stacks.cut = False
+        raise NotCut(f"the blocks are {kind.__name__}s")
     try:
-        yield
+        nn.ModuleList.__init__ = init
+        kind.__init__ = block_init
+        yield bare
+        if constructed[0]:  # a stack not made of them as counted (filled after it was made, another length)
+            stacks.cut = False
+            raise NotCut(f"{constructed[0]} blocks constructed after the last stack was made")
     finally:
         nn.ModuleList.__init__ = made
         if own_init is None:
@@ -139,5 +151,9 @@ class FewerBlocks:
                 return model
             del model, runs
         self.repeated = self.seen.length - self.seen.start
-        with cut_when_made(self.seen, self.keep):
-            return self.model_file.build()
+        with cut_when_made(self.seen, self.keep) as bare:
+            model = self.model_file.build()
+        if any(m in bare for m in model.modules()):  # a block never built is still in the model
+            self.seen.cut = False
+            raise NotCut("a stack kept a block it was to cut")
+        return model

@@ -77,6 +77,8 @@ def test_storages_in_host_memory_are_replayed_on_lines_and_counted_apart():
     assert r.host_peak_bytes == 2048 + 4096 * 7
     assert r.peak_allocated_bytes == 1024 + 512  # the host's bytes are not the device's
     assert Lines.through(traced(2), 2, traced(4, host_initial=()), 4) is None  # another host start
+    crossed = Lines((), (("set", 0, 1024, 0), ("hfree", 0), ("mark", None)), (1, 2))  # a device storage freed as
+    assert replay(crossed, 3, CachingAllocatorModel(), Margin().total) is None  # the host's: no reading, no error
 
 
 def test_a_replay_counts_as_the_tracker_and_splits_phases_as_the_device_marks_them():

@@ -138,6 +138,38 @@ def loss(model, batch):
 """
 
 
+ENCODER = COPIED_LAYERS[COPIED_LAYERS.index("        self.encoder = "):COPIED_LAYERS.index("        self.head = ")]
+APPENDED = COPIED_LAYERS.replace(
+    ENCODER,
+    """        self.layers = nn.ModuleList()
+        for _ in range(6):
+            self.layers.append(nn.TransformerEncoderLayer(32, 4, 64, batch_first=True))
+""").replace(
+    "self.head(self.encoder(self.embed(ids)))", "self.head(self.run(self.embed(ids)))").replace(
+    "    def forward(self, ids):", """    def run(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+    def forward(self, ids):""")
+NESTED = APPENDED.replace("self.layers.append(nn.TransformerEncoderLayer(32, 4, 64, batch_first=True))",
+                          "self.layers.append(nn.ModuleList([nn.TransformerEncoderLayer(32, 4, 64, batch_first=True)]))"
+                          ).replace("x = layer(x)", "x = layer[0](x)")
+
+
+@pytest.mark.parametrize("text", [APPENDED, NESTED], ids=["filled after it is made", "blocks that are lists"])
+def test_stacks_not_made_of_constructed_blocks_run_whole(tmp_path, text):
+    """device: fake. A stack filled after it is made (a block at a time), and blocks that are themselves
+    ModuleLists (vit-pytorch's): no block can be left unbuilt as the stack is made (NotCut), so the trial runs whole
+    with its own figures, and the next plan does not try again."""
+    assert "nn.TransformerEncoder(" not in text
+    path = tmp_path / "stack.py"
+    path.write_text(text)
+    made, whole, trials = _blocks_and_whole(path, Plan(2, 16, "fp32"))
+    assert made is None and not whole.oom
+    assert trials.blocks == 0
+
+
 def test_a_stack_of_copied_blocks_runs_whole(tmp_path):
     """device: fake. nn.TransformerEncoder copies its layer (copy.deepcopy) instead of constructing each: a
     fewer-block build cannot leave the cut ones untracked (NotCut), and the trial runs whole, with its own figures."""
