@@ -215,7 +215,7 @@ def without_last_frees(trace: Trace) -> Trace:
     block by block."""
     last = max((x for x, ev in enumerate(trace.events) if ev[0] in ("set", "hset")), default=-1)
     events = trace.events[:last + 1] + tuple(ev for ev in trace.events[last + 1:] if ev[0] not in ("free", "hfree"))
-    return Trace(trace.initial, events, trace.hosted, trace.host_initial)
+    return Trace(trace.initial, events, trace.host_initial)
 
 
 @dataclass(frozen=True)
@@ -226,7 +226,6 @@ class Template:
     layout: tuple[tuple, ...]
     k: int  # blocks in the first of the three fitted traces
     rules: dict  # slot -> (kind, value or (c0, c1, c2) for the raw bytes, ref rule or None)
-    hosted: bool
     host_initial: tuple[int, ...] = ()
 
     @staticmethod
@@ -234,7 +233,7 @@ class Template:
         """From the traces at k, k+1, k+2 (and more) blocks; None where they are not repeated blocks (module doc).
         A fourth trace gives the rules of runs whose first or last period differs more points to be checked on."""
         traces = [without_last_frees(t) for t in traces]
-        if len({(t.initial, t.hosted, t.host_initial) for t in traces}) != 1 or len(traces) < 3:
+        if len({(t.initial, t.host_initial) for t in traces}) != 1 or len(traces) < 3:
             return None
         toks = [tokens(t) for t in traces]
         seen = [(k + i, t) for i, t in enumerate(toks)]
@@ -254,7 +253,7 @@ class Template:
                 return None
             for run in failed:
                 peels[run] += 1
-        template = Template(a.initial, layout, k, rules, a.hosted, a.host_initial)
+        template = Template(a.initial, layout, k, rules, a.host_initial)
         if any(template.at(k + i) != trace for i, trace in enumerate(traces)):
             return None
         return template
@@ -292,7 +291,7 @@ class Template:
                     return None
                 live.discard(ev[1])
         # numbered by birth as Trace.of numbers them, each run of frees in the order of the traces it was fitted on
-        return Trace(self.initial, tuple(events), self.hosted, self.host_initial)
+        return Trace(self.initial, tuple(events), self.host_initial)
 
 
 PEELS = ((), ("first",), ("last",), ("first", "last"))

@@ -31,7 +31,7 @@ class Trace:
     was fed them, then its events with storages numbered in order of birth (the initial ones first, then those in
     host memory, `host_initial`): ("set", n, bytes), ("free", n), ("mark", phase or None); for a storage in host
     memory (the offload levers, NF4's quantization), ("hset", n, bytes) and ("hfree", n), which the host's count
-    follows apart from the device's and its allocator. `hosted`: some storage lived in host memory.
+    follows apart from the device's and its allocator.
 
     Storages that die together (a graph's saved tensors, released at once) die in an order that changes from run to
     run (it follows ids); a run of frees with nothing between them leaves the count and the allocator model alike
@@ -40,8 +40,12 @@ class Trace:
 
     initial: tuple[int, ...]
     events: tuple[tuple, ...] = field(repr=False)
-    hosted: bool = False
     host_initial: tuple[int, ...] = ()
+
+    @property
+    def hosted(self) -> bool:
+        """Some storage lived in host memory."""
+        return bool(self.host_initial) or any(ev[0] == "hset" for ev in self.events)
 
     @staticmethod
     def of(initial: list[tuple[int, int]], events: list[tuple], host_initial: list[tuple[int, int]] = ()) -> Trace:
@@ -51,7 +55,6 @@ class Trace:
         born = len(number)
         out: list[tuple] = []
         frees: list[tuple] = []  # a run of frees, in order of birth: the order within one is not kept (see below)
-        hosted = bool(host_initial)
         for ev in events:
             kind = ev[0]
             if kind in ("free", "hfree"):
@@ -65,12 +68,10 @@ class Trace:
                     n = number[ev[1]] = born
                     born += 1
                 out.append(("set" if kind == "set" else "hset", n, ev[2]))
-                hosted |= kind == "host"
             else:
                 out.append(ev)
         out += sorted(frees, key=lambda f: f[1])
-        return Trace(tuple(size for _, size in initial), tuple(out), hosted,
-                     tuple(size for _, size in host_initial))
+        return Trace(tuple(size for _, size in initial), tuple(out), tuple(size for _, size in host_initial))
 
 
 @dataclass(frozen=True)

@@ -103,7 +103,7 @@ class BlockTrials:
     def _made(self, plan: Plan, device: FakeDevice, runs: list, template: Template) -> tuple | None:
         trace = template.at(self.blocks)
         reading = device.replay(as_lines(trace), plan.micro_batch_size) if trace is not None else None
-        host = _line([r.host_peak_bytes for r, _ in runs], self.blocks)  # (the made trace's own, checked on it)
+        host = _line([r.host_peak_bytes for r, _ in runs], self.blocks)  # a check of the made trace's host peak
         if reading is None or host is None or host != reading.host_peak_bytes:
             return None
         phases = dict(reading.phase_peaks)

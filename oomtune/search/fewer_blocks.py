@@ -66,7 +66,7 @@ class NotCut(Exception):
 
 
 @contextlib.contextmanager
-def cut_when_made(stacks: Stacks, keep: int) -> Iterator[None]:
+def cut_when_made(stacks: Stacks, keep: int) -> Iterator[weakref.WeakSet]:
     """Inside, a stack of the blocks' class keeps `keep` of its run as it is made, and the blocks it will not keep
     are never built: each is a bare nn.Module of the class (its own __init__ not run: a 7B Llama's 30 cut layers
     cost their construction on fake tensors, about as much as the kept layers' steps) until the stack is made and
@@ -80,6 +80,7 @@ def cut_when_made(stacks: Stacks, keep: int) -> Iterator[None]:
     own_init = kind.__dict__.get("__init__")
     constructed = [0]
     limit = stacks.start + keep
+    bare: weakref.WeakSet = weakref.WeakSet()  # (yielded) the blocks never built, while anything holds one
 
     def block_init(self, *args, **kwargs):
         def run():
@@ -104,7 +105,6 @@ def cut_when_made(stacks: Stacks, keep: int) -> Iterator[None]:
             del self[limit:]
             constructed[0] = 0
 
-    bare: weakref.WeakSet = weakref.WeakSet()  # the blocks never built, while anything holds one
     if issubclass(kind, CONTAINERS):  # (its __init__ is the stack's own: nothing to count blocks by)
         stacks.cut = False
         raise NotCut(f"the blocks are {kind.__name__}s")

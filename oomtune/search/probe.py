@@ -18,7 +18,7 @@ from ..hook_names import hook_name_notes
 from ..memory.breakdown import StaticMemory, static_memory
 from ..memory.cards import GENERIC, find_gpu
 from ..memory.cuda_attention import kernel_notes
-from ..memory.devices import Device, make_device, resolve_kind
+from ..memory.devices import Device, TrackedDevice, make_device, resolve_kind
 from ..memory.host_kernels import amp_cannot_run
 from ..memory.margin import Margin, parse_margin
 from ..model_file import ModelFile, eager_note
@@ -246,8 +246,8 @@ def _first_notes(model_file: ModelFile, static: StaticMemory, device: Device, ta
                  levers: frozenset[str], rungs: list[Rung], limit: int, world: int) -> tuple[frozenset[str], tuple]:
     """The rungs out of reach (out_of_reach) and the notes known before any trial."""
     notes = measurement_notes(model_file, static, device, targets.min_context, amp)
-    margin = getattr(device, "margin", None)  # (on cuda the budget is the caching allocator's: tensors alone)
-    tensor_budget = margin.tensor_budget(limit) if margin is not None else limit
+    # (on cuda the budget is the caching allocator's: tensors alone)
+    tensor_budget = device.tensor_budget(limit) if isinstance(device, TrackedDevice) else limit
     unreachable, note = out_of_reach(rungs, static, tensor_budget, world, model_file.label)
     unrunnable = amp_cannot_run(static.lstm, device, amp)
     notes += note + ((f"{model_file.label} {unrunnable}",) if unrunnable and "amp" in levers else ())
