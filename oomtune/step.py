@@ -207,10 +207,11 @@ def make_optimizer_state(t: Training) -> torch.Tensor | None:
     peak in its first step: one step, not two. It assumes backward reaches every trained parameter; the caller
     checks (every_gradient_made). Returns a zero loss, as train_step returns a 0-dim loss (the caller holds it
     through the next step); None (nothing done) where that would not be the first step's state: the model file's
-    own optimizer (it may need a closure, or keep no state for a zero gradient) or lazy parameters not yet
-    materialized."""
+    own optimizer (it may need a closure, or keep no state for a zero gradient), lazy parameters not yet
+    materialized, or a parameter with a post-accumulate-grad hook (an optimizer stepped in backward: the gradient
+    may never reach this optimizer, and the model file's own optimizers make their state in the first backward)."""
     params = [p for p in t.module.parameters() if p.requires_grad]
-    if t.model_file.has("optimizer") or any(nn.parameter.is_lazy(p) for p in params):
+    if t.model_file.has("optimizer") or any(nn.parameter.is_lazy(p) or _hooked(p) for p in params):
         return None
     t.phase("optimizer")
     make_state = getattr(t.optimizer, "make_state", None)
@@ -256,6 +257,26 @@ def every_gradient_made(t: Training) -> bool:
     """At the optimizer step: did backward give every trained parameter a gradient (under offload: to the host)?"""
     trained = sum(p.requires_grad for p in t.module.parameters())
     return sum(h.grad is not None for h in gradient_holders(t.optimizer, t.model)) >= trained
+
+
+def _hooked(p: nn.Parameter) -> bool:
+    return bool(getattr(p, "_post_accumulate_grad_hooks", None))
+
+
+def steps_in_backward(module: nn.Module) -> int:
+    """How many of the module's trained parameters have post-accumulate-grad hooks: the model file steps an
+    optimizer in backward (PyTorch's and torchtune's optimizer-in-backward), or may."""
+    return sum(_hooked(p) for p in module.parameters() if p.requires_grad)
+
+
+def release_tensor_hooks(module: nn.Module) -> None:
+    """Empty the post-accumulate-grad hooks of a model done with. Autograd holds them from C++, where the garbage
+    collector does not look: a hook that reaches its own parameter (an optimizer stepped in backward, as PyTorch's
+    tutorial writes it) kept the whole model alive, and every trial after it measured it too."""
+    for p in module.parameters():
+        hooks = getattr(p, "_post_accumulate_grad_hooks", None)
+        if hooks:
+            hooks.clear()
 
 
 @torch.no_grad()

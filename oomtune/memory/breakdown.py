@@ -29,7 +29,7 @@ from ..dist.group import LOCAL, Dist, ranks_for
 from ..errors import OomtuneError
 from ..hook_names import check_first_loss
 from ..model_file import ModelFile, is_compiled
-from ..step import as_on_cuda
+from ..step import as_on_cuda, release_tensor_hooks, steps_in_backward
 from ..units import format_bytes
 from .devices import FakeDevice, TrackedDevice
 from .fakes import real_code_paths
@@ -67,6 +67,8 @@ class StaticMemory:
     blocks_wrapped: str | None = None  # the blocks checkpointing wraps, described ("8 blocks (MLP x4, ...)"), else None
     optimizer_blocks: tuple[tuple[str, str], ...] = ()  # (plan key, why) of the 8-bit / offload levers that cannot
     # apply to the model file's own optimizer() (levers/own_optimizer.py)
+    steps_in_backward: int = 0  # trained parameters with post-accumulate-grad hooks (an optimizer stepped in backward):
+    # their gradients may never reach the optimizer, so none of them, its state or its step count in the floor
 
     @property
     def trained_elements(self) -> int:
@@ -97,6 +99,8 @@ class StaticMemory:
     def describe(self) -> str:
         extra = [f"with {self.levers}"] if self.levers else []
         extra += [f"and {format_bytes(self.host_bytes)} in host memory"] if self.host_bytes else []
+        extra += ([f"{self.steps_in_backward} parameters stepped in backward by their own hooks: their gradients "
+                   "and optimizer state not counted"] if self.steps_in_backward else [])
         return (f"weights {format_bytes(self.weights_bytes)} + gradients {format_bytes(self.gradients_bytes)} + "
                 f"{self.optimizer_name} state {format_bytes(self.optimizer_bytes)} + the optimizer step's "
                 f"temporaries {format_bytes(self.step_temporaries_bytes)} = {format_bytes(self.floor_bytes)}"
@@ -136,6 +140,7 @@ def static_memory(model_file: ModelFile, plan: Plan | None = None, levers: str =
         low, frozen = (_low_dtype(p for p in model.parameters() if p.requires_grad is trained)
                        for trained in (True, False))
         frozen = frozen if low is None else None  # (a whole model in 16 bits: the weights_dtype note says it)
+        stepping = steps_in_backward(model)
         if plan is not None:
             prepare_model(model, plan, model_file.label, computes=False)
         weights = tracker.live_bytes
@@ -153,6 +158,8 @@ def static_memory(model_file: ModelFile, plan: Plan | None = None, levers: str =
         opt.step()
         optimizer_state = tracker.live_bytes - weights - grads
         temporaries = tracker.peak_bytes - tracker.live_bytes
+        if stepping:  # a lower bound: what the model file's hooks leave of gradients and state is theirs to say
+            grads = optimizer_state = temporaries = 0
         hooked = model_file.has("blocks")  # (a blocks hook always gets the rung)
         itself = None if hooked else checkpoints_itself(model) or calls_checkpoint(  # its own checkpoint() calls too
             model, functools.partial(_first_forward, model_file, model))
@@ -171,11 +178,12 @@ def static_memory(model_file: ModelFile, plan: Plan | None = None, levers: str =
         if plan is None:  # the default loss's first mistakes, before any trial
             with CudaOnHost():
                 check_first_loss(model_file, model, functools.partial(_first_batch, model_file))
+        release_tensor_hooks(model)
         del model, params, opt
     return StaticMemory(weights, grads, optimizer_state, name, checkpointing, compiled, temporaries, nf4, host,
                         levers, low, trained, batch_norm, itself, lstm, breaks, frozen_dtype=frozen,
                         layer_drop=drops, checkpointing_via=via, checkpointing_idle=idle, blocks_wrapped=wrapped,
-                        optimizer_blocks=own)
+                        optimizer_blocks=own, steps_in_backward=stepping)
 
 
 def _wrapped_blocks(model_file: ModelFile, model: torch.nn.Module) -> tuple[str, str | None]:

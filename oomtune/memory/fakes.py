@@ -1,14 +1,15 @@
 """Fake tensors that take the code path real ones take.
 
 The fake device runs the model on FakeTensors: shapes, dtypes and storages, no data. Code that is not ours looks
-closer than the shapes in three places, and each is met here so that what the fake device measures is what the
+closer than the shapes in these places, and each is met here so that what the fake device measures is what the
 cpu device (and the GPU) would:
 
 1. `Module._apply` (`.to()`, `.half()`, PEFT putting an adapter next to its base layer) swaps a FakeTensor
    parameter's contents with `torch.utils.swap_tensors`, which refuses a tensor something holds a weak reference
    to, and FakeTensorMode memoises every tensor it makes by weak reference. `swappable_fakes` drops a tensor's
    memo entries just before it is swapped (they map the meta tensor of the op that made it, long gone), so the
-   swap keeps the Parameter object: tied weights stay tied, frozen ones stay frozen.
+   swap keeps the Parameter object: tied weights stay tied, frozen ones stay frozen, and its hooks stay on it (a
+   swap alone moved them with the contents: `.to(bfloat16)` dropped a model file's post-accumulate-grad hooks).
 2. Values. Code branches on data: transformers drops an all-ones attention mask (SDPA's own causal mask instead of
    a (B, 1, T, T) one), a boolean mask picks tokens. `Values` keeps a real copy (a shadow) of every small tensor
    computed only from the batch and constants, so reading one of those gives the real answer. A scalar that
@@ -23,6 +24,10 @@ cpu device (and the GPU) would:
    storages of their own (a second copy of those weights, counted from the first forward on), and the copied
    mode's internals later crashed the process (a BERT with a deep-copied head: a segfault in the next trial).
    `one_fake_mode` has a fake mode deep-copy as itself.
+5. `torch.tensor(data)` / `torch.as_tensor(data)` where `data` holds FakeTensors (a list of 0-d tensors: torchtune's
+   Llama 3 RoPE scaling builds its frequencies so) reads their storages in C++, past the dispatcher, and failed
+   ("data is not allocated yet"). `KnownData` puts their known values in their place (their shadows' numbers);
+   one without values raises `NeedsValues`, and the search computes instead.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from torch._subclasses.fake_tensor import (
     FakeTensor,
     FakeTensorMode,
 )
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_leaves, tree_map_only
 from torch.utils.weak import WeakIdRef
@@ -72,10 +78,10 @@ class NeedsValues(OomtuneError):
     """An op needs tensor values the fake device does not have (its output shape, or a value that is not a
     scalar read): the search falls back to computing."""
 
-    def __init__(self, func) -> None:
+    def __init__(self, func, what: str | None = None) -> None:
         name = getattr(func, "__name__", str(func)).split(".")[0]
-        super().__init__(f"aten.{name} has an output that depends on tensor values (data-dependent), which fake "
-                         "tensors do not have")
+        super().__init__(what or f"aten.{name} has an output that depends on tensor values (data-dependent), which "
+                         "fake tensors do not have")
 
 
 # -- 1. swaps -----------------------------------------------------------------------------------------------------
@@ -105,10 +111,21 @@ def _forget(t: torch.Tensor) -> None:
                 del d[ref]
 
 
+_TENSOR_HOOKS = ("_backward_hooks", "_post_accumulate_grad_hooks")
+
+
 def _swap_fakes(t1: torch.Tensor, t2: torch.Tensor) -> None:
+    """The swap, and `t1`'s own hooks (`register_hook`, `register_post_accumulate_grad_hook`: a model file's
+    optimizer-in-backward) kept on it: autograd keeps them with the tensor's contents, which the swap hands to `t2`,
+    where `param.data = ...` (a real tensor's cast) keeps them. Setting them again registers them for the new
+    contents."""
+    hooks = {name: getattr(t1, name, None) for name in _TENSOR_HOOKS}
     _forget(t1)
     _forget(t2)
-    return _SWAP(t1, t2)
+    _SWAP(t1, t2)
+    for name, value in hooks.items():
+        if value:
+            setattr(t1, name, value)
 
 
 @contextlib.contextmanager
@@ -327,8 +344,48 @@ def one_fake_mode() -> Iterator[None]:
             FakeTensorMode.__deepcopy__ = previous
 
 
+# -- 5. data -------------------------------------------------------------------------------------------------------
+
+_FROM_DATA = (torch.tensor, torch.as_tensor)
+
+
+def _as_numbers(data):
+    """`data` (nested lists and tuples) with each FakeTensor in it replaced by its known values as numbers."""
+    if isinstance(data, (list, tuple)):
+        return [_as_numbers(x) for x in data]
+    if isinstance(data, FakeTensor):
+        known = shadow_of(data)
+        if known is None:
+            raise NeedsValues(torch.tensor, "torch.tensor() was given fake tensors' values (data-dependent), "
+                                            "which fake tensors do not have")
+        with _disable_current_modes():
+            return known.tolist()
+    return data
+
+
+def _holds_fakes(data) -> bool:
+    if isinstance(data, (list, tuple)):
+        return any(_holds_fakes(x) for x in data)
+    return isinstance(data, FakeTensor)
+
+
+class KnownData(TorchFunctionMode):
+    """`torch.tensor` / `torch.as_tensor` of data holding FakeTensors: made from their known values (module doc, 5).
+    A single FakeTensor given to `torch.tensor` is copied as the real call copies it (through the dispatcher)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _FROM_DATA and args and isinstance(args[0], (list, tuple)) and _holds_fakes(args[0]):
+            dtype = kwargs.pop("dtype", None)
+            if dtype is None:  # what the tensors' own dtype would give, not Python numbers' default
+                dtype = next(t.dtype for t in tree_leaves(args[0]) if isinstance(t, torch.Tensor))
+            args = (_as_numbers(args[0]), *args[1:])
+            kwargs = {**kwargs, "dtype": dtype}
+        return func(*args, **kwargs)
+
+
 @contextlib.contextmanager
 def real_code_paths() -> Iterator[None]:
     """Everything above, for a stretch of work on fake tensors (enter inside FakeTensorMode)."""
-    with swappable_fakes(), library_view(), Values(), one_fake_mode():
+    with swappable_fakes(), library_view(), Values(), one_fake_mode(), KnownData():
         yield

@@ -130,10 +130,11 @@ def why_nothing_fits(ladder: LadderResult, targets: Targets, static: StaticMemor
     best = max(found, key=lambda r: (r.context_length, r.micro_batch_size))
     per_rank = targets.batch // world
     if not accumulation:
+        why, add = (("the model steps its optimizer in backward", "") if static.steps_in_backward else
+                    ("accumulation is not in --levers", "Add accumulation to --levers, or l"))
         return (f"nothing fits in {format_bytes(limit)} with the whole batch of {per_rank} per rank at once "
-                f"(accumulation is not in --levers): at most micro-batch {best.micro_batch_size} fits "
-                f"({best.rung.name}, context {best.context_length}). Add accumulation to --levers, or lower --batch "
-                f"to {best.micro_batch_size * world}.")
+                f"({why}): at most micro-batch {best.micro_batch_size} fits ({best.rung.name}, context "
+                f"{best.context_length}). {add or 'L'}ower --batch to {best.micro_batch_size * world}.")
     return (f"nothing fits in {format_bytes(limit)} with the global batch kept at {targets.batch}: micro-batch "
             f"{best.micro_batch_size} fits ({best.rung.name}, context {best.context_length}), but reaching "
             f"{per_rank} per rank needs gradient accumulation, which keeps every gradient "
@@ -193,6 +194,7 @@ def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: 
     check_static_fits(floor, device, limit, headroom, sharded_by, past if levers != frozenset(LEVERS) else None)
     kernel_notes()  # forget what trials before this probe chose (its own choose again)
     unreachable, notes = _first_notes(model_file, static, device, targets, amp, levers, rungs, limit, world)
+    accumulates = "accumulation" in levers and not static.steps_in_backward  # (_first_notes says why not)
     check_prior(prior, device.kind, world > 1)
     auto = prior == "auto" or (prior is None and device.kind == "cuda" and world == 1)  # timed: does it pay?
     estimating = auto or bool(prior)
@@ -209,7 +211,7 @@ def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: 
                             command="estimate", levers=levers, statics=(static, floor), trial=trial, prior=False),
                         ) if estimating else None
         ladder, computed = computing_where_needed(device, model_file.label, lambda: _climb(
-            trials, limit, report, rungs, past, targets, world, objective, "accumulation" in levers, unreachable))
+            trials, limit, report, rungs, past, targets, world, objective, accumulates, unreachable))
     records, host = trials.records, trials.host
     climbed_past = len(ladder.rungs) > len(rungs)
     kernels = kernel_notes(ladder.choice.rung.precision if ladder.choice is not None else None)  # the plan's own
@@ -220,7 +222,7 @@ def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: 
         refused = over_headroom(((plan_of(t.point, world).describe(with_global=False), t.measurement.peak_bytes)
                                  for t in ladder.trials if t.result == "over-headroom"), device.budget_bytes, headroom)
         why = why_nothing_fits(ladder, targets, floor if climbed_past else static, limit, world,
-                               "accumulation" in levers) + (f" {refused.text()}." if refused else "") + \
+                               accumulates) + (f" {refused.text()}." if refused else "") + \
             no_fsdp_note(no_fsdp)
         return ProbeResult(ladder, records, static, targets, limit, None, why, world, device.budget_bytes, notes,
                            past=past, prior=report, over_headroom=refused)
@@ -251,6 +253,10 @@ def _first_notes(model_file: ModelFile, static: StaticMemory, device: Device, ta
     unreachable, note = out_of_reach(rungs, static, tensor_budget, world, model_file.label)
     unrunnable = amp_cannot_run(static.lstm, device, amp)
     notes += note + ((f"{model_file.label} {unrunnable}",) if unrunnable and "amp" in levers else ())
+    if static.steps_in_backward and "accumulation" in levers:
+        notes += (f"no accumulation rung: {static.steps_in_backward} of {model_file.label}'s trained parameters have "
+                  "post-accumulate-grad hooks (an optimizer stepped in backward updates them at every micro-batch's "
+                  "backward, so accumulating micro-batches would change the training)",)
     return unreachable, notes
 
 

@@ -24,7 +24,7 @@ from ..memory.layer_drop import every_layer
 from ..memory.replay import Trace
 from ..memory.tracker import untracked
 from ..model_file import ModelFile, is_compiled
-from ..step import Training, build_training, every_gradient_made, make_optimizer_state, train_step
+from ..step import Training, build_training, every_gradient_made, make_optimizer_state, release_tensor_hooks, train_step
 
 T = TypeVar("T")
 
@@ -65,6 +65,7 @@ class ModelCache:
         beside another's model."""
         if not reusable or self.key != self.key_of(plan):
             if self.model is not None:
+                release_tensor_hooks(self.model)
                 self.key, self.model, self.saved = None, None, []
                 device.release()
             return None
@@ -124,6 +125,12 @@ class TrialResult:
     left_bytes: int = 0  # still alive once the trial let go of its memory, beyond what was before (leaks.py)
 
 
+def _done_with(module, models: ModelCache | None) -> None:
+    """A trial's model is let go of (unless the cache keeps it): its parameters' hooks too (release_tensor_hooks)."""
+    if models is None or models.model is not module:
+        release_tensor_hooks(module)
+
+
 def _steps(model_file: ModelFile, plan: Plan, device: Device, steps: int, reading_box: list, built: list,
            observe: Callable[[Training, str], None] | None = None, dist: Dist = LOCAL, prime: bool = False,
            models: ModelCache | None = None) -> tuple:
@@ -141,6 +148,7 @@ def _steps(model_file: ModelFile, plan: Plan, device: Device, steps: int, readin
         t = build_training(model_file, plan, device, lr=train_defaults.lr,
                            clip_grad_norm=train_defaults.clip_grad_norm, dist=dist, model=model)
         held.enter_context(every_layer(t.module))  # a LayerDrop model runs every layer: the worst case
+        held.callback(_done_with, t.module, models)
         if reuse and model is None:
             models.keep(plan, t.module)
         del model

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.skipif(find_spec("transformers") is None or find_spec("
 
 MODELS = Path(__file__).parent / "models"
 KINDS = ["hf_llama_lora", "moved", "to_cuda", "hf_bert_mask", "hf_bert_lora_cls", "hf_t5", "compiled",
-         "moe_nonzero", "hf_llama_loha", "hf_gpt2_prefix"]
+         "moe_nonzero", "hf_llama_loha", "hf_gpt2_prefix", "llama3_scaled_rope", "optimizer_in_backward"]
 BUDGET = ("--budget", "64MiB")
 # cpu and fake accounting alike: the generic card's rules (CUDA autocast and attention), and its margin (a 512 MiB
 # context assumed, 16.25 MiB of cuBLAS workspaces, the allocator modelled): about the 58 MiB that 64 MiB less 10%

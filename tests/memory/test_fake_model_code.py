@@ -1,0 +1,156 @@
+"""Model code published fine-tuning recipes run (issue 42's defects), measured on the fake device as on the cpu.
+devices: fake (a FakeTensorMode with `real_code_paths`; FakeDevice) against cpu (CpuDevice), the same plan and
+tracker: the tensor peak equal to the byte.
+
+- torchtune's Llama 3.x builders make their scaled RoPE frequencies with `torch.tensor([...0-d tensors...])`, which
+  crashed the build on fake tensors ("data is not allocated yet"), reported as the model file's error.
+- Hooks a model file puts on its parameters (an optimizer stepped from post-accumulate-grad hooks, torchtune's
+  optimizer_in_bwd) were dropped on fake tensors when bf16-true cast the model: the fake step kept every gradient.
+- NF4 weights a model file makes itself (torchtune's QLoRA layers: `nn.Parameter(to_nf4(w))`) are counted at their
+  NF4 layout's size, as on the cpu (a guard: this one measured right before the fixes above too)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from importlib.util import find_spec
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+from oomtune.config.schema import Plan
+from oomtune.levers import build_model as build_for_plan
+from oomtune.memory.breakdown import breakdown
+from oomtune.memory.devices import CpuDevice, FakeDevice
+from oomtune.memory.fakes import NeedsValues, real_code_paths, shadow_of
+from oomtune.memory.margin import Margin
+from oomtune.memory.tracker import rounded
+from oomtune.model_file import load_model_file
+from oomtune.search.trial import run_trial
+
+from ..conftest import run_cli
+
+
+@contextlib.contextmanager
+def fake():
+    with FakeTensorMode(allow_non_fake_inputs=True), real_code_paths(), torch.device("cpu"):
+        yield
+
+
+def test_a_tensor_made_from_known_fake_scalars_has_their_values_and_dtype():
+    with fake():
+        freqs = 1.0 / (500000 ** (torch.arange(0, 8, 2).float() / 8))
+        scaled = torch.tensor([f if f > 0.5 else f / 8 for f in freqs], dtype=freqs.dtype)
+        as_is = torch.tensor([f for f in freqs])  # no dtype: the tensors' own, not Python numbers' default
+        assert isinstance(scaled, FakeTensor) and scaled.shape == (4,) and as_is.dtype == torch.float32
+        expected = 1.0 / (500000 ** (torch.arange(0, 8, 2).float() / 8))
+        expected = torch.where(expected > 0.5, expected, expected / 8)
+        torch.testing.assert_close(shadow_of(scaled), expected.to(shadow_of(scaled).device), rtol=0, atol=0)
+        weight = nn.Linear(3, 1).weight[0]  # a weight's values: the fake device has none
+        with pytest.raises(NeedsValues, match=r"torch\.tensor\(\) was given fake tensors' values"):
+            torch.tensor([w for w in weight])
+
+
+def test_a_cast_keeps_the_hooks_on_a_fake_parameter():
+    """bf16-true's `model.to(torch.bfloat16)` swaps each fake parameter's contents; the hooks stay with it."""
+    called = []
+    with fake():
+        model = nn.Linear(4, 4)
+        model.weight.register_post_accumulate_grad_hook(lambda p: called.append("post-accumulate"))
+        model.bias.register_hook(lambda g: called.append("grad") or g)
+        weight = model.weight
+        model.to(torch.bfloat16)
+        assert model.weight is weight and model.weight.dtype == torch.bfloat16
+        model(torch.randn(2, 4, dtype=torch.bfloat16)).sum().backward()
+    assert sorted(called) == ["grad", "post-accumulate"]
+
+
+MODELS = Path(__file__).resolve().parent.parent / "finetune" / "models"
+LLAMA3_ROPE = MODELS / "llama3_scaled_rope.py"  # torchtune's Llama 3 RoPE scaling: torch.tensor(list of 0-d tensors)
+OPTIMIZER_IN_BACKWARD = MODELS / "optimizer_in_backward.py"  # built in fp32, a post-accumulate-grad hook a parameter
+
+
+@pytest.mark.parametrize("path, plan", [
+    (LLAMA3_ROPE, Plan(2, 32, "bf16")),
+    (OPTIMIZER_IN_BACKWARD, Plan(2, 32, "bf16-true")),
+], ids=["llama3-scaled-rope", "optimizer-in-backward-bf16-true"])
+def test_the_fake_device_measures_the_model_code_as_the_cpu_does(path, plan):
+    model_file = load_model_file(path)
+    cpu = run_trial(model_file, plan, CpuDevice("1GiB"))
+    steps_on_cpu = len(getattr(model_file.module, "STEPS", []))
+    fake = run_trial(model_file, plan, FakeDevice("1GiB", margin=Margin()))
+    assert not cpu.oom and not fake.oom
+    assert fake.peak_allocated_bytes == cpu.peak_allocated_bytes  # to the byte
+    if path == OPTIMIZER_IN_BACKWARD:  # every parameter stepped from its hook on both (a dropped hook: none on fake)
+        assert steps_on_cpu > 0 and len(model_file.module.STEPS) == 2 * steps_on_cpu
+
+
+@pytest.mark.skipif(find_spec("torchao") is None, reason="torchao is not installed (pip install -e '.[dev]')")
+def test_nf4_weights_a_model_file_makes_itself_count_at_their_layout_size(write_model):
+    source = LLAMA3_ROPE.read_text().replace("self.qkv, self.out = nn.Linear(d, 3 * d), nn.Linear(d, d)", """\
+self.qkv, self.out = FrozenNF4Linear(d, 3 * d), nn.Linear(d, d)""").replace("class Block(", '''\
+from oomtune.levers.nf4 import library_to_nf4
+
+
+class FrozenNF4Linear(nn.Linear):
+    """As torchtune's QLoRA layers: the frozen weight parameter is itself torchao's NF4Tensor."""
+
+    def __init__(self, i, o):
+        super().__init__(i, o, bias=False)
+        self.weight = nn.Parameter(library_to_nf4()(self.weight.detach(), 64, 256), requires_grad=False)
+
+    def forward(self, x):
+        return nn.functional.linear(x, self.weight)
+
+
+class Block(''').replace("def __init__(self, d=32,", "def __init__(self, d=128,")
+    model_file = load_model_file(write_model(source))
+    plan = Plan(48, 64, "bf16-true")  # its peak in the step, past the quantization's scratch
+    cpu = run_trial(model_file, plan, CpuDevice("1GiB"))
+    fake = run_trial(model_file, plan, FakeDevice("1GiB", margin=Margin()))
+    assert fake.peak_allocated_bytes == cpu.peak_allocated_bytes
+    measured = breakdown(model_file, plan, FakeDevice("1GiB", margin=Margin()))  # at the step's peak
+    model = build_for_plan(model_file, plan, CpuDevice("1GiB"))  # real tensors, as the plan builds them
+    nf4 = [m.weight for m in model.modules() if type(m).__name__ == "FrozenNF4Linear"]
+    assert len(nf4) == 2 and type(nf4[0]).__name__ == "NF4Tensor"
+    storages = {id(s): rounded(s.nbytes()) for t in  # (as the CUDA allocator rounds them)
+                (*model.parameters(), *model.buffers()) for s in _storages(t)}
+    assert measured.phase in ("forward", "backward") and measured.parameters_bytes == sum(storages.values())
+    # 4 bits an element plus the blocks' scales: about a quarter of bf16's 2 bytes an element
+    packed = sum(s.nbytes() for w in nf4 for s in _storages(w))
+    assert packed < 0.6 * sum(w.numel() for w in nf4)
+
+
+def _storages(t: torch.Tensor) -> list:
+    if type(t).__name__ == "NF4Tensor":
+        return [getattr(t, n).untyped_storage() for n in t.__tensor_flatten__()[0]]
+    return [t.untyped_storage()]
+
+
+def test_a_model_stepping_its_optimizer_in_backward_is_probed_alike_on_cpu_and_fake(tmp_path):
+    """PyTorch's optimizer-in-backward (a post-accumulate-grad hook per parameter, closing over its optimizer) makes
+    a reference cycle through autograd that the garbage collector cannot see: before, each trial's model stayed
+    alive and the cpu probe stopped with "keeps tensors alive from one trial to the next". Now both devices climb
+    the same ladder, trial for trial, with no accumulation (it would update at every micro-batch) and no 8-bit or
+    offload rung (the trainer's optimizer never sees a gradient), each said in a note."""
+    model = OPTIMIZER_IN_BACKWARD
+    common = ("--batch", "16", "--context", "64", "--budget", "600KiB", "--json")
+    cpu = run_cli("probe", model, "--device", "cpu", *common, "--out", tmp_path / "cpu.yaml")
+    fake = run_cli("estimate", model, "--margin", "0", *common, "--out", tmp_path / "fake.yaml")
+    assert cpu.exit_code == 1 and fake.exit_code == 1, cpu.output + fake.output  # 16 at once: nothing fits
+    cpu, fake = json.loads(cpu.stdout), json.loads(fake.stdout)
+    measured = [{(t["rung"], t["micro_batch_size"]): (t["result"], t["peak_bytes"] if t["result"] != "oom" else None)
+                 for t in r["trials"]} for r in (cpu, fake)]
+    # the same result and peak at every size both tried (the estimate predicts a few sizes the cpu ran, from a line)
+    assert {k: measured[0][k] for k in measured[1]} == measured[1] and len(measured[1]) > 12
+    assert [{**r, "trials": 0} for r in cpu["rungs"]] == [{**r, "trials": 0} for r in fake["rungs"]]
+    assert not any(t["grad_accum_steps"] > 1 for t in cpu["trials"])
+    assert "(the model steps its optimizer in backward): at most micro-batch 4 fits" in cpu["why_nothing_fits"]
+    for result in (cpu, fake):
+        assert any(n.startswith("no accumulation rung: 11 of optimizer_in_backward.py's trained parameters have ")
+                   for n in result["notes"])
+        assert set(result["levers_not_used"]) == {"8bit", "nf4", "offload"}
+        assert "never sees their gradients" in result["levers_not_used"]["offload"]
