@@ -10,7 +10,8 @@ from pathlib import Path
 OTHER_SECTIONS = (("train", "bench-train", "Trainer overhead"), ("estimate", "bench-estimate", "Estimate"),
                   ("levers", "bench-levers", "Past accumulation: 7B Llama estimates"),
                   ("autocast", "bench-autocast", "CUDA-faithful estimate"),
-                  ("prior", "bench-prior", "The probe from the estimate, by what a device trial costs"))
+                  ("prior", "bench-prior", "The probe from the estimate, by what a device trial costs"),
+                  ("published", "bench-published", "Published fine-tuning runs"))
 
 
 def marker(name: str, which: str) -> str:

@@ -50,6 +50,7 @@ class Training:
     # those above 0)
     micro_losses: torch.Tensor | None = None  # the step in flight's micro-batch losses, from its optimizer phase
     rank_allocator: nn.Module | None = None  # PEFT AdaLoRA's, called after each optimizer step (rank_allocation.py)
+    steps_in_backward: int = 0  # parameters the model file's own hooks step in backward (counted before the levers')
 
     @property
     def module(self) -> nn.Module:
@@ -80,18 +81,23 @@ def build_training(model_file: ModelFile, plan: Plan, device: Device, lr: float,
         if plan.activation_checkpointing:
             model_file.enable_checkpointing(model)
     model.train()
+    if plan.chunked_loss:
+        from .levers.chunked_loss import check_applies
+
+        check_applies(model_file, model)
     allocator = allocator_of(model)
     if allocator is not None and plan.sharding == "fsdp":
         raise OomtuneError(f"plan.sharding fsdp: {model_file.label}'s AdaLoRA adapters reallocate their ranks from "
                            "scores over the whole model, and FSDP gives each rank a shard of them: use sharding ddp")
     if plan.sharding != "none":
         model = wrap(model, plan.sharding, model_file.blocks(model), dist)
+    stepping = steps_in_backward(unwrapped(model))  # (before make_optimizer: offload hooks every parameter too)
     optimizer = make_optimizer(model_file, [p for p in model.parameters() if p.requires_grad], lr, unwrapped(model),
                                plan, device)  # the 8-bit and offload levers replace the default AdamW
     as_on_cuda(optimizer, device.kind)
     t = Training(model, optimizer, _scaler(plan, device), plan, model_file, device, clip_grad_norm,
                  dist=dist, decaying=tuple(float(g.get("weight_decay") or 0) for g in optimizer.param_groups),
-                 rank_allocator=allocator)
+                 rank_allocator=allocator, steps_in_backward=stepping)
     if weight_decay is not None:
         set_weight_decay(t, weight_decay)
     return t
@@ -136,6 +142,15 @@ def autocast(t: Training) -> contextlib.AbstractContextManager:
     return torch.autocast(t.device.autocast_device_type, dtype=DTYPES[t.plan.precision])
 
 
+def loss_of(t: Training, batch: Batch) -> torch.Tensor:
+    """The micro-batch's loss: the model file's, or, under plan.chunked_loss, a causal LM's in slices."""
+    if t.plan.chunked_loss:
+        from .levers.chunked_loss import chunked_loss
+
+        return chunked_loss(t.model_file, t.model, cast_inputs(batch, t.plan))
+    return t.model_file.loss(t.model, cast_inputs(batch, t.plan))
+
+
 def _accumulate(t: Training, micro_batches: Sequence[Batch], weights: Sequence[float] | None) -> torch.Tensor:
     """-> each micro-batch's loss, in one tensor (one block, in training as in a trial: the trainer's check for a
     non-finite loss reads them, where a tensor kept per micro-batch put training above the trial's peak)."""
@@ -145,7 +160,7 @@ def _accumulate(t: Training, micro_batches: Sequence[Batch], weights: Sequence[f
         with micro_step(t.model, t.plan.sharding, last=i == n - 1):
             t.phase("forward")
             with autocast(t), saved_activations(t.plan, t.device):
-                loss = t.model_file.loss(t.model, cast_inputs(batch, t.plan))
+                loss = loss_of(t, batch)
             t.phase("backward")
             of = "loss()" if t.model_file.has("loss") else "the model"
             with t.model_file.user_code(f"the backward pass of {of}"):  # a recompute mismatch, a custom Function
@@ -211,7 +226,7 @@ def make_optimizer_state(t: Training) -> torch.Tensor | None:
     materialized, or a parameter with a post-accumulate-grad hook (an optimizer stepped in backward: the gradient
     may never reach this optimizer, and the model file's own optimizers make their state in the first backward)."""
     params = [p for p in t.module.parameters() if p.requires_grad]
-    if t.model_file.has("optimizer") or any(nn.parameter.is_lazy(p) or _hooked(p) for p in params):
+    if t.model_file.has("optimizer") or t.steps_in_backward or any(nn.parameter.is_lazy(p) for p in params):
         return None
     t.phase("optimizer")
     make_state = getattr(t.optimizer, "make_state", None)
@@ -290,7 +305,7 @@ def eval_loss(t: Training, batches: Sequence[Batch], weights: Sequence[int] | No
         total = torch.zeros((), device=t.device.torch_device)
         for batch, weight in zip(batches, weights, strict=True):
             with autocast(t):
-                total += t.model_file.loss(t.model, cast_inputs(batch, t.plan)).float() * weight
+                total += loss_of(t, batch).float() * weight
         return total
 
     try:

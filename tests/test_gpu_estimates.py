@@ -104,6 +104,8 @@ LEVER_PLANS = {  # the rungs past accumulation, on the tiny GPT (NF4: tests/leve
     "offload": ("tiny_gpt", {"offload_optimizer": True, "grad_accum_steps": 2}),
     "offload-activations": ("tiny_gpt", {"offload_activations": True}),
     "nf4": ("qlora", {"precision": "bf16-true", "nf4_frozen_weights": True, "activation_checkpointing": True}),
+    # a Hugging Face causal LM's loss in slices (the same LoRA Llama, without NF4)
+    "chunked-loss": ("qlora", {"precision": "bf16", "chunked_loss": True}),
 }
 
 

@@ -80,7 +80,7 @@ def trial_progress(device=None):
     def on_trial(rec):
         stop_if_interrupted()
         progress.advance(task)
-        # the rung last: the ladder's names run from "fp32" to "bf16-true+8bit+offload+offload-activations"
+        # the rung last: the ladder's names run from "fp32" to "chunked-loss+bf16-true+8bit+...+offload-activations"
         b = f"{rec.micro_batch_size}x{rec.grad_accum_steps}" if rec.grad_accum_steps > 1 else rec.micro_batch_size
         progress.console.print(
             f"  b={b:<7} T={rec.context_length:<6} "

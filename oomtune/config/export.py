@@ -162,7 +162,8 @@ def _hf(plan: Plan) -> tuple[dict, list[str]]:
     if plan.precision == "bf16-true":
         out.append("precision: bf16-true is the model loaded in bf16 (from_pretrained(..., torch_dtype="
                    "torch.bfloat16)) with bf16=False: TrainingArguments has no flag for it")
-    out += _when(plan, offload_optimizer="TrainingArguments cannot; use DeepSpeed ZeRO with offload_optimizer "
+    out += _when(plan, chunked_loss=CHUNKED_YOURS,
+                 offload_optimizer="TrainingArguments cannot; use DeepSpeed ZeRO with offload_optimizer "
                                          "(deepspeed=...) or FSDP's cpu offload",
                  offload_activations="TrainingArguments cannot; wrap the model's forward in "
                                      "torch.autograd.graph.save_on_cpu()")
@@ -206,7 +207,8 @@ def _lightning(plan: Plan) -> tuple[dict, list[str]]:
                  optimizer_8bit="return torchao.optim.AdamW8bit (or bitsandbytes' AdamW8bit) from "
                                 "configure_optimizers",
                  offload_optimizer="the Trainer takes it only through DeepSpeedStrategy(offload_optimizer=True)",
-                 offload_activations="wrap training_step's forward in torch.autograd.graph.save_on_cpu()")
+                 offload_activations="wrap training_step's forward in torch.autograd.graph.save_on_cpu()",
+                 chunked_loss=CHUNKED_YOURS)
     return {"trainer": trainer, "dataloader": {"batch_size": plan.micro_batch_size}}, out
 
 
@@ -236,7 +238,8 @@ def _accelerate(plan: Plan) -> tuple[dict, list[str]]:
     out += _when(plan, optimizer_8bit="create torchao.optim.AdamW8bit (or bitsandbytes' AdamW8bit) and pass it to "
                                       "accelerator.prepare",
                  offload_optimizer="the config takes it only through DeepSpeed (offload_optimizer_device: cpu)",
-                 offload_activations="wrap the forward in torch.autograd.graph.save_on_cpu()")
+                 offload_activations="wrap the forward in torch.autograd.graph.save_on_cpu()",
+                 chunked_loss=CHUNKED_YOURS)
     return cfg, out
 
 
@@ -247,6 +250,8 @@ def _torchtune(plan: Plan) -> tuple[dict, list[str]]:
           "enable_activation_offloading": plan.offload_activations,
           "tokenizer.max_seq_len": plan.context_length,
           "optimizer._component_": "torchao.optim.AdamW8bit" if plan.optimizer_8bit else "torch.optim.AdamW"}
+    if plan.chunked_loss:
+        kw["loss._component_"] = "torchtune.modules.loss.CEWithChunkedOutputLoss"
     out: list[str] = []
     if dtype is not None:
         kw["dtype"] = dtype
@@ -263,6 +268,10 @@ def _torchtune(plan: Plan) -> tuple[dict, list[str]]:
         out.append("offload_activations: torchtune's recipes offload activations only with "
                    "enable_activation_checkpointing=true, which this plan does not use")
     return kw, out
+
+
+CHUNKED_YOURS = ("compute the loss yourself: the model's logits (no labels passed) in 8 slices of the sequence, "
+                 "each upcast to fp32 and summed with F.cross_entropy(..., reduction='sum'), over the tokens counted")
 
 
 def _when(plan: Plan, **notes: str) -> list[str]:

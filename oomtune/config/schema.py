@@ -35,6 +35,7 @@ TRIAL_STEPS = 2  # optimizer steps per trial: the optimizer state exists when th
 
 
 LEVER_LABELS = {  # the plan keys past accumulation, as a plan's description names them
+    "chunked_loss": "chunked cross-entropy",
     "optimizer_8bit": "8-bit AdamW state",
     "nf4_frozen_weights": "NF4 frozen weights",
     "offload_optimizer": "optimizer offloaded to host",
@@ -58,6 +59,7 @@ class Plan:
     offload_optimizer: bool = False  # optimizer state and step in host memory; gradients moved there as made
     offload_activations: bool = False  # tensors saved for backward kept in host memory
     nf4_frozen_weights: bool = False  # frozen Linear weights (PEFT LoRA's base) stored as 4-bit NF4
+    chunked_loss: bool = False  # a causal LM's cross-entropy in 8 slices of the sequence, each upcast to fp32 alone
     global_batch_size: int = 0  # 0 = derive it
 
     def __post_init__(self):

@@ -32,6 +32,8 @@ COMMENTS = {
     "plan.offload_optimizer": "optimizer state and step in host RAM, gradients moved there: slower steps",
     "plan.offload_activations": "tensors saved for backward held in host RAM: a copy each way per step",
     "plan.nf4_frozen_weights": "frozen Linear weights in 4-bit NF4 (QLoRA): ~0.5 byte each, dequantized per use",
+    "plan.chunked_loss": ("a causal LM's cross-entropy over 8 slices of the sequence, each upcast to fp32 alone: "
+                          "the logits' fp32 copy and gradient never whole (Hugging Face causal LMs)"),
     "plan.global_batch_size": "micro_batch_size x grad_accum_steps x world_size: what the optimizer sees",
     "train.steps": "optimizer steps",
     "train.lr": "peak learning rate, after warmup",

@@ -349,17 +349,16 @@ def one_fake_mode() -> Iterator[None]:
 _FROM_DATA = (torch.tensor, torch.as_tensor)
 
 
-def _as_numbers(data):
-    """`data` (nested lists and tuples) with each FakeTensor in it replaced by its known values as numbers."""
+def _as_real(data):
+    """`data` (nested lists and tuples) with each FakeTensor in it replaced by its known values (its shadow)."""
     if isinstance(data, (list, tuple)):
-        return [_as_numbers(x) for x in data]
+        return [_as_real(x) for x in data]
     if isinstance(data, FakeTensor):
         known = shadow_of(data)
         if known is None:
             raise NeedsValues(torch.tensor, "torch.tensor() was given fake tensors' values (data-dependent), "
                                             "which fake tensors do not have")
-        with _disable_current_modes():
-            return known.tolist()
+        return known
     return data
 
 
@@ -370,17 +369,17 @@ def _holds_fakes(data) -> bool:
 
 
 class KnownData(TorchFunctionMode):
-    """`torch.tensor` / `torch.as_tensor` of data holding FakeTensors: made from their known values (module doc, 5).
-    A single FakeTensor given to `torch.tensor` is copied as the real call copies it (through the dispatcher)."""
+    """`torch.tensor` / `torch.as_tensor` of data holding FakeTensors: made from their known values (module doc, 5),
+    with the dtype (and the errors) real torch gives those values. A single FakeTensor given to `torch.tensor` is
+    copied as the real call copies it (through the dispatcher)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in _FROM_DATA and args and isinstance(args[0], (list, tuple)) and _holds_fakes(args[0]):
-            dtype = kwargs.pop("dtype", None)
-            if dtype is None:  # what the tensors' own dtype would give, not Python numbers' default
-                dtype = next(t.dtype for t in tree_leaves(args[0]) if isinstance(t, torch.Tensor))
-            args = (_as_numbers(args[0]), *args[1:])
-            kwargs = {**kwargs, "dtype": dtype}
+            with _disable_current_modes():  # real torch's own dtype inference and errors, on the known values
+                value = torch.tensor(_as_real(args[0]), dtype=kwargs.get("dtype"))
+            args = (value.tolist(), *args[1:])
+            kwargs = {**kwargs, "dtype": value.dtype}
         return func(*args, **kwargs)
 
 

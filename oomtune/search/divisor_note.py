@@ -56,4 +56,5 @@ def describe_rung(rung: Rung) -> str:
                                                           ("8-bit AdamW", rung.optimizer_8bit),
                                                           ("NF4 weights", rung.nf4_frozen_weights),
                                                           ("optimizer offload", rung.offload_optimizer),
-                                                          ("activation offload", rung.offload_activations)) if on])
+                                                          ("activation offload", rung.offload_activations),
+                                                          ("chunked cross-entropy", rung.chunked_loss)) if on])

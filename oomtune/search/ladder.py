@@ -37,6 +37,7 @@ class Rung:
     nf4_frozen_weights: bool = False
     offload_optimizer: bool = False
     offload_activations: bool = False
+    chunked_loss: bool = False
 
 
 @dataclass(frozen=True)

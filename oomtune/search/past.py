@@ -2,7 +2,10 @@
 at the target context (micro-batch 1 with accumulation, at least): each adds one lever to the one before, cheapest
 first in speed and exactness, so the last combines them all (the guides' "combine two or more"):
 
-    bf16-true -> +8bit -> +nf4 (a model with frozen Linear weights) -> +offload -> +offload-activations
+    chunked-loss (a Hugging Face causal LM) -> +bf16-true -> +8bit -> +nf4 (a model with frozen Linear weights)
+    -> +offload -> +offload-activations
+
+Chunked cross-entropy comes first: it costs no speed and changes no value beyond float rounding.
 
 On a card without bf16 (amp is fp16 there) the offload rungs run in fp32 ("fp32+8bit+offload"): fp16's GradScaler
 cannot unscale gradients offload has moved off the device.
@@ -15,12 +18,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..levers import missing_library
+from ..levers.chunked_loss import why_not as chunked_why_not
 from ..memory.breakdown import StaticMemory
 from ..units import format_bytes
 from .ladder import Rung
 
 # lever name -> (plan key, what it is): the order they are added in
 PAST_LEVERS = {
+    "chunked-loss": ("chunked_loss", "chunked cross-entropy"),  # (added before bf16-true: past_rungs)
     "8bit": ("optimizer_8bit", "8-bit AdamW state"),
     "nf4": ("nf4_frozen_weights", "NF4 frozen weights"),
     "offload": ("offload_optimizer", "the optimizer offloaded to host memory"),
@@ -41,7 +46,7 @@ def past_rungs(device, amp_dtype: str, static: StaticMemory, label: str, levers:
                world_size: int = 1) -> PastRungs:
     """The rungs past accumulation this model, device and --levers allow (see the module doc)."""
     out = PastRungs()
-    wanted = [name for name in ("bf16-true", *PAST_LEVERS) if name in levers]
+    wanted = [name for name in ("bf16-true", *PAST_LEVERS) if name in levers]  # (chunked-loss: first, below)
     if world_size > 1:
         out.skipped.update(dict.fromkeys(wanted, "the levers past accumulation run on one process (fsdp shards "
                                                  "instead)"))
@@ -55,15 +60,23 @@ def past_rungs(device, amp_dtype: str, static: StaticMemory, label: str, levers:
         if "bf16-true" in levers:
             out.skipped["bf16-true"] = (f"{label}'s trained weights are bfloat16, as build_model() returns them: every "
                                         "rung trains bf16-true already")
-    elif "bf16-true" in levers:
+    if "chunked-loss" in levers:
+        why = chunked_why_not(label, static.own_loss, static.not_causal_lm)
+        if why is not None:
+            out.skipped["chunked-loss"] = why
+        else:
+            fields["chunked_loss"] = True
+            names.append("chunked-loss")
+            out.rungs.append(Rung("+".join(names), **fields))
+    if "bf16-true" in levers and static.weights_dtype != "bfloat16":
         if device.supports_bf16():
             fields["precision"] = "bf16-true"
             names.append("bf16-true")
-            out.rungs.append(Rung("bf16-true", **fields))
+            out.rungs.append(Rung("+".join(names), **fields))
         else:
             out.skipped["bf16-true"] = f"{device.name} has no native bf16"
     for lever, (key, _) in PAST_LEVERS.items():
-        if lever not in levers:
+        if lever not in levers or key == "chunked_loss":
             continue
         why = _why_not(lever, static, label, device.kind) or \
             (_no_smaller(static, fields["precision"]) if lever == "8bit" else None)

@@ -33,7 +33,7 @@ from .options import LEVERS, Targets, check_prior, check_search_options
 from .past import PastRungs, past_rungs
 from .prior import PriorReport, run_prior
 from .rung_notes import checkpointing_saved_nothing
-from .trial import ModelCache, TrialResult, computing_where_needed, run_trial, settled_objects
+from .trial import TrialResult, computing_where_needed, kept_models, run_trial, settled_objects
 from .weights_dtype import amp_adds_nothing, base_precision, weights_dtype_notes
 
 
@@ -108,7 +108,8 @@ def plan_of(point: Point, world_size: int = 1) -> Plan:
                 precision=r.precision, activation_checkpointing=r.activation_checkpointing,
                 grad_accum_steps=point.grad_accum_steps, world_size=world_size, sharding=r.sharding,
                 optimizer_8bit=r.optimizer_8bit, nf4_frozen_weights=r.nf4_frozen_weights,
-                offload_optimizer=r.offload_optimizer, offload_activations=r.offload_activations)
+                offload_optimizer=r.offload_optimizer, offload_activations=r.offload_activations,
+                chunked_loss=r.chunked_loss)
 
 
 def why_nothing_fits(ladder: LadderResult, targets: Targets, static: StaticMemory, limit: int, world: int,
@@ -200,8 +201,8 @@ def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: 
     estimating = auto or bool(prior)
     if on_begin is not None:  # the input is good: the search begins (True: with the estimate on fake tensors)
         on_begin(estimating)
-    with settled_objects():  # one full collection; then each trial's walks only what the trials made
-        reuse = {"models": ModelCache()} if trial is run_trial else {}  # (estimate's recording trials build anew)
+    # settled_objects: one full collection, then each trial's walks only what trials made; kept_models: reuse
+    with settled_objects(), kept_models(device, trial is run_trial) as reuse:
         trials = DeviceTrials(lambda point: trial(model_file, plan_of(point, world), device, steps=steps, dist=dist,
                                              **reuse), world, on_start, on_trial, LeakWatch(model_file.label, limit))
         first = next((r for r in (*rungs, *past.rungs) if r.name not in unreachable), rungs[0])  # timed (auto)

@@ -57,17 +57,14 @@ class ModelCache:
     def key_of(plan: Plan) -> Plan:
         """The plan without what a built model does not depend on (the rung)."""
         return dataclasses.replace(plan, micro_batch_size=1, context_length=1, grad_accum_steps=1,
-                                   global_batch_size=0)
+                                   global_batch_size=0, chunked_loss=False)
 
     def take(self, plan: Plan, device: Device, reusable: bool = True):
         """The model for `plan`, as it was built, or None: build one. A model kept for another rung, or for a plan
         that cannot reuse it, is dropped first and its memory given back (device.release), so that no trial runs
         beside another's model."""
         if not reusable or self.key != self.key_of(plan):
-            if self.model is not None:
-                release_tensor_hooks(self.model)
-                self.key, self.model, self.saved = None, None, []
-                device.release()
+            self.close(device)
             return None
         with torch.no_grad():
             for t, values in self.saved:
@@ -76,6 +73,13 @@ class ModelCache:
             p.grad = None
         rank_allocation.reset(self.model)  # AdaLoRA's scores of the last trial's steps
         return self.model
+
+    def close(self, device: Device) -> None:
+        """Let go of the kept model, its parameters' hooks emptied (release_tensor_hooks), and give its memory back."""
+        if self.model is not None:
+            release_tensor_hooks(self.model)
+            self.key, self.model, self.saved = None, None, []
+            device.release()
 
     def keep(self, plan: Plan, model) -> None:
         """Remember a model just built for `plan`, with its trained weights' and buffers' values (not counted). Not
@@ -97,6 +101,18 @@ class ModelCache:
         storages = {id(s): s for t in (*self.model.parameters(), *self.model.buffers(), *grads)
                     if t.layout == torch.strided and (s := t.untyped_storage()) is not None}
         return sum(rounded(s.nbytes()) for s in storages.values())
+
+
+@contextlib.contextmanager
+def kept_models(device: Device, wanted: bool = True) -> Iterator[dict]:
+    """run_trial's keyword arguments for a search's trials: {"models": a ModelCache} where `wanted`, let go of (its
+    last model's hooks emptied) when the search ends, however it ends; else {}."""
+    cache = ModelCache() if wanted else None
+    try:
+        yield {"models": cache} if cache is not None else {}
+    finally:
+        if cache is not None:
+            cache.close(device)
 
 
 def held(models: ModelCache | None) -> int:

@@ -37,7 +37,7 @@ def test_the_8bit_and_offload_rungs_are_climbed_over_an_own_adamw(tmp_path):
     assert r.exit_code == 0, r.output
     report = json.loads(r.stdout)
     assert [x["rung"] for x in report["rungs"]][-2:] == ["bf16-true+8bit", "bf16-true+8bit+offload"]
-    assert set(report["levers_not_used"]) == {"nf4"}
+    assert set(report["levers_not_used"]) == {"chunked-loss", "nf4"}  # (not a Hugging Face causal LM)
     plan = yaml.safe_load((tmp_path / "p.yaml").read_text())["plan"]
     assert plan["optimizer_8bit"] and plan["offload_optimizer"] and plan["micro_batch_size"] == 8
 

@@ -49,6 +49,8 @@ def test_a_tensor_made_from_known_fake_scalars_has_their_values_and_dtype():
         expected = 1.0 / (500000 ** (torch.arange(0, 8, 2).float() / 8))
         expected = torch.where(expected > 0.5, expected, expected / 8)
         torch.testing.assert_close(shadow_of(scaled), expected.to(shadow_of(scaled).device), rtol=0, atol=0)
+        mixed = torch.tensor([torch.arange(3)[1], 2.5])  # an integer tensor and a float: real torch's float32
+        assert mixed.dtype == torch.float32 and shadow_of(mixed).tolist() == [1.0, 2.5]
         weight = nn.Linear(3, 1).weight[0]  # a weight's values: the fake device has none
         with pytest.raises(NeedsValues, match=r"torch\.tensor\(\) was given fake tensors' values"):
             torch.tensor([w for w in weight])
@@ -152,5 +154,25 @@ def test_a_model_stepping_its_optimizer_in_backward_is_probed_alike_on_cpu_and_f
     for result in (cpu, fake):
         assert any(n.startswith("no accumulation rung: 11 of optimizer_in_backward.py's trained parameters have ")
                    for n in result["notes"])
-        assert set(result["levers_not_used"]) == {"8bit", "nf4", "offload"}
+        assert set(result["levers_not_used"]) == {"chunked-loss", "8bit", "nf4", "offload"}
         assert "never sees their gradients" in result["levers_not_used"]["offload"]
+
+
+def test_no_model_outlives_its_search_and_the_offload_levers_hooks_are_not_the_model_files(tmp_path):
+    """The probe's last model (kept for its rung's trials) is let go of with its hooks emptied when the search ends:
+    before, the hooks' cycle through autograd kept it alive after the probe. And the offload lever's own
+    post-accumulate-grad hooks are not taken for a model file stepping in backward (the fake device primes the
+    optimizer state for an offload trial, as it did before)."""
+    import gc
+
+    from oomtune.search.options import resolve_targets
+    from oomtune.search.probe import probe
+    from oomtune.step import build_training
+
+    model_file = load_model_file(OPTIMIZER_IN_BACKWARD)
+    probe(model_file, CpuDevice("600KiB"), resolve_targets(model_file, 16, 64, None), prior=False)
+    gc.collect()
+    assert len(model_file.module.BUILT) == 0
+    tiny = load_model_file(Path(__file__).resolve().parents[2] / "examples" / "tiny_gpt.py")
+    t = build_training(tiny, Plan(2, 32, "bf16", offload_optimizer=True), FakeDevice("1GiB", margin=Margin()), 1e-3)
+    assert any(p._post_accumulate_grad_hooks for p in t.module.parameters()) and t.steps_in_backward == 0

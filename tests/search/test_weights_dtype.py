@@ -44,7 +44,8 @@ def test_the_ladder_climbs_no_bf16_true_rung_that_is_the_case_already(tmp_path):
     said nothing. Now there is none, a note says why, and the 8-bit rung is over those bf16 weights."""
     report = _estimate(tmp_path / "e.yaml", "--budget", "1300KiB")
     assert [(r["rung"], r["precision"]) for r in report["rungs"]] == [
-        ("bf16-true", "bf16-true"), ("checkpointing", "bf16-true"), ("bf16-true+8bit", "bf16-true")]
+        ("bf16-true", "bf16-true"), ("checkpointing", "bf16-true"), ("bf16-true+chunked-loss", "bf16-true"),
+        ("bf16-true+chunked-loss+8bit", "bf16-true")]
     assert ("no bf16-true rung: bf16_config.py's trained weights are bfloat16, as build_model() returns them: every "
             "rung trains bf16-true already") in report["notes"]
     plan = report["plan"]

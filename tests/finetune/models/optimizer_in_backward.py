@@ -3,6 +3,7 @@ parameter, stepped from its post-accumulate-grad hook, the gradient dropped at o
 (`.float()`), so a bf16-true plan casts it after the hooks are on. The causal LM of llama3_scaled_rope.py."""
 
 import sys
+import weakref
 from pathlib import Path
 
 import torch
@@ -11,6 +12,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from llama3_scaled_rope import DEFAULTS, MAX_CONTEXT, VOCAB, Model, make_batch  # noqa: E402, F401
 
 STEPS = []  # one entry a parameter step (the tests count them)
+BUILT = weakref.WeakSet()  # every model built, while it lives (the tests check none outlives its search)
 
 
 def build_model():
@@ -24,4 +26,5 @@ def build_model():
 
     for p in model.parameters():
         p.register_post_accumulate_grad_hook(step)
+    BUILT.add(model)
     return model

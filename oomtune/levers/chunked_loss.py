@@ -1,0 +1,89 @@
+"""Chunked cross-entropy: a causal language model's loss computed over CHUNKS slices of the sequence, each slice's
+logits upcast to fp32 alone, as torchtune's CEWithChunkedOutputLoss does (8 chunks). Hugging Face's own loss
+upcasts the whole (batch, sequence, vocabulary) logits to fp32 at once, and its backward makes the fp32 gradient of
+all of them at once: with a large vocabulary (Llama 3: 128,256) those are the step's largest tensors. Chunked, only
+one slice's fp32 copy and fp32 gradient exist at a time; the log-probabilities saved for backward are the same.
+
+It applies where oomtune computes the loss itself: a Hugging Face causal LM (PEFT LoRA-wrapped too) with the
+default loss, whose forward computes transformers' shifted cross-entropy (ForCausalLMLoss), and `labels` in its
+batch; the loss is then computed from the model's logits here (labels shifted as transformers shifts them, -100
+ignored, the mean over the tokens counted), the same value within float rounding. A model file with its own
+loss(), or a model whose loss is another (causal_lm_loss says which), gets no such rung (past.py says why)."""
+
+from __future__ import annotations
+
+import inspect
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import BAD_INPUT, OomtuneError
+from ..model_file import ModelFileError
+
+CHUNKS = 8  # torchtune's default
+IGNORE = -100  # transformers' and torch's ignore_index
+
+
+def causal_lm_loss(model: nn.Module) -> str | None:
+    """None where the model's loss is transformers' shifted next-token cross-entropy (ForCausalLMLoss: Llama, GPT-2,
+    Mistral, Qwen, ... and PEFT LoRA over them), the loss chunked_loss computes; else why not: a causal LM whose
+    forward computes another loss (BART's decoder: unshifted labels), adds a router's auxiliary loss (a mixture of
+    experts with output_router_logits), or a PEFT prompt-learning adapter (virtual tokens lengthen the logits)."""
+    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    transformers = sys.modules.get("transformers")  # (a model of it imported it already)
+    if transformers is None or not isinstance(base, transformers.PreTrainedModel):
+        return "it is not a Hugging Face model"
+    peft_config = getattr(model, "peft_config", None)
+    if isinstance(peft_config, dict) and any(getattr(c, "is_prompt_learning", False) for c in peft_config.values()):
+        return "its PEFT adapter is prompt learning (virtual tokens lengthen the logits)"
+    if getattr(getattr(base, "config", None), "output_router_logits", False):
+        return "its loss adds the router's auxiliary loss (output_router_logits)"
+    try:
+        from transformers.loss.loss_utils import LOSS_MAPPING
+
+        source = inspect.getsource(type(base).forward)
+    except (ImportError, OSError, TypeError):
+        return "its forward's source cannot be read"
+    loss_type = getattr(base, "loss_type", None)  # (as transformers' loss_function resolves it, without its warning)
+    loss = vars(base).get("_loss_function") or LOSS_MAPPING[loss_type if loss_type in LOSS_MAPPING else "ForCausalLM"]
+    if "self.loss_function(" not in source or loss is not LOSS_MAPPING.get("ForCausalLM"):
+        return "its loss is not transformers' shifted cross-entropy (ForCausalLMLoss)"
+    return None
+
+
+def why_not(label: str, has_own_loss: bool, not_causal: str | None) -> str | None:
+    """Why the chunked-loss rung cannot apply to this model (`not_causal`: causal_lm_loss's answer), or None."""
+    if has_own_loss:
+        return (f"{label} has its own loss(): chunking it is the loss's to do (torchtune's CEWithChunkedOutputLoss "
+                "is one way)")
+    if not_causal is not None:
+        return (f"{label} is not a Hugging Face causal LM with transformers' own loss ({not_causal}): chunked "
+                "cross-entropy computes that loss from the model's logits")
+    return None
+
+
+def check_applies(model_file, model: nn.Module) -> None:
+    """One line, exit 2, for a plan with chunked_loss on a model it cannot compute the loss of (a config edited by
+    hand, or --levers chunked-loss): never a silent replacement of the model file's own loss."""
+    why = why_not(model_file.label, model_file.has("loss"), causal_lm_loss(model))
+    if why is not None:
+        raise OomtuneError(f"plan.chunked_loss: {why} (remove the key)", BAD_INPUT)
+
+
+def chunked_loss(model_file, model: nn.Module, batch) -> torch.Tensor:
+    """The causal LM's mean next-token cross-entropy over `batch` (a dict with `labels`), in CHUNKS slices."""
+    if not isinstance(batch, dict) or "labels" not in batch:
+        raise ModelFileError(f"{model_file.label}: plan.chunked_loss computes a causal LM's loss from the batch's "
+                             "'labels', and make_batch's batch has none (add them, or remove the key)")
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    with model_file.user_code("the model's forward (plan.chunked_loss: without its labels)"):
+        logits = model(**inputs).logits
+        labels = F.pad(batch["labels"], (0, 1), value=IGNORE)[:, 1:]  # token t predicts t + 1, as transformers shifts
+        total = None
+        for part, target in zip(logits.chunk(CHUNKS, dim=1), labels.chunk(CHUNKS, dim=1), strict=True):
+            loss = F.cross_entropy(part.float().flatten(0, 1), target.flatten(), ignore_index=IGNORE,
+                                   reduction="sum")
+            total = loss if total is None else total + loss
+        return total / (labels != IGNORE).sum()
