@@ -24,7 +24,7 @@ from torch import nn
 from .config.schema import Plan
 from .dist.group import LOCAL, Dist
 from .dist.wrap import micro_step, sync_gradients, unwrapped, wrap
-from .errors import OomtuneError
+from .errors import BAD_INPUT, OomtuneError
 from .levers import build_model, cast_inputs, check_plan_runs, gradient_holders, make_optimizer, saved_activations
 from .memory.devices import Device, is_oom
 from .model_file import Batch, ModelFile, ModelFileError
@@ -92,6 +92,10 @@ def build_training(model_file: ModelFile, plan: Plan, device: Device, lr: float,
     if plan.sharding != "none":
         model = wrap(model, plan.sharding, model_file.blocks(model), dist)
     stepping = steps_in_backward(unwrapped(model))  # (before make_optimizer: offload hooks every parameter too)
+    if stepping and plan.grad_accum_steps > 1:
+        raise OomtuneError(f"plan.grad_accum_steps is {plan.grad_accum_steps}, but {model_file.label} steps "
+                           f"{stepping} trained parameters in backward with its own post-accumulate-grad hooks: every "
+                           "micro-batch's backward would update them (use 1)", BAD_INPUT)
     optimizer = make_optimizer(model_file, [p for p in model.parameters() if p.requires_grad], lr, unwrapped(model),
                                plan, device)  # the 8-bit and offload levers replace the default AdamW
     as_on_cuda(optimizer, device.kind)

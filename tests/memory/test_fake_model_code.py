@@ -31,7 +31,7 @@ from oomtune.memory.tracker import rounded
 from oomtune.model_file import load_model_file
 from oomtune.search.trial import run_trial
 
-from ..conftest import run_cli
+from ..conftest import one_line_error, run_cli
 
 
 @contextlib.contextmanager
@@ -176,3 +176,11 @@ def test_no_model_outlives_its_search_and_the_offload_levers_hooks_are_not_the_m
     tiny = load_model_file(Path(__file__).resolve().parents[2] / "examples" / "tiny_gpt.py")
     t = build_training(tiny, Plan(2, 32, "bf16", offload_optimizer=True), FakeDevice("1GiB", margin=Margin()), 1e-3)
     assert any(p._post_accumulate_grad_hooks for p in t.module.parameters()) and t.steps_in_backward == 0
+
+
+def test_accumulation_with_a_model_stepping_in_backward_is_one_line(tmp_path):
+    """A what-if (or a config edited by hand) with accumulation on such a model: each micro-batch's backward would
+    update the weights, which is not the plan's step. One line, exit 2, before any step."""
+    r = run_cli("estimate", OPTIMIZER_IN_BACKWARD, "--micro-batch", "2", "--grad-accum", "2", "--context", "32")
+    one_line_error(r, "plan.grad_accum_steps is 2, but optimizer_in_backward.py steps 11 trained parameters in "
+                      "backward")
