@@ -36,8 +36,8 @@ CASES = [  # (what, the command's arguments after `oomtune estimate`)
 def run_case(args: list[str], out: str) -> tuple[dict, float, list[str]]:
     command = ["oomtune", "estimate", *args, "--out", out, "--json"]
     start = time.perf_counter()
-    proc = subprocess.run([str(Path(sys.executable).parent / "oomtune"), *command[1:]], cwd=ROOT,
-                          capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "oomtune", *command[1:]], cwd=ROOT, capture_output=True,
+                          text=True)  # (this checkout's oomtune, whatever the venv's entry point names)
     wall = time.perf_counter() - start
     if proc.returncode not in (0, 1):  # 1 = nothing fits, still a finished ladder
         raise SystemExit(f"{shlex.join(command)} failed (exit {proc.returncode}): {proc.stderr.strip()[-500:]}")
