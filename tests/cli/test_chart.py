@@ -40,3 +40,12 @@ def test_every_rung_of_the_longest_ladder_has_its_own_mark():
     labels = ["fp32", "bf16", "bf16+ckpt", *rungs[3:-1], "bf16+fsdp"]  # as the trials and ladder tables name them
     marks = [legend.split(f" {r}   ")[0].split()[-1] for r in labels]  # the mark just before each name
     assert len(set(marks)) == len(rungs), marks
+
+
+def test_every_rung_label_names_its_precision():
+    from oomtune.cli.console import rung_label
+
+    assert rung_label("checkpointing", "fp16") == "fp16+ckpt" and rung_label("amp", "bf16") == "bf16"
+    assert rung_label("chunked-loss", "bf16") == "bf16+chunked-loss"  # (its name says no precision)
+    assert rung_label("chunked-loss+bf16-true", "bf16-true") == "chunked-loss+bf16-true"
+    assert rung_label("bf16-true+chunked-loss+8bit", "bf16-true") == "bf16-true+chunked-loss+8bit"
