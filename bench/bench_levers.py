@@ -33,8 +33,10 @@ CASES = [  # (what, the command's arguments after `oomtune estimate`)
 ]
 
 
-def run_case(args: list[str], out: str) -> tuple[dict, float, list[str]]:
-    command = ["oomtune", "estimate", *args, "--out", out, "--json"]
+def run_case(args: list[str], out: str | None) -> tuple[dict, float, list[str]]:
+    """`oomtune estimate ARGS [--out OUT] --json` from this checkout: (its report, wall seconds, the command). Exit 1
+    (nothing fits, or a what-if that does not fit its card) is a finished answer too."""
+    command = ["oomtune", "estimate", *args, *(["--out", out] if out else []), "--json"]
     start = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "oomtune", *command[1:]], cwd=ROOT, capture_output=True,
                           text=True)  # (this checkout's oomtune, whatever the venv's entry point names)

@@ -18,14 +18,12 @@ Every number written comes from this run.
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
-import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.bench_levers import run_case
 from bench.sections import write_section
 from oomtune.units import utc_now
 
@@ -76,14 +74,7 @@ ROWS = (
 
 
 def estimate(row: Row) -> tuple[dict, float, list[str]]:
-    command = ["oomtune", "estimate", *row.args, "--json"]
-    start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "oomtune", *command[1:]], cwd=ROOT, capture_output=True,
-                          text=True)  # (this checkout's oomtune, whatever the venv's entry point names)
-    wall = time.perf_counter() - start
-    if proc.returncode not in (0, 1):  # 1 = does not fit the card: the figure still stands
-        raise SystemExit(f"{shlex.join(command)} failed (exit {proc.returncode}): {proc.stderr.strip()[-500:]}")
-    return json.loads(proc.stdout), wall, command
+    return run_case(list(row.args), None)  # (a what-if: one plan, no config written)
 
 
 def ours(row: Row, report: dict) -> int:

@@ -26,6 +26,7 @@ from .dist.group import LOCAL, Dist
 from .dist.wrap import micro_step, sync_gradients, unwrapped, wrap
 from .errors import BAD_INPUT, OomtuneError
 from .levers import build_model, cast_inputs, check_plan_runs, gradient_holders, make_optimizer, saved_activations
+from .levers.chunked_loss import check_applies, chunked_loss
 from .memory.devices import Device, is_oom
 from .model_file import Batch, ModelFile, ModelFileError
 from .rank_allocation import after_optimizer_step, allocator_of
@@ -82,8 +83,6 @@ def build_training(model_file: ModelFile, plan: Plan, device: Device, lr: float,
             model_file.enable_checkpointing(model)
     model.train()
     if plan.chunked_loss:
-        from .levers.chunked_loss import check_applies
-
         check_applies(model_file, model)
     allocator = allocator_of(model)
     if allocator is not None and plan.sharding == "fsdp":
@@ -149,8 +148,6 @@ def autocast(t: Training) -> contextlib.AbstractContextManager:
 def loss_of(t: Training, batch: Batch) -> torch.Tensor:
     """The micro-batch's loss: the model file's, or, under plan.chunked_loss, a causal LM's in slices."""
     if t.plan.chunked_loss:
-        from .levers.chunked_loss import chunked_loss
-
         return chunked_loss(t.model_file, t.model, cast_inputs(batch, t.plan))
     return t.model_file.loss(t.model, cast_inputs(batch, t.plan))
 

@@ -61,7 +61,7 @@ def levers_that_help(bd: MemoryBreakdown, static: StaticMemory, limit_bytes: int
         out.append(f"CPU offload of the optimizer and its gradients (--levers offload): saves "
                    f"{format_bytes(saved)} of GPU memory, costs host RAM and PCIe time ({enough(saved)})"
                    f"{why('offload')}")
-    if static.not_causal_lm is None and not static.own_loss and not plan.chunked_loss:
+    if static.chunked_loss_why is None and not plan.chunked_loss:
         out.append(f"a causal LM's cross-entropy in slices (--levers chunked-loss): its fp32 logits and their gradient "
                    f"never whole{why('chunked-loss')}")
     if static.nf4_elements and not plan.nf4_frozen_weights:

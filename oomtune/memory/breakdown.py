@@ -29,6 +29,7 @@ from ..dist.group import LOCAL, Dist, ranks_for
 from ..errors import OomtuneError
 from ..hook_names import check_first_loss
 from ..levers.chunked_loss import causal_lm_loss
+from ..levers.chunked_loss import why_not as chunked_why_not
 from ..model_file import ModelFile, is_compiled
 from ..step import as_on_cuda, release_tensor_hooks, steps_in_backward
 from ..units import format_bytes
@@ -68,9 +69,8 @@ class StaticMemory:
     blocks_wrapped: str | None = None  # the blocks checkpointing wraps, described ("8 blocks (MLP x4, ...)"), else None
     optimizer_blocks: tuple[tuple[str, str], ...] = ()  # (plan key, why) of the 8-bit / offload levers that cannot
     # apply to the model file's own optimizer() (levers/own_optimizer.py)
-    not_causal_lm: str | None = "not built"  # None: a Hugging Face causal LM whose loss chunked_loss computes (else why
-    # not: levers/chunked_loss.causal_lm_loss)
-    own_loss: bool = False  # the model file defines loss()
+    chunked_loss_why: str | None = "not measured"  # why the chunked-loss lever cannot compute this model's loss (None:
+    # it can: levers/chunked_loss.why_not)
     steps_in_backward: int = 0  # trained parameters with post-accumulate-grad hooks (an optimizer stepped in backward):
     # their gradients may never reach the optimizer, so none of them, its state or its step count in the floor
 
@@ -145,7 +145,7 @@ def static_memory(model_file: ModelFile, plan: Plan | None = None, levers: str =
                        for trained in (True, False))
         frozen = frozen if low is None else None  # (a whole model in 16 bits: the weights_dtype note says it)
         stepping = steps_in_backward(model)
-        not_causal = causal_lm_loss(model)
+        chunked_why = chunked_why_not(model_file.label, model_file.has("loss"), causal_lm_loss(model))
         if plan is not None:
             prepare_model(model, plan, model_file.label, computes=False)
         weights = tracker.live_bytes
@@ -188,8 +188,7 @@ def static_memory(model_file: ModelFile, plan: Plan | None = None, levers: str =
     return StaticMemory(weights, grads, optimizer_state, name, checkpointing, compiled, temporaries, nf4, host,
                         levers, low, trained, batch_norm, itself, lstm, breaks, frozen_dtype=frozen,
                         layer_drop=drops, checkpointing_via=via, checkpointing_idle=idle, blocks_wrapped=wrapped,
-                        optimizer_blocks=own, steps_in_backward=stepping, not_causal_lm=not_causal,
-                        own_loss=model_file.has("loss"))
+                        optimizer_blocks=own, steps_in_backward=stepping, chunked_loss_why=chunked_why)
 
 
 def _wrapped_blocks(model_file: ModelFile, model: torch.nn.Module) -> tuple[str, str | None]:

@@ -18,7 +18,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..levers import missing_library
-from ..levers.chunked_loss import why_not as chunked_why_not
 from ..memory.breakdown import StaticMemory
 from ..units import format_bytes
 from .ladder import Rung
@@ -61,9 +60,8 @@ def past_rungs(device, amp_dtype: str, static: StaticMemory, label: str, levers:
             out.skipped["bf16-true"] = (f"{label}'s trained weights are bfloat16, as build_model() returns them: every "
                                         "rung trains bf16-true already")
     if "chunked-loss" in levers:
-        why = chunked_why_not(label, static.own_loss, static.not_causal_lm)
-        if why is not None:
-            out.skipped["chunked-loss"] = why
+        if static.chunked_loss_why is not None:
+            out.skipped["chunked-loss"] = static.chunked_loss_why
         else:
             fields["chunked_loss"] = True
             names.append("chunked-loss")

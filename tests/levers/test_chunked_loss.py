@@ -96,3 +96,44 @@ def test_no_chunked_rung_where_the_model_file_has_its_own_loss_or_no_causal_lm(w
         # asked for it anyway (a what-if, or a config edited by hand): one line, never the model file's loss replaced
         r = run_cli("estimate", path, "--micro-batch", "2", "--context", "4", "--levers", "chunked-loss")
         one_line_error(r, f"plan.chunked_loss: {why}")
+
+
+def test_the_chunked_loss_is_transformers_own_with_ignored_labels_too(wide_llama):
+    """cpu, real values: against the model's own loss (labels passed), with padding labels (-100) in the batch."""
+    from oomtune.levers.chunked_loss import chunked_loss
+
+    model_file = open_model(wide_llama)
+    torch.manual_seed(0)
+    model = model_file.build()
+    ids = torch.randint(0, V, (3, 37))  # a length 8 does not divide: uneven slices
+    labels = ids.clone()
+    labels[0, 20:] = labels[2, :5] = -100
+    own = model(input_ids=ids, labels=labels).loss
+    ours = chunked_loss(model_file, model, {"input_ids": ids, "labels": labels})
+    torch.testing.assert_close(ours, own, rtol=1e-5, atol=1e-6)
+
+
+def test_only_transformers_shifted_cross_entropy_is_chunked():
+    """GPT-2 and a LoRA Llama compute it; BART's decoder (unshifted labels), a mixture of experts adding its router's
+    loss and PEFT prompt tuning (virtual tokens) do not, and each says why."""
+    peft = pytest.importorskip("peft")
+    import transformers as hf
+
+    from oomtune.levers.chunked_loss import causal_lm_loss
+
+    small = {"num_hidden_layers": 1, "num_attention_heads": 2, "vocab_size": 64, "intermediate_size": 64}
+    llama = hf.LlamaForCausalLM(hf.LlamaConfig(hidden_size=32, **small))
+    assert causal_lm_loss(llama) is None
+    assert causal_lm_loss(hf.GPT2LMHeadModel(hf.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64))) is None
+    assert causal_lm_loss(peft.get_peft_model(llama, peft.LoraConfig(r=2, target_modules=["q_proj"]))) is None
+    bart = hf.BartForCausalLM(hf.BartConfig(d_model=32, decoder_layers=1, encoder_layers=1, vocab_size=64,
+                                            decoder_attention_heads=2, encoder_attention_heads=2,
+                                            decoder_ffn_dim=64, encoder_ffn_dim=64))
+    assert causal_lm_loss(bart) == "its loss is not transformers' shifted cross-entropy (ForCausalLMLoss)"
+    mixtral = hf.MixtralForCausalLM(hf.MixtralConfig(hidden_size=32, num_key_value_heads=2, num_local_experts=2,
+                                                     output_router_logits=True, **small))
+    assert causal_lm_loss(mixtral) == "its loss adds the router's auxiliary loss (output_router_logits)"
+    prompt = peft.get_peft_model(hf.LlamaForCausalLM(hf.LlamaConfig(hidden_size=32, **small)),
+                                 peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3))
+    assert causal_lm_loss(prompt) == "its PEFT adapter is prompt learning (virtual tokens lengthen the logits)"
+    assert causal_lm_loss(torch.nn.Linear(2, 2)) == "it is not a Hugging Face model"

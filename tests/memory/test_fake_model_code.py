@@ -44,8 +44,8 @@ def test_a_tensor_made_from_known_fake_scalars_has_their_values_and_dtype():
     with fake():
         freqs = 1.0 / (500000 ** (torch.arange(0, 8, 2).float() / 8))
         scaled = torch.tensor([f if f > 0.5 else f / 8 for f in freqs], dtype=freqs.dtype)
-        as_is = torch.tensor([f for f in freqs])  # no dtype: the tensors' own, not Python numbers' default
-        assert isinstance(scaled, FakeTensor) and scaled.shape == (4,) and as_is.dtype == torch.float32
+        as_is = torch.tensor([f for f in freqs.to(torch.bfloat16)])  # no dtype: the tensors' own, as real torch's
+        assert isinstance(scaled, FakeTensor) and scaled.shape == (4,) and as_is.dtype == torch.bfloat16
         expected = 1.0 / (500000 ** (torch.arange(0, 8, 2).float() / 8))
         expected = torch.where(expected > 0.5, expected, expected / 8)
         torch.testing.assert_close(shadow_of(scaled), expected.to(shadow_of(scaled).device), rtol=0, atol=0)
