@@ -44,6 +44,16 @@ Batch = Any  # a Tensor, a tuple/list of Tensors, or a dict of str -> Tensor (ne
 DEFAULT_KEYS = {"batch", "context", "min_context"}
 
 
+def default_adamw(params: Sequence[nn.Parameter], lr: float) -> torch.optim.Optimizer:
+    """AdamW where the model file has no optimizer(), fused where torch has that kernel for every parameter (one kernel
+    a step, no parameter-sized scratch: foreach AdamW, torch's choice on CUDA, holds one), as Hugging Face's Trainer
+    (torch >= 2.8) and torchtune's recipes run it by default."""
+    try:
+        return torch.optim.AdamW(params, lr=lr, fused=True)
+    except RuntimeError:  # torch: "`fused=True` requires all the params to be floating point Tensors of supported ..."
+        return torch.optim.AdamW(params, lr=lr)
+
+
 @dataclass
 class ModelFile:
     path: Path
@@ -198,7 +208,7 @@ class ModelFile:
         """The `optimizer` hook over the trainable `params`: called `optimizer(params, lr, model)` when its signature
         takes a third argument (nanoGPT's configure_optimizers groups parameters by name), else `(params, lr)`."""
         if not self.has("optimizer"):
-            return torch.optim.AdamW(params, lr=lr)
+            return default_adamw(params, lr)
         opt = self._call("optimizer", *((params, lr, model) if self._hook_takes_model() else (params, lr)))
         if not isinstance(opt, torch.optim.Optimizer):
             raise self.fail("optimizer", f"returned {_describe(opt)}; expected a torch.optim.Optimizer")

@@ -27,6 +27,8 @@ from .dist.wrap import micro_step, sync_gradients, unwrapped, wrap
 from .errors import BAD_INPUT, OomtuneError
 from .levers import build_model, cast_inputs, check_plan_runs, gradient_holders, make_optimizer, saved_activations
 from .levers.chunked_loss import check_applies, chunked_loss
+from .levers.in_backward import apply as in_backward
+from .levers.in_backward import check_applies as check_in_backward
 from .memory.devices import Device, is_oom
 from .model_file import Batch, ModelFile, ModelFileError
 from .rank_allocation import after_optimizer_step, allocator_of
@@ -49,9 +51,9 @@ class Training:
     dist: Dist = LOCAL  # the ranks (LOCAL: one process)
     decaying: tuple[float, ...] = ()  # per param group: the weight decay it was built with (set_weight_decay sets
     # those above 0)
-    micro_losses: torch.Tensor | None = None  # the step in flight's micro-batch losses, from its optimizer phase
+    micro_losses: torch.Tensor | None = None  # the step in flight's micro-batch losses, each from its backward on
     rank_allocator: nn.Module | None = None  # PEFT AdaLoRA's, called after each optimizer step (rank_allocation.py)
-    steps_in_backward: int = 0  # parameters the model file's own hooks step in backward (counted before the levers')
+    steps_in_backward: int = 0  # parameters stepped in backward: the model file's own hooks or optimizer_in_backward
 
     @property
     def module(self) -> nn.Module:
@@ -95,9 +97,13 @@ def build_training(model_file: ModelFile, plan: Plan, device: Device, lr: float,
         raise OomtuneError(f"plan.grad_accum_steps is {plan.grad_accum_steps}, but {model_file.label} steps "
                            f"{stepping} trained parameters in backward with its own post-accumulate-grad hooks: every "
                            "micro-batch's backward would update them (use 1)", BAD_INPUT)
-    optimizer = make_optimizer(model_file, [p for p in model.parameters() if p.requires_grad], lr, unwrapped(model),
-                               plan, device)  # the 8-bit and offload levers replace the default AdamW
+    if plan.optimizer_in_backward:
+        check_in_backward(model_file.label, clip_grad_norm, stepping, allocator is not None)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer = make_optimizer(model_file, trained, lr, unwrapped(model), plan,
+                               device)  # the 8-bit and offload levers replace the default AdamW
     as_on_cuda(optimizer, device.kind)
+    stepping += in_backward(optimizer, trained, plan.optimizer_in_backward)  # (off: a reused model's hooks taken off)
     t = Training(model, optimizer, _scaler(plan, device), plan, model_file, device, clip_grad_norm,
                  dist=dist, decaying=tuple(float(g.get("weight_decay") or 0) for g in optimizer.param_groups),
                  rank_allocator=allocator, steps_in_backward=stepping)
@@ -162,12 +168,13 @@ def _accumulate(t: Training, micro_batches: Sequence[Batch], weights: Sequence[f
             t.phase("forward")
             with autocast(t), saved_activations(t.plan, t.device):
                 loss = loss_of(t, batch)
+            losses[i] = loss.detach()  # (before backward, which applies the update under plan.optimizer_in_backward:
+            t.micro_losses = losses  # the trainer reads the loss when it starts)
             t.phase("backward")
             of = "loss()" if t.model_file.has("loss") else "the model"
             with t.model_file.user_code(f"the backward pass of {of}"):  # a recompute mismatch, a custom Function
                 part = loss / n if weights is None else loss * weights[i]  # (a short batch: its examples' part)
                 t.scaler.scale(part).backward()  # grads accumulate across micro-steps
-        losses[i] = loss.detach()
         del loss
     return losses
 

@@ -26,11 +26,11 @@ AmpOpt = Annotated[str, typer.Option("--amp", help="Mixed precision for the amp 
                                      "has it, else fp16) | bf16 | fp16.")]
 LeversOpt = Annotated[str | None, typer.Option(
     "--levers", help="The levers the ladder may use, comma-separated (default: all): amp, checkpointing, "
-    "accumulation, fsdp, then past accumulation chunked-loss, bf16-true, 8bit, nf4, offload, offload-activations "
-    "(climbed only "
-    "where the others fit no plan at the target context). amp,checkpointing,accumulation is the "
-    "classic ladder; none: the fp32 rung alone, the whole batch at once. With estimate --micro-batch: the levers "
-    "past accumulation that one plan uses (chunked-loss, bf16-true, 8bit, nf4, offload, offload-activations).")]
+    "accumulation, fsdp, then past accumulation chunked-loss, step-in-backward (the whole batch at once), "
+    "bf16-true, 8bit, nf4, offload, offload-activations (climbed only where the others fit no plan at the target "
+    "context). amp,checkpointing,accumulation is the classic ladder; none: the fp32 rung alone, the whole batch at "
+    "once. With estimate --micro-batch: the levers past accumulation that one plan uses (chunked-loss, "
+    "step-in-backward, bf16-true, 8bit, nf4, offload, offload-activations).")]
 OutOpt = Annotated[Path, typer.Option("--out", "-o", help="Where to write the config.")]
 SnapshotOpt = Annotated[Path | None, typer.Option(
     "--memory-snapshot", help="Also write one trial of the plan (estimate: of the smallest plan when nothing fits) as "

@@ -52,7 +52,7 @@ _OWN_BLOCKS = {"hf": "TrainingArguments' switch (left false here) would turn the
 _IN_YOUR_CODE = ("context_length: ", "micro_batch_size: ", "grad_accum_steps: ")
 
 # the targets that write an optimizer (AdamW), and what to do instead where the model file has its own optimizer()
-_OWN_OPTIMIZER = {"hf": "optim here is AdamW (adamw_torch), whose state may not fit the plan: pass yours as "
+_OWN_OPTIMIZER = {"hf": "optim here is AdamW (adamw_torch_fused), whose state may not fit the plan: pass yours as "
                         "Trainer(optimizers=(optimizer, None))",
                   "torchtune": "optimizer._component_ here is torch.optim.AdamW, whose state may not fit the plan: "
                                "set optimizer._component_ (and its arguments) to yours"}
@@ -155,14 +155,14 @@ def _hf(plan: Plan) -> tuple[dict, list[str]]:
           "gradient_accumulation_steps": plan.grad_accum_steps,
           "bf16": plan.precision == "bf16", "fp16": plan.precision == "fp16",
           _hf_checkpointing_key(): plan.activation_checkpointing,
-          "optim": "adamw_torch_8bit" if plan.optimizer_8bit else "adamw_torch"}
+          "optim": "adamw_torch_8bit" if plan.optimizer_8bit else "adamw_torch_fused"}  # (oomtune's default AdamW)
     out = _common_unexpressed(plan, "the tokenizer's max_length; TRL's SFTConfig(max_length=...)")
     if plan.sharding == "fsdp":
         kw["fsdp"] = "full_shard auto_wrap"
     if plan.precision == "bf16-true":
         out.append("precision: bf16-true is the model loaded in bf16 (from_pretrained(..., torch_dtype="
                    "torch.bfloat16)) with bf16=False: TrainingArguments has no flag for it")
-    out += _when(plan, chunked_loss=CHUNKED_YOURS,
+    out += _when(plan, chunked_loss=CHUNKED_YOURS, optimizer_in_backward=IN_BACKWARD_YOURS,
                  offload_optimizer="TrainingArguments cannot; use DeepSpeed ZeRO with offload_optimizer "
                                          "(deepspeed=...) or FSDP's cpu offload",
                  offload_activations="TrainingArguments cannot; wrap the model's forward in "
@@ -208,7 +208,7 @@ def _lightning(plan: Plan) -> tuple[dict, list[str]]:
                                 "configure_optimizers",
                  offload_optimizer="the Trainer takes it only through DeepSpeedStrategy(offload_optimizer=True)",
                  offload_activations="wrap training_step's forward in torch.autograd.graph.save_on_cpu()",
-                 chunked_loss=CHUNKED_YOURS)
+                 chunked_loss=CHUNKED_YOURS, optimizer_in_backward=IN_BACKWARD_YOURS)
     return {"trainer": trainer, "dataloader": {"batch_size": plan.micro_batch_size}}, out
 
 
@@ -239,7 +239,7 @@ def _accelerate(plan: Plan) -> tuple[dict, list[str]]:
                                       "accelerator.prepare",
                  offload_optimizer="the config takes it only through DeepSpeed (offload_optimizer_device: cpu)",
                  offload_activations="wrap the forward in torch.autograd.graph.save_on_cpu()",
-                 chunked_loss=CHUNKED_YOURS)
+                 chunked_loss=CHUNKED_YOURS, optimizer_in_backward=IN_BACKWARD_YOURS)
     return cfg, out
 
 
@@ -250,8 +250,12 @@ def _torchtune(plan: Plan) -> tuple[dict, list[str]]:
           "enable_activation_offloading": plan.offload_activations,
           "tokenizer.max_seq_len": plan.context_length,
           "optimizer._component_": "torchao.optim.AdamW8bit" if plan.optimizer_8bit else "torch.optim.AdamW"}
+    if not plan.optimizer_8bit:
+        kw["optimizer.fused"] = True  # oomtune's default AdamW, as the plan was measured
     if plan.chunked_loss:
         kw["loss._component_"] = "torchtune.modules.loss.CEWithChunkedOutputLoss"
+    if plan.optimizer_in_backward:  # (its single-device recipes: no accumulation, no clipping, as the plan)
+        kw.update({"optimizer_in_bwd": True, "clip_grad_norm": None})
     out: list[str] = []
     if dtype is not None:
         kw["dtype"] = dtype
@@ -272,6 +276,11 @@ def _torchtune(plan: Plan) -> tuple[dict, list[str]]:
 
 CHUNKED_YOURS = ("compute the loss yourself: the model's logits (no labels passed) in 8 slices of the sequence, "
                  "each upcast to fp32 and summed with F.cross_entropy(..., reduction='sum'), over the tokens counted")
+
+
+IN_BACKWARD_YOURS = ("step the optimizer in backward yourself: register_post_accumulate_grad_hook on each trained "
+                     "parameter, calling optimizer.step() and setting the gradient to None; no accumulation or "
+                     "clipping")
 
 
 def _when(plan: Plan, **notes: str) -> list[str]:

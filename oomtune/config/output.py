@@ -70,6 +70,9 @@ def write_config(config: Config, out_path: Path, model: Path, header: str) -> bo
     it may have been edited while the search ran), its new plan and found_by replacing the old. True: it kept one."""
 
     train = check_out(out_path, model, config.found_by.command if config.found_by is not None else "probe")
+    if config.plan.optimizer_in_backward:  # no clipping: each gradient is applied as backward makes it
+        config = dataclasses.replace(config, train=dataclasses.replace(train or config.train, clip_grad_norm=None))
+        train = None if train is None else config.train
     try:
         save_config(config if train is None else dataclasses.replace(config, train=train), out_path, header=header)
     except OSError as e:  # a full disk, a folder that went away or turned read-only during the search

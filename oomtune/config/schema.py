@@ -36,6 +36,7 @@ TRIAL_STEPS = 2  # optimizer steps per trial: the optimizer state exists when th
 
 LEVER_LABELS = {  # the plan keys past accumulation, as a plan's description names them
     "chunked_loss": "chunked cross-entropy",
+    "optimizer_in_backward": "optimizer stepped in backward",
     "optimizer_8bit": "8-bit AdamW state",
     "nf4_frozen_weights": "NF4 frozen weights",
     "offload_optimizer": "optimizer offloaded to host",
@@ -60,6 +61,7 @@ class Plan:
     offload_activations: bool = False  # tensors saved for backward kept in host memory
     nf4_frozen_weights: bool = False  # frozen Linear weights (PEFT LoRA's base) stored as 4-bit NF4
     chunked_loss: bool = False  # a causal LM's cross-entropy in 8 slices of the sequence, each upcast to fp32 alone
+    optimizer_in_backward: bool = False  # each parameter updated in backward as its gradient is made, which is freed
     global_batch_size: int = 0  # 0 = derive it
 
     def __post_init__(self):
@@ -77,6 +79,8 @@ class Plan:
             raise ConfigError("plan.precision is fp16: offload_optimizer cannot run with it (fp16's GradScaler "
                               "unscales the gradients on the device, which the offload has already moved off "
                               "it); use bf16, bf16-true or fp32")
+        if self.optimizer_in_backward:
+            self._check_in_backward()
         if self.sharding not in SHARDINGS:
             raise ConfigError(f"plan.sharding must be one of {', '.join(SHARDINGS)}, got {self.sharding!r}")
         if self.world_size > 1 and self.sharding == "none":
@@ -92,6 +96,16 @@ class Plan:
                 f"{' x world_size' if ranks else ''} = {self.micro_batch_size} x {self.grad_accum_steps}{ranks} "
                 f"= {expected}"
             )
+
+    def _check_in_backward(self) -> None:
+        clash = [why for on, why in (
+            (self.grad_accum_steps > 1, f"grad_accum_steps {self.grad_accum_steps} (every micro-batch's backward "
+                                        "would update the weights)"),
+            (self.world_size > 1, f"{self.world_size} ranks (their gradients are averaged after backward)"),
+            (self.precision == "fp16", "precision fp16 (its GradScaler checks every gradient before the step)"),
+            (self.offload_optimizer, "offload_optimizer (its hooks take the gradients to the host)")) if on]
+        if clash:
+            raise ConfigError(f"plan.optimizer_in_backward cannot run with {'; '.join(clash)}")
 
     def for_world_size(self, world_size: int) -> Plan | None:
         """The same global batch on `world_size` ranks: the accumulation rescaled, the micro-batch kept or cut to

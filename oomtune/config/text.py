@@ -34,6 +34,8 @@ COMMENTS = {
     "plan.nf4_frozen_weights": "frozen Linear weights in 4-bit NF4 (QLoRA): ~0.5 byte each, dequantized per use",
     "plan.chunked_loss": ("a causal LM's cross-entropy over 8 slices of the sequence, each upcast to fp32 alone: "
                           "the logits' fp32 copy and gradient never whole (Hugging Face causal LMs)"),
+    "plan.optimizer_in_backward": ("each parameter updated in backward as its gradient is made, then freed: no step "
+                                   "holds every gradient; no accumulation, clipping or fp16"),
     "plan.global_batch_size": "micro_batch_size x grad_accum_steps x world_size: what the optimizer sees",
     "train.steps": "optimizer steps",
     "train.lr": "peak learning rate, after warmup",

@@ -64,6 +64,10 @@ def levers_that_help(bd: MemoryBreakdown, static: StaticMemory, limit_bytes: int
     if static.chunked_loss_why is None and not plan.chunked_loss:
         out.append(f"a causal LM's cross-entropy in slices (--levers chunked-loss): its fp32 logits and their gradient "
                    f"never whole{why('chunked-loss')}")
+    if bd.gradients_bytes and not (plan.optimizer_in_backward or plan.offload_optimizer or static.steps_in_backward):
+        out.append(f"the optimizer stepped in backward (--levers step-in-backward): the gradients at the peak "
+                   f"({format_bytes(bd.gradients_bytes)}) applied and freed as they are made; the whole batch at "
+                   f"once, no accumulation or clipping{why('step-in-backward')}")
     if static.nf4_elements and not plan.nf4_frozen_weights:
         out.append(f"4-bit frozen weights (--levers nf4): {static.nf4_elements:,} frozen Linear weights at about "
                    f"half a byte each{why('nf4')}")

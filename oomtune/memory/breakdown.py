@@ -105,9 +105,11 @@ class StaticMemory:
         extra += [f"and {format_bytes(self.host_bytes)} in host memory"] if self.host_bytes else []
         extra += ([f"{self.steps_in_backward} parameters stepped in backward by their own hooks: their gradients "
                    "and optimizer state not counted"] if self.steps_in_backward else [])
+        scratch = (f" + the optimizer step's temporaries {format_bytes(self.step_temporaries_bytes)}"
+                   if self.step_temporaries_bytes else "")  # (none: fused AdamW, the default)
         return (f"weights {format_bytes(self.weights_bytes)} + gradients {format_bytes(self.gradients_bytes)} + "
-                f"{self.optimizer_name} state {format_bytes(self.optimizer_bytes)} + the optimizer step's "
-                f"temporaries {format_bytes(self.step_temporaries_bytes)} = {format_bytes(self.floor_bytes)}"
+                f"{self.optimizer_name} state {format_bytes(self.optimizer_bytes)}{scratch} = "
+                f"{format_bytes(self.floor_bytes)}"
                 + (f" ({'; '.join(extra)})" if extra else ""))
 
 
@@ -165,6 +167,8 @@ def static_memory(model_file: ModelFile, plan: Plan | None = None, levers: str =
         temporaries = tracker.peak_bytes - tracker.live_bytes
         if stepping:  # a lower bound: what the model file's hooks leave of gradients and state is theirs to say
             grads = optimizer_state = temporaries = 0
+        if plan is not None and plan.optimizer_in_backward:  # each gradient applied and freed as backward makes it
+            grads = 0
         hooked = model_file.has("blocks")  # (a blocks hook always gets the rung)
         itself = None if hooked else checkpoints_itself(model) or calls_checkpoint(  # its own checkpoint() calls too
             model, functools.partial(_first_forward, model_file, model))

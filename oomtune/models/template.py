@@ -49,7 +49,7 @@ def make_batch(batch_size, context_length, device):
 # def train_batches(batch_size, context_length, device):   # default: make_batch() (random data)
 #     from datasets import load_dataset; ...; yield {{"input_ids": ..., "labels": ...}}
 #
-# def optimizer(params, lr):           # default: AdamW
+# def optimizer(params, lr):           # default: AdamW (fused)
 #     return torch.optim.AdamW(params, lr=lr)
 '''
 

@@ -112,7 +112,7 @@ class CertifyingSearch(LadderSearch):
 
     def search_rung(self, rung: Rung, batch: int, context: int, min_context: int) -> RungResult:
         prior = self.priors.get(rung)
-        if prior is None:
+        if prior is None or rung.optimizer_in_backward:  # (the whole batch or nothing: one trial either way)
             return super().search_rung(rung, batch, context, min_context)
         start = len(self.trials)
         certified = self._certify(rung, batch, context, min_context, prior)

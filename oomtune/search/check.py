@@ -201,7 +201,8 @@ def check_floor(model_file: ModelFile, plan: Plan, kind: str, budget_bytes: int,
     levers = [name for name, on in (("bf16-true", plan.precision == "bf16-true"), ("8-bit AdamW", plan.optimizer_8bit),
                                     ("optimizer offload", plan.offload_optimizer),
                                     ("NF4 weights", plan.nf4_frozen_weights),
-                                    ("chunked cross-entropy", plan.chunked_loss)) if on]
+                                    ("chunked cross-entropy", plan.chunked_loss),
+                                    ("optimizer in backward", plan.optimizer_in_backward)) if on]
     static = static_memory(model_file, plan, " + ".join(levers))
     if static.floor_bytes > limit:
         less = [f"{headroom:.0%} headroom"] * bool(headroom) + \

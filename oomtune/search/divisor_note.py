@@ -57,4 +57,6 @@ def describe_rung(rung: Rung) -> str:
                                                           ("NF4 weights", rung.nf4_frozen_weights),
                                                           ("optimizer offload", rung.offload_optimizer),
                                                           ("activation offload", rung.offload_activations),
-                                                          ("chunked cross-entropy", rung.chunked_loss)) if on])
+                                                          ("chunked cross-entropy", rung.chunked_loss),
+                                                          ("optimizer in backward", rung.optimizer_in_backward))
+                                                         if on])

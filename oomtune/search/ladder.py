@@ -38,6 +38,7 @@ class Rung:
     offload_optimizer: bool = False
     offload_activations: bool = False
     chunked_loss: bool = False
+    optimizer_in_backward: bool = False  # no accumulation: its plan is the whole batch at once, or none
 
 
 @dataclass(frozen=True)
@@ -172,8 +173,10 @@ class LadderSearch:
     def search_rung(self, rung: Rung, batch: int, context: int, min_context: int) -> RungResult:
         start = len(self.trials)
         done = lambda t, b: RungResult(rung, t, b, len(self.trials) - start)  # noqa: E731
-        if batch > 1 and self.check(Point(rung, batch, context), "target"):
+        if (batch > 1 or rung.optimizer_in_backward) and self.check(Point(rung, batch, context), "target"):
             return done(context, batch)
+        if rung.optimizer_in_backward:  # (the whole batch or nothing: it cannot accumulate smaller ones)
+            return done(None, None)
         if self.check(Point(rung, 1, context), "context"):
             best_context = context
         else:
@@ -293,7 +296,8 @@ class LadderSearch:
         1 x B fits, and there the largest plan (largest_batch alone, then a divisor of B that fits accumulated).
         The longest context wins; a rung whose T_S is no longer than it is not searched."""
         best: Choice | None = None
-        for r in sorted((r for r in results if r.found), key=lambda r: -r.context_length):
+        for r in sorted((r for r in results if r.found and not r.rung.optimizer_in_backward),
+                        key=lambda r: -r.context_length):
             if best is not None and r.context_length <= best.context_length:
                 break
             t = self._longest_accumulated(r.rung, min_context, r.context_length, batch)
@@ -345,8 +349,7 @@ class LadderSearch:
             best_t = max((r.context_length for r in found), default=0)  # context is never traded for speed
             picks = sorted((r for r in found if r.context_length == best_t),
                            key=lambda r: -(self._speed(r, batch) or 0.0))
-        if not accumulation:
-            picks = [r for r in picks if r.micro_batch_size == batch]
+        picks = [r for r in picks if accumulation and not r.rung.optimizer_in_backward or r.micro_batch_size == batch]
         if objective == "fit":
             return self._largest_plan(picks, batch, [r.rung for r in results])
         for r in picks:  # accumulation keeps gradients alive across micro-steps: it can fail where b_S fit

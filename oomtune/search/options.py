@@ -19,8 +19,8 @@ AMP_CHOICES = ("auto", "bf16", "fp16")
 
 
 # what the ladder may use, in the order it climbs: the usual rungs, then those past accumulation (cheapest first)
-LEVERS = ("amp", "checkpointing", "accumulation", "fsdp", "chunked-loss", "bf16-true", "8bit", "nf4", "offload",
-          "offload-activations")
+LEVERS = ("amp", "checkpointing", "accumulation", "fsdp", "chunked-loss", "step-in-backward", "bf16-true", "8bit",
+          "nf4", "offload", "offload-activations")
 
 
 def parse_levers(text: str | None) -> frozenset[str]:

@@ -5,7 +5,10 @@ first in speed and exactness, so the last combines them all (the guides' "combin
     chunked-loss (a Hugging Face causal LM) -> +bf16-true -> +8bit -> +nf4 (a model with frozen Linear weights)
     -> +offload -> +offload-activations
 
-Chunked cross-entropy comes first: it costs no speed and changes no value beyond float rounding.
+Chunked cross-entropy comes first: it costs no speed and changes no value beyond float rounding. Beside the chain,
+after chunked-loss, one rung steps the optimizer in backward (step-in-backward: no step holds every gradient), also
+free in speed and values; it cannot accumulate, so its plan is the whole batch at once or none, and the rungs after
+it go on from the one before it (they accumulate).
 
 On a card without bf16 (amp is fp16 there) the offload rungs run in fp32 ("fp32+8bit+offload"): fp16's GradScaler
 cannot unscale gradients offload has moved off the device.
@@ -25,6 +28,7 @@ from .ladder import Rung
 # lever name -> (plan key, what it is): the order they are added in
 PAST_LEVERS = {
     "chunked-loss": ("chunked_loss", "chunked cross-entropy"),  # (added before bf16-true: past_rungs)
+    "step-in-backward": ("optimizer_in_backward", "the optimizer stepped in backward"),  # (beside the chain)
     "8bit": ("optimizer_8bit", "8-bit AdamW state"),
     "nf4": ("nf4_frozen_weights", "NF4 frozen weights"),
     "offload": ("offload_optimizer", "the optimizer offloaded to host memory"),
@@ -66,6 +70,12 @@ def past_rungs(device, amp_dtype: str, static: StaticMemory, label: str, levers:
             fields["chunked_loss"] = True
             names.append("chunked-loss")
             out.rungs.append(Rung("+".join(names), **fields))
+    if "step-in-backward" in levers:
+        why = _in_backward_why(static, label, fields["precision"])
+        if why is None:
+            out.rungs.append(Rung("+".join([*names, "step-in-backward"]), **fields, optimizer_in_backward=True))
+        else:
+            out.skipped["step-in-backward"] = why
     if "bf16-true" in levers and static.weights_dtype != "bfloat16":
         if device.supports_bf16():
             fields["precision"] = "bf16-true"
@@ -74,7 +84,7 @@ def past_rungs(device, amp_dtype: str, static: StaticMemory, label: str, levers:
         else:
             out.skipped["bf16-true"] = f"{device.name} has no native bf16"
     for lever, (key, _) in PAST_LEVERS.items():
-        if lever not in levers or key == "chunked_loss":
+        if lever not in levers or key in ("chunked_loss", "optimizer_in_backward"):
             continue
         why = _why_not(lever, static, label, device.kind) or \
             (_no_smaller(static, fields["precision"]) if lever == "8bit" else None)
@@ -101,6 +111,14 @@ def _no_smaller(static: StaticMemory, precision: str) -> str | None:
     return (f"8-bit AdamW keeps plain moments for tensors under 4096 elements (or not a multiple of 256), and all "
             f"{static.trained_elements:,} trained elements are in such tensors (LoRA adapters often are): its state "
             f"would be {format_bytes(eight)}, as without it")
+
+
+def _in_backward_why(static: StaticMemory, label: str, precision: str) -> str | None:
+    if static.steps_in_backward:
+        return f"{label} steps {static.steps_in_backward} trained parameters in backward with its own hooks already"
+    if precision == "fp16":
+        return "the amp rungs are fp16 here, whose GradScaler checks every gradient before the step"
+    return None
 
 
 def _why_not(lever: str, static: StaticMemory, label: str, device_kind: str) -> str | None:

@@ -57,7 +57,7 @@ class ModelCache:
     def key_of(plan: Plan) -> Plan:
         """The plan without what a built model does not depend on (the rung)."""
         return dataclasses.replace(plan, micro_batch_size=1, context_length=1, grad_accum_steps=1,
-                                   global_batch_size=0, chunked_loss=False)
+                                   global_batch_size=0, chunked_loss=False, optimizer_in_backward=False)
 
     def take(self, plan: Plan, device: Device, reusable: bool = True):
         """The model for `plan`, as it was built, or None: build one. A model kept for another rung, or for a plan
@@ -162,7 +162,8 @@ def _steps(model_file: ModelFile, plan: Plan, device: Device, steps: int, readin
         reading_box.append(reading)
         start = time.perf_counter()
         t = build_training(model_file, plan, device, lr=train_defaults.lr,
-                           clip_grad_norm=train_defaults.clip_grad_norm, dist=dist, model=model)
+                           clip_grad_norm=None if plan.optimizer_in_backward else train_defaults.clip_grad_norm,
+                           dist=dist, model=model)
         held.enter_context(every_layer(t.module))  # a LayerDrop model runs every layer: the worst case
         held.callback(_done_with, t.module, models)
         if reuse and model is None:

@@ -107,15 +107,20 @@ class RecoveryPolicy:
         if lone or self.fsdp:
             return self._relaunch(state, message, writes=lone or self.main)
         oom_stop = {"step": step, "phase": phase.value, "message": message}
-        if phase is Phase.OPTIMIZER:
-            return Stop(f"out of memory in the optimizer step at step {step} ({message}): the weights, gradients and "
-                        "optimizer state alone do not fit, so a smaller micro-batch cannot help"
+        in_backward = state.plan.optimizer_in_backward  # (no accumulation: no smaller micro-batch keeps the batch)
+        if phase is Phase.OPTIMIZER:  # (under optimizer_in_backward: the backward that applies the update, partly)
+            why = ("backward applies the update under plan.optimizer_in_backward, and applied part of it"
+                   if in_backward else "the weights, gradients and optimizer state alone do not fit, so a smaller "
+                   "micro-batch cannot help")
+            return Stop(f"out of memory in the optimizer step at step {step} ({message}): {why}"
                         + checkpoint_named(state), event="oom_stop", fields=oom_stop, forget_step=True,
                         rewind_rng=True)
-        new = smaller_plan(state.plan)
+        new = None if in_backward else smaller_plan(state.plan)
         rewind = phase is not Phase.EVAL  # the eval retry runs as if the failed attempt never had
         if new is None:
-            return Stop(f"out of memory at micro-batch 1 (step {step}, {phase.value}, context "
+            what = (f"micro-batch {state.plan.micro_batch_size} under plan.optimizer_in_backward, which cannot "
+                    "accumulate smaller ones" if in_backward else "micro-batch 1")
+            return Stop(f"out of memory at {what} (step {step}, {phase.value}, context "
                         f"{state.good_plan.context_length}): nothing smaller to fall back to. Saved "
                         f"{{checkpoint}} (step {state.step}); free memory or use a larger --budget, activation "
                         "checkpointing or a shorter context, then rerun with --resume", event="oom_stop",

@@ -337,9 +337,9 @@ class Trainer:
         if rewind_rng:
             restore_rng(self.state.step_rng, self.cuda)
 
-    def _on_phase(self, name: str) -> None:
-        self.state.phase = Phase(name)
-        if self.state.phase is Phase.OPTIMIZER:  # the micro-batches are done, the update not yet applied
+    def _on_phase(self, name: str) -> None:  # (optimizer_in_backward: the update runs in backward)
+        self.state.phase = Phase.OPTIMIZER if name == "backward" and self.t.plan.optimizer_in_backward else Phase(name)
+        if self.state.phase is Phase.OPTIMIZER:  # the micro-batches' losses known, the update not yet applied
             check_losses(self.t.micro_losses, self.dist)
 
     # -- building, checkpoints -------------------------------------------------------------------------

@@ -54,7 +54,7 @@ def test_the_hf_export_is_training_arguments(name, tmp_path):
     assert args.gradient_accumulation_steps == plan.grad_accum_steps
     assert (args.bf16, args.fp16) == (plan.precision == "bf16", plan.precision == "fp16")
     assert args.gradient_checkpointing == plan.activation_checkpointing
-    assert args.optim.value == ("adamw_torch_8bit" if plan.optimizer_8bit else "adamw_torch")
+    assert args.optim.value == ("adamw_torch_8bit" if plan.optimizer_8bit else "adamw_torch_fused")
     keys = {line.split(":")[0] for line in e.unexpressed}
     assert ("precision" in keys) == (plan.precision == "bf16-true") and "context_length" not in keys
     assert [line.split(":")[0] for line in e.in_your_code] == ["context_length"]

@@ -86,23 +86,24 @@ def test_estimate_without_accumulation_says_the_batch_not_micro_batch_1_is_what_
 
 
 def test_probe_climbs_past_accumulation_where_fp32_state_alone_is_over_the_budget(tmp_path):
-    """device: cpu. The tiny GPT's fp32 weights + gradients + AdamW state + step temporaries are 5.13 MiB: 5 MiB
-    (4.5 allowed) cannot hold them on any usual rung, which are climbed past without a trial (each would run out of
-    memory), with a note; bf16-true halves them. Searched with those rungs tried, the same plan."""
+    """device: cpu. The tiny GPT's fp32 weights + gradients + AdamW state (fused: no step temporaries) are 4.11 MiB:
+    4 MiB (3.6 allowed) cannot hold them on any usual rung, which are climbed past without a trial (each would run
+    out of memory), with a note; bf16-true halves them. Searched with those rungs tried, the same plan."""
     out = tmp_path / "low.yaml"
-    r = run_cli("probe", EXAMPLES / "tiny_gpt.py", "--device", "cpu", "--budget", "5MiB", "--batch", "8", "--context",
-                "64", "--out", out, "--json")
+    r = run_cli("probe", EXAMPLES / "tiny_gpt.py", "--device", "cpu", "--budget", "4MiB", "--batch", "8",
+                "--context", "64", "--out", out, "--json")
     assert r.exit_code == 0, r.output
     report = json.loads(r.stdout)
-    assert [x["rung"] for x in report["rungs"]] == ["fp32", "amp", "checkpointing", "bf16-true"]
-    assert {t["rung"] for t in report["trials"]} == {"bf16-true"}
+    assert [x["rung"] for x in report["rungs"]] == ["fp32", "amp", "checkpointing", "step-in-backward", "bf16-true"]
+    assert [t["rung"] for t in report["trials"]][:1] == ["step-in-backward"]  # the whole batch: one trial, over
+    assert {t["rung"] for t in report["trials"]} == {"step-in-backward", "bf16-true"}
     assert any("not tried on the fp32, amp, checkpointing rungs" in n for n in report["notes"]), report["notes"]
     with pytest.MonkeyPatch.context() as mp:  # every rung tried: each of their trials runs out of memory
         mp.setattr("oomtune.search.probe.out_of_reach", lambda *a: (frozenset(), ()))
-        tried = json.loads(run_cli("probe", EXAMPLES / "tiny_gpt.py", "--device", "cpu", "--budget", "5MiB", "--batch",
+        tried = json.loads(run_cli("probe", EXAMPLES / "tiny_gpt.py", "--device", "cpu", "--budget", "4MiB", "--batch",
                                    "8", "--context", "64", "--out", tmp_path / "tried.yaml", "--json").stdout)
-    assert {t["rung"] for t in tried["trials"]} == {"fp32", "amp", "checkpointing", "bf16-true"}
-    assert all(t["result"] == "oom" for t in tried["trials"] if t["rung"] != "bf16-true")
+    assert {t["rung"] for t in tried["trials"]} == {"fp32", "amp", "checkpointing", "step-in-backward", "bf16-true"}
+    assert all(t["result"] == "oom" for t in tried["trials"] if t["rung"] in ("fp32", "amp", "checkpointing"))
     assert load_config(tmp_path / "tried.yaml").plan == load_config(out).plan
     plan = load_config(out).plan
     assert (plan.precision, plan.global_batch_size) == ("bf16-true", 8)
@@ -110,7 +111,7 @@ def test_probe_climbs_past_accumulation_where_fp32_state_alone_is_over_the_budge
     assert check.exit_code == 0, check.output
     assert "nf4" in report["levers_not_used"] and "frozen" in report["levers_not_used"]["nf4"]
 
-    classic = run_cli("probe", EXAMPLES / "tiny_gpt.py", "--device", "cpu", "--budget", "5MiB", "--levers",
+    classic = run_cli("probe", EXAMPLES / "tiny_gpt.py", "--device", "cpu", "--budget", "4MiB", "--levers",
                       "amp,checkpointing,accumulation", "--out", tmp_path / "classic.yaml")
     assert classic.exit_code == 2 and "too small for the weights alone" in classic.stderr
     bad = run_cli("probe", EXAMPLES / "tiny_gpt.py", "--levers", "amp,8-bit", "--out", tmp_path / "x.yaml")

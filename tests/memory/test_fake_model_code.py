@@ -154,7 +154,8 @@ def test_a_model_stepping_its_optimizer_in_backward_is_probed_alike_on_cpu_and_f
     for result in (cpu, fake):
         assert any(n.startswith("no accumulation rung: 11 of optimizer_in_backward.py's trained parameters have ")
                    for n in result["notes"])
-        assert set(result["levers_not_used"]) == {"chunked-loss", "8bit", "nf4", "offload"}
+        assert set(result["levers_not_used"]) == {"chunked-loss", "step-in-backward", "8bit", "nf4", "offload"}
+        assert "with its own hooks already" in result["levers_not_used"]["step-in-backward"]
         assert "never sees their gradients" in result["levers_not_used"]["offload"]
 
 

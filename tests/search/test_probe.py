@@ -104,7 +104,8 @@ def test_cli_writes_a_config_that_round_trips_and_json_for_ci(tmp_path):
         "activation_checkpointing": cfg.plan.activation_checkpointing,
         "grad_accum_steps": cfg.plan.grad_accum_steps, "world_size": 1, "sharding": "none",
         "optimizer_8bit": False, "offload_optimizer": False, "offload_activations": False,
-        "nf4_frozen_weights": False, "chunked_loss": False, "global_batch_size": 8,
+        "nf4_frozen_weights": False, "chunked_loss": False, "optimizer_in_backward": False,
+        "global_batch_size": 8,
     }
     assert data["peak_bytes"] == cfg.found_by.peak_bytes <= data["limit_bytes"] == int(8 * MiB * 0.9)
     assert len(data["trials"]) == len(cfg.found_by.trials) == sum(r["trials"] for r in data["rungs"]) + sum(
@@ -118,24 +119,24 @@ def test_cli_writes_a_config_that_round_trips_and_json_for_ci(tmp_path):
 
 
 def test_cli_table_and_nothing_fits_exit_code(tmp_path):
-    """device: cpu. A budget that holds the floor (weights, gradients, AdamW state and its step's temporaries: 5.13
-    MiB) but not one example at context 512 (5.46 MiB): exit 1, the reason, no file. The classic ladder (past
+    """device: cpu. A budget that holds the floor (weights, gradients, AdamW state - fused, no step
+    temporaries: 4.11 MiB) but not one example at context 512: exit 1, the reason, no file. The classic ladder (past
     accumulation, bf16-true fits it: tests/levers)."""
     out = tmp_path / "best.yaml"
     classic = ("--levers", "amp,checkpointing,accumulation")
-    args = ("probe", EXAMPLES / "tiny_gpt.py", "--device", "cpu", "--budget", "5.9MiB", "--context", "512",
+    args = ("probe", EXAMPLES / "tiny_gpt.py", "--device", "cpu", "--budget", "4.9MiB", "--context", "512",
             "--out", out, *classic)
     r = run_cli(*args)
     assert r.exit_code == 1, r.output
-    assert "nothing fits in 5.31 MiB" in r.stderr and "AdamW state" in r.stderr
-    assert "optimizer step's temporaries 1.02 MiB = 5.13 MiB" in r.stderr
+    assert "nothing fits in 4.41 MiB" in r.stderr and "AdamW state" in r.stderr
+    assert "AdamW state 2.07 MiB = 4.11 MiB" in r.stderr
     assert "trials" in r.stdout and "OOM" in r.stdout
     assert not out.exists()
     report = json.loads(run_cli(*args, "--json").stdout)
-    assert report["fits"] is False and report["budget_bytes"] == int(5.9 * MiB)  # what it was given, fits or not
-    under = run_cli("probe", EXAMPLES / "tiny_gpt.py", "--device", "cpu", "--budget", "5.5MiB", "--out", out, *classic)
-    assert under.exit_code == 2  # 4.95 MiB allowed: under the floor, the weights alone (and their step) do not fit
-    assert "too small for the weights alone" in under.stderr and "temporaries 1.02 MiB = 5.13 MiB" in under.stderr
+    assert report["fits"] is False and report["budget_bytes"] == int(4.9 * MiB)  # what it was given, fits or not
+    under = run_cli("probe", EXAMPLES / "tiny_gpt.py", "--device", "cpu", "--budget", "4.5MiB", "--out", out, *classic)
+    assert under.exit_code == 2  # 4.05 MiB allowed: under the floor, the weights alone (and their state) do not fit
+    assert "too small for the weights alone" in under.stderr and "state 2.07 MiB = 4.11 MiB" in under.stderr
 
 
 def test_an_existing_config_survives_a_failed_probe(tmp_path, write_model):

@@ -51,16 +51,21 @@ def optimizer_state_after_trial(model_file, plan: Plan) -> tuple[int, float]:
 
 
 def test_an_fp16_trial_goes_on_until_the_grad_scaler_takes_an_optimizer_step(write_model, monkeypatch):
-    model_file = load_model_file(write_model(LOUD_MODEL))
+    """A model file's own AdamW (foreach, as CUDA runs it) makes no state in a step the scaler skips; oomtune's
+    default, fused, makes it in the first step, skipped or not (the kernel is told of the overflow)."""
+    own = load_model_file(write_model(LOUD_MODEL + "\ndef optimizer(params, lr):\n"
+                                                   "    return torch.optim.AdamW(params, lr=lr)\n"))
     plan = Plan(4, 16, precision="fp16")
-    params = len(list(model_file.build().parameters()))
+    params = len(list(own.build().parameters()))
 
     monkeypatch.setattr(trial, "MAX_SKIPPED_STEPS", 0)  # the trial as it was: its 2 steps, whatever happened
-    state, scale = optimizer_state_after_trial(model_file, plan)
+    state, scale = optimizer_state_after_trial(own, plan)
     assert (state, scale) == (0, 65536.0 / 4)  # both skipped: no AdamW state, so the peak would miss it
+    state, scale = optimizer_state_after_trial(load_model_file(write_model(LOUD_MODEL)), plan)
+    assert (state, scale) == (params, 65536.0 / 4)  # fused: skipped too, its state made all the same
 
     monkeypatch.undo()
-    state, scale = optimizer_state_after_trial(model_file, plan)
+    state, scale = optimizer_state_after_trial(own, plan)
     assert state == params and scale < 65536.0 / 4  # kept going until a step was taken
 
 
@@ -100,23 +105,28 @@ def make_batch(batch_size, context_length, device):
 '''
 
 
-def test_the_simulated_device_runs_adamw_as_cuda_does_with_its_foreach_temporaries(write_model, monkeypatch):
-    """device: cpu. Eight 256x256 weights (2 MiB) and one example: the peak is the optimizer step. CUDA runs AdamW
-    as foreach, which holds sqrt(second moment) for every weight at once: weights + gradients + 2 moments + that set
-    = 5 x 2 MiB. The per-tensor loop torch picks on the CPU holds it for one or two weights at a time."""
+def test_the_default_adamw_is_fused_and_a_model_files_own_runs_as_cuda_does(write_model, monkeypatch):
+    """device: cpu. Eight 256x256 weights (2 MiB) and one example: the peak is the optimizer step. oomtune's default
+    AdamW is fused (one kernel, no scratch): weights + gradients + 2 moments = 4 x 2 MiB and a little. A model file's
+    own AdamW that leaves the choice to torch runs as CUDA runs it, foreach, which holds sqrt(second moment) for
+    every weight at once: 5 x 2 MiB; the per-tensor loop torch picks on the CPU holds it for one or two at a time."""
     from oomtune import step
 
-    model_file = load_model_file(write_model(WIDE_MODEL))
     weights = 8 * 256 * 256 * 4
 
-    def peak() -> int:
+    def peak(model_file) -> int:
         r = trial.run_trial(model_file, Plan(1, 1), make_device("cpu", "1GiB"), steps=2)
         assert not r.oom
         return r.peak_bytes
 
-    assert peak() >= 5 * weights
+    default = load_model_file(write_model(WIDE_MODEL))
+    assert all(g["fused"] for g in default.optimizer(list(default.build().parameters()), 0.1).param_groups)
+    assert 4 * weights <= peak(default) < 4 * weights + weights // 8
+    own = load_model_file(write_model(WIDE_MODEL + "\ndef optimizer(params, lr):\n"
+                                                   "    return torch.optim.AdamW(params, lr=lr)\n"))
+    assert peak(own) >= 5 * weights
     monkeypatch.setattr(step, "as_on_cuda", lambda optimizer, device: None)  # torch's own choice on the CPU
-    assert 4 * weights < peak() < 5 * weights
+    assert 4 * weights < peak(own) < 5 * weights
 
 
 def test_a_reused_model_measures_what_a_fresh_one_does_and_starts_from_its_built_weights():

@@ -1,0 +1,68 @@
+"""The optimizer stepped in backward (plan key `optimizer_in_backward`, lever `step-in-backward`; torchtune's
+`optimizer_in_bwd`): each trained parameter is updated from its post-accumulate-grad hook the moment backward has
+made its gradient, which is then freed. A step after backward holds every gradient at once (as large as the trained
+weights); in backward, no more than the few backward is making.
+
+One optimizer over every trained parameter, as without the lever: its state, checkpoints, learning-rate schedule
+and weight decay are unchanged. At each hook only the parameter whose gradient has just been made has one (those
+stepped before were freed, the rest are not made yet), and torch's optimizers (and the 8-bit ones) step only
+parameters with a gradient; the step after backward then finds none and does nothing.
+
+It cannot go with accumulation (every micro-batch's backward would update the weights), several ranks (their
+gradients are averaged after backward), fp16 (its GradScaler checks every gradient for overflow before the step),
+the offload lever (its own hooks take the gradients to the host), gradient clipping (it needs every gradient's
+norm), AdaLoRA (its rank allocation reads the gradients after backward) or a model file's own stepping hooks:
+config.schema refuses the first four in a plan, `check_applies` the rest."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from ..errors import BAD_INPUT, OomtuneError
+
+# parameter -> the handle of the hook this lever gave it (a cached model is reused by trials of other plans)
+_HANDLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def check_applies(label: str, clip_grad_norm: float | None, own_hooks: int, adalora: bool) -> None:
+    """One line, exit 2, where the step in backward cannot run with the rest of the training."""
+    why = ("train.clip_grad_norm is set: clipping needs every gradient's norm before any is applied (set it to "
+           "null)" if clip_grad_norm is not None else
+           f"{label} steps {own_hooks} trained parameters in backward with its own post-accumulate-grad hooks "
+           "already" if own_hooks else
+           f"{label}'s AdaLoRA adapters reallocate their ranks from the gradients after backward" if adalora else
+           None)
+    if why is not None:
+        raise OomtuneError(f"plan.optimizer_in_backward: {why}", BAD_INPUT)
+
+
+def apply(optimizer: torch.optim.Optimizer, params: Sequence[nn.Parameter], on: bool) -> int:
+    """Hook `optimizer`'s step onto each of `params` (on) or take this lever's hooks off them (off: the model may
+    be one a trial of this lever built). Returns how many parameters are stepped in backward."""
+    for p in params:
+        handle = _HANDLES.pop(p, None)
+        if handle is not None:
+            handle.remove()
+    if not on:
+        return 0
+    step = _stepper(weakref.ref(optimizer))
+    for p in params:
+        _HANDLES[p] = p.register_post_accumulate_grad_hook(step)
+    return len(params)
+
+
+def _stepper(optimizer: weakref.ref):
+    """The hook: step the optimizer (only `p` has a gradient now) and free the gradient. The optimizer is held
+    weakly: a hook that reached it would keep the optimizer, its state and its parameters alive from autograd's
+    C++ side, where the garbage collector does not look."""
+    def step(p: torch.Tensor) -> None:
+        opt = optimizer()
+        if opt is not None:
+            opt.step()
+        p.grad = None
+
+    return step
