@@ -25,10 +25,16 @@ from .config.schema import Plan
 from .dist.group import LOCAL, Dist
 from .dist.wrap import micro_step, sync_gradients, unwrapped, wrap
 from .errors import BAD_INPUT, OomtuneError
-from .levers import build_model, cast_inputs, check_plan_runs, gradient_holders, make_optimizer, saved_activations
+from .levers import (
+    build_model,
+    cast_inputs,
+    check_plan_runs,
+    gradient_holders,
+    in_backward,
+    make_optimizer,
+    saved_activations,
+)
 from .levers.chunked_loss import check_applies, chunked_loss
-from .levers.in_backward import apply as in_backward
-from .levers.in_backward import check_applies as check_in_backward
 from .memory.devices import Device, is_oom
 from .model_file import Batch, ModelFile, ModelFileError
 from .rank_allocation import after_optimizer_step, allocator_of
@@ -92,18 +98,20 @@ def build_training(model_file: ModelFile, plan: Plan, device: Device, lr: float,
                            "scores over the whole model, and FSDP gives each rank a shard of them: use sharding ddp")
     if plan.sharding != "none":
         model = wrap(model, plan.sharding, model_file.blocks(model), dist)
+    in_backward.take_off(model.parameters())  # a kept model's, from a trial of that lever: not the model file's own
     stepping = steps_in_backward(unwrapped(model))  # (before make_optimizer: offload hooks every parameter too)
     if stepping and plan.grad_accum_steps > 1:
         raise OomtuneError(f"plan.grad_accum_steps is {plan.grad_accum_steps}, but {model_file.label} steps "
                            f"{stepping} trained parameters in backward with its own post-accumulate-grad hooks: every "
                            "micro-batch's backward would update them (use 1)", BAD_INPUT)
     if plan.optimizer_in_backward:
-        check_in_backward(model_file.label, clip_grad_norm, stepping, allocator is not None)
+        in_backward.check_applies(model_file.label, clip_grad_norm, stepping, allocator is not None)
     trained = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_optimizer(model_file, trained, lr, unwrapped(model), plan,
                                device)  # the 8-bit and offload levers replace the default AdamW
     as_on_cuda(optimizer, device.kind)
-    stepping += in_backward(optimizer, trained, plan.optimizer_in_backward)  # (off: a reused model's hooks taken off)
+    if plan.optimizer_in_backward:
+        stepping += in_backward.put_on(optimizer, trained)
     t = Training(model, optimizer, _scaler(plan, device), plan, model_file, device, clip_grad_norm,
                  dist=dist, decaying=tuple(float(g.get("weight_decay") or 0) for g in optimizer.param_groups),
                  rank_allocator=allocator, steps_in_backward=stepping)

@@ -289,4 +289,4 @@ def _when(plan: Plan, **notes: str) -> list[str]:
 
 
 def _override(v) -> str:
-    return str(v).lower() if isinstance(v, bool) else str(v)
+    return "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)  # (tune run's YAML values)

@@ -17,15 +17,14 @@ config.schema refuses the first four in a plan, `check_applies` the rest."""
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import nn
 
 from ..errors import BAD_INPUT, OomtuneError
 
-# parameter -> the handle of the hook this lever gave it (a cached model is reused by trials of other plans)
-_HANDLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+HANDLE = "_oomtune_in_backward"  # the attribute of a parameter holding the handle of the hook this lever gave it
 
 
 def check_applies(label: str, clip_grad_norm: float | None, own_hooks: int, adalora: bool) -> None:
@@ -40,18 +39,20 @@ def check_applies(label: str, clip_grad_norm: float | None, own_hooks: int, adal
         raise OomtuneError(f"plan.optimizer_in_backward: {why}", BAD_INPUT)
 
 
-def apply(optimizer: torch.optim.Optimizer, params: Sequence[nn.Parameter], on: bool) -> int:
-    """Hook `optimizer`'s step onto each of `params` (on) or take this lever's hooks off them (off: the model may
-    be one a trial of this lever built). Returns how many parameters are stepped in backward."""
+def take_off(params: Iterable[nn.Parameter]) -> None:
+    """Take this lever's hooks off `params`: a model a trial kept (search/trial.py's ModelCache) may have them from
+    a trial of this lever, and another plan's training must neither run them nor count them as the model file's."""
     for p in params:
-        handle = _HANDLES.pop(p, None)
+        handle = p.__dict__.pop(HANDLE, None)  # (a WeakKeyDictionary compares tensors with ==: not as keys)
         if handle is not None:
             handle.remove()
-    if not on:
-        return 0
+
+
+def put_on(optimizer: torch.optim.Optimizer, params: Sequence[nn.Parameter]) -> int:
+    """Hook `optimizer`'s step onto each of `params`; returns how many parameters are stepped in backward."""
     step = _stepper(weakref.ref(optimizer))
     for p in params:
-        _HANDLES[p] = p.register_post_accumulate_grad_hook(step)
+        setattr(p, HANDLE, p.register_post_accumulate_grad_hook(step))
     return len(params)
 
 

@@ -122,6 +122,7 @@ def test_the_ladder_climbs_it_where_only_the_gradients_are_over_then_trains_and_
     assert [x for _, x in ib] == pytest.approx([x for _, x in plain], rel=1e-5)
     tune = export(Plan(1, 4, optimizer_in_backward=True), "torchtune")
     assert tune.values["optimizer_in_bwd"] is True and tune.values["clip_grad_norm"] is None
+    assert {"optimizer_in_bwd=true", "clip_grad_norm=null", "optimizer.fused=true"} <= set(tune.text().splitlines())
     assert any(line.startswith("optimizer_in_backward: ") for line in export(Plan(1, 4, optimizer_in_backward=True),
                                                                              "hf").unexpressed)
 
@@ -144,3 +145,17 @@ def test_a_nan_loss_stops_before_backward_applies_its_update(case_dir):
     assert steps_saved(case_dir / "run") == [3, 4]
     state = load_checkpoint(case_dir / "run" / "ckpt-00000004.pt")
     assert all(torch.isfinite(p).all() for p in state["model"].values())
+
+
+def test_a_kept_model_trained_by_the_lever_trains_another_plan_as_a_fresh_one(write_model):
+    """A probe's trials on one rung share a model (trial.ModelCache), and the rung beside the chain has the same
+    model as the one before it: its hooks are taken off for the next plan (else counted as the model file's own,
+    and an accumulated plan refused), which then measures what a freshly built model does."""
+    from oomtune.search import trial
+
+    model_file = load_model_file(write_model())
+    cache, device = trial.ModelCache(), CpuDevice("1GiB")
+    plans = [Plan(2, 8, optimizer_in_backward=True), Plan(2, 8, grad_accum_steps=2), Plan(4, 8)]
+    kept = [run_trial(model_file, plan, device, models=cache).peak_allocated_bytes for plan in plans]
+    assert cache.model is not None  # (one model, kept through all three)
+    assert kept == [run_trial(model_file, plan, CpuDevice("1GiB")).peak_allocated_bytes for plan in plans]
