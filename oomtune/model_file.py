@@ -42,16 +42,15 @@ from .model_import import neighbours_first
 
 Batch = Any  # a Tensor, a tuple/list of Tensors, or a dict of str -> Tensor (nested: their leaves)
 DEFAULT_KEYS = {"batch", "context", "min_context"}
+_FUSED_DEVICES = ("cuda", "cpu", "xpu", "mps", "hpu")  # torch's fused AdamW kernels (_get_fused_kernels_supported...)
 
 
 def default_adamw(params: Sequence[nn.Parameter], lr: float) -> torch.optim.Optimizer:
     """AdamW where the model file has no optimizer(), fused where torch has that kernel for every parameter (one kernel
     a step, no parameter-sized scratch: foreach AdamW, torch's choice on CUDA, holds one), as Hugging Face's Trainer
     (torch >= 2.8) and torchtune's recipes run it by default."""
-    try:
-        return torch.optim.AdamW(params, lr=lr, fused=True)
-    except RuntimeError:  # torch: "`fused=True` requires all the params to be floating point Tensors of supported ..."
-        return torch.optim.AdamW(params, lr=lr)
+    fused = all(p.is_floating_point() and p.device.type in _FUSED_DEVICES for p in params)  # (torch checks only at
+    return torch.optim.AdamW(params, lr=lr, fused=True if fused else None)  # the first step, raising)
 
 
 @dataclass

@@ -111,6 +111,7 @@ def build_training(model_file: ModelFile, plan: Plan, device: Device, lr: float,
                                device)  # the 8-bit and offload levers replace the default AdamW
     as_on_cuda(optimizer, device.kind)
     if plan.optimizer_in_backward:
+        in_backward.check_optimizer(optimizer, model_file.label)
         stepping += in_backward.put_on(optimizer, trained)
     t = Training(model, optimizer, _scaler(plan, device), plan, model_file, device, clip_grad_norm,
                  dist=dist, decaying=tuple(float(g.get("weight_decay") or 0) for g in optimizer.param_groups),
@@ -178,6 +179,7 @@ def _accumulate(t: Training, micro_batches: Sequence[Batch], weights: Sequence[f
                 loss = loss_of(t, batch)
             losses[i] = loss.detach()  # (before backward, which applies the update under plan.optimizer_in_backward:
             t.micro_losses = losses  # the trainer reads the loss when it starts)
+            in_backward.new_backward(t.optimizer)
             t.phase("backward")
             of = "loss()" if t.model_file.has("loss") else "the model"
             with t.model_file.user_code(f"the backward pass of {of}"):  # a recompute mismatch, a custom Function

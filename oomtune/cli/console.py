@@ -39,7 +39,7 @@ RESULT_SHORT = {"fits": "fits", "oom": "OOM", "over-headroom": ">limit"}  # >lim
 
 def rung_label(rung: str, precision: str) -> str:
     """A rung as every table, chart and progress line names it: its precision and what it adds ("bf16+ckpt")."""
-    if rung.startswith("chunked-loss") and precision != "bf16-true":  # (a name that says no precision)
+    if rung.startswith(("chunked-loss", "step-in-backward")) and precision != "bf16-true":  # (names saying none)
         return f"{precision}+{rung}"
     return {"fp32": "fp32", "amp": precision, "checkpointing": f"{precision}+ckpt",
             "fsdp": f"{precision}+fsdp"}.get(rung, rung)

@@ -78,6 +78,8 @@ def export(plan: Plan, target: str, optimizer_of: str | None = None, blocks_of: 
             values["fsdp_config"]["fsdp_activation_checkpointing"] = False
         unexpressed.append(f"activation_checkpointing: measured on {blocks_of}'s blocks as oomtune wrapped them (its "
                            f"blocks() hook, or its nn.ModuleList), not the model's own switch; {_OWN_BLOCKS[target]}")
+    if optimizer_of and target == "torchtune":
+        values.pop("optimizer.fused", None)  # (oomtune's default AdamW's, not the model file's optimizer's)
     if optimizer_of and target in _OWN_OPTIMIZER:
         unexpressed.append(f"optimizer: {optimizer_of}'s own optimizer(), which the plan was measured with; "
                            f"{_OWN_OPTIMIZER[target]}")

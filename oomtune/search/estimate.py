@@ -116,7 +116,8 @@ def make_fake_device(budget: str | None, gpu: str | None, margin: str | None) ->
 def smallest_plan(targets, rungs: list[Rung], world_size: int = 1, past: PastRungs | None = None) -> Plan:
     """The ladder's most frugal plan: micro-batch 1 at the shortest context allowed, on the last rung (past
     accumulation, where it has such rungs: every lever applied; else the last of the usual `rungs`)."""
-    last = (past.rungs if past is not None and past.rungs else rungs)[-1]
+    chain = [r for r in past.rungs if not r.optimizer_in_backward] if past is not None else []  # (its plan: the
+    last = (chain or rungs)[-1]  # whole batch, never micro-batch 1 of a larger one)
     return plan_of(Point(last, 1, targets.min_context), world_size)
 
 

@@ -116,6 +116,12 @@ def _no_smaller(static: StaticMemory, precision: str) -> str | None:
 def _in_backward_why(static: StaticMemory, label: str, precision: str) -> str | None:
     if static.steps_in_backward:
         return f"{label} steps {static.steps_in_backward} trained parameters in backward with its own hooks already"
+    own = dict(static.optimizer_blocks).get("offload_optimizer")  # (a class none of the levers can rebuild)
+    if own is not None:
+        return f"{label}'s optimizer() {own}, and may not step one parameter at a time"
+    if static.checkpoints_itself:
+        return (f"{label}'s model checkpoints itself ({static.checkpoints_itself}): a reentrant checkpoint makes a "
+                "shared parameter's gradient twice, and each would be stepped")
     if precision == "fp16":
         return "the amp rungs are fp16 here, whose GradScaler checks every gradient before the step"
     return None

@@ -331,8 +331,10 @@ def floor_static(model_file: ModelFile, static: StaticMemory, past: PastRungs, l
     rungs past accumulation, the floor with all of their levers applied (measured on fake tensors too)."""
     if static.floor_bytes // sharded_by <= limit or not past.rungs:
         return static
-    last = past.rungs[-1]
-    return static_memory(model_file, plan_of(Point(last, 1, 1)), last.name)
+    floors = [static_memory(model_file, plan_of(Point(r, 1, 1)), r.name) for r in  # the chain's last rung and the
+              [*[r for r in past.rungs if not r.optimizer_in_backward][-1:],  # one beside it (no gradients held)
+               *[r for r in past.rungs if r.optimizer_in_backward]]]
+    return min(floors, key=lambda s: s.floor_bytes) if floors else static
 
 
 def measurement_notes(model_file: ModelFile, static: StaticMemory, device: Device,

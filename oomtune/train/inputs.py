@@ -80,6 +80,7 @@ def check_inputs(config_path: str | Path, overrides: dict[str, Any] | None, *, r
         cfg, notes = _resumed_settings(cfg, file_config.train, state, given)
         smaller = file_config.plan
         if (smaller.micro_batch_size < plan.micro_batch_size and plan.micro_batch_size % smaller.micro_batch_size == 0
+                and not plan.optimizer_in_backward  # (it cannot accumulate: no fallback wrote a smaller one)
                 and (smaller.context_length, smaller.precision, smaller.activation_checkpointing, smaller.sharding,
                      smaller.global_batch_size) == (plan.context_length, plan.precision,
                                                     plan.activation_checkpointing, plan.sharding,

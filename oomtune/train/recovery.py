@@ -109,7 +109,7 @@ class RecoveryPolicy:
         oom_stop = {"step": step, "phase": phase.value, "message": message}
         in_backward = state.plan.optimizer_in_backward  # (no accumulation: no smaller micro-batch keeps the batch)
         if phase is Phase.OPTIMIZER:  # (under optimizer_in_backward: the backward that applies the update, partly)
-            why = ("backward applies the update under plan.optimizer_in_backward, and applied part of it"
+            why = ("backward applies the update under plan.optimizer_in_backward, and may have applied part of it"
                    if in_backward else "the weights, gradients and optimizer state alone do not fit, so a smaller "
                    "micro-batch cannot help")
             return Stop(f"out of memory in the optimizer step at step {step} ({message}): {why}"

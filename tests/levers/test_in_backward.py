@@ -159,3 +159,55 @@ def test_a_kept_model_trained_by_the_lever_trains_another_plan_as_a_fresh_one(wr
     kept = [run_trial(model_file, plan, device, models=cache).peak_allocated_bytes for plan in plans]
     assert cache.model is not None  # (one model, kept through all three)
     assert kept == [run_trial(model_file, plan, CpuDevice("1GiB")).peak_allocated_bytes for plan in plans]
+
+
+SHARED = TINY_MODEL.replace("import torch\n", "import torch\nfrom torch.utils.checkpoint import checkpoint\n", 1)
+
+
+def test_a_gradient_made_twice_is_an_error_not_a_second_step(write_model):
+    """A reentrant checkpoint of two segments that share a layer: backward accumulates its gradient once a segment,
+    so its hook fires twice, the first time on a partial gradient. The second is an error naming why."""
+    model = SHARED.replace("        for b in self.blocks:\n            x = torch.relu(b(x))",
+                           "        x = self.blocks[1](x)  # (an input that requires grad: reentrant needs one)\n"
+                           "        for _ in range(2):\n"
+                           "            x = checkpoint(lambda h: torch.relu(self.blocks[0](h)), x, use_reentrant=True)")
+    assert model != SHARED
+    model_file = load_model_file(write_model(model))
+    device = CpuDevice("1GiB")
+    with device.measure():
+        t = build_training(model_file, Plan(2, 8, optimizer_in_backward=True), device, lr=1e-3)
+        with pytest.raises(Exception, match="raised StepTwice: .*backward made the gradient of a .* parameter twice"):
+            train_step(t, [model_file.batch(2, 8, device.torch_device)])
+
+
+def test_an_optimizer_it_does_not_know_is_refused_and_the_ladder_leaves_the_rung_out(write_model, tmp_path):
+    own = write_model(TINY_MODEL + "\ndef optimizer(params, lr):\n    return torch.optim.RMSprop(params, lr=lr)\n")
+    with pytest.raises(OomtuneError, match="returns RMSprop, which may not step one parameter at a time"):
+        build_training(load_model_file(own), Plan(2, 8, optimizer_in_backward=True), CpuDevice("1GiB"), lr=1e-3)
+    r = run_cli("estimate", own, "--budget", "8KiB", "--margin", "0", "--batch", "2", "--context", "8", "--json",
+                "--out", tmp_path / "x.yaml")
+    assert "may not step one parameter at a time" in json.loads(r.stdout)["levers_not_used"]["step-in-backward"]
+
+
+def test_the_default_adamw_is_fused_only_where_torch_has_the_kernel():
+    from oomtune.model_file import default_adamw
+
+    real = [torch.nn.Parameter(torch.randn(3))]
+    assert default_adamw(real, 1e-3).param_groups[0]["fused"] is True
+    odd = [torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(3, dtype=torch.complex64))]
+    opt = default_adamw(odd, 1e-3)  # (torch builds a fused one over these, then refuses at the first step)
+    for p in odd:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    assert not opt.param_groups[0]["fused"]
+
+
+def test_the_floor_checked_is_the_lowest_of_the_chain_and_the_rung_beside_it(tmp_path):
+    """device: cpu. Without its gradients the tiny GPT's fp32 state fits in 4 MiB at batch 1; the last rung of the
+    chain (offload-activations, fp32 gradients held) alone would say the budget is too small for the weights."""
+    from ..conftest import EXAMPLES
+
+    r = run_cli("probe", EXAMPLES / "tiny_gpt.py", "--device", "cpu", "--budget", "4MiB", "--batch", "1", "--context",
+                "8", "--levers", "step-in-backward,offload-activations", "--out", tmp_path / "f.yaml", "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["plan"]["optimizer_in_backward"] is True
