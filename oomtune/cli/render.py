@@ -131,10 +131,12 @@ def snapshot_written(path, plan) -> None:
 
 def found_text(records) -> str:
     """How the estimate's trials were found, where not all were run whole: " (3 replayed, 10 made from fewer
-    blocks)"."""
+    blocks, 2 with the second step made from the first)"."""
     made = sum(r.source == "extrapolated" for r in records)
     replayed = sum(r.source == "replayed" for r in records)
-    parts = ([f"{replayed} replayed"] if replayed else []) + ([f"{made} made from fewer blocks"] if made else [])
+    halves = sum(r.source == "first-step-run" for r in records)
+    parts = ([f"{replayed} replayed"] if replayed else []) + ([f"{made} made from fewer blocks"] if made else []) + \
+        ([f"{halves} with the second step made from the first"] if halves else [])
     return f" ({', '.join(parts)})" if parts else ""
 
 

@@ -209,9 +209,10 @@ class TrialRecord:
     sharding: Sharding = "none"
     host_peak_bytes: int | None = None  # host memory the plan's offloaded parts held at most (offload rungs)
     build_seconds: float = 0.0  # of `seconds`: building the model, its wrappers and its optimizer
-    source: Literal["run", "replayed", "extrapolated"] = "run"  # run: the step ran; replayed: its peaks were
-    # predicted from two runs of the same plan at other micro-batches (memory/replay.py), no step ran; extrapolated:
-    # from runs of the model with 2, 3 and 4 of its repeated blocks (memory/repeats.py), the whole model never ran
+    source: Literal["run", "first-step-run", "replayed", "extrapolated"] = "run"  # run: the steps ran; first-step-run:
+    # the first ran, the second was made from it (memory/second_step.py); replayed: its peaks were predicted from two
+    # runs of the same plan at other micro-batches (memory/replay.py), no step ran; extrapolated: from runs of the
+    # model with 2, 3 and 4 of its repeated blocks (memory/repeats.py), the whole model never ran
 
 
 @dataclass(frozen=True)

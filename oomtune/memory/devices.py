@@ -181,7 +181,7 @@ class TrackedDevice(Device):
         self.margin = margin if margin is not None else (CardMargin(card) if card is not None else Margin())
         self.never_runs_out = False  # (the prior's fake device: FakeDevice)
         self.traces = False  # each measurement's Reading holds its Trace (replay.py: the probe's prior sets it)
-        self._initial, self._host_initial = [], []  # a traced measurement's live storages at its start (key, size)
+        self.traced_from = [], []  # a traced measurement's live storages at its start (key, size): device, host
         self.tracker = MemoryTracker(kind=kind)  # one accountant for the device's lifetime
         self.tracker.budget_bytes = self.tensor_budget(budget_bytes)
         if self.tracker.budget_bytes <= 0:
@@ -206,7 +206,7 @@ class TrackedDevice(Device):
         alive = list(self.tracker._sizes.items())  # (a storage's finalizer may run while the model is filled)
         if self.traces:
             self.tracker.events = []
-            self._initial, self._host_initial = alive, list(self.tracker._host_sizes.items())
+            self.traced_from = alive, list(self.tracker._host_sizes.items())
         try:
             for key, size in alive:  # what is alive already holds blocks too
                 model.malloc(key, size)
@@ -235,7 +235,7 @@ class TrackedDevice(Device):
 
     def _take_trace(self) -> Trace | None:
         events, self.tracker.events = self.tracker.events, None
-        return Trace.of(self._initial, events, self._host_initial) if events is not None else None
+        return Trace.of(self.traced_from[0], events, self.traced_from[1]) if events is not None else None
 
     def replay(self, lines: Lines, micro_batch: int) -> Reading | None:
         """The Reading a traced measurement would give at `micro_batch` (replay.py); None where the lines do not

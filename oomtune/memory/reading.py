@@ -21,6 +21,9 @@ class Reading:
     host_peak_bytes: int = 0  # host memory held at most by what the offload levers moved there
     modelled_reserved_bytes: int | None = None  # simulated devices: the CUDA caching allocator model's peak
     trace: Trace | None = field(default=None, repr=False)  # what the storages did, where the device traces
+    events: list | None = field(default=None, repr=False)  # the tracker's own record of it, where a trial keeps it
+    points: tuple[int, ...] = ()  # where in `events` each step began and returned, and the steps ended
+    loss_key: int | None = None  # the tracker's key of the first step's loss, which the trial held
 
     @property
     def batch_peak_bytes(self) -> int | None:

@@ -82,6 +82,13 @@ def adopt(*tensors) -> None:
         tracker._check_budget(added)
 
 
+def storage_key(t) -> int | None:
+    """The key the tracker counts `t`'s storage under (None for what it does not count so)."""
+    if not isinstance(t, torch.Tensor) or t.layout != torch.strided or is_traceable_wrapper_subclass(t):
+        return None
+    return id(t.untyped_storage())
+
+
 def _tensors(obj) -> Iterable[torch.Tensor]:
     """Tensors in an op's output: a tensor, or (nested) tuples/lists/dicts of them."""
     if isinstance(obj, torch.Tensor):

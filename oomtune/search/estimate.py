@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -36,6 +37,7 @@ from .options import (
 from .past import PAST_LEVERS, PastRungs, past_rungs
 from .prior import ReplayingTrials, prior_device
 from .probe import ProbeResult, all_rungs, fsdp_reach, no_fsdp_note, plan_of, probe
+from .rung_floors import RungFloors
 from .trial import TrialResult, computing_where_needed, run_trial
 from .weights_dtype import precision_note
 
@@ -84,9 +86,10 @@ class ReplayedTrials(ReplayingTrials):
         self.breakdowns: dict[Plan, MemoryBreakdown] = {}
 
     def run_one(self, model_file: ModelFile, plan: Plan, device: FakeDevice, steps: int, dist) -> TrialResult:
+        trial = functools.partial(run_trial, second=self.second)  # (second steps made where that was checked)
         made = self.blocks.trial(model_file, plan, device,
-                                 lambda fewer, p: recorded_trial(fewer, p, device, steps, dist, run_trial))
-        result, bd = made or recorded_trial(model_file, plan, device, steps, dist, run_trial)
+                                 lambda fewer, p: recorded_trial(fewer, p, device, steps, dist, trial))
+        result, bd = made or recorded_trial(model_file, plan, device, steps, dist, trial)
         if bd is not None:
             self.breakdowns[plan] = bd
         return result
@@ -169,8 +172,9 @@ def _estimate(model_file, device, targets, headroom, steps, objective, amp, on_s
     recording = RecordingTrials()
     static = static_memory(model_file)
     sharded_by, no_fsdp = fsdp_reach(device, world, sharding)
+    floors = RungFloors(model_file, static)  # the past rungs' floors, measured once (floor_static's, the ladder's)
     rungs, past, floor = all_rungs(model_file, device, amp, static, world, sharding, levers,
-                                   device.margin.tensor_budget(limit), sharded_by)  # the limit less the margin
+                                   device.margin.tensor_budget(limit), sharded_by, floors=floors)  # less the margin
     if device.margin.total(floor.floor_bytes // sharded_by) > limit:
         # nothing can fit: skip the ladder (every trial would run out) and explain with the smallest plan
         search = ProbeResult(LadderResult((), None, ()), [], static, targets, limit, None, world_size=world,
@@ -179,11 +183,12 @@ def _estimate(model_file, device, targets, headroom, steps, objective, amp, on_s
         search = None
         if dist.world_size == 1 and replays:
             search = _replayed(model_file, device, targets, headroom, steps, objective, amp, on_start, on_trial,
-                               levers, (static, floor), recording, min_blocks)
+                               levers, (static, floor), recording, min_blocks, floors)
         if search is None:
             search = probe(model_file, device, targets, headroom=headroom, steps=steps, objective=objective,
                            amp=amp, command="estimate", on_start=on_start, on_trial=on_trial, dist=dist,
-                           sharding=sharding, levers=levers, statics=(static, floor), trial=recording)
+                           sharding=sharding, levers=levers, statics=(static, floor), trial=recording,
+                           floors=floors)
     if search.config is not None:
         plan = search.config.plan
         bd = recording.breakdowns.get(plan) or breakdown(model_file, plan, device, steps, dist)
@@ -204,7 +209,7 @@ def _estimate(model_file, device, targets, headroom, steps, objective, amp, on_s
 
 
 def _replayed(model_file, device, targets, headroom, steps, objective, amp, on_start, on_trial, levers, statics,
-              recording: RecordingTrials, min_blocks: int | None) -> ProbeResult | None:
+              recording: RecordingTrials, min_blocks: int | None, floors: RungFloors) -> ProbeResult | None:
     """The ladder with ReplayedTrials, then the chosen plan traced (recorded) where it was replayed: its breakdown,
     and the check of the replay at the answer (made from fewer blocks where the model repeats them). An answer made
     from fewer blocks stands as made: the made trial is the whole model's to the byte (the build included), which
@@ -218,7 +223,7 @@ def _replayed(model_file, device, targets, headroom, steps, objective, amp, on_s
     try:
         search = probe(model_file, twin, targets, headroom=headroom, steps=steps, objective=objective, amp=amp,
                        command="estimate", on_start=on_start, on_trial=on_trial, levers=levers, statics=statics,
-                       trial=trials)
+                       trial=trials, floors=floors)
     except NeedsValues:
         return None
     recording.breakdowns.update(trials.breakdowns)
@@ -227,7 +232,8 @@ def _replayed(model_file, device, targets, headroom, steps, objective, amp, on_s
     plan = search.config.plan
     if plan not in trials.breakdowns:  # replayed (or made without a breakdown on its lines): traced as its check
         # and for its breakdown, from fewer blocks where the model repeats them (as exact: the tests hold the two
-        # to the byte on every kind of model), else whole
+        # to the byte on every kind of model), else whole; with both steps run (a made second has no breakdown)
+        trials.second.whole = True
         result = trials.run_one(model_file, plan, twin, steps, LOCAL)
         if plan not in trials.breakdowns:
             result, bd = recorded_trial(model_file, plan, twin, steps, LOCAL, run_trial)

@@ -158,6 +158,7 @@ class LadderSearch:
         self.trials: list[Trial] = []
         self._seen: dict[Point, Trial] = {}
         self.out_of_reach: frozenset[str] = frozenset()  # rungs no plan of which can fit (their floor): not tried
+        self.reaches: Callable[[Rung], bool] = lambda rung: True  # a rung past accumulation can fit (asked once)
 
     def check(self, point: Point, stage: str) -> bool:
         if point not in self._seen:
@@ -279,8 +280,8 @@ class LadderSearch:
         for i, rung in enumerate([*rungs, *past]):
             if i >= len(rungs) and self._reached(results, batch, context, objective, accumulation):
                 break  # the target context is reached: no costlier lever is needed
-            r = (RungResult(rung, None, None, 0) if rung.name in self.out_of_reach
-                 else self.search_rung(rung, batch, context, min_context))
+            passed = rung.name in self.out_of_reach or (i >= len(rungs) and not self.reaches(rung))
+            r = RungResult(rung, None, None, 0) if passed else self.search_rung(rung, batch, context, min_context)
             results.append(r)
             if objective == "fit" and r.context_length == context and r.micro_batch_size == batch:
                 break

@@ -17,6 +17,7 @@ from ..model_file import ModelFile
 from ..units import counted
 from .certify import RungPrior, priors_from
 from .extrapolate import BlockTrials
+from .second_steps import SecondSteps
 from .trial import TrialResult, run_trial
 
 
@@ -75,6 +76,7 @@ class ReplayingTrials:
         self.run = 0
         self.replayed = 0
         self.blocks = BlockTrials()  # a plan's trial from trials of fewer of the model's repeated blocks
+        self.second = SecondSteps()  # a trial's second step made from its first, where that was checked
 
     def __call__(self, model_file: ModelFile, plan: Plan, device: FakeDevice, steps: int = TRIAL_STEPS,
                  dist=LOCAL) -> TrialResult:
@@ -108,9 +110,10 @@ class ReplayingTrials:
 
     def run_one(self, model_file: ModelFile, plan: Plan, device: FakeDevice, steps: int, dist) -> TrialResult:
         """One trial run (traced), not replayed: from fewer of its blocks where that lines up (BlockTrials)."""
-        made = self.blocks.trial(model_file, plan, device,
-                                 lambda fewer, p: (run_trial(fewer, p, device, steps, dist=dist), None))
-        return made[0] if made is not None else run_trial(model_file, plan, device, steps, dist=dist)
+        made = self.blocks.trial(model_file, plan, device, lambda fewer, p: (
+            run_trial(fewer, p, device, steps, dist=dist, second=self.second), None))
+        return made[0] if made is not None else run_trial(model_file, plan, device, steps, dist=dist,
+                                                          second=self.second)
 
 
 # What the prior costs and saves, a rung: it traces about three sizes of it on fake tensors (the target, micro-batch

@@ -32,6 +32,7 @@ from .leaks import LeakWatch
 from .options import LEVERS, Targets, check_prior, check_search_options
 from .past import PastRungs, past_rungs
 from .prior import PriorReport, run_prior
+from .rung_floors import RungFloors
 from .rung_notes import checkpointing_saved_nothing
 from .trial import TrialResult, computing_where_needed, kept_models, run_trial, settled_objects
 from .weights_dtype import amp_adds_nothing, base_precision, weights_dtype_notes
@@ -170,14 +171,16 @@ def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: 
           sharding: str | None = None, levers: frozenset[str] = frozenset(LEVERS),
           statics: tuple[StaticMemory, StaticMemory] | None = None,
           trial: Callable[..., TrialResult] = run_trial, prior: bool | str | None = None,
-          on_begin: Callable[[bool], None] | None = None) -> ProbeResult:
+          on_begin: Callable[[bool], None] | None = None, floors: RungFloors | None = None) -> ProbeResult:
     """Climb the ladder with real trials on `device`; every trial runs the training step itself.
 
     On several ranks (`dist`) every rank calls this: each trial runs on all of them, and they agree on its result
     (see run_trial), so every rank climbs the same ladder; the target batch is global (B / ranks per rank). The
     budget is the smallest of the ranks' (each GPU's own free memory), so they probe alike. `statics`: the model's
     static memory and floor (floor_static), where the caller measured them already (estimate). `trial`: what runs
-    one (run_trial's arguments and result; estimate's records each trial's breakdown as it runs).
+    one (run_trial's arguments and result; estimate's records each trial's breakdown as it runs). `floors`: the
+    floors of the rungs past accumulation measured already (rung_floors.py; the ladder passes a rung whose floor
+    does not fit).
 
     `prior`: on one process, on a device other than the fake one, run the same ladder on the fake device first and
     certify each rung from it (certify.py, prior.py): two device trials a rung where the prior is right. "auto":
@@ -190,8 +193,9 @@ def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: 
     limit = int(device.budget_bytes * (1 - headroom))
     static = statics[0] if statics else static_memory(model_file)
     sharded_by, no_fsdp = fsdp_reach(device, world, sharding)
+    floors = floors or RungFloors(model_file, static)
     rungs, past, floor = all_rungs(model_file, device, amp, static, world, sharding, levers, limit, sharded_by,
-                                   statics[1] if statics else None)
+                                   statics[1] if statics else None, floors)
     check_static_fits(floor, device, limit, headroom, sharded_by, past if levers != frozenset(LEVERS) else None)
     kernel_notes()  # forget what trials before this probe chose (its own choose again)
     unreachable, notes = _first_notes(model_file, static, device, targets, amp, levers, rungs, limit, world)
@@ -209,14 +213,17 @@ def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: 
         report = _prior(trials, model_file, device, Point(first, 1, targets.context), steps, targets.batch,
                         auto, lambda fake, trial: probe(
                             model_file, fake, targets, headroom=headroom, steps=steps, objective=objective, amp=amp,
-                            command="estimate", levers=levers, statics=(static, floor), trial=trial, prior=False),
+                            command="estimate", levers=levers, statics=(static, floor), trial=trial, prior=False,
+                            floors=floors),
                         ) if estimating else None
         ladder, computed = computing_where_needed(device, model_file.label, lambda: _climb(
-            trials, limit, report, rungs, past, targets, world, objective, accumulates, unreachable))
+            trials, limit, report, rungs, past, targets, world, objective, accumulates, unreachable,
+            lambda rung: floors.reaches(rung, tensor_budget(device, limit))))
     records, host = trials.records, trials.host
     climbed_past = len(ladder.rungs) > len(rungs)
     kernels = kernel_notes(ladder.choice.rung.precision if ladder.choice is not None else None)  # the plan's own
     notes += computed + kernels + (past.notes() if climbed_past or ladder.choice is None else ())
+    notes += floors.note() if climbed_past else ()
     notes += checkpointing_saved_nothing(model_file.label, rungs, ladder.trials, static)
     notes += tuple(n for n in (trials.leaks.note(),) if n)
     if ladder.choice is None:
@@ -245,13 +252,16 @@ def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: 
                        budget_bytes=device.budget_bytes, past=past, prior=report)
 
 
+def tensor_budget(device: Device, limit: int) -> int:
+    """What the limit leaves tensors (on cuda the budget is the caching allocator's: less its margin)."""
+    return device.tensor_budget(limit) if isinstance(device, TrackedDevice) else limit
+
+
 def _first_notes(model_file: ModelFile, static: StaticMemory, device: Device, targets: Targets, amp: str,
                  levers: frozenset[str], rungs: list[Rung], limit: int, world: int) -> tuple[frozenset[str], tuple]:
     """The rungs out of reach (out_of_reach) and the notes known before any trial."""
     notes = measurement_notes(model_file, static, device, targets.min_context, amp)
-    # (on cuda the budget is the caching allocator's: tensors alone)
-    tensor_budget = device.tensor_budget(limit) if isinstance(device, TrackedDevice) else limit
-    unreachable, note = out_of_reach(rungs, static, tensor_budget, world, model_file.label)
+    unreachable, note = out_of_reach(rungs, static, tensor_budget(device, limit), world, model_file.label)
     unrunnable = amp_cannot_run(static.lstm, device, amp)
     notes += note + ((f"{model_file.label} {unrunnable}",) if unrunnable and "amp" in levers else ())
     if static.steps_in_backward and "accumulation" in levers:
@@ -280,14 +290,18 @@ def flat_margin(device: Device) -> str | None:
 
 def _climb(trials: DeviceTrials, limit: int, report: PriorReport | None, rungs: list[Rung], past: PastRungs,
            targets: Targets, world: int, objective: Objective, accumulation: bool,
-           unreachable: frozenset[str] = frozenset()) -> LadderResult:
+           unreachable: frozenset[str] = frozenset(), reaches: Callable[[Rung], bool] | None = None
+           ) -> LadderResult:
     """The search on the device: certified from the prior's rungs where there is one (the rungs it could not
-    certify go into report.fell_back), else the ladder's own; the `unreachable` rungs are not tried (out_of_reach).
-    Run afresh (records cleared) where it reruns on computed tensors."""
+    certify go into report.fell_back), else the ladder's own; the `unreachable` rungs are not tried (out_of_reach),
+    nor those past accumulation that `reaches` says cannot fit (RungFloors). Run afresh (records cleared) where it
+    reruns on computed tensors."""
     trials.records.clear()
     search = (CertifyingSearch(trials.measure, limit, report.priors, on_trial=trials.collect)
               if report and report.priors else LadderSearch(trials.measure, limit, on_trial=trials.collect))
     search.out_of_reach = unreachable
+    if reaches is not None:
+        search.reaches = reaches
     ladder = search.run(rungs, targets.batch // world, targets.context, targets.min_context, objective,
                         past=past.rungs, accumulation=accumulation)
     if isinstance(search, CertifyingSearch):
@@ -312,9 +326,10 @@ def out_of_reach(rungs: list[Rung], static: StaticMemory, tensor_budget: int, wo
 
 def all_rungs(model_file: ModelFile, device: Device, amp: str, static: StaticMemory, world: int,
               sharding: str | None, levers: frozenset[str], limit: int, sharded_by: int,
-              floor: StaticMemory | None = None) -> tuple[list[Rung], PastRungs, StaticMemory]:
+              floor: StaticMemory | None = None, floors: RungFloors | None = None
+              ) -> tuple[list[Rung], PastRungs, StaticMemory]:
     """The usual rungs, those past accumulation, and the floor the budget is checked against (`floor`: measured
-    already)."""
+    already; `floors`: where the past rungs' are kept)."""
     if amp_adds_nothing(static, amp):  # 16-bit weights: autocast would only copy them (weights_dtype.py)
         levers = levers - {"amp"}
     if amp_cannot_run(static.lstm, device, amp):  # (host_kernels.py)
@@ -322,19 +337,19 @@ def all_rungs(model_file: ModelFile, device: Device, amp: str, static: StaticMem
     rungs = ladder_rungs(device, amp, static.checkpointing_supported, world, sharding, levers,
                          base_precision(static))
     past = past_rungs(device, rungs[-1].precision, static, model_file.label, levers, world)
-    return rungs, past, floor or floor_static(model_file, static, past, limit, sharded_by)
+    return rungs, past, floor or floor_static(static, past, limit, sharded_by, floors or RungFloors(model_file, static))
 
 
-def floor_static(model_file: ModelFile, static: StaticMemory, past: PastRungs, limit: int,
-                 sharded_by: int) -> StaticMemory:
+def floor_static(static: StaticMemory, past: PastRungs, limit: int, sharded_by: int,
+                 floors: RungFloors) -> StaticMemory:
     """The floor the budget is checked against: the plain one, or, where that does not fit and the ladder has
     rungs past accumulation, the floor with all of their levers applied (measured on fake tensors too)."""
     if static.floor_bytes // sharded_by <= limit or not past.rungs:
         return static
-    floors = [static_memory(model_file, plan_of(Point(r, 1, 1)), r.name) for r in  # the chain's last rung and the
-              [*[r for r in past.rungs if not r.optimizer_in_backward][-1:],  # one beside it (no gradients held)
+    lowest = [floors.floor(r) for r in  # the chain's last rung and the one beside it (no gradients held)
+              [*[r for r in past.rungs if not r.optimizer_in_backward][-1:],
                *[r for r in past.rungs if r.optimizer_in_backward]]]
-    return min(floors, key=lambda s: s.floor_bytes) if floors else static
+    return min(lowest, key=lambda s: s.floor_bytes) if lowest else static
 
 
 def measurement_notes(model_file: ModelFile, static: StaticMemory, device: Device,

@@ -22,9 +22,10 @@ from ..memory.devices import Device, FakeDevice, is_oom
 from ..memory.fakes import NeedsValues
 from ..memory.layer_drop import every_layer
 from ..memory.replay import Trace
-from ..memory.tracker import untracked
+from ..memory.tracker import storage_key, untracked
 from ..model_file import ModelFile, is_compiled
 from ..step import Training, build_training, every_gradient_made, make_optimizer_state, release_tensor_hooks, train_step
+from .second_steps import SecondSteps
 
 T = TypeVar("T")
 
@@ -139,6 +140,7 @@ class TrialResult:
     replayed: bool = False  # from two traced trials (memory/replay.py), not run
     extrapolated: bool = False  # from trials of fewer of its repeated blocks (search/extrapolate.py)
     left_bytes: int = 0  # still alive once the trial let go of its memory, beyond what was before (leaks.py)
+    second_step_made: bool = False  # its second step made from its first (second_steps.py): no breakdown
 
 
 def _done_with(module, models: ModelCache | None) -> None:
@@ -189,12 +191,18 @@ def _steps(model_file: ModelFile, plan: Plan, device: Device, steps: int, readin
         first_loss = None
         scaled = device.computes and t.scaler.is_enabled()  # (the fake device takes every step: see fakes.Values)
         taken = i = 0
+        events = reading.events = getattr(getattr(device, "tracker", None), "events", None)  # (a traced one's)
+        points: list[int] = []  # where each step began and returned in them (second_steps.py)
         while i < steps or (scaled and not taken and i < steps + MAX_SKIPPED_STEPS):
+            points += [len(events)] if events is not None else []
             batches = [model_file.batch(plan.micro_batch_size, plan.context_length, device.torch_device)
                        for _ in range(plan.grad_accum_steps)]
             scale = t.scaler.get_scale() if scaled else None
             start = time.perf_counter()
             loss = train_step(t, batches[:micro])
+            if events is not None:
+                points.append(len(events))
+                reading.loss_key = reading.loss_key or storage_key(loss)
             device.synchronize()
             timings.append(time.perf_counter() - start)
             del batches
@@ -207,6 +215,7 @@ def _steps(model_file: ModelFile, plan: Plan, device: Device, steps: int, readin
                         f"context {plan.context_length}, {plan.precision} (check the model's init and inputs)"
                     )
             i += 1
+        reading.points = (*points, len(events)) if events is not None else ()
         if observe is not None:
             observe(t, "end")
         del t, loss
@@ -267,7 +276,7 @@ def computing_where_needed(device: Device, label: str, run: Callable[[], T]) -> 
 
 def run_trial(model_file: ModelFile, plan: Plan, device: Device, steps: int = TRIAL_STEPS,
               observe: Callable[[Training, str], None] | None = None, dist: Dist = LOCAL,
-              models: ModelCache | None = None) -> TrialResult:
+              models: ModelCache | None = None, second: SecondSteps | None = None) -> TrialResult:
     """Run `steps` optimizer steps of `plan`. An OOM is a result, not an error; any other error is the
     user's and propagates. Memory is given back outside the `except` block (its frames hold the
     failed step's tensors). `observe(training, phase)` is told each phase as it starts, after the
@@ -276,16 +285,18 @@ def run_trial(model_file: ModelFile, plan: Plan, device: Device, steps: int = TR
     On several ranks (`dist`) every rank runs the trial and all of them return the same result: an OOM on any
     rank is an OOM (the ranks agree, see oomtune.parallel), the peaks are the largest over the ranks and the
     speed is the sum of theirs. `models`: reuse the model built for an earlier trial where only the micro-batch,
-    context or accumulation changed (ModelCache)."""
+    context or accumulation changed (ModelCache). `second`: the estimate's traced trials, whose second step is
+    made from the first where that was checked (second_steps.py)."""
     start = time.perf_counter()
+    mode = second.mode(plan, device, steps, dist.world_size) if second is not None else None
     box: list = []
     oom_message = None
     built: list[float] = []  # the build's seconds (none where the build itself ran out of memory)
     agreed = False
     alive = device.live_bytes() - held(models)  # what lives already (what a model file keeps from before)
     try:
-        step_s, tps, loss, complete = _steps(model_file, plan, device, steps, box, built, observe, dist,
-                                             device.primes, models)
+        step_s, tps, loss, complete = _steps(model_file, plan, device, 1 if mode == "make" else steps, box, built,
+                                             observe, dist, device.primes, models)
         if not complete:  # primed state a real first step would not have made: measure both steps instead
             box.clear()
             device.release()
@@ -314,7 +325,7 @@ def run_trial(model_file: ModelFile, plan: Plan, device: Device, steps: int = TR
     if oom_message is not None:
         return TrialResult(plan, oom=True, oom_message=oom_message, seconds=seconds, build_seconds=build_s,
                            left_bytes=left)
-    reading = box[0]
+    reading = box[0] if mode is None else second.finish(plan, box[0], device, mode)
     peak, allocated, batch_peak = reading.peak_bytes, reading.peak_allocated_bytes, reading.batch_peak_bytes
     host = int(dist.max(reading.host_peak_bytes)[0])
     phases = dict(reading.phase_peaks)
@@ -329,4 +340,4 @@ def run_trial(model_file: ModelFile, plan: Plan, device: Device, steps: int = TR
                        batch_peak_bytes=batch_peak, phase_peaks=phases, step_seconds=step_s,
                        tokens_per_s=tps, loss=loss, seconds=seconds, host_peak_bytes=host,
                        build_seconds=build_s, modelled_reserved_bytes=reading.modelled_reserved_bytes,
-                       trace=reading.trace, left_bytes=left)
+                       trace=reading.trace, left_bytes=left, second_step_made=mode == "make")

@@ -1,0 +1,68 @@
+"""The floor of each rung past accumulation: what the weights, gradients, optimizer state and the optimizer step's
+scratch take with the rung's levers applied (memory/breakdown.static_memory with its plan at micro-batch 1),
+measured on fake tensors once per rung, as the ladder reaches it. Where that floor is past the memory the budget
+leaves tensors, no plan of the rung can fit, whatever its batch: the ladder passes it without trials, as it passes
+the usual rungs whose floor does not fit (probe.out_of_reach). Measuring a floor costs one build and one optimizer
+step of the model, with no forward or backward; trying a rung costs two or three whole training steps (a 7B
+LoRA estimate's chunked-loss rung kept its frozen weights in fp32, 27.6 GB on a 24 GB card, and ran three
+trials to find micro-batch 1 out of memory)."""
+
+from __future__ import annotations
+
+from ..config.schema import Plan
+from ..memory.breakdown import StaticMemory, static_memory
+from ..model_file import ModelFile
+from ..units import format_bytes
+from .ladder import Rung
+
+
+def floor_plan(rung: Rung) -> Plan:
+    """The plan whose floor is the rung's: micro-batch 1 at context 1 (the floor does not depend on them)."""
+    from .ladder import Point
+    from .probe import plan_of  # (probe imports this module)
+
+    return plan_of(Point(rung, 1, 1))
+
+
+class RungFloors:
+    """The rungs' floors, each measured once (`floor`), and the rungs passed because theirs does not fit the tensor
+    budget (`reaches`, `note`). Shared by the estimate's floor check (probe.floor_static), its ladder, and the prior's
+    ladder and the device's in a probe, so that no floor is measured twice. `static`: the model's own (no levers),
+    whose weights alone bound the floor of a rung that leaves them as built (not bf16-true, not NF4): where they are
+    past the budget, that rung is passed with no floor measured."""
+
+    def __init__(self, model_file: ModelFile, static: StaticMemory | None = None):
+        self.model_file = model_file
+        self.static = static
+        self.floors: dict[Plan, StaticMemory] = {}
+        self.passed: dict[str, tuple[str, int]] = {}  # rung name -> (what its floor holds, the budget it is past)
+
+    def floor(self, rung: Rung) -> StaticMemory:
+        plan = floor_plan(rung)
+        if plan not in self.floors:
+            self.floors[plan] = static_memory(self.model_file, plan, rung.name)
+        return self.floors[plan]
+
+    def reaches(self, rung: Rung, tensor_budget: int) -> bool:
+        """Can some plan of `rung` fit? False where its floor alone is past `tensor_budget` (what the limit leaves
+        tensors)."""
+        weights = self.static.weights_bytes if self.static is not None else 0
+        if rung.precision != "bf16-true" and not rung.nf4_frozen_weights and weights > tensor_budget:
+            self.passed[rung.name] = f"weights {format_bytes(weights)} alone (with {rung.name})", tensor_budget
+            return False
+        floor = self.floor(rung)
+        if floor.floor_bytes <= tensor_budget:
+            return True
+        self.passed[rung.name] = floor.describe(), tensor_budget
+        return False
+
+    def note(self) -> tuple[str, ...]:
+        """The note naming the rungs passed without trials, each with its floor."""
+        if not self.passed:
+            return ()
+        names = ", ".join(self.passed)
+        floors = "; ".join(floor for floor, _ in self.passed.values())
+        budget = min(b for _, b in self.passed.values())
+        return (f"{self.model_file.label}: not tried on the {names} rung{'s' if len(self.passed) > 1 else ''} past "
+                f"accumulation: {floors}, more than the {format_bytes(budget)} the budget leaves tensors, whatever "
+                "the batch",)

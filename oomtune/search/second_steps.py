@@ -1,0 +1,64 @@
+"""The estimate's traced trials with their second step made from the first (memory/second_step.py): where a card's
+allocator model reads the peak, a trial runs two training steps (the second starts from where the first left the
+allocator's blocks); on fake tensors the second costs as much Python as the first and repeats it. The first trial
+of each plan (at any micro-batch, of the whole model or of fewer blocks) runs both and checks that the step made
+from the first is the one run, event for event; where it is, later trials of that plan run one step and make the
+second, and their figures come from replaying the two (the tracker's count and the allocator model, as a replay
+from two sizes does). Where it is not, every trial of that plan runs both.
+
+A trial with a made step has no breakdown (the recorder saw the first step only): the estimate's answer, whose
+breakdown it shows, runs both steps (`whole`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..config.schema import Plan
+from ..memory.reading import Reading
+from ..memory.replay import Trace
+from ..memory.second_step import second_step_agrees, with_second_step
+
+TWO_STEPS = 2  # the trial's steps this applies to (TRIAL_STEPS): a first, and a second made from it
+
+
+class SecondSteps:
+    """Per plan (at micro-batch 1): None until a trial checked it, then whether the made step was the run one."""
+
+    def __init__(self):
+        self.agreed: dict[Plan, bool] = {}
+        self.whole = False  # run every step (a trial whose breakdown is read)
+        self.made = 0  # trials whose second step was made
+
+    def mode(self, plan: Plan, device, steps: int, world_size: int) -> str | None:
+        """"check" (run both, compare), "make" (run one, make the second) or None (run them all, as asked)."""
+        if (self.whole or steps != TWO_STEPS or plan.grad_accum_steps != 1 or world_size != 1
+                or not (getattr(device, "traces", False) and getattr(device, "never_runs_out", False))
+                or device.computes or device.primes):
+            return None
+        agreed = self.agreed.get(_key(plan))
+        return "check" if agreed is None else ("make" if agreed else None)
+
+    def finish(self, plan: Plan, reading: Reading, device, mode: str) -> Reading:
+        """The trial's reading: as run ("check": after comparing its second step with the one made from its
+        first), or made ("make": the two steps' replay)."""
+        initial, host_initial = device.traced_from
+        if reading.events is None or not reading.points:
+            return reading
+        if mode == "check":
+            self.agreed[_key(plan)] = second_step_agrees(reading.events, initial, host_initial, reading.points,
+                                                         reading.loss_key)
+            return reading
+        keys = {k for k, _ in (*initial, *host_initial)}
+        made_events = with_second_step(reading.events, keys, reading.points, reading.loss_key)
+        trace = Trace.of(initial, made_events, host_initial)
+        from .extrapolate import as_lines  # (extrapolate imports trial, which imports this)
+
+        made = device.replay(as_lines(trace), plan.micro_batch_size)
+        if made is None:
+            raise AssertionError("a made second step replays on its own lines")
+        self.made += 1
+        return dataclasses.replace(made, trace=trace)
+
+
+def _key(plan: Plan) -> Plan:
+    return dataclasses.replace(plan, micro_batch_size=1, global_batch_size=0)

@@ -1,0 +1,94 @@
+"""Rungs past accumulation whose floor (weights, gradients, optimizer state and step with the rung's levers) is past
+the tensor budget are passed without trials (search/rung_floors.py): torch-free on the ladder, then the probe on the
+cpu device, where the plan is the one found with those rungs tried, and each floor is measured once."""
+
+from __future__ import annotations
+
+import json
+
+from oomtune.search.ladder import LadderSearch, Measurement, Point, Rung
+
+from ..conftest import EXAMPLES, run_cli
+
+FP32 = Rung("fp32", "fp32", False)
+IN_BWD = Rung("step-in-backward", "fp32", False, optimizer_in_backward=True)
+TRUE = Rung("bf16-true", "bf16-true", False)
+FLOOR = {FP32: 1700, IN_BWD: 1300, TRUE: 800}
+
+
+def measure(p: Point) -> Measurement:
+    peak = FLOOR[p.rung] + p.micro_batch_size * p.context_length // 8 + 10 * p.grad_accum_steps
+    return Measurement(oom=True) if peak > 2000 else Measurement(oom=False, peak_bytes=peak)
+
+
+def test_a_past_rung_that_cannot_reach_is_passed_without_trials_and_only_past_rungs_are_asked():
+    asked: list[str] = []
+
+    def reaches(rung: Rung) -> bool:
+        asked.append(rung.name)
+        return FLOOR[rung] <= 1200
+
+    passed = LadderSearch(measure, 1200)
+    passed.reaches = reaches
+    r = passed.run([FP32], batch=8, context=64, min_context=64, past=[IN_BWD, TRUE])
+    assert asked == ["step-in-backward", "bf16-true"]  # (fp32 is a usual rung: out_of_reach's, not this)
+    assert {t.point.rung for t in passed.trials} == {FP32, TRUE}
+    assert r.rungs[1].rung == IN_BWD and r.rungs[1].trials == 0 and r.rungs[1].micro_batch_size is None
+    tried = LadderSearch(measure, 1200).run([FP32], batch=8, context=64, min_context=64, past=[IN_BWD, TRUE])
+    assert tried.choice == r.choice and tried.rungs[1].micro_batch_size is None  # it found nothing there either
+
+
+def _probe(tmp_path, name: str) -> dict:
+    r = run_cli("probe", EXAMPLES / "tiny_gpt.py", "--device", "cpu", "--budget", "3.3MiB", "--batch", "8",
+                "--context", "64", "--out", tmp_path / f"{name}.yaml", "--json")
+    assert r.exit_code == 0, r.output
+    return json.loads(r.stdout)
+
+
+def test_probe_passes_the_step_in_backward_rung_whose_floor_does_not_fit(tmp_path, monkeypatch):
+    """device: cpu. The tiny GPT at 3.3 MiB (2.97 MiB for tensors after the headroom): stepped in backward it still
+    holds its fp32 weights and AdamW state, 3.09 MiB, so that rung is passed with a note naming its floor; bf16-true
+    (2.06 MiB) is searched. With every past rung tried, the step-in-backward trial runs out of memory and the plan
+    is the same."""
+    from oomtune.memory import breakdown
+    from oomtune.search.rung_floors import RungFloors
+
+    measured: list[str] = []
+    real = breakdown.static_memory
+    monkeypatch.setattr("oomtune.search.rung_floors.static_memory",
+                        lambda mf, plan=None, levers="": measured.append(levers) or real(mf, plan, levers))
+    report = _probe(tmp_path, "passed")
+    assert {t["rung"] for t in report["trials"]} == {"bf16-true"}
+    note = next(n for n in report["notes"] if "not tried on the step-in-backward rung past accumulation" in n)
+    assert "gradients 0 B" in note and "= 3.09 MiB (with step-in-backward)" in note and "2.97 MiB" in note, note
+    assert len(measured) == len(set(measured)) and {"bf16-true", "step-in-backward"} <= set(measured), measured
+    # (each once: the floor check measured the chain's last rung and step-in-backward, the climb reused the latter)
+
+    monkeypatch.setattr(RungFloors, "reaches", lambda self, rung, budget: True)
+    tried = _probe(tmp_path, "tried")
+    assert [(t["rung"], t["result"]) for t in tried["trials"]][:1] == [("step-in-backward", "oom")]
+    assert not any("past accumulation:" in n for n in tried["notes"])
+    assert tried["plan"] == report["plan"] and report["plan"]["precision"] == "bf16-true"
+
+
+def test_a_rung_that_keeps_the_weights_as_built_is_passed_on_their_bytes_alone(monkeypatch):
+    """No floor is measured for a rung that leaves the weights as built (not bf16-true, not NF4) where the model's
+    weights alone are past the budget (a 7B's fp32 weights on a 12 GB card: chunked-loss, step-in-backward); a
+    bf16-true rung is measured."""
+    from types import SimpleNamespace
+
+    from oomtune.memory.breakdown import StaticMemory
+    from oomtune.search import rung_floors
+
+    static = StaticMemory(weights_bytes=1000, gradients_bytes=1000, optimizer_bytes=2000, optimizer_name="AdamW",
+                          checkpointing_supported=True)
+    measured: list[str] = []
+    monkeypatch.setattr(rung_floors, "static_memory", lambda mf, plan, name: measured.append(name) or
+                        StaticMemory(500, 500, 1000, "AdamW", True))
+    floors = rung_floors.RungFloors(SimpleNamespace(label="m.py"), static)
+    assert not floors.reaches(IN_BWD, 900) and measured == []
+    assert floors.reaches(TRUE, 2500) and measured == ["bf16-true"]
+    assert not floors.reaches(TRUE, 1500)  # 500 + 500 + 1000 = 2000 (measured once)
+    assert measured == ["bf16-true"]
+    note = floors.note()[0]
+    assert "step-in-backward, bf16-true rungs past accumulation" in note and "weights 1000 B alone" in note, note

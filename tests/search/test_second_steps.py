@@ -1,0 +1,107 @@
+"""A trial's second step made from its first (memory/second_step.py, search/second_steps.py): where the check agrees,
+the made trial's figures equal the trial that ran both steps, to the byte (peaks, phases, the caching allocator
+model's reserved bytes, host memory, the trace itself); where it does not, both steps run. Device: fake (the
+estimate's never-out twin with a card's rules, which traces)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from oomtune.config.schema import Plan
+from oomtune.memory.cards import find_gpu
+from oomtune.memory.devices import FakeDevice
+from oomtune.memory.second_step import repeat_step, with_second_step
+from oomtune.model_file import load_model_file
+from oomtune.search.second_steps import SecondSteps
+from oomtune.search.trial import run_trial
+
+from ..conftest import EXAMPLES, run_cli
+from .test_block_extrapolation import MODELS, _deeper
+
+FIGURES = ("peak_bytes", "peak_allocated_bytes", "batch_peak_bytes", "phase_peaks", "modelled_reserved_bytes",
+           "host_peak_bytes", "trace")
+CKPT = Plan(2, 32, "bf16", activation_checkpointing=True)
+CASES = [  # (model, plan)
+    (EXAMPLES / "tiny_gpt.py", Plan(2, 32, "fp32")),
+    (EXAMPLES / "tiny_gpt.py", Plan(3, 32, "bf16", activation_checkpointing=True, offload_activations=True)),
+    (MODELS / "hf_llama_lora.py", dataclasses.replace(CKPT, optimizer_8bit=True)),
+    (MODELS / "hf_llama_lora.py", dataclasses.replace(CKPT, precision="bf16-true", offload_optimizer=True)),
+    ("wide", Plan(1, 64, "bf16-true", activation_checkpointing=True, optimizer_8bit=True, nf4_frozen_weights=True)),
+    (MODELS / "hf_t5.py", Plan(2, 32, "fp32")),
+    (MODELS / "hf_mixtral_lora.py", CKPT),
+    (MODELS / "compiled.py", Plan(2, 32, "bf16")),
+    (MODELS / "llama3_scaled_rope.py", CKPT),
+]
+
+
+def _twin() -> FakeDevice:
+    return FakeDevice("80GiB", gpu=find_gpu("a100-80"), never_runs_out=True, traces=True)
+
+
+def _id(case) -> str | None:
+    return case if isinstance(case, str) else getattr(case, "stem", None)
+
+
+@pytest.mark.parametrize(("source", "plan"), CASES, ids=_id)
+def test_the_made_second_step_gives_the_figures_of_both_steps_run(tmp_path, source, plan):
+    """device: fake. Three trials of one plan: both steps run without the lever, both run and checked, then one
+    run and the second made; the first and last agree on every figure."""
+    path = _deeper(tmp_path, MODELS / "hf_llama_lora.py", 2, wide=True) if source == "wide" else source
+    mf = load_model_file(path)
+    whole = run_trial(mf, plan, _twin())
+    second, device = SecondSteps(), _twin()
+    checked = run_trial(mf, plan, device, second=second)
+    assert list(second.agreed.values()) == [True] and not checked.second_step_made
+    made = run_trial(mf, plan, device, second=second)
+    assert made.second_step_made and second.made == 1
+    for figure in FIGURES:
+        assert getattr(made, figure) == getattr(whole, figure), figure
+        assert getattr(checked, figure) == getattr(whole, figure), figure
+
+
+def test_where_the_second_step_differs_both_steps_run():
+    """device: fake. AdaLoRA's rank allocator makes its scores in the first step's optimizer phase and keeps
+    changing its storages after: the made step would differ from the run one, so the check says no and later
+    trials of the plan run both steps."""
+    mf = load_model_file(MODELS / "hf_llama_adalora.py")
+    second, device = SecondSteps(), _twin()
+    run_trial(mf, Plan(2, 32, "fp32"), device, second=second)
+    assert list(second.agreed.values()) == [False]
+    again = run_trial(mf, Plan(3, 32, "fp32"), device, second=second)
+    assert not again.second_step_made and second.made == 0
+    assert second.mode(Plan(2, 32, "fp32", grad_accum_steps=2), device, 2, 1) is None  # accumulation: always run
+    second.whole = True  # the answer's trial, whose breakdown is read
+    assert second.mode(Plan(2, 32, "bf16"), device, 2, 1) is None
+
+
+def test_the_made_step_keeps_what_outlives_the_first_and_makes_the_loss_again():
+    """No torch: a first step that makes activations (a, freed), a loss (L, held), state in the optimizer phase (S,
+    kept), and frees a storage from before it (P). The second makes a and L again, frees the first L where the step
+    returns, keeps S, and frees P no more; what follows frees the second's loss."""
+    events = [("set", "P", 8), ("mark", "forward"), ("set", "a", 100), ("set", "L", 4), ("mark", "optimizer"),
+              ("set", "S", 50), ("free", "a"), ("free", "P"), ("free", "L"), ("free", "S"), ("mark", None)]
+    start, returned, end = 1, 8, 8  # (the trial lets go of L and S after its steps: the events from index 8)
+    second, again = repeat_step(events, set(), start, returned, end, "L")
+    assert again == {"L": ("2", 2)}
+    assert second == [("mark", "forward"), ("set", ("2", 1), 100), ("set", ("2", 2), 4), ("mark", "optimizer"),
+                      ("free", ("2", 1)), ("free", "L")]
+    made = with_second_step(events, set(), (start, returned, end), "L")
+    assert made[-3:] == [("free", ("2", 2)), ("free", "S"), ("mark", None)]
+
+
+def test_the_estimate_with_made_second_steps_answers_as_with_both_steps_run(tmp_path, monkeypatch):
+    """device: fake, a card's rules (T4). The tiny GPT's whole ladder: the same plan, peak and breakdown, and the
+    same figures for every trial, as with every trial's two steps run."""
+    args = ["estimate", EXAMPLES / "tiny_gpt.py", "--gpu", "t4", "--budget", "700MiB", "--batch", "64", "--context",
+            "256", "--json"]
+    made = json.loads(run_cli(*args, "--out", tmp_path / "made.yaml").stdout)
+    monkeypatch.setattr(SecondSteps, "mode", lambda *a: None)
+    run = json.loads(run_cli(*args, "--out", tmp_path / "run.yaml").stdout)
+    assert made["plan"] == run["plan"] and made["breakdown"] == run["breakdown"]
+    sources = [t["source"] for t in made["trials"]]
+    assert "first-step-run" in sources and "first-step-run" not in [t["source"] for t in run["trials"]], sources
+    assert [(t["rung"], t["micro_batch_size"], t["peak_bytes"]) for t in made["trials"]] == \
+        [(t["rung"], t["micro_batch_size"], t["peak_bytes"]) for t in run["trials"]]
