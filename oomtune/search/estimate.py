@@ -128,7 +128,7 @@ def estimate(model_file: ModelFile, device: FakeDevice, targets, *, headroom: fl
              steps: int = TRIAL_STEPS, objective: str = "fit", amp: str = "auto", on_start: Callable | None = None,
              on_trial: Callable[[TrialRecord], None] | None = None, world_size: int = 1,
              sharding: str | None = None, levers: frozenset[str] = frozenset(LEVERS),
-             replays: bool = True, min_blocks: int | None = None) -> EstimateResult:
+             replays: bool = True, min_blocks: int | None = None, made_steps: bool = True) -> EstimateResult:
     """The probe's ladder on the fake device, then the breakdown of its choice (see module doc).
 
     On `world_size` ranks the ladder runs in a fake process group (torch's `fake` backend: collectives do
@@ -136,7 +136,8 @@ def estimate(model_file: ModelFile, device: FakeDevice, targets, *, headroom: fl
     gathered weights, full activations (DDP cannot wrap fake tensors: its reducer's buckets are added instead).
     `sharding` puts every rung on ddp or fsdp; by default the ladder replicates (ddp) and adds an fsdp rung.
     `replays`: replay sizes and extrapolate blocks where they line up (ReplayedTrials), from models of at least
-    `min_blocks` repeated blocks (extrapolate.MIN_BLOCKS; 0: never)."""
+    `min_blocks` repeated blocks (extrapolate.MIN_BLOCKS; 0: never), and with `made_steps`, make a trial's second
+    step from its first where that was checked (second_steps.py)."""
     check_estimate_options(objective, headroom, steps, amp)
     check_world(world_size, sharding)
     ranks = (fake_world(world_size) if world_size > 1 or sharding in ("ddp", "fsdp")
@@ -145,7 +146,7 @@ def estimate(model_file: ModelFile, device: FakeDevice, targets, *, headroom: fl
     with ranks as d:
         result, computed = computing_where_needed(device, model_file.label, lambda: _estimate(
             model_file, device, targets, headroom, steps, objective, amp, on_start, told, d, sharding, levers,
-            replays, min_blocks))
+            replays, (min_blocks, made_steps)))
     result.search.notes += computed  # where the breakdown needed the values (the probe notes its own ladder's)
     return result
 
@@ -166,7 +167,7 @@ def _once(on_trial: Callable[[TrialRecord], None] | None) -> Callable[[TrialReco
 
 
 def _estimate(model_file, device, targets, headroom, steps, objective, amp, on_start, on_trial, dist,
-              sharding, levers, replays, min_blocks) -> EstimateResult:
+              sharding, levers, replays, blocks_and_steps) -> EstimateResult:
     world = dist.world_size
     limit = int(device.budget_bytes * (1 - headroom))
     recording = RecordingTrials()
@@ -183,7 +184,7 @@ def _estimate(model_file, device, targets, headroom, steps, objective, amp, on_s
         search = None
         if dist.world_size == 1 and replays:
             search = _replayed(model_file, device, targets, headroom, steps, objective, amp, on_start, on_trial,
-                               levers, (static, floor), recording, min_blocks, floors)
+                               levers, (static, floor), recording, blocks_and_steps, floors)
         if search is None:
             search = probe(model_file, device, targets, headroom=headroom, steps=steps, objective=objective,
                            amp=amp, command="estimate", on_start=on_start, on_trial=on_trial, dist=dist,
@@ -209,7 +210,7 @@ def _estimate(model_file, device, targets, headroom, steps, objective, amp, on_s
 
 
 def _replayed(model_file, device, targets, headroom, steps, objective, amp, on_start, on_trial, levers, statics,
-              recording: RecordingTrials, min_blocks: int | None, floors: RungFloors) -> ProbeResult | None:
+              recording: RecordingTrials, blocks_and_steps: tuple, floors: RungFloors) -> ProbeResult | None:
     """The ladder with ReplayedTrials, then the chosen plan traced (recorded) where it was replayed: its breakdown,
     and the check of the replay at the answer (made from fewer blocks where the model repeats them). An answer made
     from fewer blocks stands as made: the made trial is the whole model's to the byte (the build included), which
@@ -218,6 +219,7 @@ def _replayed(model_file, device, targets, headroom, steps, objective, amp, on_s
     run."""
     twin = prior_device(device)
     trials = ReplayedTrials(device.budget_bytes)
+    min_blocks, trials.second.whole = blocks_and_steps[0], not blocks_and_steps[1]
     if min_blocks is not None:
         trials.blocks = BlockTrials(min_blocks or 1 << 30)
     try:
