@@ -34,22 +34,35 @@ def _line(values: list[int], at: int) -> int | None:
     return values[0] + step * (at - KEPT)
 
 
-def extrapolated_breakdown(breakdowns: list[MemoryBreakdown], blocks: int) -> MemoryBreakdown | None:
+# what the caching allocator model reserves is not a line in the blocks (its segments fill unevenly): taken from the
+# made trace's replay instead, with the margin over the tensor peak and the peak it makes
+RESERVED = ("modelled_reserved_bytes", "margin_bytes", "peak_bytes")
+
+
+def extrapolated_breakdown(breakdowns: list[MemoryBreakdown], blocks: int,
+                           reserved: tuple[int, object] | None = None) -> MemoryBreakdown | None:
     """The breakdown at `blocks` from those at KEPT, KEPT+1, ...: each byte count on its line, the peak in the same
-    phase; None where a count is off its line or the phase moved."""
+    phase; None where a count is off its line or the phase moved. `reserved`: (the allocator model's reserved peak
+    replayed on the made trace, the device's margin): the reserved bytes, the margin and the peak then come from
+    it, not from lines."""
     first = breakdowns[0]
     if any(bd.phase != first.phase or bd.margin != first.margin for bd in breakdowns):
         return None
     fields = {}
     for f in dataclasses.fields(MemoryBreakdown):
         values = [getattr(bd, f.name) for bd in breakdowns]
-        if f.name in ("phase", "margin") or (values[0] is None and all(v is None for v in values)):
+        if f.name in ("phase", "margin") or (values[0] is None and all(v is None for v in values)) or \
+                (reserved is not None and f.name in RESERVED):
             continue
         if any(v is None for v in values):
             return None
         fields[f.name] = _line(values, blocks)
         if fields[f.name] is None:
             return None
+    if reserved is not None:
+        bytes_, margin = reserved
+        fields.update(modelled_reserved_bytes=bytes_, peak_bytes=0,  # (0: tensor peak + margin)
+                      margin_bytes=margin.overhead(fields["tensor_peak_bytes"], bytes_))
     return dataclasses.replace(first, **fields)
 
 
@@ -113,7 +126,8 @@ class BlockTrials:
                              modelled_reserved_bytes=reading.modelled_reserved_bytes, host_peak_bytes=host,
                              trace=trace, extrapolated=True)
         bds = [bd for _, bd in runs]
-        bd = extrapolated_breakdown(bds, self.blocks) if all(b is not None for b in bds) else None
-        if bd is not None and bd.peak_bytes != result.peak_bytes:
+        bd = (extrapolated_breakdown(bds, self.blocks, (result.modelled_reserved_bytes, device.margin))
+              if all(b is not None for b in bds) else None)
+        if bd is not None and (bd.peak_bytes, bd.tensor_peak_bytes) != (result.peak_bytes, result.peak_allocated_bytes):
             bd = None
         return result, bd

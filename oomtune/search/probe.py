@@ -177,10 +177,10 @@ def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: 
     On several ranks (`dist`) every rank calls this: each trial runs on all of them, and they agree on its result
     (see run_trial), so every rank climbs the same ladder; the target batch is global (B / ranks per rank). The
     budget is the smallest of the ranks' (each GPU's own free memory), so they probe alike. `statics`: the model's
-    static memory and floor (floor_static), where the caller measured them already (estimate). `trial`: what runs
-    one (run_trial's arguments and result; estimate's records each trial's breakdown as it runs). `floors`: the
-    floors of the rungs past accumulation measured already (rung_floors.py; the ladder passes a rung whose floor
-    does not fit).
+    static memory and floor (RungFloors.lowest), where the caller measured them already (estimate). `trial`: what
+    runs one (run_trial's arguments and result; estimate's records each trial's breakdown as it runs). `floors`:
+    the floors of the rungs past accumulation measured already (rung_floors.py; the ladder passes a rung whose
+    floor does not fit).
 
     `prior`: on one process, on a device other than the fake one, run the same ladder on the fake device first and
     certify each rung from it (certify.py, prior.py): two device trials a rung where the prior is right. "auto":
@@ -337,19 +337,7 @@ def all_rungs(model_file: ModelFile, device: Device, amp: str, static: StaticMem
     rungs = ladder_rungs(device, amp, static.checkpointing_supported, world, sharding, levers,
                          base_precision(static))
     past = past_rungs(device, rungs[-1].precision, static, model_file.label, levers, world)
-    return rungs, past, floor or floor_static(static, past, limit, sharded_by, floors or RungFloors(model_file, static))
-
-
-def floor_static(static: StaticMemory, past: PastRungs, limit: int, sharded_by: int,
-                 floors: RungFloors) -> StaticMemory:
-    """The floor the budget is checked against: the plain one, or, where that does not fit and the ladder has
-    rungs past accumulation, the floor with all of their levers applied (measured on fake tensors too)."""
-    if static.floor_bytes // sharded_by <= limit or not past.rungs:
-        return static
-    lowest = [floors.floor(r) for r in  # the chain's last rung and the one beside it (no gradients held)
-              [*[r for r in past.rungs if not r.optimizer_in_backward][-1:],
-               *[r for r in past.rungs if r.optimizer_in_backward]]]
-    return min(lowest, key=lambda s: s.floor_bytes) if lowest else static
+    return rungs, past, floor or (floors or RungFloors(model_file, static)).lowest(past, limit, sharded_by)
 
 
 def measurement_notes(model_file: ModelFile, static: StaticMemory, device: Device,

@@ -14,6 +14,7 @@ from ..memory.breakdown import StaticMemory, static_memory
 from ..model_file import ModelFile
 from ..units import format_bytes
 from .ladder import Rung
+from .past import PastRungs
 
 
 def floor_plan(rung: Rung) -> Plan:
@@ -26,7 +27,7 @@ def floor_plan(rung: Rung) -> Plan:
 
 class RungFloors:
     """The rungs' floors, each measured once (`floor`), and the rungs passed because theirs does not fit the tensor
-    budget (`reaches`, `note`). Shared by the estimate's floor check (probe.floor_static), its ladder, and the prior's
+    budget (`reaches`, `note`). Shared by the estimate's floor check (`lowest`), its ladder, and the prior's
     ladder and the device's in a probe, so that no floor is measured twice. `static`: the model's own (no levers),
     whose weights alone bound the floor of a rung that leaves them as built (not bf16-true, not NF4): where they are
     past the budget, that rung is passed with no floor measured."""
@@ -43,12 +44,32 @@ class RungFloors:
             self.floors[plan] = static_memory(self.model_file, plan, rung.name)
         return self.floors[plan]
 
+    def lowest(self, past: PastRungs, limit: int, sharded_by: int) -> StaticMemory:
+        """The floor the budget is checked against: the model's own, or, where that does not fit and the ladder has
+        rungs past accumulation, the lowest with their levers: the chain's last rung's or the one beside it's (no
+        gradients held; not measured where the weights it keeps as built are more than the former)."""
+        static = self.static
+        if static is None or static.floor_bytes // sharded_by <= limit or not past.rungs:
+            return static
+        lowest: list[StaticMemory] = []
+        for r in [*[r for r in past.rungs if not r.optimizer_in_backward][-1:],
+                  *[r for r in past.rungs if r.optimizer_in_backward]]:
+            if not lowest or self.at_least(r) < lowest[0].floor_bytes:
+                lowest.append(self.floor(r))
+        return min(lowest, key=lambda s: s.floor_bytes) if lowest else static
+
+    def at_least(self, rung: Rung) -> int:
+        """A bound under the rung's floor, known without measuring it: the weights as built, for a rung that
+        leaves them so (not bf16-true, not NF4); else 0."""
+        keeps = rung.precision != "bf16-true" and not rung.nf4_frozen_weights and self.static is not None
+        return self.static.weights_bytes if keeps else 0
+
     def reaches(self, rung: Rung, tensor_budget: int) -> bool:
         """Can some plan of `rung` fit? False where its floor alone is past `tensor_budget` (what the limit leaves
         tensors)."""
-        weights = self.static.weights_bytes if self.static is not None else 0
-        if rung.precision != "bf16-true" and not rung.nf4_frozen_weights and weights > tensor_budget:
-            self.passed[rung.name] = f"weights {format_bytes(weights)} alone (with {rung.name})", tensor_budget
+        if self.at_least(rung) > tensor_budget:
+            self.passed[rung.name] = f"weights {format_bytes(self.at_least(rung))} alone (with {rung.name})", \
+                tensor_budget
             return False
         floor = self.floor(rung)
         if floor.floor_bytes <= tensor_budget:

@@ -220,3 +220,25 @@ def test_a_breakdown_off_its_line_is_not_made():
     assert extrapolated_breakdown([bd(2), bd(3), bd(4)], 32) == bd(32)
     assert extrapolated_breakdown([bd(2), bd(3), bd(4, extra=512)], 32) is None
     assert extrapolated_breakdown([bd(2), bd(3), bd(4, "optimizer")], 32) is None
+
+
+def test_the_reserved_bytes_come_from_the_made_replay_not_from_a_line():
+    """The caching allocator model's segments fill unevenly with the blocks (a 7B LoRA's margin at 2, 3 and 4 layers:
+    1,149,847,040, 1,263,561,216 and 1,329,040,896 B), so its reserved bytes, the margin and the peak are the made
+    trace's replay's; the tensor parts are still on their lines."""
+    from oomtune.config.schema import MemoryBreakdown
+    from oomtune.memory.margin import CardMargin
+
+    margin = CardMargin(find_gpu("a100-80"))
+    context = margin.card.context
+
+    def bd(i: int, reserved: int) -> MemoryBreakdown:
+        tensors = 1130 * i + 7
+        return MemoryBreakdown("backward", 100 * i, 10 * i, 20 * i, 0, 1000 * i, 7, tensors, margin.describe(),
+                               margin.overhead(tensors, reserved), modelled_reserved_bytes=reserved)
+
+    three = [bd(2, 1 << 30), bd(3, (1 << 30) + (5 << 20)), bd(4, (1 << 30) + (7 << 20))]  # off a line
+    assert extrapolated_breakdown(three, 32) is None
+    made = extrapolated_breakdown(three, 32, (3 << 30, margin))
+    assert made.tensor_peak_bytes == 1130 * 32 + 7 and made.activations_bytes == 32000
+    assert made.modelled_reserved_bytes == 3 << 30 and made.peak_bytes == context + (3 << 30)
