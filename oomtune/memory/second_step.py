@@ -11,10 +11,10 @@ in the tracker's own terms (a storage's key, its raw bytes):
 - the loss the trial holds (`loss_key`: it outlives the step too) is born again, and the first's is freed where the
   step returns (where the trial lets go of the last loss);
 - a storage from before the step that the step freed is not freed again; what happens after the step (the trial
-  letting go of everything) frees the second step's storages in place of the first's.
+  letting go of everything) frees the second step's loss in place of the first's.
 
 Where that rule does not hold (a model that makes other storages in its second step than in its first, or frees
-what its first made) the made step differs from the run one: search/second_steps.py runs
+what its first made: AdaLoRA's rank allocator) the made step differs from the run one: search/second_steps.py runs
 both steps the first time it meets a plan and compares, to the event, and makes the step only where they agree.
 
 `points`: indices into the events where each step starts, where its train_step returned, and (last) where the trial's
