@@ -178,9 +178,8 @@ def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: 
     (see run_trial), so every rank climbs the same ladder; the target batch is global (B / ranks per rank). The
     budget is the smallest of the ranks' (each GPU's own free memory), so they probe alike. `statics`: the model's
     static memory and floor (RungFloors.lowest), where the caller measured them already (estimate). `trial`: what
-    runs one (run_trial's arguments and result; estimate's records each trial's breakdown as it runs). `floors`:
-    the floors of the rungs past accumulation measured already (rung_floors.py; the ladder passes a rung whose
-    floor does not fit).
+    runs one (run_trial's arguments and result; estimate's records each trial's breakdown as it runs); `floors`,
+    the past rungs' floors known already (rung_floors.py).
 
     `prior`: on one process, on a device other than the fake one, run the same ladder on the fake device first and
     certify each rung from it (certify.py, prior.py): two device trials a rung where the prior is right. "auto":
@@ -222,18 +221,12 @@ def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: 
     records, host = trials.records, trials.host
     climbed_past = len(ladder.rungs) > len(rungs)
     kernels = kernel_notes(ladder.choice.rung.precision if ladder.choice is not None else None)  # the plan's own
-    notes += computed + kernels + (past.notes() if climbed_past or ladder.choice is None else ())
-    notes += floors.note() if climbed_past else ()
+    notes += computed + kernels + (past.notes() + floors.note() if climbed_past or ladder.choice is None else ())
     notes += checkpointing_saved_nothing(model_file.label, rungs, ladder.trials, static)
     notes += tuple(n for n in (trials.leaks.note(),) if n)
     if ladder.choice is None:
-        refused = over_headroom(((plan_of(t.point, world).describe(with_global=False), t.measurement.peak_bytes)
-                                 for t in ladder.trials if t.result == "over-headroom"), device.budget_bytes, headroom)
-        why = why_nothing_fits(ladder, targets, floor if climbed_past else static, limit, world,
-                               accumulates) + (f" {refused.text()}." if refused else "") + \
-            no_fsdp_note(no_fsdp)
-        return ProbeResult(ladder, records, static, targets, limit, None, why, world, device.budget_bytes, notes,
-                           past=past, prior=report, over_headroom=refused)
+        return _nothing_fits(ladder, records, static, floor if climbed_past else static, targets, limit, world,
+                             device, headroom, accumulates, no_fsdp, notes, past, report)
     c = ladder.choice
     chosen = Point(c.rung, c.micro_batch_size, c.context_length, c.grad_accum_steps)
     notes += batch_norm_note(model_file, static, c.micro_batch_size, c.grad_accum_steps * world)
@@ -250,6 +243,19 @@ def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: 
     config = Config(model=model_file.section or str(model_file.path), plan=plan_of(chosen, world), found_by=found)
     return ProbeResult(ladder, records, static, targets, limit, config, world_size=world, notes=notes,
                        budget_bytes=device.budget_bytes, past=past, prior=report)
+
+
+def _nothing_fits(ladder: LadderResult, records: list, static: StaticMemory, floor: StaticMemory, targets: Targets,
+                  limit: int, world: int, device: Device, headroom: float, accumulates: bool, no_fsdp: str | None,
+                  notes: tuple, past: PastRungs, report: PriorReport | None) -> ProbeResult:
+    """The probe's result where no plan fits: why (`floor`: the one the reason names), with the plans refused only
+    for the headroom."""
+    refused = over_headroom(((plan_of(t.point, world).describe(with_global=False), t.measurement.peak_bytes)
+                             for t in ladder.trials if t.result == "over-headroom"), device.budget_bytes, headroom)
+    why = why_nothing_fits(ladder, targets, floor, limit, world, accumulates) + \
+        (f" {refused.text()}." if refused else "") + no_fsdp_note(no_fsdp)
+    return ProbeResult(ladder, records, static, targets, limit, None, why, world, device.budget_bytes, notes,
+                       past=past, prior=report, over_headroom=refused)
 
 
 def tensor_budget(device: Device, limit: int) -> int:
