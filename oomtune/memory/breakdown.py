@@ -167,8 +167,8 @@ def static_memory(model_file: ModelFile, plan: Plan | None = None, levers: str =
         temporaries = tracker.peak_bytes - tracker.live_bytes
         if stepping:  # a lower bound: what the model file's hooks leave of gradients and state is theirs to say
             grads = optimizer_state = temporaries = 0
-        if plan is not None and plan.optimizer_in_backward:  # each gradient applied and freed as backward makes it
-            grads = 0
+        if plan is not None and plan.optimizer_in_backward:  # each gradient applied and freed as backward makes it,
+            grads = temporaries = 0  # each hook stepping one parameter (a lower bound: its one's scratch left out)
         hooked = model_file.has("blocks")  # (a blocks hook always gets the rung)
         itself = None if hooked else checkpoints_itself(model) or calls_checkpoint(  # its own checkpoint() calls too
             model, functools.partial(_first_forward, model_file, model))

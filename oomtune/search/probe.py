@@ -217,7 +217,7 @@ def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: 
                         ) if estimating else None
         ladder, computed = computing_where_needed(device, model_file.label, lambda: _climb(
             trials, limit, report, rungs, past, targets, world, objective, accumulates, unreachable,
-            lambda rung: floors.reaches(rung, tensor_budget(device, limit))))
+            floors.for_ladder(tensor_budget(device, limit))))
     records, host = trials.records, trials.host
     climbed_past = len(ladder.rungs) > len(rungs)
     kernels = kernel_notes(ladder.choice.rung.precision if ladder.choice is not None else None)  # the plan's own

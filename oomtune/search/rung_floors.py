@@ -9,6 +9,8 @@ trials to find micro-batch 1 out of memory)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from ..config.schema import Plan
 from ..memory.breakdown import StaticMemory, static_memory
 from ..model_file import ModelFile
@@ -54,7 +56,7 @@ class RungFloors:
         lowest: list[StaticMemory] = []
         for r in [*[r for r in past.rungs if not r.optimizer_in_backward][-1:],
                   *[r for r in past.rungs if r.optimizer_in_backward]]:
-            if not lowest or self.at_least(r) < lowest[0].floor_bytes:
+            if not lowest or self.at_least(r) < min(s.floor_bytes for s in lowest):
                 lowest.append(self.floor(r))
         return min(lowest, key=lambda s: s.floor_bytes) if lowest else static
 
@@ -63,6 +65,12 @@ class RungFloors:
         leaves them so (not bf16-true, not NF4); else 0."""
         keeps = rung.precision != "bf16-true" and not rung.nf4_frozen_weights and self.static is not None
         return self.static.weights_bytes if keeps else 0
+
+    def for_ladder(self, tensor_budget: int) -> Callable[[Rung], bool]:
+        """`reaches` at `tensor_budget` for one ladder's climb (LadderSearch.reaches): the rungs passed are that
+        climb's (the prior's fake ladder, whose twin's budget differs, passes its own)."""
+        self.passed.clear()
+        return lambda rung: self.reaches(rung, tensor_budget)
 
     def reaches(self, rung: Rung, tensor_budget: int) -> bool:
         """Can some plan of `rung` fit? False where its floor alone is past `tensor_budget` (what the limit leaves

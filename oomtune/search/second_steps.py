@@ -43,6 +43,8 @@ class SecondSteps:
         first), or made ("make": the two steps' replay)."""
         initial, host_initial = device.traced_from
         if reading.events is None or not reading.points:
+            if mode == "make":  # (mode() asks for a traced device: a made step with no events would be one step's)
+                raise AssertionError("a trial whose second step is made was not traced")
             return reading
         if mode == "check":
             self.agreed[_key(plan)] = second_step_agrees(reading.events, initial, host_initial, reading.points,

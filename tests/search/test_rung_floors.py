@@ -92,3 +92,38 @@ def test_a_rung_that_keeps_the_weights_as_built_is_passed_on_their_bytes_alone(m
     assert measured == ["bf16-true"]
     note = floors.note()[0]
     assert "step-in-backward, bf16-true rungs past accumulation" in note and "weights 1000 B alone" in note, note
+
+
+def test_the_step_in_backward_floor_leaves_out_a_whole_steps_scratch(write_model):
+    """device: fake. A model file's own AdamW runs foreach on a GPU: one step over every gradient holds a
+    parameter-sized scratch, but stepped in backward each hook steps one parameter, so the rung's floor (a bound
+    under every plan of it, which passes the rung where it does not fit) counts no step scratch (nor gradients)."""
+    from oomtune.config.schema import Plan
+    from oomtune.memory.breakdown import static_memory
+    from oomtune.model_file import load_model_file
+
+    from ..conftest import TINY_MODEL
+
+    mf = load_model_file(write_model(TINY_MODEL + "\ndef optimizer(params, lr, model):\n"
+                                     "    return torch.optim.AdamW(params, lr=lr)\n"))
+    plain = static_memory(mf, Plan(1, 1, "fp32"), "fp32")
+    stepped = static_memory(mf, Plan(1, 1, "fp32", optimizer_in_backward=True), "step-in-backward")
+    assert plain.step_temporaries_bytes > 0  # (foreach: the test would prove nothing without it)
+    assert stepped.step_temporaries_bytes == 0 and stepped.gradients_bytes == 0
+    assert stepped.floor_bytes == plain.floor_bytes - plain.gradients_bytes - plain.step_temporaries_bytes
+
+
+def test_each_ladder_notes_the_rungs_it_passed_itself(monkeypatch):
+    """One RungFloors serves the prior's fake ladder and the device's, whose budgets differ (the twin's leaves out
+    the workspaces): the note after the device's climb names the rungs that climb passed, not the prior's."""
+    from types import SimpleNamespace
+
+    from oomtune.memory.breakdown import StaticMemory
+    from oomtune.search import rung_floors
+
+    monkeypatch.setattr(rung_floors, "static_memory", lambda mf, plan, name: StaticMemory(1000, 0, 500, "AdamW", True))
+    floors = rung_floors.RungFloors(SimpleNamespace(label="m.py"), StaticMemory(1000, 1000, 2000, "AdamW", True))
+    prior = floors.for_ladder(900)
+    assert not prior(IN_BWD) and "step-in-backward" in floors.note()[0]  # the weights alone, past the twin's 900
+    device = floors.for_ladder(2000)
+    assert device(IN_BWD) and floors.note() == ()  # 1500 fits the device's 2000: its climb passed nothing
