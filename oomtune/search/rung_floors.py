@@ -76,8 +76,7 @@ class RungFloors:
         """Can some plan of `rung` fit? False where its floor alone is past `tensor_budget` (what the limit leaves
         tensors)."""
         if self.at_least(rung) > tensor_budget:
-            self.passed[rung.name] = f"weights {format_bytes(self.at_least(rung))} alone (with {rung.name})", \
-                tensor_budget
+            self.passed[rung.name] = f"weights {format_bytes(self.at_least(rung))} alone", tensor_budget
             return False
         floor = self.floor(rung)
         if floor.floor_bytes <= tensor_budget:
@@ -90,7 +89,11 @@ class RungFloors:
         if not self.passed:
             return ()
         names = ", ".join(self.passed)
-        floors = "; ".join(floor for floor, _ in self.passed.values())
+        groups: dict[str, list[str]] = {}  # what the floor holds -> the rungs it is said for
+        for name, (floor, _) in self.passed.items():
+            groups.setdefault(floor, []).append(name)
+        floors = "; ".join(floor if len(groups) == 1 else f"{', '.join(rungs)}: {floor}"
+                           for floor, rungs in groups.items())
         budget = min(b for _, b in self.passed.values())
         return (f"{self.model_file.label}: not tried on the {names} rung{'s' if len(self.passed) > 1 else ''} past "
                 f"accumulation: {floors}, more than the {format_bytes(budget)} the budget leaves tensors, whatever "

@@ -91,7 +91,8 @@ def test_a_rung_that_keeps_the_weights_as_built_is_passed_on_their_bytes_alone(m
     assert not floors.reaches(TRUE, 1500)  # 500 + 500 + 1000 = 2000 (measured once)
     assert measured == ["bf16-true"]
     note = floors.note()[0]
-    assert "step-in-backward, bf16-true rungs past accumulation" in note and "weights 1000 B alone" in note, note
+    assert "step-in-backward, bf16-true rungs past accumulation: step-in-backward: weights 1000 B alone; " \
+        "bf16-true: weights 500 B + " in note, note
 
 
 def test_the_step_in_backward_floor_leaves_out_a_whole_steps_scratch(write_model):
