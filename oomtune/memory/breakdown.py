@@ -327,7 +327,7 @@ def recorded_trial(model_file, plan, device, steps, dist, run_trial, lift_budget
     """`run_trial` with a Recorder on the device's tracker: (the trial's result, the breakdown of its peak, or
     None where it ran out). `lift_budget`: measure a plan that does not fit, too."""
     result, rec = _recorded(model_file, plan, device, steps, dist, run_trial, lift_budget)
-    if result.oom or getattr(result, "second_step_made", False):  # (the recorder saw the first step only)
+    if result.oom or result.second_step_made:  # (the recorder saw the first step only)
         return result, None
     parts = _classify(rec)
     margin = device.margin

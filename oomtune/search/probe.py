@@ -194,7 +194,7 @@ def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: 
     sharded_by, no_fsdp = fsdp_reach(device, world, sharding)
     floors = floors or RungFloors(model_file, static)
     rungs, past, floor = all_rungs(model_file, device, amp, static, world, sharding, levers, limit, sharded_by,
-                                   statics[1] if statics else None, floors)
+                                   statics[1] if statics else None, floors=floors)
     check_static_fits(floor, device, limit, headroom, sharded_by, past if levers != frozenset(LEVERS) else None)
     kernel_notes()  # forget what trials before this probe chose (its own choose again)
     unreachable, notes = _first_notes(model_file, static, device, targets, amp, levers, rungs, limit, world)
@@ -332,8 +332,7 @@ def out_of_reach(rungs: list[Rung], static: StaticMemory, tensor_budget: int, wo
 
 def all_rungs(model_file: ModelFile, device: Device, amp: str, static: StaticMemory, world: int,
               sharding: str | None, levers: frozenset[str], limit: int, sharded_by: int,
-              floor: StaticMemory | None = None, floors: RungFloors | None = None
-              ) -> tuple[list[Rung], PastRungs, StaticMemory]:
+              floor: StaticMemory | None = None, *, floors: RungFloors) -> tuple[list[Rung], PastRungs, StaticMemory]:
     """The usual rungs, those past accumulation, and the floor the budget is checked against (`floor`: measured
     already; `floors`: where the past rungs' are kept)."""
     if amp_adds_nothing(static, amp):  # 16-bit weights: autocast would only copy them (weights_dtype.py)
@@ -343,7 +342,7 @@ def all_rungs(model_file: ModelFile, device: Device, amp: str, static: StaticMem
     rungs = ladder_rungs(device, amp, static.checkpointing_supported, world, sharding, levers,
                          base_precision(static))
     past = past_rungs(device, rungs[-1].precision, static, model_file.label, levers, world)
-    return rungs, past, floor or (floors or RungFloors(model_file, static)).lowest(past, limit, sharded_by)
+    return rungs, past, floor or floors.lowest(past, limit, sharded_by)
 
 
 def measurement_notes(model_file: ModelFile, static: StaticMemory, device: Device,

@@ -34,7 +34,7 @@ class RungFloors:
     whose weights alone bound the floor of a rung that leaves them as built (not bf16-true, not NF4): where they are
     past the budget, that rung is passed with no floor measured."""
 
-    def __init__(self, model_file: ModelFile, static: StaticMemory | None = None):
+    def __init__(self, model_file: ModelFile, static: StaticMemory):
         self.model_file = model_file
         self.static = static
         self.floors: dict[Plan, StaticMemory] = {}
@@ -51,7 +51,7 @@ class RungFloors:
         rungs past accumulation, the lowest with their levers: the chain's last rung's or the one beside it's (no
         gradients held; not measured where the weights it keeps as built are more than the former)."""
         static = self.static
-        if static is None or static.floor_bytes // sharded_by <= limit or not past.rungs:
+        if static.floor_bytes // sharded_by <= limit or not past.rungs:
             return static
         lowest: list[StaticMemory] = []
         for r in [*[r for r in past.rungs if not r.optimizer_in_backward][-1:],
@@ -63,7 +63,7 @@ class RungFloors:
     def at_least(self, rung: Rung) -> int:
         """A bound under the rung's floor, known without measuring it: the weights as built, for a rung that
         leaves them so (not bf16-true, not NF4); else 0."""
-        keeps = rung.precision != "bf16-true" and not rung.nf4_frozen_weights and self.static is not None
+        keeps = rung.precision != "bf16-true" and not rung.nf4_frozen_weights
         return self.static.weights_bytes if keeps else 0
 
     def for_ladder(self, tensor_budget: int) -> Callable[[Rung], bool]:

@@ -194,7 +194,8 @@ def _steps(model_file: ModelFile, plan: Plan, device: Device, steps: int, readin
         events = reading.events = getattr(getattr(device, "tracker", None), "events", None)  # (a traced one's)
         points: list[int] = []  # where each step began and returned in them (second_steps.py)
         while i < steps or (scaled and not taken and i < steps + MAX_SKIPPED_STEPS):
-            points += [len(events)] if events is not None else []
+            if events is not None:
+                points.append(len(events))
             batches = [model_file.batch(plan.micro_batch_size, plan.context_length, device.torch_device)
                        for _ in range(plan.grad_accum_steps)]
             scale = t.scaler.get_scale() if scaled else None
