@@ -36,6 +36,29 @@ def block_stacks(model: nn.Module) -> list[nn.ModuleList]:
     return taken
 
 
+def _signature(member: nn.Module) -> tuple:
+    tensors = tuple((name, tuple(t.shape), t.dtype, getattr(t, "requires_grad", False))
+                    for name, t in (*member.named_parameters(), *member.named_buffers()))
+    flags = tuple((name, type(m).__name__, tuple(sorted((k, v) for k, v in vars(m).items()
+                                                        if isinstance(v, (str, bool)) and not k.startswith("_"))))
+                  for name, m in member.named_modules())
+    return tensors, flags
+
+
+def repeated_runs(model: nn.Module) -> list[tuple[nn.ModuleList, int]]:
+    """(stack, where its run of alike members starts) for each stack whose run is as long as the longest; [] where
+    no run has two members."""
+    found = []
+    for stack in block_stacks(model):
+        signatures = [_signature(m) for m in stack]
+        start = len(stack) - 1
+        while start > 0 and signatures[start - 1] == signatures[-1]:
+            start -= 1
+        found.append((stack, start))
+    longest = max((len(s) - start for s, start in found), default=0)
+    return [(s, start) for s, start in found if len(s) - start == longest] if longest >= 2 else []
+
+
 def callable_blocks(member: nn.Module) -> list[nn.Module]:
     """What checkpointing wraps for one member of a block stack: the member, where its class has a forward; else
     (an nn.ModuleList or nn.ModuleDict, or a module with no forward of its own, which nothing can call: vit-pytorch

@@ -23,6 +23,7 @@ from ..checkpointing import (
     checkpoints_itself,
     describe_blocks,
     hf_checkpointing,
+    repeated_runs,
 )
 from ..config.schema import TRIAL_STEPS, MemoryBreakdown, Plan
 from ..dist.group import LOCAL, Dist, ranks_for
@@ -73,6 +74,8 @@ class StaticMemory:
     # it can: levers/chunked_loss.why_not)
     steps_in_backward: int = 0  # trained parameters with post-accumulate-grad hooks (an optimizer stepped in backward):
     # their gradients may never reach the optimizer, so none of them, its state or its step count in the floor
+    repeated_blocks: tuple | None = None  # the model as built (plan None): (the class of the blocks it repeats, the
+    # length of their stack, where their run starts) (checkpointing.repeated_runs), None where it repeats none
 
     @property
     def trained_elements(self) -> int:
@@ -129,11 +132,14 @@ class _Ledger:
         pass
 
 
-def static_memory(model_file: ModelFile, plan: Plan | None = None, levers: str = "") -> StaticMemory:
+def static_memory(model_file: ModelFile, plan: Plan | None = None, levers: str = "", *,
+                  checks: bool = True) -> StaticMemory:
     """Build the model on fake tensors, give every parameter a gradient and take one optimizer step,
     counting bytes after each stage (512-byte rounded, like the CUDA allocator), and the step's own peak.
     With a `plan`, its levers past accumulation (named `levers`) applied as training applies them: bf16-true and
-    NF4 weights, 8-bit AdamW state, the optimizer and its gradients offloaded (counted as host memory)."""
+    NF4 weights, 8-bit AdamW state, the optimizer and its gradients offloaded (counted as host memory).
+    `checks=False`: the bytes only (a rung's floor): how the model checkpoints, which needs forwards, is not found
+    (checkpointing_supported False)."""
     from ..levers import make_optimizer, prepare_model
     from ..levers.nf4 import frozen_linears
     from ..levers.own_optimizer import blocked_levers
@@ -143,6 +149,8 @@ def static_memory(model_file: ModelFile, plan: Plan | None = None, levers: str =
         with CudaOnHost():
             model = model_file.build()
         nf4 = sum(m.weight.numel() for m in frozen_linears(model))
+        runs = repeated_runs(model) if plan is None else []
+        repeats = (type(runs[0][0][-1]), len(runs[0][0]), runs[0][1]) if runs else None
         low, frozen = (_low_dtype(p for p in model.parameters() if p.requires_grad is trained)
                        for trained in (True, False))
         frozen = frozen if low is None else None  # (a whole model in 16 bits: the weights_dtype note says it)
@@ -169,11 +177,11 @@ def static_memory(model_file: ModelFile, plan: Plan | None = None, levers: str =
             grads = optimizer_state = temporaries = 0
         if plan is not None and plan.optimizer_in_backward:  # each gradient applied and freed as backward makes it,
             grads = temporaries = 0  # each hook stepping one parameter (a lower bound: its one's scratch left out)
-        hooked = model_file.has("blocks")  # (a blocks hook always gets the rung)
+        hooked = model_file.has("blocks") or not checks  # (a blocks hook always gets the rung)
         itself = None if hooked else checkpoints_itself(model) or calls_checkpoint(  # its own checkpoint() calls too
             model, functools.partial(_first_forward, model_file, model))
         breaks = None if hooked else cannot_checkpoint(model)
-        checkpointing = model_file.supports_checkpointing(model) and not itself and not breaks
+        checkpointing = checks and model_file.supports_checkpointing(model) and not itself and not breaks
         via = ("blocks" if hooked or hf_checkpointing(model) is None else "switch") if checkpointing else None
         wrapped, idle = _wrapped_blocks(model_file, model) if via == "blocks" else (None, None)
         checkpointing, via = (False, None) if idle else (checkpointing, via)
@@ -192,7 +200,8 @@ def static_memory(model_file: ModelFile, plan: Plan | None = None, levers: str =
     return StaticMemory(weights, grads, optimizer_state, name, checkpointing, compiled, temporaries, nf4, host,
                         levers, low, trained, batch_norm, itself, lstm, breaks, frozen_dtype=frozen,
                         layer_drop=drops, checkpointing_via=via, checkpointing_idle=idle, blocks_wrapped=wrapped,
-                        optimizer_blocks=own, steps_in_backward=stepping, chunked_loss_why=chunked_why)
+                        optimizer_blocks=own, steps_in_backward=stepping, chunked_loss_why=chunked_why,
+                        repeated_blocks=repeats)
 
 
 def _wrapped_blocks(model_file: ModelFile, model: torch.nn.Module) -> tuple[str, str | None]:
@@ -327,14 +336,18 @@ def recorded_trial(model_file, plan, device, steps, dist, run_trial, lift_budget
     """`run_trial` with a Recorder on the device's tracker: (the trial's result, the breakdown of its peak, or
     None where it ran out). `lift_budget`: measure a plan that does not fit, too."""
     result, rec = _recorded(model_file, plan, device, steps, dist, run_trial, lift_budget)
-    if result.oom or result.second_step_made:  # (the recorder saw the first step only)
+    if result.oom:
         return result, None
-    parts = _classify(rec)
+    parts, phase, peak = _classify(rec), rec.peak_phase, rec.peak_bytes
+    if result.second_step_made:  # (the recorder saw the first step: the made peak's parts from its records)
+        if rec.made is None or rec.made[2] != result.peak_allocated_bytes:
+            return result, None
+        parts, phase, peak = {**dict.fromkeys(PART_LABELS, 0), **rec.made[0]}, rec.made[1], rec.made[2]
     margin = device.margin
     lines = margin.fixed_lines()
     return result, MemoryBreakdown(
-        phase=rec.peak_phase, **{f"{k}_bytes": v for k, v in parts.items()}, tensor_peak_bytes=rec.peak_bytes,
-        margin=margin.describe(), margin_bytes=margin.overhead(rec.peak_bytes, result.modelled_reserved_bytes),
+        phase=phase, **{f"{k}_bytes": v for k, v in parts.items()}, tensor_peak_bytes=peak,
+        margin=margin.describe(), margin_bytes=margin.overhead(peak, result.modelled_reserved_bytes),
         host_bytes=result.host_peak_bytes, modelled_reserved_bytes=result.modelled_reserved_bytes,
         context_bytes=lines.get("context", 0), workspace_bytes=lines.get("workspaces", 0),
     )

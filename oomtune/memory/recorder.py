@@ -32,6 +32,8 @@ class StorageRecord:
     tags: set[str] = field(default_factory=set)
     op: str = ""  # the op that made it ("" where a tensor was counted outside an op: a model built before)
     frames: tuple[tuple[str, int, str], ...] = ()  # (file, line, function), innermost first, where stacks were asked
+    key: int | None = None  # the tracker's key of its storage
+    at: int | None = None  # the index of its birth in the tracker's events, where they were kept (second steps made)
 
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # oomtune/
@@ -90,9 +92,12 @@ class Recorder:
         self.on_op: Callable[[Recorder, object, tuple, object], None] | None = None  # tags op outputs
         self.op = ""  # the op running now (the tracker says)
         self.stacks = False  # record each birth's Python frames (the memory snapshot; costs a stack walk a birth)
+        self.made = None  # (parts, phase, peak) at the peak of a trial whose second step was made (made_peak.py)
+        self._tracker = None
         for key, size in list(tracker._sizes.items()):  # storages alive before recording began
             self.born(key, size)
             self._live[key].tags.add("preexisting")
+        self._tracker = tracker  # (the births it tells from now on are its events' last, where it keeps them)
 
     def restarted(self, tracker: MemoryTracker) -> Recorder:
         """A new Recorder on `tracker` with this one's op hook: the run it recorded is discarded."""
@@ -115,8 +120,10 @@ class Recorder:
             self.span += 1
             self.span_kinds.append(kind)
             self.span_ends.append(None)
+        events = self._tracker.events if self._tracker is not None else None
         rec = StorageRecord(nbytes, self.event, self.phase, self.span, op=self.op,
-                            frames=python_frames() if self.stacks else ())
+                            frames=python_frames() if self.stacks else (), key=key,
+                            at=len(events) - 1 if events else None)
         self.records.append(rec)
         self._live[key] = rec
         self.event += 1

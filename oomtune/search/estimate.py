@@ -173,7 +173,11 @@ def _estimate(model_file, device, targets, headroom, steps, objective, amp, on_s
     recording = RecordingTrials()
     static = static_memory(model_file)
     sharded_by, no_fsdp = fsdp_reach(device, world, sharding)
-    floors = RungFloors(model_file, static)  # the past rungs' floors, measured once (floor_static's, the ladder's)
+    min_blocks = blocks_and_steps[0]
+    blocks = ((BlockTrials(min_blocks or 1 << 30) if min_blocks is not None else BlockTrials())
+              .knowing(static.repeated_blocks) if replays else None)
+    floors = RungFloors(model_file, static, blocks)  # the past rungs' floors, measured once (floor_static's, the
+    # ladder's; from fewer blocks where the model repeats enough of them)
     rungs, past, floor = all_rungs(model_file, device, amp, static, world, sharding, levers,
                                    device.margin.tensor_budget(limit), sharded_by, floors=floors)  # less the margin
     if device.margin.total(floor.floor_bytes // sharded_by) > limit:
@@ -184,7 +188,7 @@ def _estimate(model_file, device, targets, headroom, steps, objective, amp, on_s
         search = None
         if dist.world_size == 1 and replays:
             search = _replayed(model_file, device, targets, headroom, steps, objective, amp, on_start, on_trial,
-                               levers, (static, floor), recording, blocks_and_steps, floors)
+                               levers, (static, floor), recording, (blocks, blocks_and_steps[1]), floors)
         if search is None:
             search = probe(model_file, device, targets, headroom=headroom, steps=steps, objective=objective,
                            amp=amp, command="estimate", on_start=on_start, on_trial=on_trial, dist=dist,
@@ -219,9 +223,7 @@ def _replayed(model_file, device, targets, headroom, steps, objective, amp, on_s
     run."""
     twin = prior_device(device)
     trials = ReplayedTrials(device.budget_bytes)
-    min_blocks, trials.second.whole = blocks_and_steps[0], not blocks_and_steps[1]
-    if min_blocks is not None:
-        trials.blocks = BlockTrials(min_blocks or 1 << 30)
+    trials.blocks, trials.second.whole = blocks_and_steps[0], not blocks_and_steps[1]
     try:
         search = probe(model_file, twin, targets, headroom=headroom, steps=steps, objective=objective, amp=amp,
                        command="estimate", on_start=on_start, on_trial=on_trial, levers=levers, statics=statics,
@@ -234,8 +236,8 @@ def _replayed(model_file, device, targets, headroom, steps, objective, amp, on_s
     plan = search.config.plan
     if plan not in trials.breakdowns:  # replayed (or made without a breakdown on its lines): traced as its check
         # and for its breakdown, from fewer blocks where the model repeats them (as exact: the tests hold the two
-        # to the byte on every kind of model), else whole; with both steps run (a made second has no breakdown)
-        trials.second.whole = True
+        # to the byte on every kind of model), else whole; its second step made where that was checked (and
+        # its breakdown told from the first's records: made_peak.py), else both run
         result = trials.run_one(model_file, plan, twin, steps, LOCAL)
         if plan not in trials.breakdowns:
             result, bd = recorded_trial(model_file, plan, twin, steps, LOCAL, run_trial)

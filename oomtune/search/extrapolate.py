@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections import Counter
 from collections.abc import Callable
 
 from ..config.schema import MemoryBreakdown, Plan
+from ..memory.breakdown import StaticMemory
 from ..memory.devices import FakeDevice
 from ..memory.repeats import Template
 from ..memory.replay import Lines, Trace
-from .fewer_blocks import FewerBlocks
+from .fewer_blocks import FewerBlocks, Stacks
 from .trial import TrialResult
 
 KEPT = 2  # blocks in the first of the three traced trials (its runs' first and last periods may differ)
@@ -76,28 +78,45 @@ class BlockTrials:
         self.seen = None  # what the first build found (fewer_blocks.Stacks): later builds cut as they are made
         self.off: set[Plan] = set()  # rungs (plans at micro-batch 1) where the three did not line up
 
+    def knowing(self, repeats: tuple | None) -> BlockTrials:
+        """Told what the whole model's build found (StaticMemory.repeated_blocks): no fewer-block build then builds
+        the whole model first to find them."""
+        self.seen = Stacks(*repeats) if repeats else None
+        self.blocks = self.seen.length - self.seen.start if self.seen else 0
+        return self
+
+    def measured(self, model_file, keep: int, measure: Callable) -> tuple[bool, object]:
+        """(True, measure(the model file at `keep` blocks)), or (False, None) where the model repeats fewer than
+        min_blocks blocks (known once a build has seen them) or cannot be cut, or the measurement raised (a model
+        that cannot run with fewer blocks: the caller measures it whole, and raises there what is the user's)."""
+        if self.blocks is not None and self.blocks < self.min_blocks:
+            return False, None
+        fewer = FewerBlocks(model_file, keep, self.seen)
+        try:
+            out = measure(fewer)
+        except Exception:  # noqa: BLE001
+            if fewer.seen is not None and not fewer.seen.cut:  # its blocks are copied: never again
+                self.blocks = 0
+            return False, None
+        if self.blocks is None:
+            self.blocks, self.seen = fewer.repeated or 0, fewer.seen
+        return self.blocks >= self.min_blocks, out
+
     def trial(self, model_file, plan: Plan, device: FakeDevice, run: Callable) -> tuple[TrialResult, object] | None:
         """`run(model_file, plan) -> (TrialResult, breakdown or None)` on the three fewer-block model files; the
         trial at all the blocks and its breakdown (None where a breakdown did not line up), or None."""
         key = dataclasses.replace(plan, micro_batch_size=1, global_batch_size=0)
-        if (self.blocks is not None and self.blocks < self.min_blocks) or key in self.off:
+        if key in self.off:
             return None
         start = time.perf_counter()
         runs: list = []
         template = None
         for keep in (KEPT, KEPT + 1, KEPT + 2, KEPT + 3):  # a fourth trace only where three do not line up
-            fewer = FewerBlocks(model_file, keep, self.seen)
-            try:
-                result, bd = run(fewer, plan)
-            except Exception:  # noqa: BLE001 - a model that cannot run with fewer blocks runs whole (and raises
-                self.off.add(key)  # there what is the user's)
-                if fewer.seen is not None and not fewer.seen.cut:  # its blocks are copied: never again
-                    self.blocks = 0
+            ok, out = self.measured(model_file, keep, lambda fewer: run(fewer, plan))
+            if not ok:
+                self.off.add(key)
                 return None
-            if self.blocks is None:
-                self.blocks, self.seen = fewer.repeated or 0, fewer.seen
-                if self.blocks < self.min_blocks:
-                    return None
+            result, bd = out
             if result.oom or result.trace is None:
                 self.off.add(key)
                 return None
@@ -131,3 +150,30 @@ class BlockTrials:
         if bd is not None and (bd.peak_bytes, bd.tensor_peak_bytes) != (result.peak_bytes, result.peak_allocated_bytes):
             bd = None
         return result, bd
+
+
+STATIC_LINES = ("weights_bytes", "gradients_bytes", "optimizer_bytes", "step_temporaries_bytes", "nf4_elements",
+                "host_bytes", "steps_in_backward")
+
+
+def extrapolated_static(statics: list[StaticMemory], blocks: int) -> StaticMemory | None:
+    """The static memory (a rung's floor) at `blocks` from those at KEPT, KEPT+1, KEPT+2: each count on its line,
+    the trained parameters' sizes those of the first plus a block's (the sizes the next adds, the same each time)
+    for each block more; None where a count is off its line, a block adds other sizes, or anything else differs."""
+    first = statics[0]
+    fields = {}
+    for name in STATIC_LINES:
+        fields[name] = _line([getattr(s, name) for s in statics], blocks)
+        if fields[name] is None:
+            return None
+    sizes = [Counter(s.trained_sizes) for s in statics]
+    block = sizes[1] - sizes[0]
+    if any(b - a != block or a - b for a, b in zip(sizes, sizes[1:], strict=False)):
+        return None
+    fields["trained_sizes"] = tuple(sorted((sizes[0] + Counter({n: k * (blocks - KEPT) for n, k in block.items()}))
+                                           .elements()))
+    others = [dataclasses.replace(s, **{n: getattr(first, n) for n in (*STATIC_LINES, "trained_sizes")})
+              for s in statics]
+    if any(o != first for o in others):
+        return None
+    return dataclasses.replace(first, **fields)

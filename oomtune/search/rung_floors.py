@@ -15,6 +15,7 @@ from ..config.schema import Plan
 from ..memory.breakdown import StaticMemory, static_memory
 from ..model_file import ModelFile
 from ..units import format_bytes
+from .extrapolate import KEPT, BlockTrials, extrapolated_static
 from .ladder import Rung
 from .past import PastRungs
 
@@ -34,17 +35,39 @@ class RungFloors:
     whose weights alone bound the floor of a rung that leaves them as built (not bf16-true, not NF4): where they are
     past the budget, that rung is passed with no floor measured."""
 
-    def __init__(self, model_file: ModelFile, static: StaticMemory):
+    def __init__(self, model_file: ModelFile, static: StaticMemory, blocks: BlockTrials | None = None):
         self.model_file = model_file
         self.static = static
+        self.blocks = blocks
         self.floors: dict[Plan, StaticMemory] = {}
         self.passed: dict[str, tuple[str, int]] = {}  # rung name -> (what its floor holds, the budget it is past)
+        self.extrapolated: set[Plan] = set()  # the plans whose floors were made from fewer blocks
+        self.passed_made = False  # a floor of a rung passed was made so
 
     def floor(self, rung: Rung) -> StaticMemory:
         plan = floor_plan(rung)
         if plan not in self.floors:
-            self.floors[plan] = static_memory(self.model_file, plan, rung.name)
+            self.floors[plan] = (self._from_blocks(plan, rung.name)
+                                 or static_memory(self.model_file, plan, rung.name, checks=False))
         return self.floors[plan]
+
+    def _from_blocks(self, plan: Plan, levers: str) -> StaticMemory | None:
+        """The floor from the model with 2, 3 and 4 of its repeated blocks (each count on its line to the whole
+        model's: extrapolate.extrapolated_static), where `blocks` (the estimate's BlockTrials) cuts the model; else
+        None, and it is measured whole."""
+        if self.blocks is None:
+            return None
+        statics = []
+        for keep in (KEPT, KEPT + 1, KEPT + 2):
+            ok, static = self.blocks.measured(
+                self.model_file, keep, lambda fewer: static_memory(fewer, plan, levers, checks=False))
+            if not ok:
+                return None
+            statics.append(static)
+        made = extrapolated_static(statics, self.blocks.blocks)
+        if made is not None:
+            self.extrapolated.add(plan)
+        return made
 
     def lowest(self, past: PastRungs, limit: int, sharded_by: int) -> StaticMemory:
         """The floor the budget is checked against: the model's own, or, where that does not fit and the ladder has
@@ -70,6 +93,7 @@ class RungFloors:
         """`reaches` at `tensor_budget` for one ladder's climb (LadderSearch.reaches): the rungs passed are that
         climb's (the prior's fake ladder, whose twin's budget differs, passes its own)."""
         self.passed.clear()
+        self.passed_made = False
         return lambda rung: self.reaches(rung, tensor_budget)
 
     def reaches(self, rung: Rung, tensor_budget: int) -> bool:
@@ -82,6 +106,7 @@ class RungFloors:
         if floor.floor_bytes <= tensor_budget:
             return True
         self.passed[rung.name] = floor.describe(), tensor_budget
+        self.passed_made |= floor_plan(rung) in self.extrapolated
         return False
 
     def note(self) -> tuple[str, ...]:
@@ -95,6 +120,8 @@ class RungFloors:
         floors = "; ".join(floor if len(groups) == 1 else f"{', '.join(rungs)}: {floor}"
                            for floor, rungs in groups.items())
         budget = min(b for _, b in self.passed.values())
+        made = (f" (floors measured with {KEPT}, {KEPT + 1} and {KEPT + 2} of its {self.blocks.blocks} repeated "
+                "blocks, each figure on its line to all of them)" if self.passed_made else "")
         return (f"{self.model_file.label}: not tried on the {names} rung{'s' if len(self.passed) > 1 else ''} past "
                 f"accumulation: {floors}, more than the {format_bytes(budget)} the budget leaves tensors, whatever "
-                "the batch",)
+                f"the batch{made}",)

@@ -6,14 +6,17 @@ from the first is the one run, event for event; where it is, later trials of tha
 second, and their figures come from replaying the two (the tracker's count and the allocator model, as a replay
 from two sizes does). Where it is not, every trial of that plan runs both.
 
-A trial with a made step has no breakdown (the recorder saw the first step only): the estimate's answer, whose
-breakdown it shows, runs both steps (`whole`)."""
+A trial with a made step has the breakdown of its made peak where it was recorded (memory/made_peak.py: each life
+of the made step has the kind of the first step's life it repeats); where that cannot be told it has none, and the
+estimate's answer, whose breakdown it shows, runs both steps (`whole`)."""
 
 from __future__ import annotations
 
 import dataclasses
 
 from ..config.schema import Plan
+from ..memory.breakdown import kind_of
+from ..memory.made_peak import made_peak
 from ..memory.reading import Reading
 from ..memory.replay import Trace
 from ..memory.second_step import second_step_agrees, with_second_step
@@ -31,7 +34,7 @@ class SecondSteps:
 
     def mode(self, plan: Plan, device, steps: int, world_size: int) -> str | None:
         """"check" (run both, compare), "make" (run one, make the second) or None (run them all, as asked)."""
-        if (self.whole or steps != TWO_STEPS or plan.grad_accum_steps != 1 or world_size != 1
+        if (self.whole or steps != TWO_STEPS or world_size != 1
                 or not (getattr(device, "traces", False) and getattr(device, "never_runs_out", False))
                 or device.computes or device.primes):
             return None
@@ -59,6 +62,10 @@ class SecondSteps:
         if made is None:
             raise AssertionError("a made second step replays on its own lines")
         self.made += 1
+        recorder = device.tracker.recorder
+        if recorder is not None:  # a breakdown is read: what was live at the made peak, by the first step's records
+            recorder.made = made_peak(recorder.records, initial, made_events, len(reading.events), reading.points,
+                                      lambda r: kind_of(recorder, r))
         return dataclasses.replace(made, trace=trace)
 
 

@@ -140,7 +140,7 @@ class TrialResult:
     replayed: bool = False  # from two traced trials (memory/replay.py), not run
     extrapolated: bool = False  # from trials of fewer of its repeated blocks (search/extrapolate.py)
     left_bytes: int = 0  # still alive once the trial let go of its memory, beyond what was before (leaks.py)
-    second_step_made: bool = False  # its second step made from its first (second_steps.py): no breakdown
+    second_step_made: bool = False  # its second step made from its first (second_steps.py)
 
 
 def _done_with(module, models: ModelCache | None) -> None:

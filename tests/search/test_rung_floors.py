@@ -56,7 +56,7 @@ def test_probe_passes_the_step_in_backward_rung_whose_floor_does_not_fit(tmp_pat
     measured: list[str] = []
     real = breakdown.static_memory
     monkeypatch.setattr("oomtune.search.rung_floors.static_memory",
-                        lambda mf, plan=None, levers="": measured.append(levers) or real(mf, plan, levers))
+                        lambda mf, plan=None, levers="", **kw: measured.append(levers) or real(mf, plan, levers, **kw))
     report = _probe(tmp_path, "passed")
     assert {t["rung"] for t in report["trials"]} == {"bf16-true"}
     note = next(n for n in report["notes"] if "not tried on the step-in-backward rung past accumulation" in n)
@@ -83,7 +83,7 @@ def test_a_rung_that_keeps_the_weights_as_built_is_passed_on_their_bytes_alone(m
     static = StaticMemory(weights_bytes=1000, gradients_bytes=1000, optimizer_bytes=2000, optimizer_name="AdamW",
                           checkpointing_supported=True)
     measured: list[str] = []
-    monkeypatch.setattr(rung_floors, "static_memory", lambda mf, plan, name: measured.append(name) or
+    monkeypatch.setattr(rung_floors, "static_memory", lambda mf, plan, name, **kw: measured.append(name) or
                         StaticMemory(500, 500, 1000, "AdamW", True))
     floors = rung_floors.RungFloors(SimpleNamespace(label="m.py"), static)
     assert not floors.reaches(IN_BWD, 900) and measured == []
@@ -122,7 +122,8 @@ def test_each_ladder_notes_the_rungs_it_passed_itself(monkeypatch):
     from oomtune.memory.breakdown import StaticMemory
     from oomtune.search import rung_floors
 
-    monkeypatch.setattr(rung_floors, "static_memory", lambda mf, plan, name: StaticMemory(1000, 0, 500, "AdamW", True))
+    monkeypatch.setattr(rung_floors, "static_memory", lambda mf, plan, name, **kw: StaticMemory(1000, 0, 500,
+                                                                                           "AdamW", True))
     floors = rung_floors.RungFloors(SimpleNamespace(label="m.py"), StaticMemory(1000, 1000, 2000, "AdamW", True))
     prior = floors.for_ladder(900)
     assert not prior(IN_BWD) and "step-in-backward" in floors.note()[0]  # the weights alone, past the twin's 900

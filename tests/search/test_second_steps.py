@@ -6,13 +6,17 @@ estimate's never-out twin with a card's rules, which traces)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 
 import pytest
 
 from oomtune.config.schema import Plan
+from oomtune.dist.group import LOCAL
+from oomtune.memory.breakdown import recorded_trial
 from oomtune.memory.cards import find_gpu
 from oomtune.memory.devices import FakeDevice
+from oomtune.memory.made_peak import made_peak
 from oomtune.memory.second_step import repeat_step, with_second_step
 from oomtune.model_file import load_model_file
 from oomtune.search.second_steps import SecondSteps
@@ -34,6 +38,9 @@ CASES = [  # (model, plan)
     (MODELS / "hf_mixtral_lora.py", CKPT),
     (MODELS / "compiled.py", Plan(2, 32, "bf16")),
     (MODELS / "llama3_scaled_rope.py", CKPT),
+    (MODELS / "hf_llama_lora.py", dataclasses.replace(CKPT, grad_accum_steps=2, global_batch_size=4)),
+    (MODELS / "hf_llama_lora.py", Plan(2, 32, "bf16-true", activation_checkpointing=True, grad_accum_steps=3,
+                                       global_batch_size=6, chunked_loss=True, offload_optimizer=True)),
 ]
 
 
@@ -45,21 +52,27 @@ def _id(case) -> str | None:
     return case if isinstance(case, str) else getattr(case, "stem", None)
 
 
+def _recorded(mf, plan: Plan, device: FakeDevice, second: SecondSteps | None = None) -> tuple:
+    return recorded_trial(mf, plan, device, 2, LOCAL, functools.partial(run_trial, second=second))
+
+
 @pytest.mark.parametrize(("source", "plan"), CASES, ids=_id)
 def test_the_made_second_step_gives_the_figures_of_both_steps_run(tmp_path, source, plan):
-    """device: fake. Three trials of one plan: both steps run without the lever, both run and checked, then one
-    run and the second made; the first and last agree on every figure."""
+    """device: fake. Three trials of one plan, each recorded for its breakdown: both steps run without the lever,
+    both run and checked, then one run and the second made; the first and last agree on every figure, and on the
+    breakdown of the peak (each life of the made step sorted as the first step's life it repeats)."""
     path = _deeper(tmp_path, MODELS / "hf_llama_lora.py", 2, wide=True) if source == "wide" else source
     mf = load_model_file(path)
-    whole = run_trial(mf, plan, _twin())
+    whole, whole_bd = _recorded(mf, plan, _twin())
     second, device = SecondSteps(), _twin()
-    checked = run_trial(mf, plan, device, second=second)
+    checked, _ = _recorded(mf, plan, device, second)
     assert list(second.agreed.values()) == [True] and not checked.second_step_made
-    made = run_trial(mf, plan, device, second=second)
+    made, made_bd = _recorded(mf, plan, device, second)
     assert made.second_step_made and second.made == 1
     for figure in FIGURES:
         assert getattr(made, figure) == getattr(whole, figure), figure
         assert getattr(checked, figure) == getattr(whole, figure), figure
+    assert made_bd == whole_bd and whole_bd is not None
 
 
 def test_where_the_second_step_differs_both_steps_run():
@@ -72,7 +85,7 @@ def test_where_the_second_step_differs_both_steps_run():
     assert list(second.agreed.values()) == [False]
     again = run_trial(mf, Plan(3, 32, "fp32"), device, second=second)
     assert not again.second_step_made and second.made == 0
-    assert second.mode(Plan(2, 32, "fp32", grad_accum_steps=2), device, 2, 1) is None  # accumulation: always run
+    assert second.mode(Plan(2, 32, "fp32", grad_accum_steps=2), device, 2, 1) == "check"  # (a plan of its own)
     second.whole = True  # the answer's trial, whose breakdown is read
     assert second.mode(Plan(2, 32, "bf16"), device, 2, 1) is None
 
@@ -105,3 +118,26 @@ def test_the_estimate_with_made_second_steps_answers_as_with_both_steps_run(tmp_
     assert "first-step-run" in sources and "first-step-run" not in [t["source"] for t in run["trials"]], sources
     assert [(t["rung"], t["micro_batch_size"], t["peak_bytes"]) for t in made["trials"]] == \
         [(t["rung"], t["micro_batch_size"], t["peak_bytes"]) for t in run["trials"]]
+
+
+def test_the_made_peak_is_sorted_by_the_lives_the_made_step_repeats():
+    """No torch: a first step that makes an activation (a) and a gradient (g) and frees both; made again, the peak
+    of the two steps is in the second (where the kept state S adds to it), its parts those of the first's records.
+    A storage the step makes and then resizes (a new life in the first's records, which the made step's cannot be
+    told from): None."""
+    from types import SimpleNamespace as R
+
+    records = [R(key="S0", at=None, nbytes=512, kind="optimizer_state"),
+               R(key="a", at=1, nbytes=1024, kind="activations"), R(key="g", at=2, nbytes=512, kind="gradients"),
+               R(key="S", at=5, nbytes=512, kind="optimizer_state")]
+    events = [("mark", "forward"), ("set", "a", 1000), ("set", "g", 500), ("free", "a"), ("mark", "optimizer"),
+              ("set", "S", 500), ("free", "g"), ("mark", None)]
+    points = (0, 7, 7)
+    made = with_second_step(events, {"S0"}, points, None)
+    assert made_peak(records, [("S0", 512)], made, len(events), points, lambda r: r.kind) == (
+        {"optimizer_state": 1024, "activations": 1024, "gradients": 512}, "forward", 2560)
+    resized = [*events[:2], ("set", "a", 3000), *events[2:]]
+    records = [*records[:2], R(key="a", at=2, nbytes=3072, kind="activations"),
+               *[R(key=r.key, at=r.at + 1, nbytes=r.nbytes, kind=r.kind) for r in records[2:]]]
+    made = with_second_step(resized, {"S0"}, (0, 8, 8), None)
+    assert made_peak(records, [("S0", 512)], made, len(resized), (0, 8, 8), lambda r: r.kind) is None
