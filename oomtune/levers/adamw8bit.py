@@ -18,6 +18,8 @@ from collections.abc import Iterable
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
+from .fake_scratch import FakeScratch
+
 BLOCK = 256  # elements per scale (torchao's block_size)
 MIN_QUANT = 4096  # smaller tensors keep plain moments in their own dtype (torchao's min_quant_size)
 CHUNK_BLOCKS = 1 << 16  # blocks per chunk of the step: 16M elements
@@ -77,6 +79,7 @@ class BlockwiseAdamW8bit(torch.optim.Optimizer):
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2):
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+        self.fake_scratch = FakeScratch()  # on fake tensors, chunks made from the first of their kind
 
     def _init_state(self, p: torch.Tensor) -> dict:
         if not quantizes(p.numel()):
@@ -133,12 +136,16 @@ class BlockwiseAdamW8bit(torch.optim.Optimizer):
         for a in range(0, n, CHUNK_BLOCKS):
             b = min(a + CHUNK_BLOCKS, n)
             part = (lambda x: x) if b - a == n else (lambda x, a=a, b=b: x[a:b])  # one chunk: no slicing
-            m = dequantize(part(codes_m), part(scale_m), signed=True)
-            v = dequantize(part(codes_v), part(scale_v), signed=False)
-            self._update(part(rows), part(grad), m, v, group, state["step"])
-            _store(part(codes_m), part(scale_m), m, signed=True)
-            _store(part(codes_v), part(scale_v), v, signed=False)
-            del m, v  # before the next chunk's: the step's scratch is one chunk's
+            kind = self.fake_scratch.kind(p, b - a, b - a == n)
+            if self.fake_scratch.make(kind):  # (fake tensors: no values to compute, its storages made)
+                continue
+            with self.fake_scratch.watching(kind):
+                m = dequantize(part(codes_m), part(scale_m), signed=True)
+                v = dequantize(part(codes_v), part(scale_v), signed=False)
+                self._update(part(rows), part(grad), m, v, group, state["step"])
+                _store(part(codes_m), part(scale_m), m, signed=True)
+                _store(part(codes_v), part(scale_v), v, signed=False)
+                del m, v  # before the next chunk's: the step's scratch is one chunk's
 
     @staticmethod
     def _update(p: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor, group: dict,
