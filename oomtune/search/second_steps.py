@@ -1,10 +1,10 @@
 """The estimate's traced trials with their second step made from the first (memory/second_step.py): where a card's
 allocator model reads the peak, a trial runs two training steps (the second starts from where the first left the
 allocator's blocks); on fake tensors the second costs as much Python as the first and repeats it. The first trial
-of each plan (at any micro-batch, of the whole model or of fewer blocks) runs both and checks that the step made
-from the first is the one run, event for event; where it is, later trials of that plan run one step and make the
-second, and their figures come from replaying the two (the tracker's count and the allocator model, as a replay
-from two sizes does). Where it is not, every trial of that plan runs both.
+of each plan's levers (at any micro-batch, context or accumulation, of the whole model or of fewer blocks) runs both
+and checks that the step made from the first is the one run, event for event; where it is, later trials with those
+levers run one step and make the second, and their figures come from replaying the two (the tracker's count and the
+allocator model, as a replay from two sizes does). Where it is not, every trial with those levers runs both.
 
 A trial with a made step has the breakdown of its made peak where it was recorded (memory/made_peak.py: each life
 of the made step has the kind of the first step's life it repeats); where that cannot be told it has none, and the
@@ -25,7 +25,7 @@ TWO_STEPS = 2  # the trial's steps this applies to (TRIAL_STEPS): a first, and a
 
 
 class SecondSteps:
-    """Per plan (at micro-batch 1): None until a trial checked it, then whether the made step was the run one."""
+    """Per plan's levers (_key): None until a trial checked them, then whether the made step was the run one."""
 
     def __init__(self):
         self.agreed: dict[Plan, bool] = {}
@@ -70,4 +70,6 @@ class SecondSteps:
 
 
 def _key(plan: Plan) -> Plan:
-    return dataclasses.replace(plan, micro_batch_size=1, global_batch_size=0)
+    """What a check holds for: the plan's levers, at any micro-batch, context and accumulation (the steps' sizes and
+    their micro-steps' count do not change which storages outlive a step)."""
+    return dataclasses.replace(plan, micro_batch_size=1, context_length=1, grad_accum_steps=1, global_batch_size=0)

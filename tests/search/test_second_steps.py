@@ -85,7 +85,9 @@ def test_where_the_second_step_differs_both_steps_run():
     assert list(second.agreed.values()) == [False]
     again = run_trial(mf, Plan(3, 32, "fp32"), device, second=second)
     assert not again.second_step_made and second.made == 0
-    assert second.mode(Plan(2, 32, "fp32", grad_accum_steps=2), device, 2, 1) == "check"  # (a plan of its own)
+    assert second.mode(Plan(2, 64, "fp32", grad_accum_steps=2, global_batch_size=4), device, 2, 1) is None  # (its
+    # levers were checked: at any context and accumulation)
+    assert second.mode(Plan(2, 64, "bf16", grad_accum_steps=2, global_batch_size=4), device, 2, 1) == "check"
     second.whole = True  # the answer's trial, whose breakdown is read
     assert second.mode(Plan(2, 32, "bf16"), device, 2, 1) is None
 
