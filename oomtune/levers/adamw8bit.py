@@ -137,7 +137,7 @@ class BlockwiseAdamW8bit(torch.optim.Optimizer):
             b = min(a + CHUNK_BLOCKS, n)
             part = (lambda x: x) if b - a == n else (lambda x, a=a, b=b: x[a:b])  # one chunk: no slicing
             kind = self.fake_scratch.kind(p, b - a, b - a == n)
-            if self.fake_scratch.make(kind):  # (fake tensors: no values to compute, its storages made)
+            if self.fake_scratch.make(kind, (p, codes_m, scale_m, codes_v, scale_v)):  # (fake: storages made)
                 continue
             with self.fake_scratch.watching(kind):
                 m = dequantize(part(codes_m), part(scale_m), signed=True)

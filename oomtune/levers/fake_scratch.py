@@ -7,9 +7,11 @@ thirds of its trial's time. So the first chunk of each kind (its rows, the param
 device, whether it is a slice of the parameter) runs as on every device, watched: each storage an op makes (not a
 view or an in-place write of one it was given), its size, dtype and device, and where it is freed among the births.
 Each later chunk of that kind makes storages of the same sizes with `torch.empty` and frees them in the same order,
-one op each, which the tracker counts (its budget, the allocator model, the trace, the recorder) as it counts the
-chunk's own ops. A kind whose chunk leaves a storage alive is never made. Real tensors (the cpu device, a GPU) are
-always computed. tests/levers/test_fake_scratch.py holds a trial's trace equal, event for event, to every chunk run.
+one op each, which the tracker counts (its budget, the allocator model, the trace, the breakdown's recorder) as it
+counts the chunk's own ops; the tensors the chunk writes are marked as written with unknown values (fakes.Values),
+as its ops would. A kind whose chunk leaves a storage alive is never made. Real tensors (the cpu device, a GPU)
+are always computed, and so is every chunk of a memory snapshot's trial (it shows each storage's op and frames).
+tests/levers/test_fake_scratch.py holds a trial's trace equal, event for event, to every chunk run.
 """
 
 from __future__ import annotations
@@ -20,8 +22,10 @@ from collections.abc import Iterator
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
+from ..memory import tracker
+from ..memory.fakes import Values
 from ..memory.tracker import _tensors
 
 Pattern = list[tuple]  # ("b", index, nbytes, dtype, device) a birth; ("f", index) a free
@@ -66,13 +70,18 @@ class FakeScratch:
 
     @staticmethod
     def kind(p: torch.Tensor, rows: int, whole: bool) -> tuple | None:
-        """The chunk's kind, or None where it is computed (real tensors)."""
+        """The chunk's kind, or None where it is computed (real tensors; a memory snapshot's trial)."""
         if not isinstance(p, FakeTensor) or not isinstance(p.grad, FakeTensor):
             return None
-        return rows, p.dtype, p.grad.dtype, p.device, whole
+        active = tracker._ACTIVE[-1] if tracker._ACTIVE else None
+        if active is not None and active.recorder is not None and active.recorder.stacks:
+            return None
+        hosting = active is not None and active._hosting > 0  # (an offloaded step's storages are the host's)
+        return rows, p.dtype, p.grad.dtype, p.device, whole, hosting
 
-    def make(self, kind: tuple | None) -> bool:
-        """Make the chunk's storages from its kind's pattern (True), or not (False: it runs, watched)."""
+    def make(self, kind: tuple | None, written: tuple[torch.Tensor, ...] = ()) -> bool:
+        """Make the chunk's storages from its kind's pattern (True), or not (False: it runs, watched). `written`:
+        the tensors the chunk writes in place (their values, if any were known, are not after it)."""
         pattern = self.patterns.get(kind) if kind is not None else None
         if pattern is None:
             return False
@@ -83,6 +92,10 @@ class FakeScratch:
                 held[index] = torch.empty(nbytes // dtype.itemsize, dtype=dtype, device=device)
             else:
                 del held[event[1]]
+        for mode in _get_current_dispatch_mode_stack():
+            if isinstance(mode, Values):
+                for t in written:
+                    mode._mark_stale(t)
         self.made += 1
         return True
 

@@ -1,7 +1,8 @@
 """A trial of a model of N repeated blocks from trials of k, k+1 and k+2 of them (fewer_blocks.py): their traces make
 the trace at N (memory/repeats.py), whose replay gives the trial's peaks to the byte, in a fraction of the time (a
 7B Llama's 32 layers: 9 layers traced). Used by the estimate's trials on the never-out twin (ReplayingTrials), which
-trace; wherever a check fails it answers None and the trial runs whole."""
+trace, and for its rungs' floors (extrapolated_static, rung_floors.py); wherever a check fails it answers None and
+the trial (or floor) runs whole."""
 
 from __future__ import annotations
 

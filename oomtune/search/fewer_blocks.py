@@ -1,12 +1,13 @@
 """The model with fewer of its repeated blocks: what a trial traces at k, k+1 and k+2 blocks so that the trace at all
 N of them is made, not traced (memory/repeats.py).
 
-The repeated blocks are the longest run of alike members at the end of the model's block stacks (checkpointing's:
-a transformer's layers; T5's first layer, which holds the relative position bias, stays out of the run), alike
-meaning the same classes, parameter and buffer shapes, dtypes and trainability, and the same flags (a hybrid's
-layer type). Every stack with a run as long as the longest keeps k of its run. A first build, untracked, finds them;
-every fewer-block build is then tracked as the whole model's is, with the blocks it cuts never built
-(cut_when_made): the blocks cut never exist on the device, and the build's own temporaries are in the trace.
+The repeated blocks are the longest run of alike members at the end of the model's block stacks (checkpointing's: a
+transformer's layers; T5's first layer, which holds the relative position bias, stays out of the run), alike meaning
+the same classes, parameter and buffer shapes, dtypes and trainability, and the same flags (a hybrid's layer type).
+Every stack with a run as long as the longest keeps k of its run. The whole model's static build finds them
+(StaticMemory.repeated_blocks), or else a first build, untracked; every fewer-block build is then tracked as the
+whole model's is, with the blocks it cuts never built (cut_when_made): the blocks cut never exist on the device, and
+the build's own temporaries are in the trace.
 """
 
 from __future__ import annotations

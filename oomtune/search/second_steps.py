@@ -8,7 +8,7 @@ allocator model, as a replay from two sizes does). Where it is not, every trial 
 
 A trial with a made step has the breakdown of its made peak where it was recorded (memory/made_peak.py: each life
 of the made step has the kind of the first step's life it repeats); where that cannot be told it has none, and the
-estimate's answer, whose breakdown it shows, runs both steps (`whole`)."""
+estimate's answer, whose breakdown it shows, is traced again with both steps run (`whole`)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ class SecondSteps:
 
     def __init__(self):
         self.agreed: dict[Plan, bool] = {}
-        self.whole = False  # run every step (a trial whose breakdown is read)
+        self.whole = False  # run every step (estimate(made_steps=False); an answer whose made peak had no breakdown)
         self.made = 0  # trials whose second step was made
 
     def mode(self, plan: Plan, device, steps: int, world_size: int) -> str | None:

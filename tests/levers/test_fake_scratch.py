@@ -35,8 +35,8 @@ CASES = [  # (model, plan, blocks a chunk: CHUNK_BLOCKS, small enough to slice t
 def _counted(monkeypatch, made: list[int]):
     real = FakeScratch.make
 
-    def make(self, kind):
-        out = real(self, kind)
+    def make(self, kind, written=()):
+        out = real(self, kind, written)
         made[0] += out
         return out
 
@@ -64,6 +64,19 @@ def test_made_chunks_leave_the_trace_of_computed_ones(tmp_path, monkeypatch, sou
     for figure in ("peak_bytes", "peak_allocated_bytes", "phase_peaks", "modelled_reserved_bytes", "host_peak_bytes"):
         assert getattr(result, figure) == getattr(computed, figure), figure
     assert bd == computed_bd
+
+
+def test_a_memory_snapshot_computes_every_chunk(monkeypatch):
+    """device: fake. A memory snapshot shows each storage's op and the Python frames that made it: its trial
+    computes every chunk (none made), so the snapshot is the one of the optimizer's own ops."""
+    from oomtune.memory.breakdown import snapshot
+    from oomtune.memory.devices import FakeDevice
+
+    monkeypatch.setattr(adamw8bit, "CHUNK_BLOCKS", 5)
+    made = [0]
+    _counted(monkeypatch, made)
+    snap = snapshot(load_model_file(EXAMPLES / "tiny_gpt.py"), CKPT, FakeDevice("1GiB"))
+    assert snap and made[0] == 0
 
 
 def test_real_tensors_are_always_computed(monkeypatch):

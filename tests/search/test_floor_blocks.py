@@ -23,7 +23,6 @@ EIGHT_OFFLOAD = Rung("bf16-true+8bit+offload", "bf16-true", True, optimizer_8bit
 NF4 = Rung("bf16-true+8bit+nf4", "bf16-true", True, optimizer_8bit=True, nf4_frozen_weights=True)
 IN_BWD = Rung("step-in-backward", "fp32", False, optimizer_in_backward=True)
 CASES = [  # (model file, layers, rung)
-    (ROOT / "examples" / "tiny_gpt.py", 9, FP32),
     (ROOT / "examples" / "tiny_gpt.py", 9, EIGHT_OFFLOAD),
     (MODELS / "hf_llama_lora.py", 6, TRUE),
     (MODELS / "hf_llama_lora.py", 6, IN_BWD),
@@ -71,13 +70,23 @@ def test_a_figure_off_its_line_makes_no_floor():
 
 
 def test_a_model_with_too_few_blocks_is_measured_whole(monkeypatch):
-    """device: fake. The tiny GPT's 4 layers, under the estimate's 16: every floor is measured on the whole model,
-    and once (the fewer-block builds are not tried again)."""
+    """device: fake. The tiny GPT's 4 layers, under the estimate's 16: every floor is measured on the whole model;
+    the fewer-block model is built once to find that out (not again for the next floor), and never where the
+    model's own build told the blocks (`knowing`)."""
+    from oomtune.search.fewer_blocks import FewerBlocks
+
+    builds = []
+    real = FewerBlocks.build
+    monkeypatch.setattr(FewerBlocks, "build", lambda self: builds.append(self.keep) or real(self))
     mf = load_model_file(ROOT / "examples" / "tiny_gpt.py")
-    floors = RungFloors(mf, static_memory(mf), BlockTrials())
+    static = static_memory(mf)
+    floors = RungFloors(mf, static, BlockTrials())
     assert floors.floor(TRUE) == static_memory(mf, floor_plan(TRUE), TRUE.name, checks=False)
     floors.floor(EIGHT_OFFLOAD)
-    assert not floors.extrapolated and floors.blocks.blocks == 4
+    assert not floors.extrapolated and floors.blocks.blocks == 4 and builds == [2]
+    told = RungFloors(mf, static, BlockTrials().knowing(static.repeated_blocks))
+    told.floor(TRUE)
+    assert builds == [2] and told.blocks.blocks == 4
 
 
 def test_the_models_own_build_tells_which_blocks_repeat(tmp_path):

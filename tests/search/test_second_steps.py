@@ -88,7 +88,7 @@ def test_where_the_second_step_differs_both_steps_run():
     assert second.mode(Plan(2, 64, "fp32", grad_accum_steps=2, global_batch_size=4), device, 2, 1) is None  # (its
     # levers were checked: at any context and accumulation)
     assert second.mode(Plan(2, 64, "bf16", grad_accum_steps=2, global_batch_size=4), device, 2, 1) == "check"
-    second.whole = True  # the answer's trial, whose breakdown is read
+    second.whole = True  # (made_steps=False; an answer whose made peak could not be sorted)
     assert second.mode(Plan(2, 32, "bf16"), device, 2, 1) is None
 
 
