@@ -7,7 +7,8 @@ step's recording has), and the lives that outlive the first step go on into the 
 trace is walked storage by storage, each life given the first step's record it stands for (by where that record was
 born in the tracker's events), the tensor peak found as a Recorder finds it (the first time live bytes are highest),
 and the lives at it summed by kind. Where a life's record cannot be told (a storage resized inside the made step,
-a record born outside the kept events) the answer is None, and the caller runs both steps for the breakdown."""
+a record born outside the kept events) the answer is None: the trial has no breakdown (the estimate's answer is
+then traced again with both steps run)."""
 
 from __future__ import annotations
 
