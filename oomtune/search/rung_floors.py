@@ -122,7 +122,8 @@ class RungFloors:
                            for floor, rungs in groups.items())
         budget = min(b for _, b in self.passed.values())
         made = (f" (floors measured with {KEPT}, {KEPT + 1} and {KEPT + 2} of its {self.blocks.blocks} repeated "
-                "blocks, each figure on its line to all of them)" if self.passed_made else "")
+                "blocks, each figure on its line to all of them; the optimizer step's scratch left out)"
+                if self.passed_made else "")
         return (f"{self.model_file.label}: not tried on the {names} rung{'s' if len(self.passed) > 1 else ''} past "
                 f"accumulation: {floors}, more than the {format_bytes(budget)} the budget leaves tensors, whatever "
                 f"the batch{made}",)
