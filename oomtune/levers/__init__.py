@@ -161,14 +161,14 @@ def make_optimizer(model_file, params: Sequence[nn.Parameter], lr: float, model:
 def model_state(model: nn.Module) -> dict:
     """The model's state dict as a checkpoint keeps it: NF4 frozen weights left out (they are rebuilt from the
     model file, which the trainer seeds alike on every build)."""
-    from .nf4 import is_nf4
+    from ..memory.made_nf4 import is_nf4
 
     return {k: v for k, v in model.state_dict().items() if not is_nf4(v)}
 
 
 def load_model_state(model: nn.Module, state: dict) -> None:
     """Load a checkpoint's model state (model_state's): strict, except for the NF4 weights it leaves out."""
-    from .nf4 import is_nf4
+    from ..memory.made_nf4 import is_nf4
 
     left_out = {k for k, v in model.state_dict().items() if is_nf4(v)}
     missing, unexpected = model.load_state_dict(state, strict=not left_out)

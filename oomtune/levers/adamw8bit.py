@@ -136,16 +136,19 @@ class BlockwiseAdamW8bit(torch.optim.Optimizer):
         for a in range(0, n, CHUNK_BLOCKS):
             b = min(a + CHUNK_BLOCKS, n)
             part = (lambda x: x) if b - a == n else (lambda x, a=a, b=b: x[a:b])  # one chunk: no slicing
-            kind = self.fake_scratch.kind(p, b - a, b - a == n)
-            if self.fake_scratch.make(kind, (p, codes_m, scale_m, codes_v, scale_v)):  # (fake: storages made)
-                continue
-            with self.fake_scratch.watching(kind):
-                m = dequantize(part(codes_m), part(scale_m), signed=True)
-                v = dequantize(part(codes_v), part(scale_v), signed=False)
-                self._update(part(rows), part(grad), m, v, group, state["step"])
-                _store(part(codes_m), part(scale_m), m, signed=True)
-                _store(part(codes_v), part(scale_v), v, signed=False)
-                del m, v  # before the next chunk's: the step's scratch is one chunk's
+            kind = self.fake_scratch.kind(p, b - a, b - a == n)  # (fake: made from the first of its kind)
+            self.fake_scratch.run(kind, lambda part=part: self._chunk(part, rows, grad, (codes_m, scale_m),
+                                                                      (codes_v, scale_v), group, state["step"]),
+                                  (p, codes_m, scale_m, codes_v, scale_v))
+
+    def _chunk(self, part, rows, grad, moment1, moment2, group: dict, step: int) -> None:
+        """One chunk of rows: both moments dequantized, the update, the moments stored back (the step's scratch is
+        one chunk's: each is freed before the next)."""
+        m = dequantize(part(moment1[0]), part(moment1[1]), signed=True)
+        v = dequantize(part(moment2[0]), part(moment2[1]), signed=False)
+        self._update(part(rows), part(grad), m, v, group, step)
+        _store(part(moment1[0]), part(moment1[1]), m, signed=True)
+        _store(part(moment2[0]), part(moment2[1]), v, signed=False)
 
     @staticmethod
     def _update(p: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor, group: dict,

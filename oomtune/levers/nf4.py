@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..memory.made_nf4 import made_to_nf4
+
 NF4_BLOCK, SCALER_BLOCK = 64, 256  # torchao's defaults (to_nf4)
 
 
@@ -83,7 +85,8 @@ def quantize_frozen(model: nn.Module, computes: bool = True) -> int:
     weight of each shape and dtype, and `nf4_like` makes the others' NF4 tensors without it (its hundreds of ops
     a weight compute nothing there). The memory is the same: what a quantization stores and its scratch depend on
     the shape alone, and the scratch's peak for a shape is at its first weight, the one with the most unquantized
-    weights still alive around it (each quantized weight frees its original)."""
+    weights still alive around it (each quantized weight frees its original). That first one is made from the
+    process's first quantization of its kind (memory/made_nf4.made_to_nf4: the same storages, in the same order)."""
     to_nf4 = library_to_nf4()
     layers = frozen_linears(model)
     seen: set[tuple] = set()
@@ -91,9 +94,12 @@ def quantize_frozen(model: nn.Module, computes: bool = True) -> int:
         conv1d = is_conv1d(m)
         w = m.weight.detach().t().contiguous() if conv1d else m.weight.detach()  # a Conv1D's: the Linear's layout
         key = (tuple(w.shape), w.dtype)
-        quantize = to_nf4 if computes or key not in seen else nf4_like
+        if computes:
+            quantized = to_nf4(w, NF4_BLOCK, SCALER_BLOCK)
+        else:
+            quantized = made_to_nf4(to_nf4, w, NF4_BLOCK, SCALER_BLOCK) if key not in seen else nf4_like(w)
         seen.add(key)
-        m.weight = nn.Parameter(quantize(w, NF4_BLOCK, SCALER_BLOCK), requires_grad=False)
+        m.weight = nn.Parameter(quantized, requires_grad=False)
         if conv1d:
             m.__class__ = _as_linear_class(type(m))
         del w
@@ -121,5 +127,3 @@ def nf4_like(weight: torch.Tensor, block_size: int = NF4_BLOCK, scaler_block_siz
                      torch.empty(16, dtype=dtype, device=device))
 
 
-def is_nf4(t) -> bool:
-    return type(t).__name__ == "NF4Tensor"

@@ -292,7 +292,8 @@ def test_a_gpt2_models_conv1d_projections_are_stored_in_nf4_and_compute_what_the
     ~145%), and the fake device still measures what the cpu device does."""
     import copy
 
-    from oomtune.levers.nf4 import frozen_linears, is_nf4, quantize_frozen
+    from oomtune.levers.nf4 import frozen_linears, quantize_frozen
+    from oomtune.memory.made_nf4 import is_nf4
 
     mf = load_model_file(ROOT / "tests" / "levers" / "models" / "hf_gpt2_qlora.py")
     model = mf.build().eval()

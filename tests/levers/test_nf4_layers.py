@@ -11,8 +11,9 @@ from torch import nn
 
 from oomtune.config.schema import Plan
 from oomtune.errors import OomtuneError
-from oomtune.levers.nf4 import frozen_linears, is_nf4
+from oomtune.levers.nf4 import frozen_linears
 from oomtune.memory.devices import CpuDevice, FakeDevice
+from oomtune.memory.made_nf4 import is_nf4
 from oomtune.model_file import load_model_file
 from oomtune.search.options import LEVERS, resolve_targets
 from oomtune.search.probe import probe

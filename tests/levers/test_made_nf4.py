@@ -1,0 +1,139 @@
+"""NF4 weights on fake tensors: their dequantization (per use) and quantization (per build) made from the first call
+of their kind (memory/made_nf4.py, memory/made_calls.py). A trial's figures, its trace (every storage's birth, size
+and death, in order) and its breakdown equal those with every call computed: for the NF4 lever's weights (forward,
+checkpointing's recomputation and backward; a second trial whose quantization is made from the first trial's), and
+for NF4 weights a model file makes itself. Real tensors are always computed, and so is a memory snapshot's trial.
+Devices: fake (the estimate's never-out twin with a card's rules, which traces) and cpu."""
+
+from __future__ import annotations
+
+from importlib.util import find_spec
+
+import pytest
+
+from oomtune.config.schema import Plan
+from oomtune.dist.group import LOCAL
+from oomtune.memory import made_calls, made_nf4
+from oomtune.memory.breakdown import recorded_trial
+from oomtune.memory.devices import CpuDevice, FakeDevice
+from oomtune.model_file import load_model_file
+from oomtune.search.trial import run_trial
+
+from ..search.test_block_extrapolation import MODELS, _deeper, _twin
+
+pytestmark = pytest.mark.skipif(find_spec("torchao") is None,
+                                reason="torchao is not installed (pip install -e '.[dev]')")
+
+NF4 = Plan(2, 64, "bf16-true", activation_checkpointing=True, nf4_frozen_weights=True)
+OWN_NF4 = '''
+import torch
+from torch import nn
+
+from oomtune.levers.nf4 import library_to_nf4
+
+
+class FrozenNF4Linear(nn.Linear):
+    """As torchtune's QLoRA layers: the frozen weight parameter is itself torchao's NF4Tensor."""
+
+    def __init__(self, i, o):
+        super().__init__(i, o, bias=False)
+        self.weight = nn.Parameter(library_to_nf4()(self.weight.detach(), 64, 256), requires_grad=False)
+
+    def forward(self, x):
+        return nn.functional.linear(x, self.weight)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(100, 256)
+        self.frozen = nn.ModuleList([FrozenNF4Linear(256, 256) for _ in range(3)])
+        self.head = nn.Linear(256, 100)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        for layer in self.frozen:
+            x = torch.relu(layer(x))
+        return self.head(x)
+
+
+def build_model():
+    return Net()
+
+
+def make_batch(batch_size, context_length, device):
+    ids = torch.randint(0, 100, (batch_size, context_length), device=device)
+    return {"ids": ids, "targets": ids}
+
+
+def loss(model, batch):
+    return nn.functional.cross_entropy(model(batch["ids"]).flatten(0, 1), batch["targets"].flatten())
+'''
+
+
+def _counted(monkeypatch) -> list[int]:
+    made = [0]
+    real = made_calls.made
+
+    def make(pattern, written=()):
+        made[0] += 1
+        return real(pattern, written)
+
+    monkeypatch.setattr(made_calls, "made", make)
+    return made
+
+
+def _lora_wide(tmp_path):
+    path = _deeper(tmp_path, MODELS / "hf_llama_lora.py", 2, wide=True)
+    text = path.read_text().replace("hidden_size=64,", "hidden_size=256,")
+    out = tmp_path / "wide_lora.py"
+    out.write_text(text)
+    return out
+
+
+def _same(made, computed):
+    (result, bd), (run, run_bd) = made, computed
+    assert result.trace == run.trace and result.trace is not None
+    for figure in ("peak_bytes", "peak_allocated_bytes", "phase_peaks", "modelled_reserved_bytes", "host_peak_bytes"):
+        assert getattr(result, figure) == getattr(run, figure), figure
+    assert bd == run_bd
+
+
+def test_made_nf4_calls_leave_the_trace_of_computed_ones(tmp_path, monkeypatch):
+    """device: fake. The NF4 lever on a PEFT LoRA Llama with checkpointing: every dequantization after the first of
+    its kind made, in forward, recomputation and backward; the second trial's quantization made from the first's."""
+    mf = load_model_file(_lora_wide(tmp_path))
+    monkeypatch.setattr(made_nf4, "QUANTIZED", made_calls.MadeCalls())  # (this test's patterns, not the process's)
+    made = _counted(monkeypatch)
+    first = recorded_trial(mf, NF4, _twin(), 2, LOCAL, run_trial)
+    in_first = made[0]
+    second = recorded_trial(mf, NF4, _twin(), 2, LOCAL, run_trial)
+    assert in_first > 0 and made_nf4.QUANTIZED.made > 0  # dequantizations made, then the second build's weights
+    uses = 2 * 3 * 7  # two steps, each: forward, recomputation and backward of 7 NF4 linears a layer x 2 layers / 2
+    assert made[0] - in_first >= uses  # (every use reached, the recomputation's and backward's too)
+    monkeypatch.setattr(made_nf4, "fake_call", lambda *a: None)  # every call computed
+    computed = recorded_trial(mf, NF4, _twin(), 2, LOCAL, run_trial)
+    _same(first, computed)
+    _same(second, computed)
+
+
+def test_nf4_weights_a_model_file_makes_itself_are_dequantized_as_made(write_model, monkeypatch):
+    """device: fake. torchtune's way (the model file's own to_nf4): its weights' uses made, the trace the same."""
+    mf = load_model_file(write_model(OWN_NF4))
+    plan = Plan(2, 64, "bf16-true", activation_checkpointing=True)
+    made = _counted(monkeypatch)
+    result = recorded_trial(mf, plan, _twin(), 2, LOCAL, run_trial)
+    assert made[0] > 0
+    monkeypatch.setattr(made_nf4, "fake_call", lambda *a: None)
+    _same(result, recorded_trial(mf, plan, _twin(), 2, LOCAL, run_trial))
+
+
+def test_real_tensors_and_a_snapshot_compute_every_nf4_call(tmp_path, monkeypatch):
+    """devices: cpu (real tensors) and fake (a memory snapshot shows each storage's op and frames): nothing made."""
+    from oomtune.memory.breakdown import snapshot
+
+    mf = load_model_file(_lora_wide(tmp_path))
+    made = _counted(monkeypatch)
+    assert not run_trial(mf, NF4, CpuDevice("2GiB")).oom
+    assert snapshot(mf, NF4, FakeDevice("2GiB"))
+    assert made[0] == 0
