@@ -134,10 +134,12 @@ def not_a_loss(label: str, value: torch.Tensor, batch: Batch, near: str = "") ->
             f"it, e.g. `{example(batch, value.dim(), 'model(x, y)')}`")
 
 
-def check_first_loss(model_file, model: nn.Module, batch_of) -> None:
+def check_first_loss(model_file, model: nn.Module, batch_of, fewer=None) -> None:
     """The default loss once on `batch_of()` (micro-batch 1, on the caller's fake tensors): a forward that refuses
     the batch, an output that is no loss, are said now, before any trial. An error inside the model's own code or
-    make_batch's says nothing here (it may be the fake tensors'): the trials meet it, as they did."""
+    make_batch's says nothing here (it may be the fake tensors'): the trials meet it, as they did. First inside
+    `fewer()` (where given), where the model has fewer of its repeated blocks (checkpointing.runs_cut: what is
+    checked does not depend on how many); only where that forward fails does the whole model's run."""
     if model_file.has("loss"):
         return
     try:
@@ -145,6 +147,13 @@ def check_first_loss(model_file, model: nn.Module, batch_of) -> None:
     except OomtuneError:  # (make_batch's own errors: the trials say them)
         return
     model.train()
+    if fewer is not None:
+        with fewer():
+            try:
+                model_file.loss(model, batch)
+                return
+            except Exception:  # noqa: BLE001  (the whole model's forward says what is wrong, if anything is)
+                pass
     try:
         model_file.loss(model, batch)
     except OomtuneError as e:  # (a value fake tensors do not have, NeedsValues: the trials compute it)

@@ -60,3 +60,76 @@ def test_a_model_returning_logits_is_told_it_needs_a_loss_not_a_mean(write_model
                                                        "(2, 3, 4), not a loss") + ".*" + re.escape(
             "F.cross_entropy(model(x, y).flatten(0, 1), y.flatten())`")):
         mf.loss(mf.build(), mf.batch(2, 3, torch.device("cpu")))
+
+
+STACKED = """
+import torch
+from torch import nn
+
+CALLS = []
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x):
+        CALLS.append(len(CALLS))
+        return torch.relu(self.lin(x))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 16)
+        self.layers = nn.ModuleList([Block() for _ in range(6)])
+        self.out = nn.Linear(16, 10)
+
+    def forward(self, x, y):
+        h = self.emb(x)
+        for LOOP:
+            h = layer(h)
+        return RETURN
+
+
+def build_model():
+    return Net()
+
+
+def make_batch(batch_size, context_length, device):
+    x = torch.randint(0, 10, (batch_size, context_length), device=device)
+    return x, x
+"""
+LOSS = "nn.functional.cross_entropy(self.out(h).flatten(0, 1), y.flatten())"
+
+
+@pytest.mark.parametrize(("loop", "ret", "forwarded"), [
+    ("for layer in self.layers:", LOSS, 2),  # 2 of the 6 blocks: the check passes there
+    ("for layer in self.layers:", "self.out(h)", 2 + 6),  # logits, not a loss: told, from the whole model's forward
+    ("for i in range(6):\n            layer = self.layers[i]", LOSS, 2 + 6),  # fails with 2 of them: runs whole
+])
+def test_the_first_loss_is_checked_on_two_of_the_repeated_blocks(write_model, monkeypatch, loop, ret, forwarded):
+    """device: fake (static_memory's first loss). A 7B Llama's first-loss forward took 2.8 s of 32 layers; on 2 of
+    them, what it checks (the batch the forward takes, the loss it returns) is the same. Where the forward fails with
+    fewer blocks, the whole model's runs and says what is wrong; the stack holds its blocks again after."""
+    from oomtune.memory import breakdown
+
+    mf = load_model_file(write_model(STACKED.replace("for LOOP:", loop).replace("RETURN", ret)))
+    calls, seen = mf.module.CALLS, []
+    real = breakdown.check_first_loss
+
+    def check(model_file, model, *args):
+        before = len(calls)
+        try:
+            real(model_file, model, *args)
+        finally:
+            seen.append((len(calls) - before, len(model.layers)))
+
+    monkeypatch.setattr(breakdown, "check_first_loss", check)
+    if ret == LOSS:
+        breakdown.static_memory(mf)
+    else:
+        with pytest.raises(ModelFileError, match="looks like logits"):
+            breakdown.static_memory(mf)
+    assert seen == [(forwarded, 6)]

@@ -24,6 +24,7 @@ from ..checkpointing import (
     describe_blocks,
     hf_checkpointing,
     repeated_runs,
+    runs_cut,
 )
 from ..config.schema import TRIAL_STEPS, MemoryBreakdown, Plan
 from ..dist.group import LOCAL, Dist, ranks_for
@@ -194,7 +195,8 @@ def static_memory(model_file: ModelFile, plan: Plan | None = None, levers: str =
         drops = layer_drop_note(model_file.label, model)
         if plan is None:  # the default loss's first mistakes, before any trial
             with CudaOnHost():
-                check_first_loss(model_file, model, functools.partial(_first_batch, model_file))
+                check_first_loss(model_file, model, functools.partial(_first_batch, model_file),
+                                 functools.partial(runs_cut, runs) if runs else None)  # (on 2 of its blocks)
         release_tensor_hooks(model)
         del model, params, opt
     return StaticMemory(weights, grads, optimizer_state, name, checkpointing, compiled, temporaries, nf4, host,
