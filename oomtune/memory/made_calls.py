@@ -5,11 +5,12 @@ torchao's NF4 dequantization of a weight, its quantization) computes nothing: al
 storages its ops make and free, in order, and what it returns. The first call of each kind (the caller says what a
 kind is: the shapes and dtypes of what it is given) runs as on every device, watched: each storage an op makes (not a
 view or an in-place write of one it was given), its size, dtype and device, where it is freed among the births, and
-which of them the call returns (as what view). Each later call of that kind makes storages of the same sizes with
-`torch.empty`, frees them in the same order and returns views of those it returned, one op each, which the tracker
-counts (its budget, the allocator model, the trace, the breakdown's recorder) as it counts the call's own ops; the
-tensors the call writes in place are marked as written with unknown values (fakes.Values), as its ops would. A call
-that leaves alive a storage it does not return, or returns one it did not make, is never made.
+which of them the call returns (as what view). Each later call of that kind makes storages of the same sizes,
+frees them in the same order and returns views of those it returned (made with `torch.empty`; the others counted
+by the tracker with no tensor made), which the tracker counts (its budget, the allocator model, the trace, the
+breakdown's recorder) as it counts the call's own ops; the tensors the call writes in place are marked as written
+with unknown values (fakes.Values), as its ops would. A call that leaves alive a storage it does not return, or
+returns one it did not make, is never made.
 
 Real tensors (the cpu device, a GPU) are always computed, and so is every call of a memory snapshot's trial (it shows
 each storage's op and frames): `fake_call` says where a call may be made.
@@ -106,19 +107,43 @@ def watched(call: Callable[[], object], returned: Callable[[object], list[torch.
 
 def made(pattern: Pattern, written: tuple[torch.Tensor, ...] = ()) -> list[torch.Tensor]:
     """The call's storages made from its pattern, in order; the tensors it returned (views of those left alive).
-    `written`: the tensors the call writes in place (their values, if any were known, are not after it)."""
-    held: dict[int, torch.Tensor] = {}
-    for event in pattern.events:
-        if event[0] == "b":
-            _, index, nbytes, dtype, device = event
-            held[index] = torch.empty(nbytes // dtype.itemsize, dtype=dtype, device=device)
-        else:
-            del held[event[1]]
-    for mode in _get_current_dispatch_mode_stack():
+    `written`: the tensors the call writes in place (their values, if any were known, are not after it). What it
+    returns is made with `torch.empty`; its scratch (born and freed inside) is counted by each tracker counting
+    (MemoryTracker.count_made) with no tensor made, unless a call around it is being watched (which sees ops only)."""
+    modes = _get_current_dispatch_mode_stack()
+    counting = ([] if any(isinstance(m, _Watch) for m in modes)
+                else [t for t in tracker._ACTIVE if not t._paused])
+    returned = {o[0] for o in pattern.outputs}
+    held: dict[int, object] = {}  # birth index -> its tensor, or the token its scratch is counted under
+    try:
+        for event in pattern.events:
+            if event[0] == "b":
+                _, index, nbytes, dtype, device = event
+                if counting and index not in returned:
+                    held[index] = token = object()
+                    for t in counting:
+                        t.count_made(id(token), nbytes)
+                else:
+                    held[index] = torch.empty(nbytes // dtype.itemsize, dtype=dtype, device=device)
+            else:
+                _let_go(held.pop(event[1]), counting)
+    except BaseException:
+        for gone in held.values():
+            _let_go(gone, counting)
+        raise
+    for mode in modes:
         if isinstance(mode, Values):
             for t in written:
                 mode._mark_stale(t)
     return [held[index].as_strided(size, stride, offset) for index, size, stride, offset in pattern.outputs]
+
+
+def _let_go(gone: object, counting: list) -> None:
+    """A made storage freed: a tensor's dies with it; a token's is released by the trackers that counted it."""
+    if not isinstance(gone, torch.Tensor):
+        for t in counting:
+            if t.follow:  # (a one-off count never sees a death)
+                t._release(id(gone))
 
 
 class MadeCalls:

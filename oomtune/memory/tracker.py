@@ -181,17 +181,17 @@ class MemoryTracker(TorchDispatchMode):
             return 0
         return self._account_storage(st)
 
-    def _account_storage(self, st: torch.UntypedStorage) -> int:
-        """Count `st` at its current size (new, or resized in place); return the bytes newly counted."""
-        key = id(st)
-        raw = st.nbytes()
+    def _account_storage(self, st: torch.UntypedStorage | None, key: int | None = None, raw: int = 0) -> int:
+        """Count `st` at its current size (new, or resized in place); return the bytes newly counted. `st` None: a
+        storage no tensor holds, of `raw` bytes under `key` (made_calls.py), which the caller releases."""
+        key, raw = (id(st), st.nbytes()) if st is not None else (key, raw)
         size = rounded(raw)
         if key in self._host_sizes or (self._hosting and key not in self._sizes):  # (a view of a device tensor: not)
-            return self._account_host(st, key, size)
+            return self._account_host(st, key, size, raw)
         old = self._sizes.get(key)
         if old is None:
             self._sizes[key] = size
-            if self.follow:
+            if self.follow and st is not None:
                 weakref.finalize(st, self._release, key)
         elif old != size:  # resize_ / set_ grew or shrank it in place
             self._sizes[key] = size
@@ -228,12 +228,12 @@ class MemoryTracker(TorchDispatchMode):
                 size, self.allocator.capacity_bytes, self.allocator.reserved_bytes, self.kind,
                 f" The caching allocator (as modelled) {e}.")) from None
 
-    def _account_host(self, st: torch.UntypedStorage, key: int, size: int) -> int:
-        old, raw = self._host_sizes.get(key), st.nbytes()
+    def _account_host(self, st: torch.UntypedStorage | None, key: int, size: int, raw: int) -> int:
+        old = self._host_sizes.get(key)
         if self.events is not None and (old != size or self._raw.get(key, raw) != raw):
             self.events.append(("host", key, raw))
         self._raw[key] = raw
-        if old is None and self.follow:
+        if old is None and self.follow and st is not None:
             weakref.finalize(st, self._release, key)
         self._host_sizes[key] = size
         self.host_live_bytes += size - (old or 0)
@@ -296,6 +296,14 @@ class MemoryTracker(TorchDispatchMode):
                 for t in _tensors(obj):
                     added += self._count(t)
         return added
+
+    def count_made(self, key: int, raw: int) -> None:
+        """A storage of `raw` bytes that no tensor holds, counted under `key` as an op's output is (the recorder,
+        the allocator model, the budget): a call's scratch made from its pattern (made_calls.py), which frees it
+        with `_release(key)`."""
+        if self.recorder is not None:
+            self.recorder.op = "empty"
+        self._check_budget(self._account_storage(None, key, raw))
 
     def reset_peak(self) -> None:
         self.peak_bytes = self.live_bytes
