@@ -75,6 +75,24 @@ def test_the_made_second_step_gives_the_figures_of_both_steps_run(tmp_path, sour
     assert made_bd == whole_bd and whole_bd is not None
 
 
+@pytest.mark.parametrize("source", [EXAMPLES / "tiny_gpt.py", MODELS / "hf_llama_lora.py"], ids=_id)
+def test_a_check_without_checkpointing_makes_the_checkpointed_second_step(source):
+    """device: fake. The ladder's checkpointing rung has the levers of the rung before it, plus checkpointing: the
+    check made there holds (checkpointing and activation offloading change when a step's activations live, not
+    what outlives the step), and its made trial's figures and breakdown equal both steps run."""
+    mf = load_model_file(source)
+    second, device = SecondSteps(), _twin()
+    _recorded(mf, Plan(2, 32, "bf16"), device, second)
+    assert list(second.agreed.values()) == [True]
+    for plan in (CKPT, dataclasses.replace(CKPT, offload_activations=True)):
+        made, made_bd = _recorded(mf, plan, device, second)
+        whole, whole_bd = _recorded(mf, plan, _twin())
+        assert made.second_step_made
+        for figure in FIGURES:
+            assert getattr(made, figure) == getattr(whole, figure), figure
+        assert made_bd == whole_bd and whole_bd is not None
+
+
 def test_where_the_second_step_differs_both_steps_run():
     """device: fake. AdaLoRA's rank allocator makes its scores in the first step's optimizer phase and keeps
     changing its storages after: the made step would differ from the run one, so the check says no and later
