@@ -41,7 +41,7 @@ from .host_kernels import has_lstm
 from .layer_drop import layer_drop_note
 from .on_host import CudaOnHost
 from .recorder import Recorder
-from .tracker import MemoryTracker
+from .tracker import MemoryTracker, storage_key
 
 
 @dataclass(frozen=True)
@@ -77,6 +77,7 @@ class StaticMemory:
     # their gradients may never reach the optimizer, so none of them, its state or its step count in the floor
     repeated_blocks: tuple | None = None  # the model as built (plan None): (the class of the blocks it repeats, the
     # length of their stack, where their run starts) (checkpointing.repeated_runs), None where it repeats none
+    bf16_weights_bytes: int = 0  # the model as built (plan None): its weights cast to bf16, a bound under bf16-true's
 
     @property
     def trained_elements(self) -> int:
@@ -151,6 +152,7 @@ def static_memory(model_file: ModelFile, plan: Plan | None = None, levers: str =
             model = model_file.build()
         nf4 = sum(m.weight.numel() for m in frozen_linears(model))
         runs = repeated_runs(model) if plan is None else []
+        bf16 = _bf16_weights(model) if plan is None else 0
         repeats = (type(runs[0][0][-1]), len(runs[0][0]), runs[0][1]) if runs else None
         low, frozen = (_low_dtype(p for p in model.parameters() if p.requires_grad is trained)
                        for trained in (True, False))
@@ -203,7 +205,20 @@ def static_memory(model_file: ModelFile, plan: Plan | None = None, levers: str =
                         levers, low, trained, batch_norm, itself, lstm, breaks, frozen_dtype=frozen,
                         layer_drop=drops, checkpointing_via=via, checkpointing_idle=idle, blocks_wrapped=wrapped,
                         optimizer_blocks=own, steps_in_backward=stepping, chunked_loss_why=chunked_why,
-                        repeated_blocks=repeats)
+                        repeated_blocks=repeats, bf16_weights_bytes=bf16)
+
+
+def _bf16_weights(model: torch.nn.Module) -> int:
+    """The parameters' and buffers' bytes with every floating storage of more than 2 bytes an element at 2, each
+    storage once, 512-byte rounded: a bound under what a bf16-true build's weights hold (RungFloors.at_least)."""
+    from .allocator import rounded
+    sizes = {}
+    for t in (*model.parameters(), *model.buffers()):
+        if (key := storage_key(t)) is not None:  # (not a wrapper subclass's)
+            cast = t.is_floating_point() and t.element_size() > 2
+            raw = t.untyped_storage().nbytes()
+            sizes[key] = rounded(raw * 2 // t.element_size() if cast else raw)
+    return sum(sizes.values())
 
 
 def _wrapped_blocks(model_file: ModelFile, model: torch.nn.Module) -> tuple[str, str | None]:

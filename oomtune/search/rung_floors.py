@@ -33,8 +33,8 @@ class RungFloors:
     """The rungs' floors, each measured once (`floor`), and the rungs passed because theirs does not fit the tensor
     budget (`reaches`, `note`). Shared by the estimate's floor check (`lowest`), its ladder, and the prior's
     ladder and the device's in a probe, so that no floor is measured twice. `static`: the model's own (no levers),
-    whose weights alone bound the floor of a rung that leaves them as built (not bf16-true, not NF4): where they are
-    past the budget, that rung is passed with no floor measured."""
+    whose weights alone bound the floor of a rung that leaves them as built (not NF4; cast to bf16 for bf16-true):
+    where they are past the budget, that rung is passed with no floor measured."""
 
     def __init__(self, model_file: ModelFile, static: StaticMemory, blocks: BlockTrials | None = None):
         self.model_file = model_file
@@ -86,9 +86,10 @@ class RungFloors:
 
     def at_least(self, rung: Rung) -> int:
         """A bound under the rung's floor, known without measuring it: the weights as built, for a rung that
-        leaves them so (not bf16-true, not NF4); else 0."""
-        keeps = rung.precision != "bf16-true" and not rung.nf4_frozen_weights
-        return self.static.weights_bytes if keeps else 0
+        leaves them so; cast to bf16 (StaticMemory.bf16_weights_bytes) for bf16-true; 0 for NF4."""
+        if rung.nf4_frozen_weights:
+            return 0
+        return self.static.bf16_weights_bytes if rung.precision == "bf16-true" else self.static.weights_bytes
 
     def for_ladder(self, tensor_budget: int) -> Callable[[Rung], bool]:
         """`reaches` at `tensor_budget` for one ladder's climb (LadderSearch.reaches): the rungs passed are that
@@ -101,7 +102,8 @@ class RungFloors:
         """Can some plan of `rung` fit? False where its floor alone is past `tensor_budget` (what the limit leaves
         tensors)."""
         if self.at_least(rung) > tensor_budget:
-            self.passed[rung.name] = f"weights {format_bytes(self.at_least(rung))} alone", tensor_budget
+            what = "weights in bf16" if rung.precision == "bf16-true" else "weights"
+            self.passed[rung.name] = f"{what} {format_bytes(self.at_least(rung))} alone", tensor_budget
             return False
         floor = self.floor(rung)
         if floor.floor_bytes <= tensor_budget:

@@ -45,7 +45,8 @@ def test_a_floor_made_from_fewer_blocks_is_the_whole_models(tmp_path, source, la
     wide = source == "wide"  # the LoRA Llama, wide enough for NF4
     path = _deeper(tmp_path, MODELS / "hf_llama_lora.py" if wide else source, layers, wide)
     mf = load_model_file(path)
-    floors = RungFloors(mf, static_memory(mf), BlockTrials(min_blocks=5))
+    static = dataclasses.replace(static_memory(mf), bf16_weights_bytes=0)  # (no bound passes a rung before its floor)
+    floors = RungFloors(mf, static, BlockTrials(min_blocks=5))
     made = floors.floor(rung)
     assert floors.extrapolated == {floor_plan(rung)} and floors.blocks.blocks == layers
     whole = static_memory(mf, floor_plan(rung), rung.name, checks=False)

@@ -129,3 +129,40 @@ def test_each_ladder_notes_the_rungs_it_passed_itself(monkeypatch):
     assert not prior(IN_BWD) and "step-in-backward" in floors.note()[0]  # the weights alone, past the twin's 900
     device = floors.for_ladder(2000)
     assert device(IN_BWD) and floors.note() == ()  # 1500 fits the device's 2000: its climb passed nothing
+
+
+def test_a_bf16_true_rung_is_passed_on_its_weights_cast_to_bf16_alone(monkeypatch):
+    """A 7B's weights cast to bf16 (13.5 GB) on a 12 GB card: the bf16-true rungs are passed with no floor measured
+    (it took three builds of 2, 3 and 4 layers each); an NF4 rung is measured."""
+    from types import SimpleNamespace
+
+    from oomtune.memory.breakdown import StaticMemory
+    from oomtune.search import rung_floors
+
+    static = StaticMemory(weights_bytes=1000, gradients_bytes=1000, optimizer_bytes=2000, optimizer_name="AdamW",
+                          checkpointing_supported=True, bf16_weights_bytes=600)
+    measured: list[str] = []
+    monkeypatch.setattr(rung_floors, "static_memory", lambda mf, plan, name, **kw: measured.append(name) or
+                        StaticMemory(300, 100, 200, "AdamW", True))
+    floors = rung_floors.RungFloors(SimpleNamespace(label="m.py"), static)
+    nf4 = Rung("bf16-true+nf4", "bf16-true", False, nf4_frozen_weights=True)
+    assert not floors.reaches(TRUE, 550) and measured == []
+    assert floors.reaches(nf4, 650) and measured == ["bf16-true+nf4"]  # (300 + 100 + 200)
+    assert "bf16-true rung past accumulation: weights in bf16 600 B alone" in floors.note()[0]
+
+
+def test_the_weights_cast_to_bf16_bound_what_a_bf16_true_build_holds():
+    """device: fake. For model files of each kind (GPT, PEFT LoRA Llama, T5 with its fp32 buffers, a model built
+    in bf16, one that moves itself with .to()): the bound is under the bf16-true build's weights, and close."""
+    from oomtune.config.schema import Plan
+    from oomtune.memory.breakdown import static_memory
+    from oomtune.model_file import load_model_file
+
+    from .test_block_extrapolation import MODELS
+
+    for path in (EXAMPLES / "tiny_gpt.py", MODELS / "hf_llama_lora.py", MODELS / "hf_t5.py", MODELS / "moved.py",
+                 MODELS / "hf_mixtral_lora.py"):
+        mf = load_model_file(path)
+        bound = static_memory(mf).bf16_weights_bytes
+        true = static_memory(mf, Plan(1, 1, "bf16-true"), "bf16-true", checks=False).weights_bytes
+        assert 0.9 * true <= bound <= true, (path.name, bound, true)
