@@ -120,8 +120,9 @@ def main(argv: list[str] | None = None) -> int:
         "trial traced whole, both steps run; the 7B's sizes still replayed). After: the defaults. The trial counts "
         "say how each figure was found: run (traced whole, both steps), first-step-run (the second step made from "
         "the first), replayed (from two sizes), extrapolated (from 2, 3 and 4 repeated blocks). Both columns pass "
-        "the rungs past accumulation whose floor does not fit (rung_floors.py; the floors made from 2, 3 and 4 blocks "
-        "only after) and make the 8-bit AdamW's fake chunks from the first of their kind (levers/fake_scratch.py), "
+        "the rungs past accumulation whose floor does not fit (rung_floors.py, with their bounds; the floors made "
+        "from 2, 3 and 4 blocks only after), make the 8-bit AdamW's fake chunks and NF4's dequantizations and "
+        "quantizations from the first of their kind (memory/made_calls.py) and check the first loss on 2 blocks, "
         "so neither is the code before issue 40.",
     ])
     write_section(args.out, "estimate-speed", text, heading="## Estimate speed")
