@@ -65,10 +65,10 @@ def runs_cut(runs: list[tuple[nn.ModuleList, int]], keep: int = 2) -> Iterator[N
     """Inside, each stack of `runs` (repeated_runs) keeps `keep` members of its run; the others are put back after,
     in order (a forward that does not depend on how many blocks there are, at a fraction of its cost)."""
     cut = []
-    for stack, start in runs:
-        cut.append((stack, list(stack)[start + keep:]))
-        del stack[start + keep:]
     try:
+        for stack, start in runs:
+            cut.append((stack, list(stack)[start + keep:]))
+            del stack[start + keep:]
         yield
     finally:
         for stack, rest in cut:

@@ -138,8 +138,9 @@ def check_first_loss(model_file, model: nn.Module, batch_of, fewer=None) -> None
     """The default loss once on `batch_of()` (micro-batch 1, on the caller's fake tensors): a forward that refuses
     the batch, an output that is no loss, are said now, before any trial. An error inside the model's own code or
     make_batch's says nothing here (it may be the fake tensors'): the trials meet it, as they did. First inside
-    `fewer()` (where given), where the model has fewer of its repeated blocks (checkpointing.runs_cut: what is
-    checked does not depend on how many); only where that forward fails does the whole model's run."""
+    `fewer()` (where given), where the model has fewer of its repeated blocks (checkpointing.runs_cut: the batch the
+    forward takes and the loss it returns do not depend on how many; a failure only deeper in the stack is left to
+    the trials, as one in the model's own code is); only where that forward fails does the whole model's run."""
     if model_file.has("loss"):
         return
     try:

@@ -20,14 +20,10 @@ from ..memory.made_calls import MadeCalls, fake_call
 
 
 class FakeScratch:
-    """Per optimizer: its chunks' patterns (memory/made_calls.MadeCalls), and how many chunks were made."""
+    """Per optimizer: its chunks' patterns (memory/made_calls.MadeCalls)."""
 
     def __init__(self):
         self.calls = MadeCalls()
-
-    @property
-    def made(self) -> int:
-        return self.calls.made
 
     @staticmethod
     def kind(p: torch.Tensor, rows: int, whole: bool) -> tuple | None:

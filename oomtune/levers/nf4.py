@@ -9,11 +9,13 @@ its weight is stored as the Linear's (out, in) in NF4 and its forward becomes F.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..memory.made_nf4 import made_to_nf4
+from ..memory.made_nf4 import hook, made_to_nf4, nf4_tensor
 
 NF4_BLOCK, SCALER_BLOCK = 64, 256  # torchao's defaults (to_nf4)
 
@@ -70,11 +72,13 @@ def _blocks_fit(numel: int) -> bool:
 
 
 def library_to_nf4():
-    """torchao's to_nf4 (its module moved between releases); ImportError where torchao is missing."""
+    """torchao's to_nf4 (its module moved between releases); ImportError where torchao is missing. Its NF4 weights'
+    dequantization on fake tensors is made from then on (memory/made_nf4.hook)."""
     try:
         from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
     except ImportError:
         from torchao.dtypes.nf4tensor import to_nf4
+    hook(sys.modules[to_nf4.__module__])
     return to_nf4
 
 
@@ -110,20 +114,15 @@ def nf4_like(weight: torch.Tensor, block_size: int = NF4_BLOCK, scaler_block_siz
     """torchao's NF4Tensor of `weight`'s shape, its tensors made empty as to_nf4 would store them: 4 bits an element,
     an int8 scale per block; in the weight's own dtype, a factor per block of scales, their mean and the 16 NF4
     values."""
-    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor, SubclassTensorArgs
-
     n, device, dtype = weight.numel(), weight.device, weight.dtype
-    meta = SubclassTensorArgs(weight.size(), weight.stride(), weight.storage_offset(), dtype, device, False)
     blocks = n // block_size
     scaler_blocks = blocks // scaler_block_size
     # as to_nf4 makes it: one factor per block of scales, taken from a (blocks, scaler_block_size) tensor (a single
     # block keeps that tensor's storage: contiguous() copies only a strided column)
     factor = torch.empty(scaler_blocks, scaler_block_size, dtype=dtype, device=device)[:, 0]
     factor = factor.view(scaler_blocks).contiguous()
-    return NF4Tensor(meta, block_size, blocks, scaler_block_size,
-                     torch.empty(blocks, dtype=torch.int8, device=device), factor,
-                     torch.empty((), dtype=dtype, device=device),
-                     torch.empty(n // 2, dtype=torch.uint8, device=device),
-                     torch.empty(16, dtype=dtype, device=device))
+    inner = [torch.empty(blocks, dtype=torch.int8, device=device), factor, torch.empty((), dtype=dtype, device=device),
+             torch.empty(n // 2, dtype=torch.uint8, device=device), torch.empty(16, dtype=dtype, device=device)]
+    return nf4_tensor(sys.modules[library_to_nf4().__module__], weight.detach(), block_size, scaler_block_size, inner)
 
 

@@ -209,15 +209,16 @@ def static_memory(model_file: ModelFile, plan: Plan | None = None, levers: str =
 
 
 def _bf16_weights(model: torch.nn.Module) -> int:
-    """The parameters' and buffers' bytes with every floating storage of more than 2 bytes an element at 2, each
-    storage once, 512-byte rounded: a bound under what a bf16-true build's weights hold (RungFloors.at_least)."""
+    """The weights' bytes as `.to(torch.bfloat16)` leaves them (a tensor it casts: a copy of its elements at 2 bytes;
+    another: its storage once), 512-byte rounded: a bound under a bf16-true build's (RungFloors.at_least)."""
     from .allocator import rounded
     sizes = {}
     for t in (*model.parameters(), *model.buffers()):
         if (key := storage_key(t)) is not None:  # (not a wrapper subclass's)
-            cast = t.is_floating_point() and t.element_size() > 2
-            raw = t.untyped_storage().nbytes()
-            sizes[key] = rounded(raw * 2 // t.element_size() if cast else raw)
+            if (t.is_floating_point() or t.is_complex()) and t.element_size() > 2:
+                sizes[key, t.storage_offset(), t.shape, t.stride()] = rounded(t.numel() * 2)
+            else:
+                sizes[key] = rounded(t.untyped_storage().nbytes())
     return sum(sizes.values())
 
 

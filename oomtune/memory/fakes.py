@@ -387,7 +387,7 @@ class KnownData(TorchFunctionMode):
 def real_code_paths() -> Iterator[None]:
     """Everything above, for a stretch of work on fake tensors (enter inside FakeTensorMode), with NF4 weights'
     dequantization made from the first of its kind (made_nf4.py, which reads this module's Values)."""
-    from .made_nf4 import MadeDequant
+    from .made_nf4 import made_dequant
 
-    with swappable_fakes(), library_view(), Values(), one_fake_mode(), KnownData(), MadeDequant():
+    with swappable_fakes(), library_view(), Values(), one_fake_mode(), KnownData(), made_dequant():
         yield

@@ -51,6 +51,9 @@ class _Watch(TorchDispatchMode):
         self.alive: dict[int, int] = {}  # id(storage) -> its birth's index, while it lives
         self.births = 0
         self.on = True
+        self.hosting = _hosting()
+        self.sizes: dict[int, int] = {}  # birth index -> its bytes
+        self.odd = False  # a storage resized in place, hosted otherwise than the call began, or with no plain storage
 
     def _died(self, key: int, index: int) -> None:
         self.alive.pop(key, None)
@@ -59,36 +62,51 @@ class _Watch(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        given = {id(t.untyped_storage()) for t in _tensors((args, kwargs or {}))}
-        for t in _tensors(out):
-            st = t.untyped_storage()
+        try:
+            given = {id(t.untyped_storage()) for t in _tensors((args, kwargs or {}))}
+            made = [(t, t.untyped_storage()) for t in _tensors(out)]
+        except (RuntimeError, NotImplementedError):  # (a tensor with no plain storage: never made)
+            self.odd = True
+            return out
+        for t, st in made:
             key = id(st)
+            if key in self.alive:
+                self.odd |= st.nbytes() != self.sizes[self.alive[key]]  # (resized in place)
             if key in given or key in self.alive:
                 continue
+            self.odd |= _hosting() != self.hosting
             index, self.births = self.births, self.births + 1
             self.alive[key] = index
             self.events.append(("b", index, st.nbytes(), t.dtype, t.device))
+            self.sizes[index] = st.nbytes()
             weakref.finalize(st, self._died, key, index)
         return out
 
 
+def _hosting() -> bool:
+    """Whether the innermost tracker counts what is made now as the host's."""
+    return bool(tracker._ACTIVE) and tracker._ACTIVE[-1]._hosting > 0
+
+
 def fake_call(*tensors: torch.Tensor) -> tuple | None:
     """What a call's kind holds beyond its arguments' shapes, where it may be made: (whether the tracker counts what
-    it makes as the host's, whether autograd records); None where it is computed (a tensor is real, or a memory
-    snapshot's trial records each storage's op and frames)."""
+    it makes as the host's, whether autograd records, whether autocast is on); None where it is computed (a tensor
+    is real, or a memory snapshot's trial records each storage's op and frames)."""
     if not all(isinstance(t, FakeTensor) for t in tensors):
         return None
     active = tracker._ACTIVE[-1] if tracker._ACTIVE else None
     if active is not None and active.recorder is not None and active.recorder.stacks:
         return None
-    return (active is not None and active._hosting > 0), torch.is_grad_enabled()
+    return (_hosting(), torch.is_grad_enabled(), torch.is_autocast_enabled("cpu"),
+            torch.is_autocast_enabled("cuda"))
 
 
 def watched(call: Callable[[], object], returned: Callable[[object], list[torch.Tensor]] = lambda out: []
             ) -> tuple[object, Pattern | None]:
     """(call(), its pattern): None where it cannot be made again (it left a storage alive that it does not return,
-    returned a tensor on a storage it did not make or of another dtype than it was made with, or made a size that is
-    not a whole number of its dtype's items). `returned(out)`: the tensors out holds, in a fixed order."""
+    returned a tensor on a storage it did not make or of another dtype than it was made with, made a size that is
+    not a whole number of its dtype's items, resized a storage it made, made one hosted otherwise than the call
+    began, or one with no plain storage). `returned(out)`: the tensors out holds, in a fixed order."""
     watch = _Watch()
     with watch:
         out = call()
@@ -97,10 +115,11 @@ def watched(call: Callable[[], object], returned: Callable[[object], list[torch.
     outputs = []
     for t in returned(out):
         index = watch.alive.get(id(t.untyped_storage()))
-        if index is None or births[index][3] != t.dtype:
+        if index is None or births[index][3] != t.dtype or births[index][2] != t.untyped_storage().nbytes():
             return out, None
         outputs.append((index, tuple(t.shape), t.stride(), t.storage_offset()))
-    if set(watch.alive.values()) != {o[0] for o in outputs} or any(e[2] % e[3].itemsize for e in births.values()):
+    if (watch.odd or set(watch.alive.values()) != {o[0] for o in outputs}
+            or any(e[2] % e[3].itemsize for e in births.values())):
         return out, None
     return out, Pattern(tuple(watch.events), tuple(outputs))
 

@@ -6,7 +6,7 @@ backward, and once more where checkpointing recomputes the forward): about 30 op
 of a weight-sized scratch, and the same for every weight of a shape. A 7B QLoRA trial of 2-4 layers spent a sixth of
 its time there; its builds spent as much quantizing (to_nf4: about 60 ops, for the first weight of each shape in each
 build). On fake tensors each is made from the first call of its kind: the dequantization per measured stretch
-(`MadeDequant`, which the fake device enters: kinds are the weight's shape, its inner tensors' shapes
+(`made_dequant`, which the fake device enters: kinds are the weight's shape, its inner tensors' shapes
 and dtypes, the dtype asked for), the quantization for the process (`made_to_nf4`: a weight's shape and dtype). What
 they make and free is the same storages in the same order (tests/levers/test_made_nf4.py: the trial's trace equal,
 event for event, to every call computed). Real tensors are always computed.
@@ -14,12 +14,12 @@ event for event, to every call computed). Real tensors are always computed.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
-from torch.overrides import TorchFunctionMode
 
 from .made_calls import MadeCalls, fake_call
 
@@ -54,34 +54,32 @@ def dequant_kind(weight, args: tuple, kwargs: dict) -> tuple | None:
             tuple(_meta(t) for t in inner), device, dtype, non_blocking, memory_format, *where)
 
 
-class MadeDequant(TorchFunctionMode):
+NF4_MODULES = ("torchao.quantization.quantize_.workflows.nf4.nf4_tensor", "torchao.dtypes.nf4tensor")  # torchao's,
+# newer and older
+_STRETCHES: list[MadeCalls] = []  # the measured stretches inside made_dequant(), innermost last
+
+
+@contextlib.contextmanager
+def made_dequant() -> Iterator[None]:
     """NF4 weights' `.to(dtype)` (their dequantization) made from the first of its kind, in one measured stretch.
-    torchao's NF4Tensor answers `.to` from its table of torch functions, which every caller reaches: the forward,
-    linear_nf4's backward and checkpointing's recomputation, where no TorchFunctionMode is active. So the first NF4
-    weight this mode sees (given to any torch function) or that made_to_nf4 makes has that table's entry wrapped
-    (`hook`), once for the process: outside a stretch, or on real tensors, the wrapper calls torchao's own."""
-
-    def __enter__(self):
-        _STRETCHES.append(MadeCalls())
-        return super().__enter__()
-
-    def __exit__(self, *exc):
+    torchao's NF4Tensor answers `.to` from its table of torch functions, which every caller reaches (the forward,
+    linear_nf4's backward, checkpointing's recomputation, where no TorchFunctionMode is active): that table's entry
+    is wrapped once for the process (`hook`), where torchao's NF4 module is loaded when a stretch begins, or when
+    made_to_nf4 (the NF4 lever's quantization) makes a weight. Outside a stretch, or on real tensors, the wrapper
+    calls torchao's own. (A model file that loads torchao inside its build has its first trial computed.)"""
+    for name in NF4_MODULES:
+        if name in sys.modules:
+            hook(sys.modules[name])
+    _STRETCHES.append(MadeCalls())
+    try:
+        yield
+    finally:
         _STRETCHES.pop()
-        return super().__exit__(*exc)
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        for a in args[:2]:  # (weight.to(dtype); F.linear(x, weight), whose own calls this mode does not see)
-            if is_nf4(a):
-                hook(a)
-        return func(*args, **(kwargs or {}))
 
 
-_STRETCHES: list[MadeCalls] = []  # the stretches inside MadeDequant, innermost last
-
-
-def hook(weight) -> None:
-    """Wrap the `.to` of the torch function table of `weight`'s NF4 class, once (see MadeDequant)."""
-    table = getattr(sys.modules.get(type(weight).__module__), "NF4_TORCH_FUNCTIONS", None)
+def hook(module) -> None:
+    """Wrap the `.to` entry of torchao's NF4 torch function table in `module`, once (see made_dequant)."""
+    table = getattr(module, "NF4_TORCH_FUNCTIONS", None)
     own = table.get(torch.Tensor.to) if isinstance(table, dict) else None
     if own is None or getattr(own, "made_from_first", False):
         return
@@ -102,18 +100,17 @@ QUANTIZED = MadeCalls()  # to_nf4's patterns, for the process: a build quantizes
 
 def made_to_nf4(to_nf4: Callable, weight: torch.Tensor, block_size: int, scaler_block_size: int):
     """to_nf4(weight, block_size, scaler_block_size), made from the first quantization of its kind where the weight
-    is fake (the NF4 tensor rebuilt around the inner tensors made)."""
+    is fake (the NF4 tensor rebuilt around the inner tensors made, by to_nf4's own module)."""
+    library = sys.modules[to_nf4.__module__]
+    hook(library)
     where = fake_call(weight)
     kind = (_meta(weight), block_size, scaler_block_size, *where) if where is not None else None
-    out = QUANTIZED(kind, lambda: to_nf4(weight, block_size, scaler_block_size), _inner,
-                    lambda inner: _rebuilt(weight, block_size, scaler_block_size, inner))
-    hook(out)
-    return out
+    return QUANTIZED(kind, lambda: to_nf4(weight, block_size, scaler_block_size), _inner,
+                     lambda inner: nf4_tensor(library, weight, block_size, scaler_block_size, inner))
 
 
-def _rebuilt(weight: torch.Tensor, block_size: int, scaler_block_size: int, inner: list[torch.Tensor]):
-    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor, SubclassTensorArgs
-
-    meta = SubclassTensorArgs(weight.size(), weight.stride(), weight.storage_offset(), weight.dtype, weight.device,
-                              weight.requires_grad)
-    return NF4Tensor(meta, block_size, weight.numel() // block_size, scaler_block_size, *inner)
+def nf4_tensor(library, weight: torch.Tensor, block_size: int, scaler_block_size: int, inner: list[torch.Tensor]):
+    """The NF4Tensor of `library` (torchao's NF4 module) for `weight`'s shape, around `inner` (INNER's order)."""
+    meta = library.SubclassTensorArgs(weight.size(), weight.stride(), weight.storage_offset(), weight.dtype,
+                                      weight.device, weight.requires_grad)
+    return library.NF4Tensor(meta, block_size, weight.numel() // block_size, scaler_block_size, *inner)

@@ -20,6 +20,7 @@ from oomtune.model_file import load_model_file
 from oomtune.search.trial import run_trial
 
 from ..search.test_block_extrapolation import MODELS, _deeper, _twin
+from .test_fake_scratch import _counted
 
 pytestmark = pytest.mark.skipif(find_spec("torchao") is None,
                                 reason="torchao is not installed (pip install -e '.[dev]')")
@@ -71,18 +72,6 @@ def loss(model, batch):
 '''
 
 
-def _counted(monkeypatch) -> list[int]:
-    made = [0]
-    real = made_calls.made
-
-    def make(pattern, written=()):
-        made[0] += 1
-        return real(pattern, written)
-
-    monkeypatch.setattr(made_calls, "made", make)
-    return made
-
-
 def _lora_wide(tmp_path):
     path = _deeper(tmp_path, MODELS / "hf_llama_lora.py", 2, wide=True)
     text = path.read_text().replace("hidden_size=64,", "hidden_size=256,")
@@ -104,13 +93,15 @@ def test_made_nf4_calls_leave_the_trace_of_computed_ones(tmp_path, monkeypatch):
     its kind made, in forward, recomputation and backward; the second trial's quantization made from the first's."""
     mf = load_model_file(_lora_wide(tmp_path))
     monkeypatch.setattr(made_nf4, "QUANTIZED", made_calls.MadeCalls())  # (this test's patterns, not the process's)
-    made = _counted(monkeypatch)
+    made = [0]
+    _counted(monkeypatch, made)
     first = recorded_trial(mf, NF4, _twin(), 2, LOCAL, run_trial)
     in_first = made[0]
     second = recorded_trial(mf, NF4, _twin(), 2, LOCAL, run_trial)
-    assert in_first > 0 and made_nf4.QUANTIZED.made > 0  # dequantizations made, then the second build's weights
-    uses = 2 * 3 * 7  # two steps, each: forward, recomputation and backward of 7 NF4 linears a layer x 2 layers / 2
-    assert made[0] - in_first >= uses  # (every use reached, the recomputation's and backward's too)
+    # 2 steps x (forward, recomputation, backward) x 2 layers x 7 NF4 linears = 84 uses, all made but the first of
+    # each kind: 4 shapes (q and o, k and v, gate and up, down) x autocast's state (on in the forward and the
+    # recomputation, off in backward) = 76; in the second trial also its build's 4 first quantizations of a shape
+    assert (in_first, made[0] - in_first, made_nf4.QUANTIZED.made) == (76, 80, 4)
     monkeypatch.setattr(made_nf4, "fake_call", lambda *a: None)  # every call computed
     computed = recorded_trial(mf, NF4, _twin(), 2, LOCAL, run_trial)
     _same(first, computed)
@@ -121,7 +112,8 @@ def test_nf4_weights_a_model_file_makes_itself_are_dequantized_as_made(write_mod
     """device: fake. torchtune's way (the model file's own to_nf4): its weights' uses made, the trace the same."""
     mf = load_model_file(write_model(OWN_NF4))
     plan = Plan(2, 64, "bf16-true", activation_checkpointing=True)
-    made = _counted(monkeypatch)
+    made = [0]
+    _counted(monkeypatch, made)
     result = recorded_trial(mf, plan, _twin(), 2, LOCAL, run_trial)
     assert made[0] > 0
     monkeypatch.setattr(made_nf4, "fake_call", lambda *a: None)
@@ -133,7 +125,8 @@ def test_real_tensors_and_a_snapshot_compute_every_nf4_call(tmp_path, monkeypatc
     from oomtune.memory.breakdown import snapshot
 
     mf = load_model_file(_lora_wide(tmp_path))
-    made = _counted(monkeypatch)
+    made = [0]
+    _counted(monkeypatch, made)
     assert not run_trial(mf, NF4, CpuDevice("2GiB")).oom
     assert snapshot(mf, NF4, FakeDevice("2GiB"))
     assert made[0] == 0

@@ -151,9 +151,36 @@ def test_a_bf16_true_rung_is_passed_on_its_weights_cast_to_bf16_alone(monkeypatc
     assert "bf16-true rung past accumulation: weights in bf16 600 B alone" in floors.note()[0]
 
 
-def test_the_weights_cast_to_bf16_bound_what_a_bf16_true_build_holds():
-    """device: fake. For model files of each kind (GPT, PEFT LoRA Llama, T5 with its fp32 buffers, a model built
-    in bf16, one that moves itself with .to()): the bound is under the bf16-true build's weights, and close."""
+COMPLEX_AND_VIEWS = """
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("freqs_cis", torch.polar(torch.ones(512, 64), torch.zeros(512, 64)))  # complex64
+        whole = torch.zeros(4096, 64)
+        self.part = nn.Parameter(whole[:64])  # a view of a storage 64 times its size
+        self.out = nn.Linear(64, 10)
+
+    def forward(self, x, y):
+        return nn.functional.cross_entropy(self.out(x.float() @ self.part), y)
+
+
+def build_model():
+    return Net()
+
+
+def make_batch(batch_size, context_length, device):
+    return torch.randn(batch_size, 64, device=device), torch.randint(0, 10, (batch_size,), device=device)
+"""
+
+
+def test_the_weights_cast_to_bf16_bound_what_a_bf16_true_build_holds(write_model):
+    """device: fake. For model files of each kind (GPT, PEFT LoRA Llama, T5 with its fp32 buffers, one that moves
+    itself with .to(), Mixtral; a complex buffer, which `.to(bf16)` casts, and a parameter that is a view of a larger
+    storage, which it copies alone): the bound is under the bf16-true build's weights, and close."""
     from oomtune.config.schema import Plan
     from oomtune.memory.breakdown import static_memory
     from oomtune.model_file import load_model_file
@@ -161,7 +188,7 @@ def test_the_weights_cast_to_bf16_bound_what_a_bf16_true_build_holds():
     from .test_block_extrapolation import MODELS
 
     for path in (EXAMPLES / "tiny_gpt.py", MODELS / "hf_llama_lora.py", MODELS / "hf_t5.py", MODELS / "moved.py",
-                 MODELS / "hf_mixtral_lora.py"):
+                 MODELS / "hf_mixtral_lora.py", write_model(COMPLEX_AND_VIEWS)):
         mf = load_model_file(path)
         bound = static_memory(mf).bf16_weights_bytes
         true = static_memory(mf, Plan(1, 1, "bf16-true"), "bf16-true", checks=False).weights_bytes

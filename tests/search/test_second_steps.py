@@ -81,16 +81,18 @@ def test_a_check_without_checkpointing_makes_the_checkpointed_second_step(source
     check made there holds (checkpointing and activation offloading change when a step's activations live, not
     what outlives the step), and its made trial's figures and breakdown equal both steps run."""
     mf = load_model_file(source)
-    second, device = SecondSteps(), _twin()
-    _recorded(mf, Plan(2, 32, "bf16"), device, second)
-    assert list(second.agreed.values()) == [True]
-    for plan in (CKPT, dataclasses.replace(CKPT, offload_activations=True)):
-        made, made_bd = _recorded(mf, plan, device, second)
-        whole, whole_bd = _recorded(mf, plan, _twin())
-        assert made.second_step_made
-        for figure in FIGURES:
-            assert getattr(made, figure) == getattr(whole, figure), figure
-        assert made_bd == whole_bd and whole_bd is not None
+    plain, offloaded = Plan(2, 32, "bf16"), dataclasses.replace(CKPT, offload_activations=True)
+    for checked, others in ((plain, (CKPT, offloaded)), (offloaded, (plain,))):  # (and the other way round)
+        second, device = SecondSteps(), _twin()
+        _recorded(mf, checked, device, second)
+        assert list(second.agreed.values()) == [True]
+        for plan in others:
+            made, made_bd = _recorded(mf, plan, device, second)
+            whole, whole_bd = _recorded(mf, plan, _twin())
+            assert made.second_step_made
+            for figure in FIGURES:
+                assert getattr(made, figure) == getattr(whole, figure), figure
+            assert made_bd == whole_bd and whole_bd is not None
 
 
 def test_where_the_second_step_differs_both_steps_run():
