@@ -6,10 +6,10 @@ backward, and once more where checkpointing recomputes the forward): about 30 op
 of a weight-sized scratch, and the same for every weight of a shape. A 7B QLoRA trial of 2-4 layers spent a sixth of
 its time there; its builds spent as much quantizing (to_nf4: about 60 ops, for the first weight of each shape in each
 build). On fake tensors each is made from the first call of its kind: the dequantization per measured stretch
-(`made_dequant`, which the fake device enters: kinds are the weight's shape, its inner tensors' shapes
-and dtypes, the dtype asked for), the quantization for the process (`made_to_nf4`: a weight's shape and dtype). What
-they make and free is the same storages in the same order (tests/levers/test_made_nf4.py: the trial's trace equal,
-event for event, to every call computed). Real tensors are always computed.
+(`made_dequant`, which the fake device enters: kinds are the weight's shape, its inner tensors' shapes and dtypes,
+the dtype asked for), the quantization for the process (`made_to_nf4`: a weight's shape and dtype). What they make
+and free is the same storages in the same order (tests/levers/test_made_nf4.py: the trial's trace equal, event for
+event, to every call computed). Real tensors are always computed.
 """
 
 from __future__ import annotations
