@@ -67,8 +67,9 @@ def runs_cut(runs: list[tuple[nn.ModuleList, int]], keep: int = 2) -> Iterator[N
     cut = []
     try:
         for stack, start in runs:
-            cut.append((stack, list(stack)[start + keep:]))
+            rest = list(stack)[start + keep:]
             del stack[start + keep:]
+            cut.append((stack, rest))
         yield
     finally:
         for stack, rest in cut:

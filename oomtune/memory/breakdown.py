@@ -215,7 +215,7 @@ def _bf16_weights(model: torch.nn.Module) -> int:
     sizes = {}
     for t in (*model.parameters(), *model.buffers()):
         if (key := storage_key(t)) is not None:  # (not a wrapper subclass's)
-            if (t.is_floating_point() or t.is_complex()) and t.element_size() > 2:
+            if (t.is_floating_point() or t.is_complex()) and t.dtype != torch.bfloat16:
                 sizes[key, t.storage_offset(), t.shape, t.stride()] = rounded(t.numel() * 2)
             else:
                 sizes[key] = rounded(t.untyped_storage().nbytes())

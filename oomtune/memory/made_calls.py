@@ -28,7 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 
 from . import tracker
 from .fakes import Values
-from .tracker import _tensors
+from .tracker import _tensors, storage_key
 
 Event = tuple  # ("b", index, nbytes, dtype, device) a birth; ("f", index) a free
 
@@ -68,6 +68,7 @@ class _Watch(TorchDispatchMode):
         except (RuntimeError, NotImplementedError):  # (a tensor with no plain storage: never made)
             self.odd = True
             return out
+        self.odd |= any(storage_key(t) is None for t, _ in made)  # (a wrapper subclass's, sparse: never made)
         for t, st in made:
             key = id(st)
             if key in self.alive:
