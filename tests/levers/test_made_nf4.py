@@ -19,6 +19,7 @@ from oomtune.memory.devices import CpuDevice, FakeDevice
 from oomtune.model_file import load_model_file
 from oomtune.search.trial import run_trial
 
+from ..memory.test_fake_model_code import own_nf4_source
 from ..search.test_block_extrapolation import MODELS, _deeper, _twin
 from .test_fake_scratch import _counted
 
@@ -26,50 +27,6 @@ pytestmark = pytest.mark.skipif(find_spec("torchao") is None,
                                 reason="torchao is not installed (pip install -e '.[dev]')")
 
 NF4 = Plan(2, 64, "bf16-true", activation_checkpointing=True, nf4_frozen_weights=True)
-OWN_NF4 = '''
-import torch
-from torch import nn
-
-from oomtune.levers.nf4 import library_to_nf4
-
-
-class FrozenNF4Linear(nn.Linear):
-    """As torchtune's QLoRA layers: the frozen weight parameter is itself torchao's NF4Tensor."""
-
-    def __init__(self, i, o):
-        super().__init__(i, o, bias=False)
-        self.weight = nn.Parameter(library_to_nf4()(self.weight.detach(), 64, 256), requires_grad=False)
-
-    def forward(self, x):
-        return nn.functional.linear(x, self.weight)
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(100, 256)
-        self.frozen = nn.ModuleList([FrozenNF4Linear(256, 256) for _ in range(3)])
-        self.head = nn.Linear(256, 100)
-
-    def forward(self, ids):
-        x = self.emb(ids)
-        for layer in self.frozen:
-            x = torch.relu(layer(x))
-        return self.head(x)
-
-
-def build_model():
-    return Net()
-
-
-def make_batch(batch_size, context_length, device):
-    ids = torch.randint(0, 100, (batch_size, context_length), device=device)
-    return {"ids": ids, "targets": ids}
-
-
-def loss(model, batch):
-    return nn.functional.cross_entropy(model(batch["ids"]).flatten(0, 1), batch["targets"].flatten())
-'''
 
 
 def _lora_wide(tmp_path):
@@ -110,7 +67,7 @@ def test_made_nf4_calls_leave_the_trace_of_computed_ones(tmp_path, monkeypatch):
 
 def test_nf4_weights_a_model_file_makes_itself_are_dequantized_as_made(write_model, monkeypatch):
     """device: fake. torchtune's way (the model file's own to_nf4): its weights' uses made, the trace the same."""
-    mf = load_model_file(write_model(OWN_NF4))
+    mf = load_model_file(write_model(own_nf4_source()))
     plan = Plan(2, 64, "bf16-true", activation_checkpointing=True)
     made = [0]
     _counted(monkeypatch, made)

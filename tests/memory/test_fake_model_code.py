@@ -90,9 +90,10 @@ def test_the_fake_device_measures_the_model_code_as_the_cpu_does(path, plan):
         assert steps_on_cpu > 0 and len(model_file.module.STEPS) == 2 * steps_on_cpu
 
 
-@pytest.mark.skipif(find_spec("torchao") is None, reason="torchao is not installed (pip install -e '.[dev]')")
-def test_nf4_weights_a_model_file_makes_itself_count_at_their_layout_size(write_model):
-    source = LLAMA3_ROPE.read_text().replace("self.qkv, self.out = nn.Linear(d, 3 * d), nn.Linear(d, d)", """\
+def own_nf4_source() -> str:
+    """torchtune's QLoRA way, on the Llama 3 model file: its attention's qkv projection a Linear whose frozen weight
+    the model file itself stores as torchao's NF4Tensor."""
+    return LLAMA3_ROPE.read_text().replace("self.qkv, self.out = nn.Linear(d, 3 * d), nn.Linear(d, d)", """\
 self.qkv, self.out = FrozenNF4Linear(d, 3 * d), nn.Linear(d, d)""").replace("class Block(", '''\
 from oomtune.levers.nf4 import library_to_nf4
 
@@ -109,6 +110,11 @@ class FrozenNF4Linear(nn.Linear):
 
 
 class Block(''').replace("def __init__(self, d=32,", "def __init__(self, d=128,")
+
+
+@pytest.mark.skipif(find_spec("torchao") is None, reason="torchao is not installed (pip install -e '.[dev]')")
+def test_nf4_weights_a_model_file_makes_itself_count_at_their_layout_size(write_model):
+    source = own_nf4_source()
     model_file = load_model_file(write_model(source))
     plan = Plan(48, 64, "bf16-true")  # its peak in the step, past the quantization's scratch
     cpu = run_trial(model_file, plan, CpuDevice("1GiB"))
