@@ -266,10 +266,10 @@ class ModelFile:
             return bool(self._hooked_blocks(model))
         return hf_checkpointing(model) is not None or bool(self.blocks(model))
 
-    def enable_checkpointing(self, model: nn.Module) -> None:
+    def enable_checkpointing(self, model: nn.Module, wrap: bool = False) -> None:
         """Recompute each block's activations in backward instead of keeping them: Hugging Face models (PEFT-wrapped
-        too) through their own switch, the rest by wrapping `blocks`."""
-        enable = None if self.has("blocks") else hf_checkpointing(model)
+        too) through their own switch, the rest (and every model, `wrap`: compiled blocks) by wrapping `blocks`."""
+        enable = None if self.has("blocks") or wrap else hf_checkpointing(model)
         breaks = cannot_checkpoint(model) if enable is not None else None
         if breaks:  # (a plan written by hand, or before oomtune knew: its forward would fail with a shape error)
             raise ModelFileError(f"plan.activation_checkpointing: {self.label} cannot train checkpointed ({breaks}): "

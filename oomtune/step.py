@@ -34,7 +34,8 @@ from .levers import (
     make_optimizer,
     saved_activations,
 )
-from .levers.chunked_loss import check_applies, chunked_loss
+from .levers.chunked_loss import check_applies, chunk_cross_entropy, chunked_loss
+from .levers.compile import compile_model, compiled
 from .memory.devices import Device, is_oom
 from .model_file import Batch, ModelFile, ModelFileError
 from .rank_allocation import after_optimizer_step, allocator_of
@@ -60,6 +61,7 @@ class Training:
     micro_losses: torch.Tensor | None = None  # the step in flight's micro-batch losses, each from its backward on
     rank_allocator: nn.Module | None = None  # PEFT AdaLoRA's, called after each optimizer step (rank_allocation.py)
     steps_in_backward: int = 0  # parameters stepped in backward: the model file's own hooks or optimizer_in_backward
+    chunk_loss: Callable = chunk_cross_entropy  # a slice's loss under plan.chunked_loss (compiled: plan.compile)
 
     @property
     def module(self) -> nn.Module:
@@ -87,11 +89,13 @@ def build_training(model_file: ModelFile, plan: Plan, device: Device, lr: float,
 
     if model is None:
         model = dist.agreed(build) if plan.sharding != "none" else build()  # before any collective
+        if plan.chunked_loss:
+            check_applies(model_file, model)  # (before compile_model: it reads the model's own loss function)
+        if plan.compile:
+            compile_model(model_file, model, device.kind)
         if plan.activation_checkpointing:
-            model_file.enable_checkpointing(model)
+            model_file.enable_checkpointing(model, wrap=plan.compile)  # (around the compiled blocks)
     model.train()
-    if plan.chunked_loss:
-        check_applies(model_file, model)
     allocator = allocator_of(model)
     if allocator is not None and plan.sharding == "fsdp":
         raise OomtuneError(f"plan.sharding fsdp: {model_file.label}'s AdaLoRA adapters reallocate their ranks from "
@@ -116,6 +120,8 @@ def build_training(model_file: ModelFile, plan: Plan, device: Device, lr: float,
     t = Training(model, optimizer, _scaler(plan, device), plan, model_file, device, clip_grad_norm,
                  dist=dist, decaying=tuple(float(g.get("weight_decay") or 0) for g in optimizer.param_groups),
                  rank_allocator=allocator, steps_in_backward=stepping)
+    if plan.compile and plan.chunked_loss:
+        t.chunk_loss = compiled("a slice of the chunked loss", chunk_cross_entropy, device.kind)
     if weight_decay is not None:
         set_weight_decay(t, weight_decay)
     return t
@@ -163,7 +169,7 @@ def autocast(t: Training) -> contextlib.AbstractContextManager:
 def loss_of(t: Training, batch: Batch) -> torch.Tensor:
     """The micro-batch's loss: the model file's, or, under plan.chunked_loss, a causal LM's in slices."""
     if t.plan.chunked_loss:
-        return chunked_loss(t.model_file, t.model, cast_inputs(batch, t.plan))
+        return chunked_loss(t.model_file, t.model, cast_inputs(batch, t.plan), t.chunk_loss)
     return t.model_file.loss(t.model, cast_inputs(batch, t.plan))
 
 

@@ -35,6 +35,7 @@ TRIAL_STEPS = 2  # optimizer steps per trial: the optimizer state exists when th
 
 
 LEVER_LABELS = {  # the plan keys past accumulation, as a plan's description names them
+    "compile": "compiled",
     "chunked_loss": "chunked cross-entropy",
     "optimizer_in_backward": "optimizer stepped in backward",
     "optimizer_8bit": "8-bit AdamW state",
@@ -62,6 +63,7 @@ class Plan:
     nf4_frozen_weights: bool = False  # frozen Linear weights (PEFT LoRA's base) stored as 4-bit NF4
     chunked_loss: bool = False  # a causal LM's cross-entropy in 8 slices of the sequence, each upcast to fp32 alone
     optimizer_in_backward: bool = False  # each parameter updated in backward as its gradient is made, which is freed
+    compile: bool = False  # each block and the loss torch.compile'd (levers/compile.py)
     global_batch_size: int = 0  # 0 = derive it
 
     def __post_init__(self):

@@ -36,6 +36,8 @@ COMMENTS = {
                           "the logits' fp32 copy and gradient never whole (Hugging Face causal LMs)"),
     "plan.optimizer_in_backward": ("each parameter updated in backward as its gradient is made, then freed: no step "
                                    "holds every gradient; no accumulation, clipping or fp16"),
+    "plan.compile": ("each block (transformer layer) and the loss torch.compile'd, as torchtune compiles: fewer "
+                     "tensors saved for backward, fused kernels' intermediates never in memory"),
     "plan.global_batch_size": "micro_batch_size x grad_accum_steps x world_size: what the optimizer sees",
     "train.steps": "optimizer steps",
     "train.lr": "peak learning rate, after warmup",

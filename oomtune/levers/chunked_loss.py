@@ -47,7 +47,7 @@ def causal_lm_loss(model: nn.Module) -> str | None:
     except (ImportError, OSError, TypeError):
         return "its forward's source cannot be read"
     loss_type = getattr(base, "loss_type", None)  # (as transformers' loss_function resolves it, without its warning)
-    loss = vars(base).get("_loss_function") or LOSS_MAPPING[loss_type if loss_type in LOSS_MAPPING else "ForCausalLM"]
+    loss = inspect.unwrap(vars(base).get("_loss_function")) or LOSS_MAPPING[loss_type if loss_type in LOSS_MAPPING else "ForCausalLM"]
     if "self.loss_function(" not in source or loss is not LOSS_MAPPING.get("ForCausalLM"):
         return "its loss is not transformers' shifted cross-entropy (ForCausalLMLoss)"
     return None
@@ -72,8 +72,14 @@ def check_applies(model_file, model: nn.Module) -> None:
         raise OomtuneError(f"plan.chunked_loss: {why} (remove the key)", BAD_INPUT)
 
 
-def chunked_loss(model_file, model: nn.Module, batch) -> torch.Tensor:
-    """The causal LM's mean next-token cross-entropy over `batch` (a dict with `labels`), in CHUNKS slices."""
+def chunk_cross_entropy(part: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """One slice's cross-entropy, its logits upcast to fp32 alone, summed over the tokens counted."""
+    return F.cross_entropy(part.float().flatten(0, 1), target.flatten(), ignore_index=IGNORE, reduction="sum")
+
+
+def chunked_loss(model_file, model: nn.Module, batch, chunk_loss=chunk_cross_entropy) -> torch.Tensor:
+    """The causal LM's mean next-token cross-entropy over `batch` (a dict with `labels`), in CHUNKS slices, each
+    by `chunk_loss` (chunk_cross_entropy, or it compiled: plan.compile)."""
     if not isinstance(batch, dict) or "labels" not in batch:
         raise ModelFileError(f"{model_file.label}: plan.chunked_loss computes a causal LM's loss from the batch's "
                              "'labels', and make_batch's batch has none (add them, or remove the key)")
@@ -83,7 +89,6 @@ def chunked_loss(model_file, model: nn.Module, batch) -> torch.Tensor:
         labels = F.pad(batch["labels"], (0, 1), value=IGNORE)[:, 1:]  # token t predicts t + 1, as transformers shifts
         total = None
         for part, target in zip(logits.chunk(CHUNKS, dim=1), labels.chunk(CHUNKS, dim=1), strict=True):
-            loss = F.cross_entropy(part.float().flatten(0, 1), target.flatten(), ignore_index=IGNORE,
-                                   reduction="sum")
+            loss = chunk_loss(part, target)
             total = loss if total is None else total + loss
         return total / (labels != IGNORE).sum()

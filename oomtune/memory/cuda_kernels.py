@@ -72,10 +72,28 @@ def _softmax(log: bool):
     return kernel
 
 
+_NATIVE = [0]  # inside native_attention(): SDPA as torch itself runs it
+
+
+@contextlib.contextmanager
+def native_attention() -> Iterator[None]:
+    """SDPA as torch's own op, card or not: AOTAutograd tracing a compiled call (compiled.py) records the fused
+    attention op a compiled graph calls (on the CPU, its flash kernel: the output and the log-sum-exp saved, as the
+    CUDA flash kernel saves), not the card model's computation of it."""
+    _NATIVE[0] += 1
+    try:
+        yield
+    finally:
+        _NATIVE[0] -= 1
+
+
 @contextlib.contextmanager
 def cuda_kernels(card: GpuSpec) -> Iterator[None]:
     """Inside, SDPA and dropout on cpu tensors (fake ones too) run as on `card` (see the module doc)."""
     def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False):
+        if _NATIVE[0]:
+            return torch.ops.aten.scaled_dot_product_attention.default.decompose(
+                q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
         return attention(card, Call(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa))
 
     lib = torch.library.Library("aten", "IMPL")

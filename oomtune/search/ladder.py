@@ -39,6 +39,7 @@ class Rung:
     offload_activations: bool = False
     chunked_loss: bool = False
     optimizer_in_backward: bool = False  # no accumulation: its plan is the whole batch at once, or none
+    compile: bool = False  # every rung of a search asked to compile (--compile)
 
 
 @dataclass(frozen=True)

@@ -110,7 +110,7 @@ def plan_of(point: Point, world_size: int = 1) -> Plan:
                 grad_accum_steps=point.grad_accum_steps, world_size=world_size, sharding=r.sharding,
                 optimizer_8bit=r.optimizer_8bit, nf4_frozen_weights=r.nf4_frozen_weights,
                 offload_optimizer=r.offload_optimizer, offload_activations=r.offload_activations,
-                chunked_loss=r.chunked_loss, optimizer_in_backward=r.optimizer_in_backward)
+                chunked_loss=r.chunked_loss, optimizer_in_backward=r.optimizer_in_backward, compile=r.compile)
 
 
 def why_nothing_fits(ladder: LadderResult, targets: Targets, static: StaticMemory, limit: int, world: int,

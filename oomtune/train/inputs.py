@@ -127,7 +127,7 @@ def check_same_run(latest: Path, state: dict, plan: Plan, in_file: Plan, model_f
     where its weights are loaded."""
     written_for = Path(str(state.get("model_file", ""))).name
     levers = ("precision", "activation_checkpointing", "sharding", "optimizer_8bit", "offload_optimizer",
-              "offload_activations", "nf4_frozen_weights", "chunked_loss", "optimizer_in_backward")
+              "offload_activations", "nf4_frozen_weights", "chunked_loss", "optimizer_in_backward", "compile")
     if written_for and written_for != model_file.label and any(
             getattr(plan, k) != getattr(in_file, k) for k in levers):
         raise OomtuneError(f"checkpoint {latest} was written by a run of {written_for} ({plan.describe()}), not of "

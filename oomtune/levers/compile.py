@@ -1,0 +1,44 @@
+"""torch.compile as a plan's lever (plan.compile): each block compiled alone, and the loss, as torchtune compiles a
+model (`compile_model`, `compile_loss`). On cuda torch itself compiles them (inductor); on the cpu and fake devices,
+where Dynamo does not run under the memory tracker, each is a `memory.compiled.CompiledCall`: traced by AOTAutograd,
+its saved tensors chosen by the min-cut partitioner, its fused kernels' intermediates never in memory. Checkpointing
+wraps the compiled block (recomputed in backward, as a compiled checkpointed layer is)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from ..memory.compiled import CompiledCall
+
+
+def compiled(name: str, call: Callable, device_kind: str, module: nn.Module | None = None) -> Callable:
+    """`call` compiled: torch.compile on cuda, a CompiledCall on the simulated devices."""
+    if device_kind == "cuda":
+        return torch.compile(call)
+    return CompiledCall(name, call, module)
+
+
+def _own_forward(block: nn.Module) -> Callable:
+    """The block's forward without transformers' checkpointing wrapper (its GradientCheckpointingLayer's class
+    forward checkpoints inside): a compiled block is checkpointed from outside (model_file.enable_checkpointing)."""
+    forward = type(block).forward
+    if any(c.__name__ == "GradientCheckpointingLayer" for c in type(block).__mro__) and hasattr(forward, "__wrapped__"):
+        forward = forward.__wrapped__
+    return forward.__get__(block) if "forward" not in vars(block) else block.forward
+
+
+def compile_model(model_file, model: nn.Module, device_kind: str) -> None:
+    """Each of the model file's blocks compiled in place (before checkpointing wraps them), and a Hugging Face
+    model's own loss function where it has one."""
+    for i, block in enumerate(model_file.blocks(model)):
+        if device_kind == "cuda":
+            block.compile()
+        else:
+            block.forward = CompiledCall(f"block {i} ({type(block).__name__})", _own_forward(block), block)
+    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    loss = getattr(type(base), "loss_function", None)
+    if isinstance(loss, property) and loss.fset is not None:  # (transformers' PreTrainedModel)
+        base.loss_function = compiled("the loss", base.loss_function, device_kind)

@@ -1,0 +1,215 @@
+"""torch.compile's memory on the simulated devices: a call traced by AOTAutograd, run as inductor would keep it.
+
+Dynamo does not compile under a TorchDispatchMode (the memory tracker): a compiled model runs eager on the cpu and
+fake devices. What compiling changes in memory is kept here instead, for a block (a transformer layer, as torchtune
+compiles them one by one) or a function (the loss):
+
+1. Which tensors are saved for backward. AOTAutograd traces forward and backward together and its min-cut
+   partitioner chooses what forward keeps (cheap pointwise results are recomputed in backward): the forward graph's
+   outputs beyond the call's own are those. The call runs those two graphs, on the device's tensors.
+2. Which intermediates exist at all. Inductor fuses pointwise ops and reductions into kernels that write only what
+   leaves them: a kernel's output is a buffer where an op that is not fused (a matmul, attention, a convolution:
+   `extern`) reads it, or where it leaves the graph (saved for backward, returned). Every other op's result lives
+   in registers. The graphs run op by op here, and an op whose result is such an intermediate runs untracked:
+   nothing of it is counted. (Not modelled: inductor's own choice to keep a pointwise result many kernels read,
+   and its reuse of a dead buffer for one of the same size, which the allocator model sees as a reuse anyway.)
+
+Where AOTAutograd cannot trace a call (a data-dependent branch, a tensor it would bake in as a constant: a KV cache,
+an op with no fake kernel), the call runs eager and `fallbacks` says why: the estimate names it."""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+
+import torch
+from torch import fx, nn
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .tracker import untracked
+
+_aten = torch.ops.aten
+# ops inductor lowers into its fused kernels (beside every op tagged pointwise): reductions, and the composite ops
+# it decomposes into pointwise ops and reductions
+FUSED = frozenset((
+    "sum", "mean", "amax", "amin", "max", "min", "prod", "var", "var_mean", "std", "any", "all", "argmax", "argmin",
+    "logsumexp", "linalg_vector_norm", "norm", "_softmax", "_log_softmax", "_softmax_backward_data",
+    "_log_softmax_backward_data", "native_layer_norm", "native_layer_norm_backward", "native_group_norm",
+    "native_group_norm_backward", "_fused_rms_norm", "_fused_rms_norm_backward", "nll_loss_forward",
+    "nll_loss_backward", "nll_loss2d_forward", "nll_loss2d_backward", "_to_copy", "clone", "cat", "where",
+    "native_dropout", "native_dropout_backward", "embedding", "slice_backward", "select_backward", "slice_scatter",
+    "select_scatter", "index_select", "gather", "masked_fill", "constant_pad_nd", "full", "zeros", "ones",
+    "new_zeros", "new_ones", "new_full", "full_like", "zeros_like", "ones_like", "scalar_tensor", "arange", "fill",
+    "copy", "expand_copy", "permute_copy", "repeat", "tril", "triu", "mse_loss", "mse_loss_backward",
+    "_native_batch_norm_legit_functional", "native_batch_norm_backward", "lift_fresh_copy",
+))
+fallbacks: dict[str, str] = {}  # call name -> why it runs eager (read and cleared by the estimate)
+
+
+def _fused(node: fx.Node) -> bool:
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    return torch.Tag.pointwise in target.tags or target.overloadpacket.__name__ in FUSED
+
+
+def _aliases(node: fx.Node) -> bool:
+    """A view of its first argument (or an item of a multi-output op's result): no storage of its own."""
+    target = node.target
+    return target is operator.getitem or (isinstance(target, torch._ops.OpOverload) and target.is_view)
+
+
+def buffers(graph: fx.Graph) -> set[fx.Node]:
+    """The nodes whose results inductor writes to memory: the graph's outputs, every op not fused and what such an
+    op reads, and the base of any of those that is a view (a fused op with several results: all, if one is)."""
+    kept: set[fx.Node] = set()
+    for node in graph.nodes:
+        if node.op == "output":
+            kept.update(n for n in node.all_input_nodes)
+        elif node.op == "call_function" and not _aliases(node) and not _fused(node):
+            kept.add(node)
+            kept.update(node.all_input_nodes)
+    work = list(kept)
+    while work:  # a view kept keeps its base
+        node = work.pop()
+        if node.op == "call_function" and _aliases(node) and node.args and isinstance(node.args[0], fx.Node):
+            base = node.args[0]
+            if base not in kept:
+                kept.add(base)
+                work.append(base)
+    return kept
+
+
+def graph_runner(gm: fx.GraphModule, example_inputs=None) -> Callable:
+    """AOTAutograd's compiler for each graph: a boxed call that runs `gm`'s nodes in order, frees each value after
+    its last use (and the inputs as they are read), and counts only what `buffers` says inductor keeps."""
+    nodes = list(gm.graph.nodes)
+    if any(node.op == "get_attr" for node in nodes):
+        raise RuntimeError("the trace bakes in tensors that are not its inputs (a cache?)")
+    kept = buffers(gm.graph)
+    last: dict[fx.Node, fx.Node] = {}
+    for node in nodes:
+        for used in node.all_input_nodes:
+            last[used] = node
+    dies: dict[fx.Node, list[fx.Node]] = {}
+    for used, at in last.items():
+        dies.setdefault(at, []).append(used)
+
+    def run(args: list):
+        env: dict[fx.Node, object] = {}
+        inputs = iter(list(args))
+        args.clear()  # (boxed: the caller's list let go of, so an input dies at its last use here)
+        for node in nodes:
+            if node.op == "placeholder":
+                env[node] = next(inputs)
+            elif node.op == "call_function":
+                a, k = fx.map_arg((node.args, node.kwargs), lambda n: env[n])
+                if node in kept or _aliases(node):
+                    env[node] = node.target(*a, **k)
+                else:
+                    with untracked():  # a fused kernel's intermediate: never in memory
+                        env[node] = node.target(*a, **k)
+            elif node.op == "output":
+                return fx.map_arg(node.args[0], lambda n: env[n])
+            for dead in dies.get(node, ()):
+                env.pop(dead, None)
+        raise AssertionError("graph without output")
+
+    run._boxed_call = True
+    return run
+
+
+class _Call(nn.Module):
+    """The traced call: `module` (whose parameters and buffers AOTAutograd lifts to inputs), called as `call` with
+    the tensors it is given put back among the fixed arguments; its result flattened to a tuple."""
+
+    def __init__(self, module: nn.Module | None, call: Callable, fixed: list, where: list[int], spec):
+        super().__init__()
+        self.module = module
+        self._call, self._fixed, self._where, self._spec = call, fixed, where, spec
+        self.out_spec = None
+
+    def forward(self, *tensors):
+        leaves = list(self._fixed)
+        for i, t in zip(self._where, tensors, strict=True):
+            leaves[i] = t
+        args, kwargs = tree_unflatten(leaves, self._spec)
+        out, self.out_spec = tree_flatten(self._call(*args, **kwargs))
+        if not all(isinstance(o, torch.Tensor) for o in out):
+            raise TypeError("it returns something other than tensors")
+        return tuple(out)
+
+
+def _kv_cache(value) -> bool:
+    """A transformers KV cache handed to a layer in training (use_cache on): a compiled block is given None instead
+    (training never reads it back; the keys and values it would hold are saved for backward all the same), since a
+    trace would store its traced tensors in it."""
+    return type(value).__module__.startswith("transformers.") and any(c.__name__ == "Cache" for c in type(value).__mro__)
+
+
+def _key(leaves: list) -> tuple:
+    def one(x):
+        if isinstance(x, torch.Tensor):
+            return ("T", tuple(x.shape), x.stride(), x.dtype, x.requires_grad, x.device.type)
+        return ("V", type(x).__name__, repr(x))
+
+    return (tuple(one(x) for x in leaves), torch.is_grad_enabled(), torch.is_autocast_enabled("cpu"),
+            torch.get_autocast_dtype("cpu"))
+
+
+class CompiledCall:
+    """`call` (a module's forward, or a function) as a compiled call runs on the simulated devices: traced once per
+    kind of arguments (shapes, dtypes, what requires grad, autocast), then run as `graph_runner` runs the graphs."""
+
+    def __init__(self, name: str, call: Callable, module: nn.Module | None = None):
+        self.name, self.call, self.module = name, call, module
+        self.__wrapped__ = call  # (inspect.unwrap: what was compiled)
+        self._traced: dict[tuple, tuple] = {}
+        self.eager_why: str | None = None
+
+    def __call__(self, *args, **kwargs):
+        if self.eager_why is not None:
+            return self.call(*args, **kwargs)
+        kwargs = {k: None if _kv_cache(v) else v for k, v in kwargs.items()}
+        leaves, spec = tree_flatten((args, kwargs))
+        where = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+        key = (str(spec), _key(leaves))
+        found = self._traced.get(key)
+        if found is None:
+            fixed = [None if isinstance(x, torch.Tensor) else x for x in leaves]
+            holder = _Call(self.module, self.call, fixed, where, spec)
+            try:
+                found = (_trace(holder, [leaves[i] for i in where]), holder)
+            except Exception as e:  # noqa: BLE001 (whatever AOTAutograd cannot trace runs eager, and is named)
+                self.eager_why = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+                fallbacks[self.name] = self.eager_why
+                return self.call(*args, **kwargs)
+            self._traced[key] = found
+        fn, holder = found
+        out = fn(*[leaves[i] for i in where])
+        return tree_unflatten(list(out), holder.out_spec)
+
+
+def _stand_in(t: torch.Tensor) -> torch.Tensor:
+    """A fake tensor of the same layout on a storage nobody counts, for a fake one: AOTAutograd keeps its example
+    inputs (where they are fake, it traces with them as they are), which would keep the device's tensor alive."""
+    if not isinstance(t, FakeTensor):
+        return t  # (real ones it turns into fakes of its own)
+    with t.fake_mode:
+        out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+    return out.requires_grad_(t.requires_grad) if t.is_floating_point() or t.is_complex() else out
+
+
+def _trace(holder: _Call, tensors: list) -> Callable:
+    from torch._functorch.aot_autograd import aot_module_simplified
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    from .cuda_kernels import native_attention
+
+    with _disable_current_modes(), untracked(), native_attention(), \
+            torch._functorch.config.patch(force_non_lazy_backward_lowering=True):  # (both graphs traced now)
+        tensors = [_stand_in(t) for t in tensors]  # (AOTAutograd keeps what it traced with)
+        return aot_module_simplified(holder, tensors, fw_compiler=graph_runner, bw_compiler=graph_runner,
+                                     partition_fn=min_cut_rematerialization_partition)
