@@ -27,6 +27,7 @@ from .model_options import (
 from .options import (
     AmpOpt,
     BatchOpt,
+    CompileOpt,
     DebugOpt,
     GpuOpt,
     HeadroomOpt,
@@ -116,6 +117,7 @@ def estimate(
     objective: EstimateObjectiveOpt = "fit",
     amp: AmpOpt = "auto",
     levers: LeversOpt = None,
+    compile_: CompileOpt = False,
     micro_batch: MicroBatchOpt = None,
     precision: PrecisionOpt = None,
     checkpointing: CheckpointingOpt = None,
@@ -141,8 +143,9 @@ def estimate(
     with user_errors(debug, as_json, searches=True):
         from .. import api
         from ..errors import OomtuneError
-        from ..search.options import check_estimate_options, check_what_if_options
+        from ..search.options import check_estimate_options, check_what_if_options, with_compile
 
+        levers = with_compile(levers, compile_, one_plan=micro_batch is not None)
         source = model_source(model, task, dtype, padding, lora_r, lora_alpha, lora_dropout, lora_targets, model_arg)
         if not check_what_if_options(micro_batch, precision, checkpointing, grad_accum, batch, min_context):
             job = api.prepare_estimate(source, budget=budget, gpu=gpu, margin=margin, batch=batch, context=context,

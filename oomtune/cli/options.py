@@ -31,6 +31,10 @@ LeversOpt = Annotated[str | None, typer.Option(
     "context). amp,checkpointing,accumulation is the classic ladder; none: the fp32 rung alone, the whole batch at "
     "once. With estimate --micro-batch: the levers past accumulation that one plan uses (chunked-loss, "
     "step-in-backward, bf16-true, 8bit, nf4, offload, offload-activations).")]
+CompileOpt = Annotated[bool, typer.Option(
+    "--compile", help="Compile each block (transformer layer) and the loss, as torchtune does: on cuda with "
+    "torch.compile, on cpu/fake as AOTAutograd partitions it and inductor keeps its memory. Same as adding compile "
+    "to --levers; every rung is compiled.")]
 OutOpt = Annotated[Path, typer.Option("--out", "-o", help="Where to write the config.")]
 SnapshotOpt = Annotated[Path | None, typer.Option(
     "--memory-snapshot", help="Also write one trial of the plan (estimate: of the smallest plan when nothing fits) as "

@@ -28,6 +28,7 @@ from .model_options import (
 from .options import (
     AmpOpt,
     BatchOpt,
+    CompileOpt,
     ContextOpt,
     DebugOpt,
     DistTimeoutOpt,
@@ -80,6 +81,7 @@ def probe(
     prior: PriorOpt = None,
     amp: AmpOpt = "auto",
     levers: LeversOpt = None,
+    compile_: CompileOpt = False,
     out_path: OutOpt = Path("best.yaml"),
     memory_snapshot: SnapshotOpt = None,
     as_json: JsonOpt = False,
@@ -103,8 +105,10 @@ def probe(
     with user_errors(debug, as_json, searches=True):
         from ..api import prepare_probe
         from ..dist.launch import Launch, run
+        from ..search.options import with_compile
         from ..search.probe import check_ranks_batch
 
+        levers = with_compile(levers, compile_)
         rank = worker_rank()
         source = model_source(model, task, dtype, padding, lora_r, lora_alpha, lora_dropout, lora_targets, model_arg)
         job = prepare_probe(source, batch=batch, context=context, min_context=min_context, device=device,

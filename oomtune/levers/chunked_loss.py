@@ -47,7 +47,9 @@ def causal_lm_loss(model: nn.Module) -> str | None:
     except (ImportError, OSError, TypeError):
         return "its forward's source cannot be read"
     loss_type = getattr(base, "loss_type", None)  # (as transformers' loss_function resolves it, without its warning)
-    loss = inspect.unwrap(vars(base).get("_loss_function")) or LOSS_MAPPING[loss_type if loss_type in LOSS_MAPPING else "ForCausalLM"]
+    own = vars(base).get("_loss_function")  # (compiled: plan.compile; inspect.unwrap gives what was)
+    loss = inspect.unwrap(own) if own is not None else LOSS_MAPPING[loss_type if loss_type in LOSS_MAPPING
+                                                                    else "ForCausalLM"]
     if "self.loss_function(" not in source or loss is not LOSS_MAPPING.get("ForCausalLM"):
         return "its loss is not transformers' shifted cross-entropy (ForCausalLMLoss)"
     return None

@@ -146,7 +146,8 @@ def _kv_cache(value) -> bool:
     """A transformers KV cache handed to a layer in training (use_cache on): a compiled block is given None instead
     (training never reads it back; the keys and values it would hold are saved for backward all the same), since a
     trace would store its traced tensors in it."""
-    return type(value).__module__.startswith("transformers.") and any(c.__name__ == "Cache" for c in type(value).__mro__)
+    kind = type(value)
+    return kind.__module__.startswith("transformers.") and any(c.__name__ == "Cache" for c in kind.__mro__)
 
 
 def _key(leaves: list) -> tuple:

@@ -26,6 +26,7 @@ from .extrapolate import BlockTrials
 from .headroom_note import over_headroom
 from .ladder import LadderResult, Point, Rung
 from .options import (
+    COMPILE,
     LEVERS,
     check_estimate_options,
     check_headroom,
@@ -350,5 +351,5 @@ def what_if_levers(levers: str | None, precision: str | None) -> tuple[str | Non
                            "--precision, --checkpointing, --grad-accum, --sharding")
     if "bf16-true" in names and precision not in (None, "bf16-true"):
         raise OomtuneError(f"--levers bf16-true is a precision: it cannot go with --precision {precision}")
-    return ("bf16-true" if "bf16-true" in names else precision), {PAST_LEVERS[n][0]: True for n in names
-                                                                   if n in PAST_LEVERS}
+    keys = {PAST_LEVERS[n][0]: True for n in names if n in PAST_LEVERS}
+    return ("bf16-true" if "bf16-true" in names else precision), keys | ({"compile": True} if COMPILE in names else {})

@@ -21,6 +21,7 @@ AMP_CHOICES = ("auto", "bf16", "fp16")
 # what the ladder may use, in the order it climbs: the usual rungs, then those past accumulation (cheapest first)
 LEVERS = ("amp", "checkpointing", "accumulation", "fsdp", "chunked-loss", "step-in-backward", "bf16-true", "8bit",
           "nf4", "offload", "offload-activations")
+COMPILE = "compile"  # not climbed: named (--levers ...,compile or --compile), every rung is compiled (plan.compile)
 
 
 def parse_levers(text: str | None) -> frozenset[str]:
@@ -38,11 +39,23 @@ def parse_levers(text: str | None) -> frozenset[str]:
     if not names:
         raise OomtuneError(f"--levers {text!r} names no lever: leave it out to allow every lever, or say none for "
                            "the fp32 rung alone")
-    unknown = [n for n in names if n not in LEVERS]
+    unknown = [n for n in names if n not in (*LEVERS, COMPILE)]
     if unknown:
         raise OomtuneError(f"--levers {text!r}: unknown {', '.join(unknown)} (expected names from "
-                           f"{', '.join(LEVERS)}, comma-separated)")
+                           f"{', '.join(LEVERS)}, {COMPILE}, comma-separated)")
     return frozenset(names)
+
+
+def with_compile(levers: str | None, compile_: bool, one_plan: bool = False) -> str | None:
+    """--levers as --compile extends it: every lever (or those named, or none) and compile; for one plan
+    (estimate --micro-batch, where --levers names the levers past accumulation it uses), those and compile."""
+    if not compile_:
+        return levers
+    if levers is None and one_plan:
+        return COMPILE
+    if levers is None:
+        return ",".join((*LEVERS, COMPILE))
+    return COMPILE if levers.strip().lower() == "none" else f"{levers},{COMPILE}"
 
 
 def whole(value, where: str) -> int:

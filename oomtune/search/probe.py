@@ -4,7 +4,7 @@ CLI renders: the rungs, every trial, the config, or why nothing fits."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -29,7 +29,7 @@ from .device_trials import DeviceTrials, prior_would_not_pay
 from .headroom_note import OverHeadroom, admitting, over_headroom
 from .ladder import LadderResult, LadderSearch, Objective, Point, Rung
 from .leaks import LeakWatch
-from .options import LEVERS, Targets, check_prior, check_search_options
+from .options import COMPILE, LEVERS, Targets, check_prior, check_search_options
 from .past import PastRungs, past_rungs
 from .prior import PriorReport, run_prior
 from .rung_floors import RungFloors
@@ -195,7 +195,8 @@ def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: 
     floors = floors or RungFloors(model_file, static)
     rungs, past, floor = all_rungs(model_file, device, amp, static, world, sharding, levers, limit, sharded_by,
                                    statics[1] if statics else None, floors=floors)
-    check_static_fits(floor, device, limit, headroom, sharded_by, past if levers != frozenset(LEVERS) else None)
+    named = levers - {COMPILE} != frozenset(LEVERS)  # (the user's --levers left some out)
+    check_static_fits(floor, device, limit, headroom, sharded_by, past if named else None)
     kernel_notes()  # forget what trials before this probe chose (its own choose again)
     unreachable, notes = _first_notes(model_file, static, device, targets, amp, levers, rungs, limit, world)
     accumulates = "accumulation" in levers and not static.steps_in_backward  # (_first_notes says why not)
@@ -342,6 +343,9 @@ def all_rungs(model_file: ModelFile, device: Device, amp: str, static: StaticMem
     rungs = ladder_rungs(device, amp, static.checkpointing_supported, world, sharding, levers,
                          base_precision(static))
     past = past_rungs(device, rungs[-1].precision, static, model_file.label, levers, world)
+    if COMPILE in levers:  # every rung compiled
+        rungs = [replace(r, compile=True) for r in rungs]
+        past.rungs = [replace(r, compile=True) for r in past.rungs]
     return rungs, past, floor or floors.lowest(past, limit, sharded_by)
 
 
