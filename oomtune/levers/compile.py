@@ -11,7 +11,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ..memory.compiled import CompiledCall
+from ..memory.compiled import CompiledCall, fallbacks
 
 
 def compiled(name: str, call: Callable, device_kind: str, module: nn.Module | None = None) -> Callable:
@@ -33,7 +33,10 @@ def _own_forward(block: nn.Module) -> Callable:
 def compile_model(model_file, model: nn.Module, device_kind: str) -> None:
     """Each of the model file's blocks compiled in place (before checkpointing wraps them), and a Hugging Face
     model's own loss function where it has one."""
-    for i, block in enumerate(model_file.blocks(model)):
+    blocks = model_file.blocks(model)
+    if not blocks:
+        fallbacks["blocks"] = f"{model_file.label} has no blocks to compile (define blocks(model))"
+    for i, block in enumerate(blocks):
         if device_kind == "cuda":
             block.compile()
         else:

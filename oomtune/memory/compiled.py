@@ -48,6 +48,14 @@ FUSED = frozenset((
 fallbacks: dict[str, str] = {}  # call name -> why it runs eager (read and cleared by the estimate)
 
 
+def compile_notes() -> tuple[str, ...]:
+    """The calls that ran eager though compiled since the last call, as notes (and forgets them)."""
+    out = tuple(f"compiled {name}: AOTAutograd could not trace it ({why}), so it ran eager and its memory is the "
+                "eager one's" for name, why in sorted(fallbacks.items()))
+    fallbacks.clear()
+    return out
+
+
 def _fused(node: fx.Node) -> bool:
     target = node.target
     if not isinstance(target, torch._ops.OpOverload):

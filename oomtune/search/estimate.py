@@ -15,6 +15,7 @@ from ..errors import OomtuneError
 from ..memory.advice import levers_that_help, why_nothing_fits
 from ..memory.breakdown import breakdown, recorded_trial, static_memory
 from ..memory.cards import GENERIC, find_gpu
+from ..memory.compiled import compile_notes
 from ..memory.cuda_attention import kernel_notes
 from ..memory.devices import Device, FakeDevice
 from ..memory.fakes import NeedsValues
@@ -281,9 +282,9 @@ def what_if(model_file: ModelFile, plan: Plan, device: FakeDevice, *, bounded: b
     """The breakdown of one plan; where the device's budget is the user's (`bounded`), the verdict and levers too."""
     check_headroom(headroom)
     check_steps(steps)
-    kernel_notes()  # forget earlier trials' choices: this plan's are its own
+    kernel_notes(), compile_notes()  # forget earlier trials' choices: this plan's are its own
     bd, computed = computing_where_needed(device, model_file.label, lambda: breakdown(model_file, plan, device, steps))
-    computed += kernel_notes() + batch_notes(model_file, device, plan.context_length)
+    computed += kernel_notes() + compile_notes() + batch_notes(model_file, device, plan.context_length)
     static = static_memory(model_file)
     if static.compiled:  # as the ladder says it (measurement_notes): the eager model's memory, not the compiled one's
         computed += (eager_note(model_file.label, device.kind),)

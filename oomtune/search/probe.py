@@ -17,6 +17,7 @@ from ..errors import BAD_INPUT, OomtuneError
 from ..hook_names import hook_name_notes
 from ..memory.breakdown import StaticMemory, static_memory
 from ..memory.cards import GENERIC, find_gpu
+from ..memory.compiled import compile_notes
 from ..memory.cuda_attention import kernel_notes
 from ..memory.devices import Device, TrackedDevice, make_device, resolve_kind
 from ..memory.host_kernels import amp_cannot_run
@@ -197,7 +198,7 @@ def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: 
                                    statics[1] if statics else None, floors=floors)
     named = levers - {COMPILE} != frozenset(LEVERS)  # (the user's --levers left some out)
     check_static_fits(floor, device, limit, headroom, sharded_by, past if named else None)
-    kernel_notes()  # forget what trials before this probe chose (its own choose again)
+    kernel_notes(), compile_notes()  # forget what trials before this probe chose (its own choose again)
     unreachable, notes = _first_notes(model_file, static, device, targets, amp, levers, rungs, limit, world)
     accumulates = "accumulation" in levers and not static.steps_in_backward  # (_first_notes says why not)
     check_prior(prior, device.kind, world > 1)
@@ -222,6 +223,7 @@ def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: 
     records, host = trials.records, trials.host
     climbed_past = len(ladder.rungs) > len(rungs)
     kernels = kernel_notes(ladder.choice.rung.precision if ladder.choice is not None else None)  # the plan's own
+    kernels += compile_notes()
     notes += computed + kernels + (past.notes() + floors.note() if climbed_past or ladder.choice is None else ())
     notes += checkpointing_saved_nothing(model_file.label, rungs, ladder.trials, static)
     notes += tuple(n for n in (trials.leaks.note(),) if n)

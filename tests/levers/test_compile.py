@@ -1,0 +1,131 @@
+"""plan.compile (--compile): each block and the loss compiled. devices: cpu (real compute, simulated memory) for the
+values, fake for the estimate; on both the calls are traced by AOTAutograd and run as inductor keeps memory
+(memory/compiled.py), and the two agree to the byte.
+
+Predicted, from the mechanism: a compiled call keeps for backward what the min-cut partitioner saves (a cheap
+pointwise result is recomputed from its input), and a fused kernel's intermediates never exist."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from oomtune.config.schema import Plan
+from oomtune.memory import compiled
+from oomtune.memory.compiled import CompiledCall, buffers, compile_notes
+from oomtune.memory.devices import CpuDevice, FakeDevice
+from oomtune.model_file import load_model_file
+from oomtune.search.options import parse_levers, with_compile
+from oomtune.search.trial import run_trial
+
+from ..conftest import run_cli
+
+LORA_LLAMA = Path(__file__).parents[1] / "finetune" / "models" / "hf_llama_lora.py"
+N = 64 * 1024  # elements of the test tensors
+
+
+def _peaks(plan: Plan, device) -> tuple:
+    r = run_trial(load_model_file(LORA_LLAMA), plan, device)
+    assert not r.oom
+    return r.peak_allocated_bytes, r.phase_peaks, r.loss
+
+
+@pytest.mark.parametrize("levers", [{}, {"precision": "bf16-true", "activation_checkpointing": True},
+                                    {"precision": "bf16-true", "chunked_loss": True}],
+                         ids=["fp32", "bf16-true+checkpointing", "bf16-true+chunked"])
+def test_compiled_step_same_on_cpu_and_fake_same_loss_less_memory(levers):
+    plan = Plan(micro_batch_size=4, context_length=64, compile=True, **levers)
+    torch.manual_seed(0)
+    cpu_peak, cpu_phases, cpu_loss = _peaks(plan, CpuDevice("1GiB"))
+    fake_peak, fake_phases, _ = _peaks(plan, FakeDevice("1GiB"))
+    torch.manual_seed(0)
+    eager_peak, _, eager_loss = _peaks(Plan(micro_batch_size=4, context_length=64, **levers), CpuDevice("1GiB"))
+    assert (fake_peak, fake_phases["forward"], fake_phases["backward"]) == \
+        (cpu_peak, cpu_phases["forward"], cpu_phases["backward"])
+    assert cpu_peak < eager_peak
+    assert cpu_loss == pytest.approx(eager_loss, rel=1e-5)
+    assert compile_notes() == ()  # every block and the loss traced
+
+
+def _exp_sum(x: torch.Tensor) -> torch.Tensor:
+    return (x.float().exp() * 2).sum()
+
+
+def test_saved_tensors_are_the_partitioners_and_fused_intermediates_never_exist():
+    """bf16 x -> fp32 copy -> exp -> x2 -> sum. Eager: the forward makes the fp32 copy and exp's output (4 bytes an
+    element each, both alive at once) and keeps exp's output for backward. Compiled: the partitioner saves exp's
+    output too (it does not recompute exp here), and the one fused kernel writes that and the sum, nothing else: no
+    fp32 copy ever exists."""
+    def run(call) -> tuple[int, int, torch.Tensor]:
+        device = CpuDevice("1GiB")
+        with device.measure():
+            torch.manual_seed(0)
+            x = torch.randn(N, dtype=torch.bfloat16, requires_grad=True)
+            before = device.live_bytes()
+            device.tracker.reset_peak()
+            loss = call(x)
+            forward_peak, kept = device.tracker.peak_bytes - before, device.live_bytes() - before
+            loss.backward()
+            return forward_peak, kept, x.grad
+
+    eager_peak, eager_kept, eager_grad = run(_exp_sum)
+    peak, kept, grad = run(CompiledCall("exp_sum", _exp_sum))
+    assert eager_kept >= 4 * N and eager_peak >= 2 * 4 * N  # exp's output kept; the fp32 copy beside it
+    assert peak == kept and 4 * N <= kept < 4 * N + 1024  # exp's output and the loss's scalar, nothing else
+    assert torch.equal(grad, eager_grad)
+
+
+def test_buffers_are_what_unfused_ops_read_and_the_outputs():
+    def f(x, w):
+        h = (x * 2).relu()  # pointwise into a matmul: written out (the matmul reads it)
+        y = h @ w
+        return (y.sin() + 1).sum(-1)  # pointwise and a reduction after it: only the output written
+
+    graph = make_fx(f)(torch.randn(4, 8), torch.randn(8, 8)).graph
+    kept = {n.target.overloadpacket.__name__ for n in buffers(graph) if n.op == "call_function"}
+    assert kept == {"relu", "mm", "sum"}
+
+
+class _Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(64, 64)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return h.relu() if h.sum() > 0 else h.tanh()  # a branch on values: no graph
+
+
+def test_a_call_that_cannot_be_traced_runs_eager_and_says_so():
+    compile_notes()
+    block = _Branchy()
+    call = CompiledCall("block 0 (_Branchy)", block.forward, block)
+    x = torch.randn(8, 64)
+    assert torch.equal(call(x), block(x))
+    assert call.eager_why is not None
+    notes = compile_notes()
+    assert len(notes) == 1 and "block 0 (_Branchy)" in notes[0] and "eager" in notes[0]
+    assert compiled.fallbacks == {}
+
+
+def test_compile_in_levers_and_the_flag():
+    assert "compile" in parse_levers("amp,compile")
+    assert "compile" not in parse_levers(None)  # not climbed: named or asked for
+    assert parse_levers(with_compile(None, True)) == parse_levers(None) | {"compile"}
+    assert with_compile(None, True, one_plan=True) == "compile"
+    assert with_compile("none", True) == "compile"
+
+
+def test_estimate_what_if_with_compile(tmp_path):
+    args = ["estimate", str(LORA_LLAMA), "--budget", "1GiB", "--margin", "0", "--micro-batch", "4", "--context",
+            "64", "--json"]
+    eager = json.loads(run_cli(*args).stdout)
+    result = run_cli(*args, "--compile")
+    report = json.loads(result.stdout)
+    assert report["plan"]["compile"] is True and eager["plan"]["compile"] is False
+    assert report["breakdown"]["tensor_peak_bytes"] < eager["breakdown"]["tensor_peak_bytes"]
