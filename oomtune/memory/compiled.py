@@ -56,11 +56,19 @@ def compile_notes() -> tuple[str, ...]:
     return out
 
 
+_CONSTANT = frozenset(("full", "zeros", "full_like", "zeros_like", "new_zeros", "new_full"))
+
+
 def _fused(node: fx.Node) -> bool:
     target = node.target
     if not isinstance(target, torch._ops.OpOverload):
         return False
-    return torch.Tag.pointwise in target.tags or target.overloadpacket.__name__ in FUSED
+    name = target.overloadpacket.__name__
+    if name == "scatter":  # into a constant tensor (cross-entropy's backward): a pointwise select, for inductor
+        base = node.args[0]
+        return isinstance(base, fx.Node) and isinstance(base.target, torch._ops.OpOverload) and \
+            base.target.overloadpacket.__name__ in _CONSTANT
+    return torch.Tag.pointwise in target.tags or name in FUSED
 
 
 def _aliases(node: fx.Node) -> bool:
@@ -114,7 +122,7 @@ def graph_runner(gm: fx.GraphModule, example_inputs=None) -> Callable:
                 env[node] = next(inputs)
             elif node.op == "call_function":
                 a, k = fx.map_arg((node.args, node.kwargs), lambda n: env[n])
-                if node in kept or _aliases(node):
+                if node in kept:  # (a view of a fused result too runs untracked: its storage was never made)
                     env[node] = node.target(*a, **k)
                 else:
                     with untracked():  # a fused kernel's intermediate: never in memory
@@ -201,6 +209,14 @@ class CompiledCall:
         return tree_unflatten(list(out), holder.out_spec)
 
 
+def _inductor_decompositions() -> dict:
+    """The ops inductor decomposes before the partitioner chooses what to save (log_softmax into its pointwise
+    parts and a reduction, so that backward recomputes them from the logits rather than keep fp32 log-probs)."""
+    from torch._inductor.decomposition import select_decomp_table
+
+    return select_decomp_table()
+
+
 def _stand_in(t: torch.Tensor) -> torch.Tensor:
     """A fake tensor of the same layout on a storage nobody counts, for a fake one: AOTAutograd keeps its example
     inputs (where they are fake, it traces with them as they are), which would keep the device's tensor alive."""
@@ -221,4 +237,5 @@ def _trace(holder: _Call, tensors: list) -> Callable:
             torch._functorch.config.patch(force_non_lazy_backward_lowering=True):  # (both graphs traced now)
         tensors = [_stand_in(t) for t in tensors]  # (AOTAutograd keeps what it traced with)
         return aot_module_simplified(holder, tensors, fw_compiler=graph_runner, bw_compiler=graph_runner,
-                                     partition_fn=min_cut_rematerialization_partition)
+                                     partition_fn=min_cut_rematerialization_partition,
+                                     decompositions=_inductor_decompositions())
