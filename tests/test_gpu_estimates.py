@@ -108,6 +108,8 @@ LEVER_PLANS = {  # the rungs past accumulation, on the tiny GPT (NF4: tests/leve
     "chunked-loss": ("qlora", {"precision": "bf16", "chunked_loss": True}),
     # the optimizer stepped in backward (fused AdamW, one parameter a hook), the whole batch at once
     "step-in-backward": ("tiny_gpt", {"precision": "bf16-true", "optimizer_in_backward": True}),
+    # each block and the loss torch.compile'd (inductor) on cuda, traced by AOTAutograd on fake
+    "compile": ("qlora", {"precision": "bf16-true", "chunked_loss": True, "compile": True}),
 }
 
 

@@ -158,6 +158,8 @@ def _hf(plan: Plan) -> tuple[dict, list[str]]:
           "bf16": plan.precision == "bf16", "fp16": plan.precision == "fp16",
           _hf_checkpointing_key(): plan.activation_checkpointing,
           "optim": "adamw_torch_8bit" if plan.optimizer_8bit else "adamw_torch_fused"}  # (oomtune's default AdamW)
+    if plan.compile:
+        kw["torch_compile"] = True  # (the whole model, where oomtune compiles each block: close in memory)
     out = _common_unexpressed(plan, "the tokenizer's max_length; TRL's SFTConfig(max_length=...)")
     if plan.sharding == "fsdp":
         kw["fsdp"] = "full_shard auto_wrap"
@@ -210,7 +212,7 @@ def _lightning(plan: Plan) -> tuple[dict, list[str]]:
                                 "configure_optimizers",
                  offload_optimizer="the Trainer takes it only through DeepSpeedStrategy(offload_optimizer=True)",
                  offload_activations="wrap training_step's forward in torch.autograd.graph.save_on_cpu()",
-                 chunked_loss=CHUNKED_YOURS, optimizer_in_backward=IN_BACKWARD_YOURS)
+                 chunked_loss=CHUNKED_YOURS, optimizer_in_backward=IN_BACKWARD_YOURS, compile=COMPILE_YOURS)
     return {"trainer": trainer, "dataloader": {"batch_size": plan.micro_batch_size}}, out
 
 
@@ -241,7 +243,7 @@ def _accelerate(plan: Plan) -> tuple[dict, list[str]]:
                                       "accelerator.prepare",
                  offload_optimizer="the config takes it only through DeepSpeed (offload_optimizer_device: cpu)",
                  offload_activations="wrap the forward in torch.autograd.graph.save_on_cpu()",
-                 chunked_loss=CHUNKED_YOURS, optimizer_in_backward=IN_BACKWARD_YOURS)
+                 chunked_loss=CHUNKED_YOURS, optimizer_in_backward=IN_BACKWARD_YOURS, compile=COMPILE_YOURS)
     return cfg, out
 
 
@@ -258,6 +260,8 @@ def _torchtune(plan: Plan) -> tuple[dict, list[str]]:
         kw["loss._component_"] = "torchtune.modules.loss.CEWithChunkedOutputLoss"
     if plan.optimizer_in_backward:  # (its single-device recipes: no accumulation, no clipping, as the plan)
         kw.update({"optimizer_in_bwd": True, "clip_grad_norm": None})
+    if plan.compile:
+        kw["compile"] = True  # (each layer and the loss: as oomtune compiles)
     out: list[str] = []
     if dtype is not None:
         kw["dtype"] = dtype
@@ -283,6 +287,9 @@ CHUNKED_YOURS = ("compute the loss yourself: the model's logits (no labels passe
 IN_BACKWARD_YOURS = ("step the optimizer in backward yourself: register_post_accumulate_grad_hook on each trained "
                      "parameter, calling optimizer.step() and setting the gradient to None; no accumulation or "
                      "clipping")
+
+
+COMPILE_YOURS = "compile each block (transformer layer) yourself, block.compile(), and the loss with torch.compile"
 
 
 def _when(plan: Plan, **notes: str) -> list[str]:

@@ -129,3 +129,38 @@ def test_estimate_what_if_with_compile(tmp_path):
     report = json.loads(result.stdout)
     assert report["plan"]["compile"] is True and eager["plan"]["compile"] is False
     assert report["breakdown"]["tensor_peak_bytes"] < eager["breakdown"]["tensor_peak_bytes"]
+
+
+def test_exports_say_compile():
+    from oomtune.config.export import export
+
+    plan = Plan(1, 4, compile=True)
+    assert export(plan, "torchtune").values["compile"] is True
+    assert export(plan, "hf").values["torch_compile"] is True
+    for target in ("lightning", "accelerate"):
+        assert any(line.startswith("compile: ") for line in export(plan, target).unexpressed)
+    assert "compile" not in export(Plan(1, 4), "torchtune").values
+
+
+def test_probe_with_compile_writes_it_and_training_from_it_has_the_eager_losses(tmp_path, monkeypatch):
+    """device: cpu. probe --compile: every rung's plan compiled, written in the config; train from it gives the
+    losses of the same config without the key."""
+    import yaml
+
+    from ..conftest import metrics
+
+    monkeypatch.chdir(tmp_path)
+    r = run_cli("probe", LORA_LLAMA, "--device", "cpu", "--budget", "1GiB", "--batch", "4", "--context", "32",
+                "--compile", "--out", "c.yaml", "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["plan"]["compile"] is True
+    config = yaml.safe_load((tmp_path / "c.yaml").read_text())
+    config["train"]["log_every_n_steps"] = 1
+    for name, on in (("compiled", True), ("eager", False)):
+        config["plan"]["compile"] = on
+        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(config))
+        t = run_cli("train", "--config", f"{name}.yaml", "--device", "cpu", "--budget", "1GiB", "--steps", "3",
+                    "--run-dir", name)
+        assert t.exit_code == 0, t.output
+    compiled_losses, eager_losses = ([m["loss"] for m in metrics(tmp_path / n)] for n in ("compiled", "eager"))
+    assert len(compiled_losses) == 3 and compiled_losses == pytest.approx(eager_losses, rel=1e-5)
