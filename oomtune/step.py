@@ -89,13 +89,13 @@ def build_training(model_file: ModelFile, plan: Plan, device: Device, lr: float,
 
     if model is None:
         model = dist.agreed(build) if plan.sharding != "none" else build()  # before any collective
-        if plan.chunked_loss:
-            check_applies(model_file, model)  # (before compile_model: it reads the model's own loss function)
         if plan.compile:
             compile_model(model_file, model, device.kind)
         if plan.activation_checkpointing:
             model_file.enable_checkpointing(model, wrap=plan.compile)  # (around the compiled blocks)
     model.train()
+    if plan.chunked_loss:
+        check_applies(model_file, model)
     allocator = allocator_of(model)
     if allocator is not None and plan.sharding == "fsdp":
         raise OomtuneError(f"plan.sharding fsdp: {model_file.label}'s AdaLoRA adapters reallocate their ranks from "

@@ -33,9 +33,11 @@ def _own_forward(block: nn.Module) -> Callable:
 def compile_model(model_file, model: nn.Module, device_kind: str) -> None:
     """Each of the model file's blocks compiled in place (before checkpointing wraps them), and a Hugging Face
     model's own loss function where it has one."""
+    if device_kind == "cuda":  # each trial's model compiled afresh: past Dynamo's recompile limit it would run eager
+        torch._dynamo.reset()
     blocks = model_file.blocks(model)
     if not blocks:
-        fallbacks["blocks"] = f"{model_file.label} has no blocks to compile (define blocks(model))"
+        fallbacks["blocks"] = f"{model_file.label} has none (define blocks(model)): only the loss is compiled"
     for i, block in enumerate(blocks):
         if device_kind == "cuda":
             block.compile()

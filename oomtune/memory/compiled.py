@@ -45,13 +45,14 @@ FUSED = frozenset((
     "copy", "expand_copy", "permute_copy", "repeat", "tril", "triu", "mse_loss", "mse_loss_backward",
     "_native_batch_norm_legit_functional", "native_batch_norm_backward", "lift_fresh_copy",
 ))
-fallbacks: dict[str, str] = {}  # call name -> why it runs eager (read and cleared by the estimate)
+REDUCTIONS = frozenset(("sum", "mean", "amax", "amin", "max", "min", "prod", "var", "var_mean", "std", "any", "all",
+                        "argmax", "argmin", "logsumexp"))
+fallbacks: dict[str, str] = {}  # what was not compiled -> why (compile_notes: read and cleared by the searches)
 
 
 def compile_notes() -> tuple[str, ...]:
     """The calls that ran eager though compiled since the last call, as notes (and forgets them)."""
-    out = tuple(f"compiled {name}: AOTAutograd could not trace it ({why}), so it ran eager and its memory is the "
-                "eager one's" for name, why in sorted(fallbacks.items()))
+    out = tuple(f"compiled {name}: {why}" for name, why in sorted(fallbacks.items()))
     fallbacks.clear()
     return out
 
@@ -79,7 +80,8 @@ def _aliases(node: fx.Node) -> bool:
 
 def buffers(graph: fx.Graph) -> set[fx.Node]:
     """The nodes whose results inductor writes to memory: the graph's outputs, every op not fused and what such an
-    op reads, and the base of any of those that is a view (a fused op with several results: all, if one is)."""
+    op reads, reductions, a fused result inductor would not recompute in each reader (`_reused`), and the base of
+    any of those that is a view (a fused op with several results: all, if one is)."""
     kept: set[fx.Node] = set()
     for node in graph.nodes:
         if node.op == "output":
@@ -87,6 +89,22 @@ def buffers(graph: fx.Graph) -> set[fx.Node]:
         elif node.op == "call_function" and not _aliases(node) and not _fused(node):
             kept.add(node)
             kept.update(node.all_input_nodes)
+        elif node.op == "call_function" and _reduction(node):
+            kept.add(node)  # (a loop of its own, read by what follows)
+    _with_bases(kept)
+    kept |= _reused(graph, kept)
+    _with_bases(kept)
+    return kept
+
+
+def _reduction(node: fx.Node) -> bool:
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload) or target.overloadpacket.__name__ not in REDUCTIONS:
+        return False
+    return target.overloadpacket.__name__ not in ("max", "min") or target._overloadname in ("dim", "default")
+
+
+def _with_bases(kept: set[fx.Node]) -> None:
     work = list(kept)
     while work:  # a view kept keeps its base
         node = work.pop()
@@ -95,7 +113,33 @@ def buffers(graph: fx.Graph) -> set[fx.Node]:
             if base not in kept:
                 kept.add(base)
                 work.append(base)
-    return kept
+
+
+def _reused(graph: fx.Graph, kept: set[fx.Node]) -> set[fx.Node]:
+    """Fused results inductor writes out all the same (its GraphLowering.run_node, with its config's thresholds for
+    a CUDA device): one read by more than one op that reads more than realize_reads_threshold buffers or is made of
+    more than the opcount threshold of ops once its inputs are inlined; one that reads more than the accumulated
+    reads threshold, whoever reads it. Otherwise each reader recomputes it."""
+    from torch._inductor import config
+
+    most_reads = config.realize_reads_threshold
+    most_ops = config.realize_opcount_threshold or config._realize_opcount_threshold_default
+    most_acc = config.realize_acc_reads_threshold or config._realize_acc_reads_threshold_default
+    reads: dict[fx.Node, frozenset] = {}
+    ops: dict[fx.Node, int] = {}
+    out: set[fx.Node] = set()
+    for node in graph.nodes:
+        inputs = node.all_input_nodes
+        if node.op != "call_function" or node in kept:
+            reads[node], ops[node] = frozenset((node,)), 0
+            continue
+        reads[node] = frozenset().union(*(reads[n] for n in inputs))
+        ops[node] = sum(ops[n] for n in inputs) + (0 if _aliases(node) else 1)
+        reused = len(node.users) > 1 and (len(reads[node]) > most_reads or ops[node] > most_ops)
+        if not _aliases(node) and (reused or len(reads[node]) > most_acc):
+            out.add(node)
+            reads[node], ops[node] = frozenset((node,)), 0
+    return out
 
 
 def graph_runner(gm: fx.GraphModule, example_inputs=None) -> Callable:
@@ -201,7 +245,8 @@ class CompiledCall:
                 found = (_trace(holder, [leaves[i] for i in where]), holder)
             except Exception as e:  # noqa: BLE001 (whatever AOTAutograd cannot trace runs eager, and is named)
                 self.eager_why = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
-                fallbacks[self.name] = self.eager_why
+                fallbacks[self.name] = (f"AOTAutograd could not trace it ({self.eager_why}), so it ran eager and its "
+                                        "memory is the eager one's")
                 return self.call(*args, **kwargs)
             self._traced[key] = found
         fn, holder = found

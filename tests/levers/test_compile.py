@@ -164,3 +164,34 @@ def test_probe_with_compile_writes_it_and_training_from_it_has_the_eager_losses(
         assert t.exit_code == 0, t.output
     compiled_losses, eager_losses = ([m["loss"] for m in metrics(tmp_path / n)] for n in ("compiled", "eager"))
     assert len(compiled_losses) == 3 and compiled_losses == pytest.approx(eager_losses, rel=1e-5)
+
+
+NO_BLOCKS = '''
+import torch
+from torch import nn
+
+
+def build_model():
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+
+
+def make_batch(batch_size, context_length, device):
+    return torch.randn(batch_size, 16, device=device), torch.randn(batch_size, 16, device=device)
+
+
+def loss(model, batch):
+    x, y = batch
+    return nn.functional.mse_loss(model(x), y)
+'''
+
+
+def test_a_model_without_blocks_trains_eager_and_is_told(write_model):
+    """device: fake. Nothing to compile (no blocks, its own loss): the trial runs, its peak is the eager plan's, and
+    the note says so."""
+    compile_notes()
+    model_file = load_model_file(write_model(NO_BLOCKS))
+    compiled_run = run_trial(model_file, Plan(4, 1, compile=True), FakeDevice("1GiB"))
+    eager_run = run_trial(model_file, Plan(4, 1), FakeDevice("1GiB"))
+    assert compiled_run.peak_allocated_bytes == eager_run.peak_allocated_bytes
+    notes = compile_notes()
+    assert len(notes) == 1 and notes[0].startswith("compiled blocks: ") and "define blocks(model)" in notes[0]
