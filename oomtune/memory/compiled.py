@@ -44,6 +44,7 @@ FUSED = frozenset((
     "new_zeros", "new_ones", "new_full", "full_like", "zeros_like", "ones_like", "scalar_tensor", "arange", "fill",
     "copy", "expand_copy", "permute_copy", "repeat", "tril", "triu", "mse_loss", "mse_loss_backward",
     "_native_batch_norm_legit_functional", "native_batch_norm_backward", "lift_fresh_copy",
+    "rand", "rand_like", "randn", "randn_like", "bernoulli",  # (drawn inside the kernel that uses them)
 ))
 REDUCTIONS = frozenset(("sum", "mean", "amax", "amin", "max", "min", "prod", "var", "var_mean", "std", "any", "all",
                         "argmax", "argmin", "logsumexp"))
@@ -159,11 +160,13 @@ def graph_runner(gm: fx.GraphModule, example_inputs=None) -> Callable:
 
     def run(args: list):
         env: dict[fx.Node, object] = {}
-        inputs = iter(list(args))
-        args.clear()  # (boxed: the caller's list let go of, so an input dies at its last use here)
+        inputs = list(args)
+        args.clear()  # (boxed: the caller's list let go of, and each input taken out of ours as it is read, so
+        at = 0  # that a saved tensor handed to backward dies at its last use here)
         for node in nodes:
             if node.op == "placeholder":
-                env[node] = next(inputs)
+                env[node], inputs[at] = inputs[at], None
+                at += 1
             elif node.op == "call_function":
                 a, k = fx.map_arg((node.args, node.kwargs), lambda n: env[n])
                 if node in kept:  # (a view of a fused result too runs untracked: its storage was never made)
@@ -203,40 +206,62 @@ class _Call(nn.Module):
 
 
 def _kv_cache(value) -> bool:
-    """A transformers KV cache handed to a layer in training (use_cache on): a compiled block is given None instead
-    (training never reads it back; the keys and values it would hold are saved for backward all the same), since a
-    trace would store its traced tensors in it."""
+    """A transformers KV cache (a layer in training is handed one where use_cache is on)."""
     kind = type(value)
     return kind.__module__.startswith("transformers.") and any(c.__name__ == "Cache" for c in kind.__mro__)
 
 
-def _key(leaves: list) -> tuple:
+def _cache_held(leaves: list) -> bool:
+    """Whether a KV cache among the arguments holds keys already (a PEFT prefix, a generation): the call cannot be
+    traced, since the trace would store its traced tensors in it. An empty one (training's) is given as None to the
+    trace: training never reads it back, and the keys and values are saved for backward all the same."""
+    for x in leaves:
+        if _kv_cache(x):
+            try:
+                if x.get_seq_length():
+                    return True
+            except Exception:  # noqa: BLE001 (a cache that cannot say: not traced)
+                return True
+    return False
+
+
+def _key(leaves: list, module: nn.Module | None) -> tuple:
     def one(x):
         if isinstance(x, torch.Tensor):
             return ("T", tuple(x.shape), x.stride(), x.dtype, x.requires_grad, x.device.type)
         return ("V", type(x).__name__, repr(x))
 
-    return (tuple(one(x) for x in leaves), torch.is_grad_enabled(), torch.is_autocast_enabled("cpu"),
+    training = tuple(m.training for m in module.modules()) if module is not None else ()  # (dropout, batch norms)
+    return (tuple(one(x) for x in leaves), training, torch.is_grad_enabled(), torch.is_autocast_enabled("cpu"),
             torch.get_autocast_dtype("cpu"))
 
 
 class CompiledCall:
     """`call` (a module's forward, or a function) as a compiled call runs on the simulated devices: traced once per
-    kind of arguments (shapes, dtypes, what requires grad, autocast), then run as `graph_runner` runs the graphs."""
+    kind of arguments (shapes, dtypes, what requires grad, autocast, training mode), then run as `graph_runner`
+    runs the graphs. A kind it cannot trace runs eager, and `fallbacks` says why."""
 
     def __init__(self, name: str, call: Callable, module: nn.Module | None = None):
         self.name, self.call, self.module = name, call, module
         self.__wrapped__ = call  # (inspect.unwrap: what was compiled)
         self._traced: dict[tuple, tuple] = {}
-        self.eager_why: str | None = None
+        self._failed: set[tuple] = set()
+        self.eager_why: str | None = None  # why the last call that ran eager did
+
+    def _eager(self, why: str, args, kwargs):
+        self.eager_why = why
+        fallbacks[self.name] = f"{why}, so it ran eager and its memory is the eager one's"
+        return self.call(*args, **kwargs)
 
     def __call__(self, *args, **kwargs):
-        if self.eager_why is not None:
-            return self.call(*args, **kwargs)
-        kwargs = {k: None if _kv_cache(v) else v for k, v in kwargs.items()}
         leaves, spec = tree_flatten((args, kwargs))
+        if _cache_held(leaves):
+            return self._eager("it was given a KV cache that holds keys already", args, kwargs)
+        leaves = [None if _kv_cache(x) else x for x in leaves]
         where = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
-        key = (str(spec), _key(leaves))
+        key = (str(spec), _key(leaves, self.module))
+        if key in self._failed:
+            return self.call(*args, **kwargs)
         found = self._traced.get(key)
         if found is None:
             fixed = [None if isinstance(x, torch.Tensor) else x for x in leaves]
@@ -244,10 +269,9 @@ class CompiledCall:
             try:
                 found = (_trace(holder, [leaves[i] for i in where]), holder)
             except Exception as e:  # noqa: BLE001 (whatever AOTAutograd cannot trace runs eager, and is named)
-                self.eager_why = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
-                fallbacks[self.name] = (f"AOTAutograd could not trace it ({self.eager_why}), so it ran eager and its "
-                                        "memory is the eager one's")
-                return self.call(*args, **kwargs)
+                self._failed.add(key)
+                what = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+                return self._eager(f"AOTAutograd could not trace it ({what})", args, kwargs)
             self._traced[key] = found
         fn, holder = found
         out = fn(*[leaves[i] for i in where])
@@ -259,7 +283,9 @@ def _inductor_decompositions() -> dict:
     parts and a reduction, so that backward recomputes them from the logits rather than keep fp32 log-probs)."""
     from torch._inductor.decomposition import select_decomp_table
 
-    return select_decomp_table()
+    # attention is not decomposed (CUDA's inductor calls the fused kernel; the table's SDPA entry took the CPU's
+    # math kernel, with its attention weights, once an earlier trace in the process had run)
+    return {op: fn for op, fn in select_decomp_table().items() if "scaled_dot_product" not in op.name()}
 
 
 def _stand_in(t: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,7 @@ import warnings
 from collections.abc import Iterator
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from .cards import GpuSpec
 from .cuda_attention import Call, attention
@@ -73,16 +74,30 @@ def _softmax(log: bool):
 
 
 _NATIVE = [0]  # inside native_attention(): SDPA as torch itself runs it
+_CARD = [0]  # inside cuda_kernels()
+
+
+class _NoAttentionDropout(TorchFunctionMode):
+    """SDPA called without dropout: CUDA's fused kernels draw its mask inside and keep none, where the CPU takes
+    its math kernel for dropout, which keeps the attention weights."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            named = dict(zip(("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"), args[3:], strict=False))
+            args, kwargs = args[:3], {**named, **kwargs, "dropout_p": 0.0}
+        return func(*args, **kwargs)
 
 
 @contextlib.contextmanager
 def native_attention() -> Iterator[None]:
-    """SDPA as torch's own op, card or not: AOTAutograd tracing a compiled call (compiled.py) records the fused
-    attention op a compiled graph calls (on the CPU, its flash kernel: the output and the log-sum-exp saved, as the
-    CUDA flash kernel saves), not the card model's computation of it."""
+    """SDPA as torch's own op: AOTAutograd tracing a compiled call (compiled.py) records the fused attention op a
+    compiled graph calls (on the CPU, its flash kernel: the output and the log-sum-exp saved, as the CUDA flash
+    kernel saves), not the card model's computation of it; with a card's rules, without dropout (as CUDA's)."""
     _NATIVE[0] += 1
     try:
-        yield
+        with _NoAttentionDropout() if _CARD[0] else contextlib.nullcontext():
+            yield
     finally:
         _NATIVE[0] -= 1
 
@@ -91,12 +106,13 @@ def native_attention() -> Iterator[None]:
 def cuda_kernels(card: GpuSpec) -> Iterator[None]:
     """Inside, SDPA and dropout on cpu tensors (fake ones too) run as on `card` (see the module doc)."""
     def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False):
-        if _NATIVE[0]:
+        if _NATIVE[0]:  # (traced without dropout: _NoAttentionDropout)
             return torch.ops.aten.scaled_dot_product_attention.default.decompose(
-                q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+                q, k, v, attn_mask, 0.0, is_causal, scale=scale, enable_gqa=enable_gqa)
         return attention(card, Call(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa))
 
     lib = torch.library.Library("aten", "IMPL")
+    _CARD[0] += 1
     try:
         with warnings.catch_warnings():  # "Overriding a previously registered kernel": that is the point
             warnings.simplefilter("ignore")
@@ -106,4 +122,5 @@ def cuda_kernels(card: GpuSpec) -> Iterator[None]:
             lib.impl("log_softmax.int", _softmax(log=True), "AutogradCPU")
         yield
     finally:
+        _CARD[0] -= 1
         lib._destroy()

@@ -10,6 +10,7 @@ from ..config.schema import HEADROOM, TRIAL_STEPS, Config, FoundBy, MemoryBreakd
 from ..errors import OomtuneError
 from ..memory.breakdown import breakdown, breakdown_difference, static_memory
 from ..memory.cards import GENERIC, GpuSpec, find_gpu
+from ..memory.compiled import compile_notes
 from ..memory.cuda_attention import kernel_notes
 from ..memory.devices import CpuDevice, Device, FakeDevice, TrackedDevice, make_device
 from ..memory.margin import AnyMargin, Margin, parse_margin
@@ -142,10 +143,10 @@ def check(config: Config, model_file: ModelFile, *, device_kind: str = "fake", b
         check_floor(model_file, config.plan, device.kind, budget_bytes, tensors, headroom)
     old_peak, old_bd, versions = *recorded_for(fb, config.plan), version_notes(fb)
     if isinstance(device, TrackedDevice):
-        kernel_notes()  # (earlier trials' choices in this process)
+        kernel_notes(), compile_notes()  # (earlier trials' choices in this process)
         bd, computed = computing_where_needed(device, model_file.label,
                                               lambda: breakdown(model_file, config.plan, device, steps))
-        computed += kernel_notes()
+        computed += kernel_notes() + compile_notes()
         from .estimate import no_bf16_note
 
         notes = (eager_note(model_file.label, device.kind),) if static_memory(model_file).compiled else ()
@@ -202,7 +203,8 @@ def check_floor(model_file: ModelFile, plan: Plan, kind: str, budget_bytes: int,
                                     ("optimizer offload", plan.offload_optimizer),
                                     ("NF4 weights", plan.nf4_frozen_weights),
                                     ("chunked cross-entropy", plan.chunked_loss),
-                                    ("optimizer in backward", plan.optimizer_in_backward)) if on]
+                                    ("optimizer in backward", plan.optimizer_in_backward),
+                                    ("compiled", plan.compile)) if on]
     static = static_memory(model_file, plan, " + ".join(levers))
     if static.floor_bytes > limit:
         less = [f"{headroom:.0%} headroom"] * bool(headroom) + \

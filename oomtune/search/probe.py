@@ -196,8 +196,7 @@ def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: 
     floors = floors or RungFloors(model_file, static)
     rungs, past, floor = all_rungs(model_file, device, amp, static, world, sharding, levers, limit, sharded_by,
                                    statics[1] if statics else None, floors=floors)
-    named = levers - {COMPILE} != frozenset(LEVERS)  # (the user's --levers left some out)
-    check_static_fits(floor, device, limit, headroom, sharded_by, past if named else None)
+    check_static_fits(floor, device, limit, headroom, sharded_by, past if levers - {COMPILE} != set(LEVERS) else None)
     kernel_notes(), compile_notes()  # forget what trials before this probe chose (its own choose again)
     unreachable, notes = _first_notes(model_file, static, device, targets, amp, levers, rungs, limit, world)
     accumulates = "accumulation" in levers and not static.steps_in_backward  # (_first_notes says why not)

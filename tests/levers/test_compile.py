@@ -16,8 +16,8 @@ from torch import nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from oomtune.config.schema import Plan
-from oomtune.memory import compiled
-from oomtune.memory.compiled import CompiledCall, buffers, compile_notes
+from oomtune.memory.cards import find_gpu
+from oomtune.memory.compiled import CompiledCall, buffers, compile_notes, graph_runner
 from oomtune.memory.devices import CpuDevice, FakeDevice
 from oomtune.model_file import load_model_file
 from oomtune.search.options import parse_levers, with_compile
@@ -110,7 +110,6 @@ def test_a_call_that_cannot_be_traced_runs_eager_and_says_so():
     assert call.eager_why is not None
     notes = compile_notes()
     assert len(notes) == 1 and "block 0 (_Branchy)" in notes[0] and "eager" in notes[0]
-    assert compiled.fallbacks == {}
 
 
 def test_compile_in_levers_and_the_flag():
@@ -195,3 +194,99 @@ def test_a_model_without_blocks_trains_eager_and_is_told(write_model):
     assert compiled_run.peak_allocated_bytes == eager_run.peak_allocated_bytes
     notes = compile_notes()
     assert len(notes) == 1 and notes[0].startswith("compiled blocks: ") and "define blocks(model)" in notes[0]
+
+
+def test_an_input_dies_at_its_last_use_in_the_graph():
+    """device: cpu. a -> b = a@a -> c = b@b -> c@c, `a` held by the graph alone (as backward is handed its saved
+    tensors): each mm's output is the only new tensor beside what is still read, so the peak is the input's size
+    plus one (with the input held to the end, it was two more)."""
+    size = 256 * 256 * 4
+    run = graph_runner(make_fx(lambda a: ((a @ a) @ (a @ a)) @ a)(torch.randn(256, 256)))
+    chain = graph_runner(make_fx(lambda a: (((a @ a) @ (a @ a)).sum(), )[0])(torch.randn(256, 256)))
+    device = CpuDevice("1GiB")
+    with device.measure():
+        args = [torch.randn(256, 256)]
+        before = device.live_bytes()
+        device.tracker.reset_peak()
+        run(args)  # a@a twice and the product with a: a must live to the last mm
+        held = device.tracker.peak_bytes - before
+        args = [torch.randn(256, 256)]
+        before = device.live_bytes()
+        device.tracker.reset_peak()
+        chain(args)  # a's last use is the second a@a: freed before the product is made
+        freed = device.tracker.peak_bytes - before
+    assert held == 3 * size and freed == 2 * size
+
+
+def test_dropout_draws_its_numbers_inside_the_kernel():
+    """device: cpu. dropout then a sum: the random numbers (fp32, 4 bytes an element) never exist; forward writes
+    the bool mask it keeps for backward (1 byte an element) and the sum."""
+    def run(call) -> int:
+        device = CpuDevice("1GiB")
+        with device.measure():
+            x = torch.randn(N, requires_grad=True)
+            before = device.live_bytes()
+            device.tracker.reset_peak()
+            call(x)
+            return device.tracker.peak_bytes - before
+
+    def drop(x):
+        return torch.nn.functional.dropout(x, 0.1, True).sum()
+
+    assert run(drop) >= 4 * N  # eager: the numbers drawn, in fp32
+    assert run(CompiledCall("drop", drop)) < 2 * N
+
+
+def test_attention_dropout_keeps_no_attention_weights_on_a_card():
+    """device: fake, an H100's rules. SDPA with dropout in a compiled call is traced as the fused kernel CUDA runs
+    (output and log-sum-exp kept), not the CPU's math kernel with its batch x heads x T x T weights (32 MiB here)."""
+    def attend(q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.1, is_causal=True)
+
+    device = FakeDevice(gpu=find_gpu("h100"))
+    with device.measure():
+        q, k, v = (torch.randn(2, 8, 1024, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        before = device.live_bytes()
+        out = CompiledCall("attention", attend)(q, k, v)
+        kept = device.live_bytes() - before
+        del out
+    assert kept < 4 * 2 * 8 * 1024 * 64 * 2  # the output (2 MiB) and the log-sum-exp; never the 32 MiB weights
+
+
+def test_training_mode_is_part_of_what_is_traced():
+    block = nn.Sequential(nn.Linear(64, 64), nn.Dropout(0.5))
+    call = CompiledCall("block", block.forward, block)
+    x = torch.randn(16, 64)
+    call(x)  # traced in training mode
+    block.eval()
+    assert torch.equal(call(x), block(x))  # eval: no dropout (a trace of training mode would drop half)
+
+
+GPT2 = '''
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+
+def build_model():
+    return GPT2LMHeadModel(GPT2Config(vocab_size=128, n_positions=64, n_embd=32, n_layer=2, n_head=2))
+
+
+def make_batch(batch_size, context_length, device):
+    ids = torch.randint(0, 128, (batch_size, context_length), device=device)
+    return {"input_ids": ids, "labels": ids}
+'''
+
+
+def test_gpt2_whose_blocks_are_handed_a_cache_positionally(write_model):
+    """device: fake. GPT-2's blocks take the (empty, training) KV cache as a positional argument: traced without
+    it, the step compiled, nothing run eager; a PEFT prefix in the cache (keys already held) runs eager, named."""
+    compile_notes()
+    model_file = load_model_file(write_model(GPT2, "gpt2_tiny.py"))
+    compiled_run = run_trial(model_file, Plan(4, 32, compile=True), FakeDevice("1GiB"))
+    eager_run = run_trial(model_file, Plan(4, 32), FakeDevice("1GiB"))
+    assert not compiled_run.oom and compile_notes() == ()
+    assert compiled_run.peak_allocated_bytes < eager_run.peak_allocated_bytes
+    prefix = load_model_file(Path(__file__).parents[1] / "finetune" / "models" / "hf_gpt2_prefix.py")
+    assert not run_trial(prefix, Plan(2, 16, compile=True), FakeDevice("1GiB")).oom
+    notes = compile_notes()
+    assert notes and all("KV cache that holds keys already" in n for n in notes)

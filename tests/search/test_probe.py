@@ -104,7 +104,7 @@ def test_cli_writes_a_config_that_round_trips_and_json_for_ci(tmp_path):
         "activation_checkpointing": cfg.plan.activation_checkpointing,
         "grad_accum_steps": cfg.plan.grad_accum_steps, "world_size": 1, "sharding": "none",
         "optimizer_8bit": False, "offload_optimizer": False, "offload_activations": False,
-        "nf4_frozen_weights": False, "chunked_loss": False, "optimizer_in_backward": False,
+        "nf4_frozen_weights": False, "chunked_loss": False, "optimizer_in_backward": False, "compile": False,
         "global_batch_size": 8,
     }
     assert data["peak_bytes"] == cfg.found_by.peak_bytes <= data["limit_bytes"] == int(8 * MiB * 0.9)
