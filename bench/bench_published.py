@@ -3,10 +3,11 @@ two README tables, ../shared/truth/torchtune-tables.md), each recipe modelled as
 can express it: an equivalent Hugging Face config (examples/hf/llama-2-7b, examples/hf/llama-3.2-3b: the published
 models' shapes), the recipe's LoRA settings, precision, checkpointing, batch, context and levers. torch.compile is
 `--compile` (each layer and the loss compiled, as torchtune's recipes compile since late 2024). Where torchtune's
-model code keeps other memory than Hugging Face's, a model file here says so (bench/models/torchtune_llama3_2_3b.py:
-torchtune's output layer upcasts the whole logits to fp32 in eager where the loss is not chunked). What oomtune
-cannot express yet (torchtune's activation offloading, torchtune keeping the un-adapted k_proj in bf16, the May
-2024 recipes' whole-model compile with the loss left eager) is named in the row, not fitted: the error stands.
+model code keeps other memory than Hugging Face's, a model file here says so (bench/models/torchtune_*.py:
+torchtune's output layer upcasts the whole logits to fp32 in eager where the loss is not chunked; the May 2024
+QLoRA recipe's loss was computed outside its compiled model). What oomtune cannot express yet (torchtune's
+activation offloading, torchtune keeping the un-adapted k_proj in bf16, a whole-model compile) is named in the row,
+not fitted: the error stands.
 Chunked cross-entropy is oomtune's `chunked-loss` lever, the optimizer step fused into backward its
 `step-in-backward` lever, and AdamW fused (torchtune's recipes' `fused: True`) oomtune's default optimizer.
 
@@ -34,9 +35,9 @@ from oomtune.units import utc_now
 ROOT = Path(__file__).resolve().parent.parent
 GB, GiB = 10**9, 2**30
 LLAMA2_7B, LLAMA32_3B = "examples/hf/llama-2-7b", "examples/hf/llama-3.2-3b"
-ATTENTION_MLP = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 QVO_MLP = "q_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 TORCHTUNE_3B = "bench/models/torchtune_llama3_2_3b.py"  # (its logits upcast in the model, as torchtune's)
+TORCHTUNE_7B_QLORA = "bench/models/torchtune_llama2_7b_qlora.py"  # (and its loss eager, outside the model)
 FULL_3B = [LLAMA32_3B, "--gpu", "a100-80", "--micro-batch", "2", "--context", "4096", "--precision", "bf16-true"]
 LORA_3B = [*FULL_3B, "--checkpointing", "--lora-r", "64", "--lora-alpha", "128", "--lora-targets", QVO_MLP]
 
@@ -58,11 +59,9 @@ ROWS = (
          "--checkpointing", "--lora-r", "8", "--lora-alpha", "16", "--lora-dropout", "0.05",
          "--lora-targets", "q_proj,v_proj")),
     Row("C2", "Llama2-7B QLoRA (RTX 4090)", int(12.3 * GB), "12.3 GB", "reserved",
-        (LLAMA2_7B, "--gpu", "rtx4090", "--micro-batch", "4", "--context", "2048", "--precision", "bf16-true",
-         "--checkpointing", "--lora-r", "8", "--lora-alpha", "16", "--lora-targets", ATTENTION_MLP, "--levers", "nf4",
-         "--compile"),
-        "the recipe (May 2024) compiled the whole model and left its loss eager, over logits its model upcast to "
-        "fp32: compiled here, each layer and the loss"),
+        (TORCHTUNE_7B_QLORA, "--gpu", "rtx4090", "--micro-batch", "4", "--context", "2048", "--precision",
+         "bf16-true", "--checkpointing", "--levers", "nf4", "--compile"),
+        "the recipe compiled the whole model (its loss eager, as here): here each layer"),
     Row("C3", "Llama3.2-3B full, packed", int(60.0 * GiB), "60.0 GiB", "active", (TORCHTUNE_3B, *FULL_3B[1:])),
     Row("C3c", "+ compile", int(51.0 * GiB), "51.0 GiB", "active", (TORCHTUNE_3B, *FULL_3B[1:], "--compile")),
     Row("C3k", "+ chunked cross-entropy", int(42.9 * GiB), "42.9 GiB", "active",
@@ -119,7 +118,7 @@ def section(results) -> str:
         f"{torch.__version__}, on this machine's CPU (fake tensors, the card's rules). Published figures: torchtune's "
         "README tables (../shared/truth/torchtune-tables.md; C1-C2 one RTX 4090, C3-C6 one A100-80GB). Each recipe "
         "is modelled with a Hugging Face Llama config of the published model's shape and the recipe's settings "
-        "(C3, C3c: with torchtune's fp32 logits, bench/models/torchtune_llama3_2_3b.py); "
+        "(C2, C3, C3c: with torchtune's fp32 logits, bench/models/torchtune_*.py); "
         "what the plan cannot express is named, and estimated without it (no correction applied).",
         "",
         *table(results),
