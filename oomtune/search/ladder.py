@@ -4,9 +4,8 @@ Ladder: for each rung in order (fp32, +amp, +checkpointing, and on several ranks
 [T_min, T] at which micro-batch 1 fits (context first: batch can be recovered by accumulation, context cannot), then
 the largest micro-batch b_S <= B at T_S. Stop at the first rung that fits (T, B) outright; otherwise take the best
 rung and add accumulation: micro-batch b (the largest divisor of B not above b_S) and B / b accumulation steps, so
-the global batch stays exactly B. Where not even
-1 x B fits at any rung's T_S (accumulation keeps the gradients alive), the context is cut further, towards T_min
-(shorter_context).
+the global batch stays exactly B. Where not even 1 x B fits at any rung's T_S (accumulation keeps the gradients
+alive), the context is cut further, towards T_min (shorter_context).
 
 Per rung, memory is close to affine in the micro-batch (strictly: convex, the max over the step of
 lines in b), so two measured peaks predict the largest batch under the limit; the prediction is
@@ -40,6 +39,7 @@ class Rung:
     chunked_loss: bool = False
     optimizer_in_backward: bool = False  # no accumulation: its plan is the whole batch at once, or none
     compile: bool = False  # every rung of a search asked to compile (--compile)
+
 
 @dataclass(frozen=True)
 class Point:
