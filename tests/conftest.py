@@ -117,6 +117,22 @@ def metrics(run_dir: Path) -> list[dict]:
             for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def trained_with_and_without(folder: Path, config: dict, key: str, steps: int) -> tuple[list, list]:
+    """`oomtune train` (device cpu, 1GiB) of `config` with plan[key] true, then false, each written to `folder` and
+    run in a run dir of its own there: each run's (step, loss) rows."""
+    import yaml
+
+    config["train"]["log_every_n_steps"] = 1
+    for name, on in (("on", True), ("off", False)):
+        config["plan"][key] = on
+        (folder / f"{name}.yaml").write_text(yaml.safe_dump(config))
+        t = run_cli("train", "--config", folder / f"{name}.yaml", "--device", "cpu", "--budget", "1GiB", "--steps",
+                    str(steps), "--run-dir", folder / name)
+        assert t.exit_code == 0, t.output
+    on, off = ([(m["step"], m["loss"]) for m in metrics(folder / n)] for n in ("on", "off"))
+    return on, off
+
+
 def events(run_dir: Path, kind: str) -> list[dict]:
     """The events of one kind in a run's events.jsonl."""
     lines = (run_dir / "events.jsonl").read_text().splitlines()

@@ -10,9 +10,10 @@ compiles them one by one) or a function (the loss):
 2. Which intermediates exist at all. Inductor fuses pointwise ops and reductions into kernels that write only what
    leaves them: a kernel's output is a buffer where an op that is not fused (a matmul, attention, a convolution:
    `extern`) reads it, or where it leaves the graph (saved for backward, returned). Every other op's result lives
-   in registers. The graphs run op by op here, and an op whose result is such an intermediate runs untracked:
-   nothing of it is counted. (Not modelled: inductor's own choice to keep a pointwise result many kernels read,
-   and its reuse of a dead buffer for one of the same size, which the allocator model sees as a reuse anyway.)
+   in registers, unless inductor's own thresholds write it out (a result many kernels read that is costly to
+   recompute; reductions). The graphs run op by op here, and an op whose result is such an intermediate runs
+   untracked: nothing of it is counted. (Not modelled: inductor's reuse of a dead buffer for one of the same size,
+   which the allocator model sees as a reuse anyway.)
 
 Where AOTAutograd cannot trace a call (a data-dependent branch, a tensor it would bake in as a constant: a KV cache,
 an op with no fake kernel), the call runs eager and `fallbacks` says why: the estimate names it."""
@@ -30,12 +31,12 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .tracker import untracked
 
-_aten = torch.ops.aten
+REDUCTIONS = frozenset(("sum", "mean", "amax", "amin", "max", "min", "prod", "var", "var_mean", "std", "any", "all",
+                        "argmax", "argmin", "logsumexp"))
 # ops inductor lowers into its fused kernels (beside every op tagged pointwise): reductions, and the composite ops
 # it decomposes into pointwise ops and reductions
-FUSED = frozenset((
-    "sum", "mean", "amax", "amin", "max", "min", "prod", "var", "var_mean", "std", "any", "all", "argmax", "argmin",
-    "logsumexp", "linalg_vector_norm", "norm", "_softmax", "_log_softmax", "_softmax_backward_data",
+FUSED = REDUCTIONS | frozenset((
+    "linalg_vector_norm", "norm", "_softmax", "_log_softmax", "_softmax_backward_data",
     "_log_softmax_backward_data", "native_layer_norm", "native_layer_norm_backward", "native_group_norm",
     "native_group_norm_backward", "_fused_rms_norm", "_fused_rms_norm_backward", "nll_loss_forward",
     "nll_loss_backward", "nll_loss2d_forward", "nll_loss2d_backward", "_to_copy", "clone", "cat", "where",
@@ -46,8 +47,6 @@ FUSED = frozenset((
     "_native_batch_norm_legit_functional", "native_batch_norm_backward", "lift_fresh_copy",
     "rand", "rand_like", "randn", "randn_like", "bernoulli",  # (drawn inside the kernel that uses them)
 ))
-REDUCTIONS = frozenset(("sum", "mean", "amax", "amin", "max", "min", "prod", "var", "var_mean", "std", "any", "all",
-                        "argmax", "argmin", "logsumexp"))
 fallbacks: dict[str, str] = {}  # what was not compiled -> why (compile_notes: read and cleared by the searches)
 
 

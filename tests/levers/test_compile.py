@@ -146,7 +146,7 @@ def test_probe_with_compile_writes_it_and_training_from_it_has_the_eager_losses(
     losses of the same config without the key."""
     import yaml
 
-    from ..conftest import metrics
+    from ..conftest import trained_with_and_without
 
     monkeypatch.chdir(tmp_path)
     r = run_cli("probe", LORA_LLAMA, "--device", "cpu", "--budget", "1GiB", "--batch", "4", "--context", "32",
@@ -154,15 +154,9 @@ def test_probe_with_compile_writes_it_and_training_from_it_has_the_eager_losses(
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["plan"]["compile"] is True
     config = yaml.safe_load((tmp_path / "c.yaml").read_text())
-    config["train"]["log_every_n_steps"] = 1
-    for name, on in (("compiled", True), ("eager", False)):
-        config["plan"]["compile"] = on
-        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(config))
-        t = run_cli("train", "--config", f"{name}.yaml", "--device", "cpu", "--budget", "1GiB", "--steps", "3",
-                    "--run-dir", name)
-        assert t.exit_code == 0, t.output
-    compiled_losses, eager_losses = ([m["loss"] for m in metrics(tmp_path / n)] for n in ("compiled", "eager"))
-    assert len(compiled_losses) == 3 and compiled_losses == pytest.approx(eager_losses, rel=1e-5)
+    compiled_run, eager_run = trained_with_and_without(tmp_path, config, "compile", 3)
+    assert [s for s, _ in compiled_run] == [s for s, _ in eager_run] == [1, 2, 3]
+    assert [x for _, x in compiled_run] == pytest.approx([x for _, x in eager_run], rel=1e-5)
 
 
 NO_BLOCKS = '''

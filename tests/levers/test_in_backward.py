@@ -25,7 +25,7 @@ from oomtune.model_file import load_model_file
 from oomtune.search.trial import run_trial
 from oomtune.step import build_training, train_step
 
-from ..conftest import TINY_MODEL, metrics, run_cli
+from ..conftest import TINY_MODEL, run_cli, trained_with_and_without
 from ..search.test_trial import WIDE_MODEL
 
 GRAD = 256 * 256 * 4  # one of the wide model's eight weights (and its gradient)
@@ -110,14 +110,7 @@ def test_the_ladder_climbs_it_where_only_the_gradients_are_over_then_trains_and_
     assert [t["rung"] for t in report["trials"]] == ["step-in-backward"]
     config = yaml.safe_load((tmp_path / "ib.yaml").read_text())
     assert config["train"]["clip_grad_norm"] is None
-    config["train"]["log_every_n_steps"] = 1
-    for name, in_backward in (("ib", True), ("plain", False)):
-        config["plan"]["optimizer_in_backward"] = in_backward
-        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(config))
-        t = run_cli("train", "--config", f"{name}.yaml", "--device", "cpu", "--budget", "1GiB", "--steps", "4",
-                    "--run-dir", name)
-        assert t.exit_code == 0, t.output
-    ib, plain = ([(m["step"], m["loss"]) for m in metrics(tmp_path / n)] for n in ("ib", "plain"))
+    ib, plain = trained_with_and_without(tmp_path, config, "optimizer_in_backward", 4)
     assert len(ib) == 4 and [s for s, _ in ib] == [s for s, _ in plain]
     assert [x for _, x in ib] == pytest.approx([x for _, x in plain], rel=1e-5)
     tune = export(Plan(1, 4, optimizer_in_backward=True), "torchtune")
