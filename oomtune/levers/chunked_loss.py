@@ -1,8 +1,12 @@
 """Chunked cross-entropy: a causal language model's loss computed over CHUNKS slices of the sequence, each slice's
-logits upcast to fp32 alone, as torchtune's CEWithChunkedOutputLoss does (8 chunks). Hugging Face's own loss
-upcasts the whole (batch, sequence, vocabulary) logits to fp32 at once, and its backward makes the fp32 gradient of
-all of them at once: with a large vocabulary (Llama 3: 128,256) those are the step's largest tensors. Chunked, only
-one slice's fp32 copy and fp32 gradient exist at a time; the log-probabilities saved for backward are the same.
+logits made by the output layer alone and upcast to fp32 alone, as torchtune's chunked output and its
+CEWithChunkedOutputLoss do (8 chunks). Hugging Face's own loss makes the whole (batch, sequence, vocabulary) logits,
+upcasts them to fp32 at once, and its backward makes the fp32 gradient of all of them at once: with a large
+vocabulary (Llama 3: 128,256) those are the step's largest tensors. Chunked, the whole logits never exist: the
+model's forward runs with its output layer passed through (it returns the last hidden states), and the output layer
+runs on each slice of them; only one slice's fp32 copy and fp32 gradient exist at a time (the log-probabilities
+saved for backward are the same). Where the forward changes the logits after its output layer (Gemma 2's
+soft-capping, Cohere's logit scale: `sliced_head` says), the whole logits are made and sliced instead.
 
 It applies where oomtune computes the loss itself: a Hugging Face causal LM (PEFT LoRA-wrapped too) with the
 default loss, whose forward computes transformers' shifted cross-entropy (ForCausalLMLoss), and `labels` in its
@@ -12,7 +16,9 @@ loss(), or a model whose loss is another (causal_lm_loss says which), gets no su
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import re
 import sys
 
 import torch
@@ -55,6 +61,40 @@ def causal_lm_loss(model: nn.Module) -> str | None:
     return None
 
 
+_HEAD_LINE = re.compile(r"^\s*logits\s*=\s*self\.(\w+)\(hidden_states(\[[^\]]*\])?\)\s*$")
+_LOGITS_SET = re.compile(r"^\s*(logits\s*[-+*/]?=(?!=)(?!.*,\s*$)|logits\.\w+_\()", re.MULTILINE)  # (not a keyword)
+
+
+def sliced_head(model: nn.Module) -> tuple[nn.Module, str] | None:
+    """(the Hugging Face model, its output layer's attribute) where its forward's logits are its output layer's
+    output and nothing else (`logits = self.lm_head(hidden_states)`, set once): then the output layer can run on
+    each slice of the hidden states alone. None where the forward changes them after (soft-capping, a scale)."""
+    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    try:
+        source = inspect.getsource(type(base).forward)
+    except (OSError, TypeError):
+        return None
+    heads = [m.group(1) for m in map(_HEAD_LINE.match, source.splitlines()) if m]
+    if len(heads) != 1 or len(_LOGITS_SET.findall(source)) != 1:
+        return None
+    head = getattr(base, heads[0], None)
+    if not isinstance(head, nn.Module) or head is not base.get_output_embeddings():
+        return None
+    return base, heads[0]
+
+
+@contextlib.contextmanager
+def _passed_through(base: nn.Module, name: str):
+    """The model's output layer replaced by nn.Identity for one forward (no hook of the layer's runs on the hidden
+    states); put back after, whatever happens."""
+    head = getattr(base, name)
+    setattr(base, name, nn.Identity())
+    try:
+        yield head
+    finally:
+        setattr(base, name, head)
+
+
 def why_not(label: str, has_own_loss: bool, not_causal: str | None) -> str | None:
     """Why the chunked-loss rung cannot apply to this model (`not_causal`: causal_lm_loss's answer), or None."""
     if has_own_loss:
@@ -86,11 +126,16 @@ def chunked_loss(model_file, model: nn.Module, batch, chunk_loss=chunk_cross_ent
         raise ModelFileError(f"{model_file.label}: plan.chunked_loss computes a causal LM's loss from the batch's "
                              "'labels', and make_batch's batch has none (add them, or remove the key)")
     inputs = {k: v for k, v in batch.items() if k != "labels"}
+    sliced = sliced_head(model)
     with model_file.user_code("the model's forward (plan.chunked_loss: without its labels)"):
-        logits = model(**inputs).logits
+        if sliced is None:
+            parts, head = model(**inputs).logits, None
+        else:
+            with _passed_through(*sliced) as head:
+                parts = model(**inputs).logits  # (the last hidden states)
         labels = F.pad(batch["labels"], (0, 1), value=IGNORE)[:, 1:]  # token t predicts t + 1, as transformers shifts
         total = None
-        for part, target in zip(logits.chunk(CHUNKS, dim=1), labels.chunk(CHUNKS, dim=1), strict=True):
-            loss = chunk_loss(part, target)
+        for part, target in zip(parts.chunk(CHUNKS, dim=1), labels.chunk(CHUNKS, dim=1), strict=True):
+            loss = chunk_loss(part if head is None else head(part), target)
             total = loss if total is None else total + loss
         return total / (labels != IGNORE).sum()
