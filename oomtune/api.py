@@ -98,6 +98,14 @@ class Job:
         return with_threads(result, threads, self.device.kind)
 
     @keeps_callers_rng
+    def savings(self, result, on_lever: Callable[[str], None] | None = None) -> tuple:
+        """estimate --breakdown: what each lever of the plan it broke down takes off its peak (search/savings.py)."""
+        from .search.savings import lever_savings
+
+        return lever_savings(self.model_file, result.breakdown_plan, self.device, result.breakdown.peak_bytes,
+                             self.options["steps"], on_lever)
+
+    @keeps_callers_rng
     def write(self, result, before_writing: Hook = None) -> bool:
         """The snapshot's trial of the plan found (estimate: of the plan it broke down, the smallest where nothing
         fits), then `before_writing`, then the config to `out` (where given and something fits) and the snapshot.
@@ -208,10 +216,12 @@ def what_if(model, micro_batch: int, *, context: int | None = None, precision: s
             checkpointing: bool | None = None, grad_accum: int | None = None, budget: str | None = None,
             gpu: str | None = None, margin: str | None = None, headroom: float = HEADROOM,
             steps: int = TRIAL_STEPS, world_size: int = 1, sharding: str | None = None,
-            memory_snapshot: str | Path | None = None, before_writing: Hook = None, levers: str | None = None):
+            memory_snapshot: str | Path | None = None, before_writing: Hook = None, levers: str | None = None,
+            savings: bool = False, on_lever: Callable[[str], None] | None = None):
     """`oomtune estimate --micro-batch`: one plan's breakdown on fake tensors and, given a budget or a card,
-    whether it fits; `levers`: the levers past accumulation the plan uses (8bit, nf4, offload, ...). Returns the
-    WhatIf (`.plan`, `.breakdown`, `.fits`, `.levers`, `.note`)."""
+    whether it fits; `levers`: the levers past accumulation the plan uses (8bit, nf4, offload, ...); `savings`:
+    what each of them takes off the peak too (one more estimate each, `on_lever(label)` told before it). Returns
+    the WhatIf (`.plan`, `.breakdown`, `.fits`, `.levers`, `.note`, `.savings`)."""
     from .memory import snapshot
     from .search.estimate import make_fake_device, no_bf16_note, what_if_plan
     from .search.estimate import what_if as run_what_if
@@ -227,6 +237,11 @@ def what_if(model, micro_batch: int, *, context: int | None = None, precision: s
     bounded = budget is not None or gpu is not None
     device = make_fake_device(budget if bounded else str(1 << 50), gpu, margin)
     result = run_what_if(model_file, plan, device, bounded=bounded, headroom=headroom, steps=steps)
+    if savings:
+        from .search.savings import lever_savings
+
+        result = dataclasses.replace(result, savings=lever_savings(model_file, plan, device,
+                                                                   result.breakdown.peak_bytes, steps, on_lever))
     _snapshot_of(memory_snapshot, model_file, plan, device, steps, before_writing)
     return result.with_note(no_bf16_note(device, plan.precision))
 

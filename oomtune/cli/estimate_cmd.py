@@ -39,7 +39,15 @@ from .options import (
     StepsOpt,
     budget_option,
 )
-from .render import breakdown_table, print_levers, render_search, render_what_if, snapshot_written, trial_progress
+from .render import (
+    breakdown_table,
+    print_levers,
+    render_search,
+    render_what_if,
+    savings_table,
+    snapshot_written,
+    trial_progress,
+)
 
 EstimateContextOpt = Annotated[int | None, typer.Option("--context", "-t", help="Target context length T (with "
                                                         "--micro-batch: the plan's context). Default: DEFAULTS, "
@@ -67,7 +75,16 @@ def card_line(device, gpu: str | None) -> str:
     return f"card profile: {device.card_text()}{assumed}; margin: {device.margin.text()}"
 
 
-def _ladder(job, gpu: str | None, as_json: bool) -> None:
+BreakdownOpt = Annotated[bool, typer.Option("--breakdown", help="Also say what each lever of the plan saves: the plan "
+                                            "estimated again with that lever off, the others on (one more estimate "
+                                            "a lever).")]
+
+
+def _told(label: str) -> None:
+    err.print(f"  the plan without {escape(label)}: estimating")
+
+
+def _ladder(job, gpu: str | None, as_json: bool, savings: bool = False) -> None:
     from ..config.writing import to_dict
 
     device, targets, world_size = job.device, job.targets, job.options["world_size"]
@@ -84,17 +101,21 @@ def _ladder(job, gpu: str | None, as_json: bool) -> None:
     with trial_progress(device) as (on_start, on_trial):
         result = job.run(on_start, on_trial)
     stop_if_interrupted()  # a Ctrl-C during the search writes nothing, even one Python dropped
+    saved = job.savings(result, _told) if savings else None
     kept = job.write(result, before_writing=stop_if_interrupted)  # (the snapshot's trial runs first)
     snapshot_written(job.snapshot, result.breakdown_plan)
     extra = {"estimated": True, "margin": device.margin.describe(), "card": device.name.removesuffix(" (estimated)"),
              "card_profile": card_line(device, gpu),  # (the card's name alone in "card", as the what-if's JSON)
              "breakdown": to_dict(result.breakdown),
-             "breakdown_plan": to_dict(result.breakdown_plan), "levers": result.levers}
+             "breakdown_plan": to_dict(result.breakdown_plan), "levers": result.levers,
+             **({"savings": to_dict(saved)} if saved is not None else {})}
 
     def details():
         title = "breakdown" if result.config is not None else "breakdown of the smallest plan"
         out.print(breakdown_table(result.breakdown, result.breakdown_plan, result.search.limit_bytes, title,
                                   result.search.static.optimizer_name))
+        if saved is not None:
+            out.print(savings_table(saved, result.breakdown))
         print_levers(result.levers, result.breakdown_plan)
 
     render_search(result.search, job.out if result.config else None, as_json, "estimate", extra, details,
@@ -127,6 +148,7 @@ def estimate(
     out_path: Annotated[Path | None, typer.Option("--out", "-o", help="Where to write the ladder's config (default "
                                                   "best.yaml; with --micro-batch nothing is written).")] = None,
     memory_snapshot: SnapshotOpt = None,
+    savings: BreakdownOpt = False,
     as_json: JsonOpt = False,
     task: TaskOpt = None, dtype: DtypeOpt = None, padding: PaddingOpt = False, lora_r: LoraROpt = None,
     lora_alpha: LoraAlphaOpt = None, lora_dropout: LoraDropoutOpt = None, lora_targets: LoraTargetsOpt = None,
@@ -155,7 +177,7 @@ def estimate(
                                        header=f"written by `oomtune estimate {model}`: predicted on fake tensors, "
                                               "never measured on a GPU (check it with `oomtune probe` there) - edit "
                                               "`train:` freely")
-            _ladder(job, gpu, as_json)
+            _ladder(job, gpu, as_json, savings)
             return
         check_estimate_options(objective, headroom, steps, amp)  # options the one plan ignores, still checked
         if out_path is not None:
@@ -164,6 +186,7 @@ def estimate(
         result = api.what_if(source, micro_batch, context=context, precision=precision, checkpointing=checkpointing,
                              grad_accum=grad_accum, budget=budget, gpu=gpu, margin=margin, headroom=headroom,
                              steps=steps, world_size=world_size, sharding=sharding, memory_snapshot=memory_snapshot,
-                             before_writing=stop_if_interrupted, levers=levers)
+                             before_writing=stop_if_interrupted, levers=levers, savings=savings,
+                             on_lever=_told)
         snapshot_written(memory_snapshot, result.plan)
         render_what_if(result, as_json)

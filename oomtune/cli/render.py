@@ -247,6 +247,21 @@ def breakdown_table(bd, plan, limit_bytes: int | None = None, title: str = "brea
     return table
 
 
+def savings_table(savings, bd) -> Table:
+    """estimate --breakdown: each lever's saving, the plan estimated again with that lever off."""
+    table = Table(title=f"what each lever saves: the plan again without it (peak {fmt_bytes(bd.peak_bytes)})",
+                  title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    for col, just in (("lever", "left"), ("peak without it", "right"), ("saves", "right")):
+        table.add_column(col, justify=just, no_wrap=True)
+    for s in savings:
+        table.add_row(s.label, fmt_bytes(s.peak_bytes) if s.peak_bytes is not None else f"[dim]{escape(s.why)}[/]",
+                      "-" if s.saved_bytes is None else fmt_bytes(s.saved_bytes) if s.saved_bytes >= 0 else
+                      f"[red]costs {fmt_bytes(-s.saved_bytes)}[/]")
+    if not savings:
+        table.add_row("[dim]none: the plan uses no lever[/]", "", "")
+    return table
+
+
 def print_levers(levers, plan) -> None:
     if levers:
         out.print(f"[bold]what would help[/] {plan.describe(with_global=False)} fit (estimates):")
@@ -327,12 +342,15 @@ def render_what_if(result, as_json: bool) -> None:
         print_json(json.dumps({"estimated": True, "card": result.card, "plan": to_dict(plan), "fits": result.fits,
                           "budget_bytes": result.budget_bytes, "limit_bytes": result.limit_bytes,
                           "breakdown": to_dict(result.breakdown), "levers": list(result.levers),
+                          **({"savings": [to_dict(x) for x in result.savings]} if result.savings is not None else {}),
                           **({"note": note} if note else {}), "notes": list(result.notes)}, indent=2))
     else:
         for line in ((note,) if note else ()) + result.notes:
             err.print(f"[yellow]note:[/] {escape(line)}")
         title = f"estimate for {result.card}" if result.card else "estimate"
         out.print(breakdown_table(result.breakdown, plan, result.limit_bytes, title, result.optimizer))
+        if result.savings is not None:
+            out.print(savings_table(result.savings, result.breakdown))
         if result.fits is not None:
             verdict = "[bold green]fits[/]" if result.fits else "[bold red]does not fit[/]"
             out.print(f"{verdict}: peak {fmt_bytes(result.breakdown.peak_bytes)} vs {fmt_bytes(result.limit_bytes)} "

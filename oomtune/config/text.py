@@ -32,8 +32,8 @@ COMMENTS = {
     "plan.offload_optimizer": "optimizer state and step in host RAM, gradients moved there: slower steps",
     "plan.offload_activations": "tensors saved for backward held in host RAM: a copy each way per step",
     "plan.nf4_frozen_weights": "frozen Linear weights in 4-bit NF4 (QLoRA): ~0.5 byte each, dequantized per use",
-    "plan.chunked_loss": ("a causal LM's cross-entropy over 8 slices of the sequence, each upcast to fp32 alone: "
-                          "the logits' fp32 copy and gradient never whole (Hugging Face causal LMs)"),
+    "plan.chunked_loss": ("a causal LM's cross-entropy over 8 slices of the sequence, the output layer run on each, "
+                          "each upcast to fp32 alone: the logits never whole (Hugging Face causal LMs)"),
     "plan.optimizer_in_backward": ("each parameter updated in backward as its gradient is made, then freed: no step "
                                    "holds every gradient; no accumulation, clipping or fp16"),
     "plan.compile": ("each block (transformer layer) and the loss torch.compile'd, as torchtune compiles: fewer "

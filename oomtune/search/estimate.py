@@ -268,6 +268,7 @@ class WhatIf:
     note: str | None = None  # about the card (no_bf16_note)
     optimizer: str | None = None  # its class's name where the model file has its own optimizer() (None: AdamW)
     card: str | None = None  # the card whose rules it was counted by ("Tesla T4", "a generic sm80 card")
+    savings: tuple | None = None  # savings.Saving: what each lever takes off the peak (estimate --breakdown)
 
     @property
     def fits(self) -> bool | None:
