@@ -90,9 +90,11 @@ def test_the_fake_device_measures_the_model_code_as_the_cpu_does(path, plan):
         assert steps_on_cpu > 0 and len(model_file.module.STEPS) == 2 * steps_on_cpu
 
 
-def own_nf4_source() -> str:
+def own_nf4_source(fp32_trained: bool = False) -> str:
     """torchtune's QLoRA way, on the Llama 3 model file: its attention's qkv projection a Linear whose frozen weight
-    the model file itself stores as torchao's NF4Tensor."""
+    the model file itself stores as torchao's NF4Tensor. `fp32_trained`: beside it a trained fp32 scale, as PEFT
+    keeps its adapters in fp32 over a bf16 base (so bf16-true casts the model, NF4 weights left as they are)."""
+    scale = ("\n        self.scale = nn.Parameter(torch.ones(o, dtype=torch.float32))" if fp32_trained else "")
     return LLAMA3_ROPE.read_text().replace("self.qkv, self.out = nn.Linear(d, 3 * d), nn.Linear(d, d)", """\
 self.qkv, self.out = FrozenNF4Linear(d, 3 * d), nn.Linear(d, d)""").replace("class Block(", '''\
 from oomtune.levers.nf4 import library_to_nf4
@@ -103,18 +105,19 @@ class FrozenNF4Linear(nn.Linear):
 
     def __init__(self, i, o):
         super().__init__(i, o, bias=False)
-        self.weight = nn.Parameter(library_to_nf4()(self.weight.detach(), 64, 256), requires_grad=False)
+        self.weight = nn.Parameter(library_to_nf4()(self.weight.detach(), 64, 256), requires_grad=False)SCALE
 
     def forward(self, x):
-        return nn.functional.linear(x, self.weight)
+        return nn.functional.linear(x, self.weight) * getattr(self, "scale", 1)
 
 
-class Block(''').replace("def __init__(self, d=32,", "def __init__(self, d=128,")
+class Block('''.replace("SCALE", scale)).replace("def __init__(self, d=32,", "def __init__(self, d=128,")
 
 
 @pytest.mark.skipif(find_spec("torchao") is None, reason="torchao is not installed (pip install -e '.[dev]')")
-def test_nf4_weights_a_model_file_makes_itself_count_at_their_layout_size(write_model):
-    source = own_nf4_source()
+@pytest.mark.parametrize("fp32_trained", [False, True])
+def test_nf4_weights_a_model_file_makes_itself_count_at_their_layout_size(write_model, fp32_trained):
+    source = own_nf4_source(fp32_trained)
     model_file = load_model_file(write_model(source))
     plan = Plan(48, 64, "bf16-true")  # its peak in the step, past the quantization's scratch
     cpu = run_trial(model_file, plan, CpuDevice("1GiB"))
