@@ -111,8 +111,8 @@ def prepare_model(model: nn.Module, plan, label: str, computes: bool = True) -> 
     """bf16-true: every floating weight and buffer in bf16 (but NF4 weights the model file made: as made), unless
     every trained weight is bf16 as built (under bf16 as the default dtype, or by the model file: a config saying
     torch_dtype bfloat16), where what the model keeps in fp32 stays so, as Hugging Face's own bf16 loading keeps it
-    (the rotary frequencies: in bf16 every position's angle would drift). NF4: every frozen Linear weight in 4 bits (`computes` False: tensors without values, see
-    nf4.quantize_frozen)."""
+    (the rotary frequencies: in bf16 every position's angle would drift). NF4: every frozen Linear weight in 4 bits
+    (`computes` False: tensors without values, see nf4.quantize_frozen)."""
     trained = {p.dtype for p in model.parameters() if p.requires_grad and p.is_floating_point()}
     if plan.precision == "bf16-true" and trained != {torch.bfloat16}:
         from ..memory.made_nf4 import is_nf4
