@@ -5,15 +5,16 @@ models' shapes), the recipe's LoRA settings, precision, checkpointing, batch, co
 `--compile` (each layer and the loss compiled, as torchtune's recipes compile since late 2024). Where torchtune's
 model code keeps other memory than Hugging Face's, a model file here says so (bench/models/torchtune_*.py:
 torchtune's output layer upcasts the whole logits to fp32 in eager where the loss is not chunked; the May 2024
-QLoRA recipe's loss was computed outside its compiled model). What oomtune cannot express yet (torchtune's
-activation offloading, torchtune keeping the un-adapted k_proj in bf16, a whole-model compile) is named in the row,
-not fitted: the error stands.
+QLoRA recipe's loss was computed outside its compiled model; its Llama 3.2 QLoRA builder stores only the adapted
+projections in NF4, k_proj stays bf16). What oomtune cannot express yet (torchtune's activation offloading, a
+whole-model compile) is named in the row, not fitted: the error stands.
 Chunked cross-entropy is oomtune's `chunked-loss` lever, the optimizer step fused into backward its
 `step-in-backward` lever, and AdamW fused (torchtune's recipes' `fused: True`) oomtune's default optimizer.
 
 The figure compared is the published one's kind: "reserved" (torch.cuda.max_memory_reserved: oomtune's modelled
 caching-allocator reservation, no CUDA context) or "active" (active_bytes.all.peak: oomtune's tensor peak, 512-byte
-blocks). Written to bench/RESULTS.md between `<!-- published:begin -->` and `<!-- published:end -->`.
+blocks, of the training step's phases: torchtune's get_memory_stats resets the peak once the model is built, so its
+logged peak leaves the build out). Written to bench/RESULTS.md between `<!-- published:begin -->` and `<!-- published:end -->`.
 
     .venv/bin/python -m bench.bench_published [--out bench/RESULTS.md] [--only C1,C3]
 
@@ -38,6 +39,7 @@ LLAMA2_7B, LLAMA32_3B = "examples/hf/llama-2-7b", "examples/hf/llama-3.2-3b"
 QVO_MLP = "q_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 TORCHTUNE_3B = "bench/models/torchtune_llama3_2_3b.py"  # (its logits upcast in the model, as torchtune's)
 TORCHTUNE_7B_QLORA = "bench/models/torchtune_llama2_7b_qlora.py"  # (and its loss eager, outside the model)
+TORCHTUNE_3B_QLORA = "bench/models/torchtune_llama3_2_3b_qlora.py"  # (NF4 where torchtune's builder puts it)
 FULL_3B = [LLAMA32_3B, "--gpu", "a100-80", "--micro-batch", "2", "--context", "4096", "--precision", "bf16-true"]
 LORA_3B = [*FULL_3B, "--checkpointing", "--lora-r", "64", "--lora-alpha", "128", "--lora-targets", QVO_MLP]
 
@@ -74,8 +76,8 @@ ROWS = (
         (*LORA_3B, "--levers", "chunked-loss,offload-activations", "--compile"),
         "activation offloading: oomtune's, not torchtune's"),
     Row("C6", "Llama3.2-3B QLoRA", int(4.6 * GiB), "4.6 GiB", "active",
-        (*LORA_3B, "--levers", "chunked-loss,nf4,offload-activations", "--compile"),
-        "k_proj kept in bf16 (oomtune quantizes every frozen Linear); activation offloading: oomtune's"),
+        (TORCHTUNE_3B_QLORA, *LORA_3B[1:LORA_3B.index("--lora-r")], "--levers", "chunked-loss,offload-activations",
+         "--compile"), "activation offloading: oomtune's, not torchtune's"),
 )
 
 
@@ -85,7 +87,7 @@ def estimate(row: Row) -> tuple[dict, float, list[str]]:
 
 def ours(row: Row, report: dict) -> int:
     bd = report["breakdown"]
-    return bd["modelled_reserved_bytes"] if row.kind == "reserved" else bd["tensor_peak_bytes"]
+    return bd["modelled_reserved_bytes"] if row.kind == "reserved" else bd["step_peak_bytes"]
 
 
 def shown(n: int, row: Row) -> str:
@@ -118,7 +120,7 @@ def section(results) -> str:
         f"{torch.__version__}, on this machine's CPU (fake tensors, the card's rules). Published figures: torchtune's "
         "README tables (../shared/truth/torchtune-tables.md; C1-C2 one RTX 4090, C3-C6 one A100-80GB). Each recipe "
         "is modelled with a Hugging Face Llama config of the published model's shape and the recipe's settings "
-        "(C2, C3, C3c: with torchtune's fp32 logits, bench/models/torchtune_*.py); "
+        "(C2, C3, C3c: with torchtune's fp32 logits; C6: its NF4 layers; bench/models/torchtune_*.py); "
         "what the plan cannot express is named, and estimated without it (no correction applied).",
         "",
         *table(results),

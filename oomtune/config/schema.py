@@ -241,6 +241,9 @@ class MemoryBreakdown:
     modelled_reserved_bytes: int | None = None
     context_bytes: int = 0  # of margin_bytes: the card's CUDA context (card margins only)
     workspace_bytes: int = 0  # of margin_bytes: its cuBLAS workspaces; the rest of it is the caching allocator's
+    # the tensor peak of the step's phases alone (forward, backward, optimizer; the model's build left out): what a
+    # run reads that resets its peak once the model is built (torchtune's get_memory_stats); None: not measured
+    step_peak_bytes: int | None = None
 
     PARTS = ("parameters", "gradients", "optimizer_state", "autocast_copies", "activations", "temporaries")
 

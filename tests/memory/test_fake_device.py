@@ -328,3 +328,32 @@ def test_a_breakdown_frees_the_allocators_cache_at_the_budget_as_the_trial_does(
     assert not capped.oom and capped.peak_bytes <= uncapped - 20 * MiB
     assert breakdown(mf, plan, FakeDevice(budget, gpu=card)).peak_bytes == capped.peak_bytes
     assert breakdown(mf, plan, FakeDevice("80GiB", gpu=card)).peak_bytes == uncapped
+
+
+def test_the_breakdown_says_the_steps_peak_apart_from_the_builds(write_model):
+    """A model file whose build makes a 16 MiB scratch tensor (quantizing on the device, say): the peak is in setup;
+    step_peak_bytes is the step's phases' own peak (what torchtune logs: it resets the peak once the model is
+    built), the trial's forward/backward/optimizer peaks, on the fake and the cpu device alike."""
+    path = write_model('''
+        import torch
+        from torch import nn
+
+        def build_model():
+            scratch = torch.zeros(4 << 20)  # 16 MiB of fp32, freed before the step
+            del scratch
+            return nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+
+        def make_batch(batch_size, context_length, device):
+            return torch.randn(batch_size, context_length, 8, device=device)
+
+        def loss(model, batch):
+            return model(batch).mean()
+    ''')
+    model_file = load_model_file(path)
+    plan = Plan(4, 8)
+    for device in (CpuDevice("1GiB"), FakeDevice("1GiB", margin=Margin())):
+        bd = breakdown(model_file, plan, device)
+        trial = run_trial(model_file, plan, device)
+        step = max(n for phase, n in trial.phase_peaks.items() if phase != "setup")
+        assert bd.phase == "setup" and bd.tensor_peak_bytes >= 16 << 20, bd
+        assert bd.step_peak_bytes == step < 1 << 20, (device.kind, bd.step_peak_bytes, trial.phase_peaks)
