@@ -14,7 +14,8 @@ Chunked cross-entropy is oomtune's `chunked-loss` lever, the optimizer step fuse
 The figure compared is the published one's kind: "reserved" (torch.cuda.max_memory_reserved: oomtune's modelled
 caching-allocator reservation, no CUDA context) or "active" (active_bytes.all.peak: oomtune's tensor peak, 512-byte
 blocks, of the training step's phases: torchtune's get_memory_stats resets the peak once the model is built, so its
-logged peak leaves the build out). Written to bench/RESULTS.md between `<!-- published:begin -->` and `<!-- published:end -->`.
+logged peak leaves the build out). Written to bench/RESULTS.md between `<!-- published:begin -->` and
+`<!-- published:end -->`.
 
     .venv/bin/python -m bench.bench_published [--out bench/RESULTS.md] [--only C1,C3]
 
