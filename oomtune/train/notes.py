@@ -77,6 +77,14 @@ def data_notes(t: Training, model_file: ModelFile, device: Device) -> list[Note]
     return notes
 
 
+def compile_fallback_notes(step: int) -> list[Note]:
+    """plan.compile on the simulated devices: the compiled calls that could not be traced (so they run eager, and
+    the memory is eager's) since the last step; each is traced at its first call, in the first steps."""
+    from ..memory.compiled import compile_notes
+
+    return [Note(f"{note} (step {step}): it trains eager", warning=True) for note in compile_notes()]
+
+
 def _built_in_16_bits(t: Training, label: str) -> list[str]:
     """A plan whose precision says fp32 weights (fp32, or autocast's bf16 / fp16) for a model whose build_model()
     returns every trained weight in 16 bits (a config written before the probe labelled such a plan bf16-true, or

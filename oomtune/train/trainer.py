@@ -39,10 +39,10 @@ from .checkpoint import KEEP
 from .checkpointer import checkpointer_for, optimizer_class, restore, resume_notes
 from .data import DataStream, Shares
 from .events import Checkpointed, Event, Note, Started, StepDone, TrainResult
-from .inputs import Inputs, check_inputs, check_weights_fit, device_kind, resolve_device, resumed_device
+from .inputs import check_inputs, check_weights_fit, device_kind, resolve_device, resumed_device
 from .losses import NonFiniteLoss, check_losses, tainted_buffer
 from .metrics import StepMetrics, Window
-from .notes import built_notes, data_notes, run_notes
+from .notes import built_notes, compile_fallback_notes, data_notes, run_notes
 from .pretrained import after_checkpoint
 from .recovery import RecoveryPolicy, Retry, Stop, write_relaunch_plan
 from .rng import capture_rng, restore_rng, seed_everything
@@ -67,8 +67,7 @@ class Trainer:
                  on_event: Callable[[Event], None] | None = None, rank_budgets: dict[int, str] | None = None,
                  dist_timeout: float = DEFAULT_TIMEOUT_S):
         world = int(os.environ["WORLD_SIZE"]) if launched_by_torchrun() else 1
-        self.inputs: Inputs = check_inputs(config_path, overrides, resume=resume, world_size=world)
-        inputs = self.inputs
+        self.inputs = inputs = check_inputs(config_path, overrides, resume=resume, world_size=world)
         self.cfg, self.model_file, self.on_event = inputs.cfg, inputs.model_file, on_event or (lambda e: None)
         device, budget, resumed_on = resumed_device(inputs.resume_state, device, budget)
         kind = device_kind(inputs.file_config, device)
@@ -187,8 +186,7 @@ class Trainer:
             loss, step_peak = self._attempt(self._train_step, Phase.FORWARD, [],
                                             lambda: self.shares.share(stream.take(self.batches_per_step)))
             window.seconds += time.perf_counter() - tic  # synchronized: measure() waits for the device
-            s.step += 1
-            s.phase = Phase.AFTER
+            s.step, s.phase = s.step + 1, Phase.AFTER
             self._tell(stream)
             window.tokens += s.plan.tokens_per_step
             window.peak = max(window.peak, step_peak)
@@ -216,11 +214,13 @@ class Trainer:
         return train_step(self.t, micro_batches, s.step, weights)
 
     def _tell(self, stream: DataStream) -> None:
-        """What the data stream noticed drawing this step's batches (a new epoch, an empty batch skipped)."""
+        """What drawing this step's batches noticed (a new epoch, an empty batch skipped); compiled calls run eager."""
         for notice in stream.notices:
             self.log.event(notice.event, step=self.state.step, **notice.fields)
             self.on_event(Note(f"{notice.message} (step {self.state.step})"))
         stream.notices.clear()
+        for note in compile_fallback_notes(self.state.step):
+            self.on_event(note)
 
     def _evaluate(self) -> tuple[float, int]:
         def draw() -> list[Batch]:

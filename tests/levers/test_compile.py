@@ -284,3 +284,57 @@ def test_gpt2_whose_blocks_are_handed_a_cache_positionally(write_model):
     assert not run_trial(prefix, Plan(2, 16, compile=True), FakeDevice("1GiB")).oom
     notes = compile_notes()
     assert notes and all("KV cache that holds keys already" in n for n in notes)
+
+
+BRANCHY = '''
+import torch
+from torch import nn
+
+
+class Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return h.relu() if h.sum() > 0 else h.tanh()  # a branch on values: no graph
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([Branchy(), Branchy()])
+
+    def forward(self, x, y):
+        for block in self.blocks:
+            x = block(x)
+        return nn.functional.mse_loss(x, y)
+
+
+def build_model():
+    return Net()
+
+
+def blocks(model):
+    return list(model.blocks)
+
+
+def make_batch(batch_size, context_length, device):
+    return (torch.randn(batch_size, context_length, 16, device=device),
+            torch.randn(batch_size, context_length, 16, device=device))
+'''
+
+
+def test_training_says_which_compiled_calls_run_eager(write_model, tmp_path):
+    """device: cpu. A config with compile: true whose blocks cannot be traced: train runs them eager and says so
+    once, at the step that first ran them, as estimate and probe say it."""
+    path = write_model(BRANCHY)
+    r = run_cli("estimate", path, "--budget", "1GiB", "--batch", "4", "--context", "8", "--compile",
+                "--out", tmp_path / "c.yaml")
+    assert r.exit_code == 0 and "compiled block 0" in r.output, r.output
+    train = run_cli("train", "--config", tmp_path / "c.yaml", "--steps", "3", "--device", "cpu",
+                    "--run-dir", tmp_path / "run")
+    assert train.exit_code == 0, train.output
+    said = [line for line in train.output.splitlines() if "it trains eager" in line]
+    assert len(said) == 2 and all("(step 1)" in line for line in said), train.output
