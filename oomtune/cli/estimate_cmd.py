@@ -101,8 +101,8 @@ def _ladder(job, gpu: str | None, as_json: bool, savings: bool = False) -> None:
     with trial_progress(device) as (on_start, on_trial):
         result = job.run(on_start, on_trial)
     stop_if_interrupted()  # a Ctrl-C during the search writes nothing, even one Python dropped
-    saved = job.savings(result, _told) if savings else None
     kept = job.write(result, before_writing=stop_if_interrupted)  # (the snapshot's trial runs first)
+    saved = job.savings(result, _told) if savings else None  # (after the config is written: nothing waits on it)
     snapshot_written(job.snapshot, result.breakdown_plan)
     extra = {"estimated": True, "margin": device.margin.describe(), "card": device.name.removesuffix(" (estimated)"),
              "card_profile": card_line(device, gpu),  # (the card's name alone in "card", as the what-if's JSON)

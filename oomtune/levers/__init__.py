@@ -115,10 +115,7 @@ def prepare_model(model: nn.Module, plan, label: str, computes: bool = True) -> 
     (`computes` False: tensors without values, see nf4.quantize_frozen)."""
     trained = {p.dtype for p in model.parameters() if p.requires_grad and p.is_floating_point()}
     if plan.precision == "bf16-true" and trained != {torch.bfloat16}:
-        from ..memory.made_nf4 import is_nf4
-
-        # (an NF4 weight the model file made stays as made: on fake tensors `.to` turned it into a plain bf16 one)
-        model._apply(lambda t: t.to(torch.bfloat16) if t.is_floating_point() and not is_nf4(t) else t)
+        _cast_but_nf4(model)
     if plan.nf4_frozen_weights:
         from .nf4 import quantize_frozen
 
@@ -127,6 +124,22 @@ def prepare_model(model: nn.Module, plan, label: str, computes: bool = True) -> 
                                "store in NF4 (it applies to the base layers of a PEFT LoRA model whose forward is "
                                "nn.Linear's: a subclass with its own, Falcon's FalconLinear, is left as it is)",
                                BAD_INPUT)
+
+
+def _cast_but_nf4(model: nn.Module) -> None:
+    """model.to(bf16) (the model's own `to`: a Hugging Face model's checks included), with the NF4 weights a model
+    file made left as made: they are taken out of their modules around it (on fake tensors `.to` turned them into
+    plain bf16 weights, 4x their size)."""
+    from ..memory.made_nf4 import is_nf4
+
+    kept = [(m, name, p) for m in model.modules() for name, p in m._parameters.items() if p is not None and is_nf4(p)]
+    for m, name, _ in kept:
+        m._parameters[name] = None
+    try:
+        model.to(torch.bfloat16)
+    finally:
+        for m, name, p in kept:
+            m._parameters[name] = p
 
 
 def make_optimizer(model_file, params: Sequence[nn.Parameter], lr: float, model: nn.Module, plan, device):

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..dist.wrap import unwrapped
 from ..errors import BAD_INPUT, OomtuneError
 from ..model_file import ModelFileError
 
@@ -63,24 +64,35 @@ def causal_lm_loss(model: nn.Module) -> str | None:
 
 _HEAD_LINE = re.compile(r"^\s*logits\s*=\s*self\.(\w+)\(hidden_states(\[[^\]]*\])?\)\s*$")
 _LOGITS_SET = re.compile(r"^\s*(logits\s*[-+*/]?=(?!=)(?!.*,\s*$)|logits\.\w+_\()", re.MULTILINE)  # (not a keyword)
+_PASSED_ON = re.compile(r"logits=logits|loss_function\(logits,|= \(logits,\)")  # the logits handed on as they are
+_LOGITS = re.compile(r"\blogits\b")
 
 
 def sliced_head(model: nn.Module) -> tuple[nn.Module, str] | None:
     """(the Hugging Face model, its output layer's attribute) where its forward's logits are its output layer's
-    output and nothing else (`logits = self.lm_head(hidden_states)`, set once): then the output layer can run on
-    each slice of the hidden states alone. None where the forward changes them after (soft-capping, a scale)."""
-    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    output and nothing else (`logits = self.lm_head(hidden_states)`, set once, and after it only handed on as they
+    are, to the loss function and the output): then the output layer can run on each slice of the hidden states
+    alone. None where the forward does anything else with them (soft-capping, a scale, Chameleon's masking of the
+    image tokens: `logits[:, :, ids] = ...`), where the model's forward is its own (an instance attribute), and under
+    FSDP (the output layer is the root unit's, gathered for the forward: not called outside it)."""
+    outer = unwrapped(model)  # (DDP: its module, the model; the forward still runs through DDP)
+    base = outer.get_base_model() if callable(getattr(outer, "get_base_model", None)) else outer
+    if "forward" in vars(base) or any(c.__name__ == "FSDPModule" for m in (outer, base) for c in type(m).__mro__):
+        return None
     try:
-        source = inspect.getsource(type(base).forward)
+        lines = inspect.getsource(type(base).forward).splitlines()
     except (OSError, TypeError):
         return None
-    heads = [m.group(1) for m in map(_HEAD_LINE.match, source.splitlines()) if m]
-    if len(heads) != 1 or len(_LOGITS_SET.findall(source)) != 1:
+    at = [i for i, line in enumerate(lines) if _HEAD_LINE.match(line)]
+    if len(at) != 1 or len(_LOGITS_SET.findall("\n".join(lines))) != 1:
         return None
-    head = getattr(base, heads[0], None)
+    if any(_LOGITS.search(_PASSED_ON.sub("", line)) for line in lines[at[0] + 1:]):
+        return None
+    name = _HEAD_LINE.match(lines[at[0]]).group(1)
+    head = getattr(base, name, None)
     if not isinstance(head, nn.Module) or head is not base.get_output_embeddings():
         return None
-    return base, heads[0]
+    return base, name
 
 
 @contextlib.contextmanager

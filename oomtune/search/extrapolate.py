@@ -54,7 +54,7 @@ def extrapolated_breakdown(breakdowns: list[MemoryBreakdown], blocks: int,
     fields = {}
     for f in dataclasses.fields(MemoryBreakdown):
         values = [getattr(bd, f.name) for bd in breakdowns]
-        if f.name in ("phase", "margin") or (values[0] is None and all(v is None for v in values)) or \
+        if f.name in ("phase", "margin", "step_peak_bytes") or all(v is None for v in values) or \
                 (reserved is not None and f.name in RESERVED):
             continue
         if any(v is None for v in values):
@@ -62,6 +62,7 @@ def extrapolated_breakdown(breakdowns: list[MemoryBreakdown], blocks: int,
         fields[f.name] = _line(values, blocks)
         if fields[f.name] is None:
             return None
+    fields["step_peak_bytes"] = None  # (not a line: BlockTrials._made reads it off the made trace)
     if reserved is not None:
         bytes_, margin = reserved
         fields.update(modelled_reserved_bytes=bytes_, peak_bytes=0,  # (0: tensor peak + margin)
@@ -150,6 +151,9 @@ class BlockTrials:
               if all(b is not None for b in bds) else None)
         if bd is not None and (bd.peak_bytes, bd.tensor_peak_bytes) != (result.peak_bytes, result.peak_allocated_bytes):
             bd = None
+        if bd is not None:  # (the step's own peak read off the made trace, as the trial's: not a line's)
+            bd = dataclasses.replace(bd, step_peak_bytes=max((n for k, n in phases.items() if k != "setup"),
+                                                             default=None))
         return result, bd
 
 

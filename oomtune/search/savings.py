@@ -15,7 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from ..config.schema import LEVER_LABELS, TRIAL_STEPS, ConfigError, Plan
-from ..memory.breakdown import breakdown
+from ..errors import OomtuneError, first_line
+from ..memory.breakdown import breakdown, static_memory
 from ..memory.devices import FakeDevice
 from ..model_file import ModelFile
 from .trial import computing_where_needed
@@ -33,8 +34,10 @@ class Saving:
     why: str | None = None
 
 
-def without_each(plan: Plan) -> list[tuple[str, str, Plan | str]]:
-    """(plan key, label, the plan with that lever off, or why there is none) for each lever the plan uses."""
+def without_each(plan: Plan, weights_dtype: str | None = None) -> list[tuple[str, str, Plan | str]]:
+    """(plan key, label, the plan with that lever off, or why there is none) for each lever the plan uses;
+    `weights_dtype`: the 16-bit dtype build_model() returns every trained weight in, where it does (a plan without
+    bf16-true then trains them in it all the same: nothing to compare)."""
     offs: list[tuple[str, str, dict]] = [(key, label, {key: False}) for key, label in LEVER_LABELS.items()
                                          if getattr(plan, key)]
     if plan.activation_checkpointing:
@@ -44,6 +47,10 @@ def without_each(plan: Plan) -> list[tuple[str, str, Plan | str]]:
         offs.append(("precision", label, {"precision": lower}))
     out: list[tuple[str, str, Plan | str]] = []
     for key, label, change in offs:
+        if key == "precision" and plan.precision == "bf16-true" and weights_dtype is not None:
+            out.append((key, label, f"build_model() returns its trained weights in {weights_dtype}: without "
+                                    "bf16-true they stay so"))
+            continue
         try:
             out.append((key, label, replace(plan, **change)))
         except ConfigError as e:  # (a lever another one needs: none today, but the plan says)
@@ -56,13 +63,17 @@ def lever_savings(model_file: ModelFile, plan: Plan, device: FakeDevice, peak_by
     """Each lever's saving against `peak_bytes` (the plan's own peak, as its breakdown says), one estimate each;
     `on_lever(label)` is told before each (they take as long as the plan's own estimate)."""
     out = []
-    for key, label, other in without_each(plan):
+    for key, label, other in without_each(plan, static_memory(model_file).weights_dtype):
         if isinstance(other, str):
             out.append(Saving(key, label, None, None, other))
             continue
         if on_lever is not None:
             on_lever(label)
-        bd, _ = computing_where_needed(device, model_file.label, lambda p=other: breakdown(model_file, p, device,
-                                                                                            steps))
+        try:
+            bd, _ = computing_where_needed(device, model_file.label,
+                                           lambda p=other: breakdown(model_file, p, device, steps))
+        except OomtuneError as e:  # (that plan cannot be measured here: the host ran out, say; said, not fatal)
+            out.append(Saving(key, label, None, None, first_line(e)))
+            continue
         out.append(Saving(key, label, bd.peak_bytes, bd.peak_bytes - peak_bytes))
     return tuple(out)

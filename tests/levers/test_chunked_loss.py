@@ -190,3 +190,32 @@ def test_the_output_layer_runs_on_each_slice_where_the_forward_leaves_the_logits
     with pytest.raises(RuntimeError, match="the model file's bug"):
         chunked_loss(_Named, llama, {"input_ids": ids, "labels": ids})
     assert isinstance(llama.lm_head, torch.nn.Linear) and llama.get_output_embeddings() is llama.lm_head
+
+
+def test_the_output_layer_is_sliced_only_where_the_logits_are_handed_on_as_they_are():
+    """A forward that writes into its logits after the output layer (Chameleon masks its image tokens:
+    `logits[:, :, ids] = ...`), a forward the model file set on the instance: no slicing (the whole logits, as the
+    model makes them). Behind DDP (its `module`): sliced, as the estimate (which has no DDP wrapper) slices it."""
+    import transformers as hf
+
+    from oomtune.levers.chunked_loss import sliced_head
+
+    class Masking(hf.LlamaForCausalLM):
+        def forward(self, input_ids=None, **kwargs):
+            hidden_states = self.model(input_ids=input_ids).last_hidden_state
+            logits = self.lm_head(hidden_states)
+            logits[:, :, 0] = -1e4  # (after the head: on the hidden states, a wrong loss or an IndexError)
+            return hf.modeling_outputs.CausalLMOutputWithPast(logits=logits)
+
+    class DistributedDataParallel(torch.nn.Module):  # (what dist.wrap.unwrapped recognises, without a process group)
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+    config = hf.LlamaConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                            vocab_size=64, intermediate_size=64)
+    assert sliced_head(Masking(config)) is None
+    llama = hf.LlamaForCausalLM(config)
+    assert sliced_head(DistributedDataParallel(llama)) == (llama, "lm_head")
+    llama.forward = llama.forward  # (an instance attribute: the model file's own forward)
+    assert sliced_head(llama) is None

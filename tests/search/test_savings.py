@@ -65,7 +65,16 @@ def test_the_ladder_names_the_savings_of_the_plan_it_chose(wide_llama, write_mod
     assert plan.chunked_loss, plan  # (the rung it needed)
     assert [s["lever"] for s in report["savings"]] == [key for key, _, _ in without_each(plan)] != []
     assert all(s["saved_bytes"] == s["peak_bytes"] - report["breakdown"]["peak_bytes"] for s in report["savings"])
-    assert all(s["peak_bytes"] > 14 << 20 for s in report["savings"] if s["lever"] == "chunked_loss")
+    chunked = next(s for s in report["savings"] if s["lever"] == "chunked_loss")
+    assert chunked["peak_bytes"] > 14 << 20  # (without it, the plan does not fit: why the ladder climbed to it)
+    others = [key for key, _, _ in without_each(plan) if key not in ("chunked_loss", "precision",
+                                                                   "activation_checkpointing")]
+    assert others == [], others  # (so the plan without it is this what-if:)
+    alone = run_cli("estimate", wide_llama, "--budget", "14MiB", "--margin", "0", "--micro-batch",
+                    str(plan.micro_batch_size), "--context", str(plan.context_length), "--precision", plan.precision,
+                    "--grad-accum", str(plan.grad_accum_steps),
+                    *(["--checkpointing"] if plan.activation_checkpointing else []), "--json")
+    assert json.loads(alone.stdout)["breakdown"]["peak_bytes"] == chunked["peak_bytes"], alone.output
     plain = run_cli("estimate", write_model(), "--budget", "1GiB", "--micro-batch", "2", "--context", "4",
                     "--breakdown")
     assert plain.exit_code == 0, plain.output
@@ -83,4 +92,7 @@ def test_without_each_turns_one_lever_off_at_a_time():
                    if getattr(other, f) != getattr(plan, f)}
         assert changed == {key}, key
     assert without_each(Plan(2, 8, "bf16"))[0][2].precision == "fp32"
+    built_in_bf16 = dict((key, other) for key, _, other in without_each(plan, "bfloat16"))
+    assert built_in_bf16["precision"] == ("build_model() returns its trained weights in bfloat16: without bf16-true "
+                                          "they stay so")  # (nothing to compare: not a 0 B saving)
     assert without_each(Plan(2, 8)) == []
