@@ -38,7 +38,8 @@ def without_each(plan: Plan, weights_dtype: str | None = None) -> list[tuple[str
     """(plan key, label, the plan with that lever off, or why there is none) for each lever the plan uses;
     `weights_dtype`: the 16-bit dtype build_model() returns every trained weight in, where it does (a plan without
     bf16-true then trains them in it all the same: nothing to compare)."""
-    offs: list[tuple[str, str, dict]] = [(key, label, {key: False}) for key, label in LEVER_LABELS.items()
+    labels = {**LEVER_LABELS, "compile": "torch.compile"}
+    offs: list[tuple[str, str, dict]] = [(key, label, {key: False}) for key, label in labels.items()
                                          if getattr(plan, key)]
     if plan.activation_checkpointing:
         offs.append(("activation_checkpointing", "activation checkpointing", {"activation_checkpointing": False}))
