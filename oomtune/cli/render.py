@@ -342,7 +342,7 @@ def render_what_if(result, as_json: bool) -> None:
         print_json(json.dumps({"estimated": True, "card": result.card, "plan": to_dict(plan), "fits": result.fits,
                           "budget_bytes": result.budget_bytes, "limit_bytes": result.limit_bytes,
                           "breakdown": to_dict(result.breakdown), "levers": list(result.levers),
-                          **({"savings": [to_dict(x) for x in result.savings]} if result.savings is not None else {}),
+                          **({"savings": to_dict(result.savings)} if result.savings is not None else {}),
                           **({"note": note} if note else {}), "notes": list(result.notes)}, indent=2))
     else:
         for line in ((note,) if note else ()) + result.notes:

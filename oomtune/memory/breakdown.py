@@ -368,7 +368,7 @@ def recorded_trial(model_file, plan, device, steps, dist, run_trial, lift_budget
         margin=margin.describe(), margin_bytes=margin.overhead(peak, result.modelled_reserved_bytes),
         host_bytes=result.host_peak_bytes, modelled_reserved_bytes=result.modelled_reserved_bytes,
         context_bytes=lines.get("context", 0), workspace_bytes=lines.get("workspaces", 0),
-        step_peak_bytes=max((n for k, n in (result.phase_peaks or {}).items() if k != "setup"), default=None))
+        step_peak_bytes=result.step_peak_bytes)
 
 
 def _recorded(model_file, plan, device, steps, dist, run_trial, lift_budget: bool, stacks: bool = False) -> tuple:

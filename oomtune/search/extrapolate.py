@@ -152,8 +152,7 @@ class BlockTrials:
         if bd is not None and (bd.peak_bytes, bd.tensor_peak_bytes) != (result.peak_bytes, result.peak_allocated_bytes):
             bd = None
         if bd is not None:  # (the step's own peak read off the made trace, as the trial's: not a line's)
-            bd = dataclasses.replace(bd, step_peak_bytes=max((n for k, n in phases.items() if k != "setup"),
-                                                             default=None))
+            bd = dataclasses.replace(bd, step_peak_bytes=result.step_peak_bytes)
         return result, bd
 
 

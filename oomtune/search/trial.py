@@ -142,6 +142,11 @@ class TrialResult:
     left_bytes: int = 0  # still alive once the trial let go of its memory, beyond what was before (leaks.py)
     second_step_made: bool = False  # its second step made from its first (second_steps.py)
 
+    @property
+    def step_peak_bytes(self) -> int | None:
+        """The peak of the step's phases alone (forward, backward, optimizer): the build ("setup") left out."""
+        return max((n for phase, n in (self.phase_peaks or {}).items() if phase != "setup"), default=None)
+
 
 def _done_with(module, models: ModelCache | None) -> None:
     """A trial's model is let go of (unless the cache keeps it): its parameters' hooks too (release_tensor_hooks)."""

@@ -91,25 +91,55 @@ def test_buffers_are_what_unfused_ops_read_and_the_outputs():
     assert kept == {"relu", "mm", "sum"}
 
 
-class _Branchy(nn.Module):
+BRANCHY = '''
+import torch
+from torch import nn
+
+
+class Branchy(nn.Module):
     def __init__(self):
         super().__init__()
-        self.lin = nn.Linear(64, 64)
+        self.lin = nn.Linear(16, 16)
 
     def forward(self, x):
         h = self.lin(x)
         return h.relu() if h.sum() > 0 else h.tanh()  # a branch on values: no graph
 
 
-def test_a_call_that_cannot_be_traced_runs_eager_and_says_so():
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([Branchy(), Branchy()])
+
+    def forward(self, x, y):
+        for block in self.blocks:
+            x = block(x)
+        return nn.functional.mse_loss(x, y)
+
+
+def build_model():
+    return Net()
+
+
+def blocks(model):
+    return list(model.blocks)
+
+
+def make_batch(batch_size, context_length, device):
+    return (torch.randn(batch_size, context_length, 16, device=device),
+            torch.randn(batch_size, context_length, 16, device=device))
+'''
+
+
+def test_a_call_that_cannot_be_traced_runs_eager_and_says_so(write_model):
     compile_notes()
-    block = _Branchy()
-    call = CompiledCall("block 0 (_Branchy)", block.forward, block)
-    x = torch.randn(8, 64)
+    block = load_model_file(write_model(BRANCHY)).module.Branchy()
+    call = CompiledCall("block 0 (Branchy)", block.forward, block)
+    x = torch.randn(8, 16)
     assert torch.equal(call(x), block(x))
     assert call.eager_why is not None
     notes = compile_notes()
-    assert len(notes) == 1 and "block 0 (_Branchy)" in notes[0] and "eager" in notes[0]
+    assert len(notes) == 1 and "block 0 (Branchy)" in notes[0] and "eager" in notes[0]
 
 
 def test_compile_in_levers_and_the_flag():
@@ -284,46 +314,6 @@ def test_gpt2_whose_blocks_are_handed_a_cache_positionally(write_model):
     assert not run_trial(prefix, Plan(2, 16, compile=True), FakeDevice("1GiB")).oom
     notes = compile_notes()
     assert notes and all("KV cache that holds keys already" in n for n in notes)
-
-
-BRANCHY = '''
-import torch
-from torch import nn
-
-
-class Branchy(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(16, 16)
-
-    def forward(self, x):
-        h = self.lin(x)
-        return h.relu() if h.sum() > 0 else h.tanh()  # a branch on values: no graph
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.blocks = nn.ModuleList([Branchy(), Branchy()])
-
-    def forward(self, x, y):
-        for block in self.blocks:
-            x = block(x)
-        return nn.functional.mse_loss(x, y)
-
-
-def build_model():
-    return Net()
-
-
-def blocks(model):
-    return list(model.blocks)
-
-
-def make_batch(batch_size, context_length, device):
-    return (torch.randn(batch_size, context_length, 16, device=device),
-            torch.randn(batch_size, context_length, 16, device=device))
-'''
 
 
 def test_training_says_which_compiled_calls_run_eager(write_model, tmp_path):
