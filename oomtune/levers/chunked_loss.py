@@ -127,8 +127,15 @@ def check_applies(model_file, model: nn.Module) -> None:
 
 
 def chunk_cross_entropy(part: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """One slice's cross-entropy, its logits upcast to fp32 alone, summed over the tokens counted."""
-    return F.cross_entropy(part.float().flatten(0, 1), target.flatten(), ignore_index=IGNORE, reduction="sum")
+    """One slice's cross-entropy, its logits upcast to fp32 alone, summed over the tokens counted. Each is copied
+    whole (contiguous) at every micro-batch, 1 included: a slice of a batch of one is contiguous already and would
+    be flattened in place, where a larger batch's is copied, and the two traces would not line up (replay.py)."""
+    upcast = _copied(part) if part.dtype == torch.float32 else part.float()
+    return F.cross_entropy(upcast.flatten(0, 1), _copied(target).flatten(), ignore_index=IGNORE, reduction="sum")
+
+
+def _copied(x: torch.Tensor) -> torch.Tensor:
+    return x.clone(memory_format=torch.contiguous_format)
 
 
 def chunked_loss(model_file, model: nn.Module, batch, chunk_loss=chunk_cross_entropy) -> torch.Tensor:
@@ -148,6 +155,6 @@ def chunked_loss(model_file, model: nn.Module, batch, chunk_loss=chunk_cross_ent
         labels = F.pad(batch["labels"], (0, 1), value=IGNORE)[:, 1:]  # token t predicts t + 1, as transformers shifts
         total = None
         for part, target in zip(parts.chunk(CHUNKS, dim=1), labels.chunk(CHUNKS, dim=1), strict=True):
-            loss = chunk_loss(part if head is None else head(part), target)
+            loss = chunk_loss(part if head is None else head(_copied(part)), target)  # (copied: as above)
             total = loss if total is None else total + loss
         return total / (labels != IGNORE).sum()
