@@ -20,12 +20,13 @@ this torch's own AutocastCUDA registrations and runs every op under both to comp
 from __future__ import annotations
 
 import contextlib
-import warnings
 import weakref
 from collections.abc import Iterator
 
 import torch
 from torch._C import DispatchKey, DispatchKeySet
+
+from .overrides import overload, overriding
 
 LISTS_FROM = "2.13.0"
 
@@ -65,12 +66,6 @@ POLICIES = {
 }
 
 _NO_AUTOCAST = DispatchKeySet(DispatchKey.AutocastCPU)
-
-
-def overload(name: str) -> torch._ops.OpOverload:
-    """'softmax.int' -> torch.ops.aten.softmax.int; 'mm' -> torch.ops.aten.mm.default."""
-    op, _, variant = name.partition(".")
-    return getattr(getattr(torch.ops.aten, op), variant or "default")
 
 
 class _Casts:
@@ -157,26 +152,21 @@ def _kernel(name: str, policy: str, casts: _Casts):
 def cuda_autocast() -> Iterator[None]:
     """Inside, `torch.autocast("cpu", dtype)` follows CUDA autocast's policy with that dtype (see the module doc)."""
     casts = _Casts()
-    lib = torch.library.Library("aten", "IMPL")
     clear = torch.clear_autocast_cache
 
     def clear_both() -> None:
         clear()
         casts.clear()
 
+    kernels = {name: _kernel(name, policy, casts) for name, policy in POLICIES.items()
+               if _exists(name)}  # (an op an older torch has not got: nothing to cast)
+    cpu_only = {r.removeprefix("aten::") for r in torch._C._dispatch_get_registrations_for_dispatch_key(
+        "AutocastCPU") if r.startswith("aten::")} - set(POLICIES)
+    kernels.update((name, torch.library.fallthrough_kernel) for name in sorted(cpu_only))
     try:
-        with warnings.catch_warnings():  # "Overriding a previously registered kernel": that is the point
-            warnings.simplefilter("ignore")
-            for name, policy in POLICIES.items():
-                if _exists(name):  # (an op an older torch has not got: nothing to cast)
-                    lib.impl(name, _kernel(name, policy, casts), "AutocastCPU")
-            cpu_only = {r.removeprefix("aten::") for r in torch._C._dispatch_get_registrations_for_dispatch_key(
-                "AutocastCPU") if r.startswith("aten::")} - set(POLICIES)
-            for name in sorted(cpu_only):
-                lib.impl(name, torch.library.fallthrough_kernel, "AutocastCPU")
-        torch.clear_autocast_cache = clear_both  # torch.autocast.__exit__ calls it when the outermost region exits
-        yield
+        with overriding("AutocastCPU", kernels):
+            torch.clear_autocast_cache = clear_both  # torch.autocast.__exit__ calls it when the outermost region exits
+            yield
     finally:
         torch.clear_autocast_cache = clear
         casts.clear()
-        lib._destroy()

@@ -17,7 +17,6 @@ checkpointing's recomputation included (a TorchFunctionMode is not active there)
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Iterator
 
 import torch
@@ -25,6 +24,7 @@ from torch.overrides import TorchFunctionMode
 
 from .cards import GpuSpec
 from .cuda_attention import Call, attention
+from .overrides import overriding
 from .tracker import adopt, untracked
 
 
@@ -111,16 +111,10 @@ def cuda_kernels(card: GpuSpec) -> Iterator[None]:
                 q, k, v, attn_mask, 0.0, is_causal, scale=scale, enable_gqa=enable_gqa)
         return attention(card, Call(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa))
 
-    lib = torch.library.Library("aten", "IMPL")
     _CARD[0] += 1
     try:
-        with warnings.catch_warnings():  # "Overriding a previously registered kernel": that is the point
-            warnings.simplefilter("ignore")
-            lib.impl("scaled_dot_product_attention", sdpa, "AutogradCPU")
-            lib.impl("dropout", _dropout, "AutogradCPU")
-            lib.impl("softmax.int", _softmax(log=False), "AutogradCPU")
-            lib.impl("log_softmax.int", _softmax(log=True), "AutogradCPU")
-        yield
+        with overriding("AutogradCPU", {"scaled_dot_product_attention": sdpa, "dropout": _dropout,
+                                        "softmax.int": _softmax(log=False), "log_softmax.int": _softmax(log=True)}):
+            yield
     finally:
         _CARD[0] -= 1
-        lib._destroy()
