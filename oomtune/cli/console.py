@@ -54,3 +54,11 @@ def rate_unit(context_length: int, long: bool = False) -> str:
 
 def fmt_bytes(n) -> str:
     return format_bytes(n)
+
+
+def compiled(job) -> str:
+    """What the header adds where every rung is compiled (--compile): the rung names in the progress lines do not
+    say it."""
+    from ..search.options import COMPILE
+
+    return ", every rung compiled (torch.compile)" if COMPILE in job.options.get("levers", ()) else ""

@@ -10,7 +10,7 @@ from rich.markup import escape
 
 from ..config.schema import HEADROOM, TRIAL_STEPS
 from . import app
-from .console import err, fmt_bytes, out
+from .console import compiled, err, fmt_bytes, out
 from .guard import stop_if_interrupted, user_errors
 from .model_options import (
     DtypeOpt,
@@ -96,7 +96,7 @@ def _ladder(job, gpu: str | None, as_json: bool, savings: bool = False) -> None:
     err.print(f"estimating [bold]{job.model_file.label}[/] for {device.name}{ranks}, budget "
               f"{fmt_bytes(device.budget_bytes)} (fake tensors: nothing runs on a GPU): batch {targets.batch}, "
               f"context {targets.context}"
-              + (f" (min {targets.min_context})" if targets.min_context < targets.context else ""))
+              + (f" (min {targets.min_context})" if targets.min_context < targets.context else "") + compiled(job))
     err.print(f"  {escape(card_line(device, gpu))}")
     with trial_progress(device) as (on_start, on_trial):
         result = job.run(on_start, on_trial)

@@ -10,7 +10,7 @@ import typer
 from ..config.schema import HEADROOM, TRIAL_STEPS
 from ..dist.launch import DEFAULT_TIMEOUT_S, worker_rank
 from . import app
-from .console import err
+from .console import compiled, err
 from .guard import stop_if_interrupted, user_errors
 from .model_options import (
     DtypeOpt,
@@ -149,7 +149,7 @@ def _say_what_runs(job, estimating: bool, no_gpu: bool = False) -> None:
     ranks = f" x {dist.world_size} ranks" if dist.grouped else ""
     err.print(f"probing [bold]{job.model_file.label}[/] on {job.device.name}{ranks}: batch {targets.batch}, "
               f"context {targets.context}" + (f" (min {targets.min_context})"
-                                              if targets.min_context < targets.context else ""))
+                                              if targets.min_context < targets.context else "") + compiled(job))
     if no_gpu and job.device.kind == "cpu":
         err.print("  [yellow]no GPU found[/]: probing the CPU in this machine's free RAM, counting memory as its "
                   "kernels use it; for a GPU's plan add --gpu NAME (its memory, counted as CUDA does), or run "

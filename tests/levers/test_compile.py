@@ -183,6 +183,7 @@ def test_probe_with_compile_writes_it_and_training_from_it_has_the_eager_losses(
                 "--compile", "--out", "c.yaml", "--json")
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["plan"]["compile"] is True
+    assert "every rung compiled (torch.compile)" in r.stderr.splitlines()[0]  # (the rungs' names do not say it)
     config = yaml.safe_load((tmp_path / "c.yaml").read_text())
     compiled_run, eager_run = trained_with_and_without(tmp_path, config, "compile", 3)
     assert [s for s, _ in compiled_run] == [s for s, _ in eager_run] == [1, 2, 3]
