@@ -303,14 +303,15 @@ def is_compiled(model: nn.Module) -> bool:
                for m in model.modules())
 
 
-def eager_note(label: str, device_kind: str, training: bool = False) -> str:
-    """What a compiled model's memory on a simulated device is: the eager model's (Dynamo skips every frame while
-    a TorchDispatchMode, the memory tracker, is active, so the model runs uncompiled there)."""
-    what = ("it trains uncompiled here (compiled on --device cuda)" if training else
-            "memory was measured on the eager model, and the compiled model's may differ (on --device cuda it is "
-            "measured compiled)")
-    return (f"{label}: build_model() returns a torch.compile'd model, but torch.compile does not run under the "
-            f"{device_kind} device's memory tracker: {what}")
+def own_compile_note(label: str, device_kind: str, training: bool = False) -> str:
+    """What a model build_model() compiled itself is on a simulated device, where Dynamo runs nothing under the
+    memory tracker: traced as --compile traces (levers/compile.trace_own_compile)."""
+    what = ("it trains through that trace here (torch.compile itself on --device cuda)" if training else
+            "its memory is the compiled graph's as oomtune traces it, not measured from inductor's own (on --device "
+            "cuda it is)")
+    return (f"{label}: build_model() returns a torch.compile'd model; torch.compile does not run under the "
+            f"{device_kind} device's memory tracker, so the model is traced as --compile traces (AOTAutograd's "
+            f"partition, inductor's fusions; per block and the loss where it has blocks, else whole): {what}")
 
 
 def _exit_call(e: SystemExit) -> str:

@@ -35,7 +35,7 @@ from .levers import (
     saved_activations,
 )
 from .levers.chunked_loss import check_applies, chunk_cross_entropy, chunked_loss
-from .levers.compile import compile_model, compiled
+from .levers.compile import PER_BLOCK, compile_model, compiled, compiled_by_the_model_file, trace_own_compile
 from .memory.devices import Device, is_oom
 from .model_file import Batch, ModelFile, ModelFileError
 from .rank_allocation import after_optimizer_step, allocator_of
@@ -89,10 +89,12 @@ def build_training(model_file: ModelFile, plan: Plan, device: Device, lr: float,
 
     if model is None:
         model = dist.agreed(build) if plan.sharding != "none" else build()  # before any collective
-        if plan.compile:
+        own = compiled_by_the_model_file(model)  # build_model's own torch.compile (traced here as --compile's)
+        traced = bool(own) and device.kind != "cuda" and trace_own_compile(model_file, model)
+        if plan.compile and not own:
             compile_model(model_file, model, device.kind)
-        if plan.activation_checkpointing:
-            model_file.enable_checkpointing(model, wrap=plan.compile)  # (around the compiled blocks)
+        if plan.activation_checkpointing:  # (around the compiled blocks)
+            model_file.enable_checkpointing(model, wrap=(plan.compile and not own) or traced == PER_BLOCK)
     model.train()
     if plan.chunked_loss:
         check_applies(model_file, model)

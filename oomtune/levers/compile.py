@@ -47,3 +47,38 @@ def compile_model(model_file, model: nn.Module, device_kind: str) -> None:
     loss = getattr(type(base), "loss_function", None)
     if isinstance(loss, property) and loss.fset is not None:  # (transformers' PreTrainedModel)
         base.loss_function = compiled("the loss", base.loss_function, device_kind)
+
+
+def compiled_by_the_model_file(model: nn.Module) -> list[nn.Module]:
+    """The modules build_model() compiled itself: torch.compile(module) (an OptimizedModule) or module.compile()."""
+    return [m for m in model.modules()
+            if type(m).__name__ == "OptimizedModule" or getattr(m, "_compiled_call_impl", None) is not None]
+
+
+PER_BLOCK, WHOLE = "per block", "whole"  # how trace_own_compile traced a model the model file compiled
+
+
+def trace_own_compile(model_file, model: nn.Module) -> str:
+    """On the simulated devices, where Dynamo runs nothing under the memory tracker (a torch.compile'd model runs
+    eager there), what the model file compiled itself is traced as `--compile` traces (CompiledCall: AOTAutograd's
+    partition, inductor's fusions): per block, and the loss, where the model has blocks (as torchtune compiles: a
+    whole-model graph of a transformers model leaks its tracing tensors into the model's caches); else each module
+    it compiled, whole. Returns how (PER_BLOCK: checkpointing then wraps the compiled blocks, as under --compile).
+    (On cuda torch.compile runs as the model file asked.)"""
+    own = compiled_by_the_model_file(model)
+    for m in own:  # Dynamo's wrappers taken off (inside one, AOTAutograd's tracing cannot read fake tensors)
+        if type(m).__name__ == "OptimizedModule":
+            m.forward = m._orig_mod.__call__
+        else:
+            m._compiled_call_impl = None
+    if model_file.blocks(model):
+        compile_model(model_file, model, "cpu")
+        return PER_BLOCK
+    for m in own:
+        inner = m._orig_mod if type(m).__name__ == "OptimizedModule" else m
+        call = CompiledCall(f"{model_file.label}'s compiled {type(inner).__name__}", inner._call_impl, inner)
+        if inner is m:
+            m._compiled_call_impl = call
+        else:
+            m.forward = call
+    return WHOLE

@@ -14,7 +14,7 @@ from ..memory.compiled import compile_notes
 from ..memory.cuda_attention import kernel_notes
 from ..memory.devices import CpuDevice, Device, FakeDevice, TrackedDevice, make_device
 from ..memory.margin import AnyMargin, Margin, parse_margin
-from ..model_file import ModelFile, eager_note
+from ..model_file import ModelFile, own_compile_note
 from ..units import card_budget, card_memory, format_bytes
 from .options import check_headroom, check_steps
 from .trial import computing_where_needed, run_trial
@@ -149,7 +149,7 @@ def check(config: Config, model_file: ModelFile, *, device_kind: str = "fake", b
         computed += kernel_notes() + compile_notes()
         from .estimate import no_bf16_note
 
-        notes = (eager_note(model_file.label, device.kind),) if static_memory(model_file).compiled else ()
+        notes = (own_compile_note(model_file.label, device.kind),) if static_memory(model_file).compiled else ()
         notes += tuple(n for n in (no_bf16_note(device, config.plan.precision),) if n)
         return CheckResult(bd.peak_bytes <= limit, config.plan, device.kind, budget_bytes, headroom, limit,
                            old_peak, bd.peak_bytes, old_bd, bd, notes=notes + computed + versions, measured_on=device)

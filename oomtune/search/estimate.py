@@ -20,7 +20,7 @@ from ..memory.cuda_attention import kernel_notes
 from ..memory.devices import Device, FakeDevice
 from ..memory.fakes import NeedsValues
 from ..memory.margin import AnyMargin, parse_margin
-from ..model_file import ModelFile, eager_note
+from ..model_file import ModelFile, own_compile_note
 from ..units import card_budget, card_memory
 from .batch_notes import batch_notes
 from .extrapolate import BlockTrials
@@ -288,7 +288,7 @@ def what_if(model_file: ModelFile, plan: Plan, device: FakeDevice, *, bounded: b
     computed += kernel_notes() + compile_notes() + batch_notes(model_file, device, plan.context_length)
     static = static_memory(model_file)
     if static.compiled:  # as the ladder says it (measurement_notes): the eager model's memory, not the compiled one's
-        computed += (eager_note(model_file.label, device.kind),)
+        computed += (own_compile_note(model_file.label, device.kind),)
     mislabelled = precision_note(model_file.label, plan.precision, static.weights_dtype, "--precision bf16-true")
     computed += (mislabelled,) if mislabelled else ()
     own = static.optimizer_name if model_file.has("optimizer") else None  # (its class: "SGD's state", as the ladder's)

@@ -22,7 +22,7 @@ from ..memory.cuda_attention import kernel_notes
 from ..memory.devices import Device, TrackedDevice, make_device, resolve_kind
 from ..memory.host_kernels import amp_cannot_run
 from ..memory.margin import Margin, parse_margin
-from ..model_file import ModelFile, eager_note
+from ..model_file import ModelFile, own_compile_note
 from ..units import format_bytes, utc_now
 from .batch_notes import batch_notes
 from .certify import CertifyingSearch
@@ -359,7 +359,7 @@ def measurement_notes(model_file: ModelFile, static: StaticMemory, device: Devic
                                          static.checkpointing_breaks, static.checkpointing_idle),))
     notes += batch_notes(model_file, device, context) + hook_name_notes(model_file.label, model_file.module)
     if static.compiled and device.kind != "cuda":
-        notes += (eager_note(model_file.label, device.kind),)
+        notes += (own_compile_note(model_file.label, device.kind),)
     notes += weights_dtype_notes(model_file.label, static, amp_adds_nothing(static, amp))
     if static.layer_drop is not None:
         notes += (static.layer_drop,)

@@ -14,7 +14,7 @@ from ..errors import OomtuneError
 from ..hook_names import hook_name_notes
 from ..memory.cards import find_gpu
 from ..memory.devices import Device, TrackedDevice
-from ..model_file import ModelFile, eager_note, is_compiled
+from ..model_file import ModelFile, is_compiled, own_compile_note
 from ..models.hf import HFModel
 from ..search.weights_dtype import precision_note
 from ..step import Training
@@ -60,15 +60,15 @@ def built_notes(t: Training, inputs: Inputs) -> list[Note]:
 
 
 def data_notes(t: Training, model_file: ModelFile, device: Device) -> list[Note]:
-    """Warnings about what the run trains on: a compiled model on a simulated device (run eagerly), synthetic data
-    (no train_batches), no evaluation (no eval_batches)."""
+    """Warnings about what the run trains on: a compiled model on a simulated device (traced as --compile),
+    synthetic data (no train_batches), no evaluation (no eval_batches)."""
     label, notes = model_file.label, []
     hooks = model_file.module
     if isinstance(hooks, HFModel) and hooks.load_weights and not hooks.weights:  # (a folder, or a config.json)
         notes.append(Note(f"{label} has no weights (model.safetensors, pytorch_model.bin): training starts from "
                           "random ones, built from its config.json", warning=True))
     if isinstance(device, TrackedDevice) and is_compiled(t.module):
-        notes.append(Note(eager_note(label, device.kind, training=True), warning=True))
+        notes.append(Note(own_compile_note(label, device.kind, training=True), warning=True))
     if not model_file.has("train_batches"):
         notes.append(Note(f"{label} has no train_batches(): training on make_batch(), random synthetic data (the loss "
                           "shows the loop runs, not that the model learns)", warning=True))

@@ -54,13 +54,14 @@ def _probe_train_estimate_check(kind: str, tmp_path: Path) -> tuple[dict, dict, 
 COMPUTED = ("moe_nonzero.py: aten.nonzero has an output that depends on tensor values (data-dependent), which fake "
             "tensors do not have, so it was measured on real tensors computed on the cpu (the same tracker and "
             "margin; slower, and it needs the RAM)")
-EAGER = "compiled.py: build_model() returns a torch.compile'd model, but torch.compile does not run under the "
+EAGER = "compiled.py: build_model() returns a torch.compile'd model; torch.compile does not run under the "
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_each_kind_probes_trains_estimates_and_checks_and_fake_equals_cpu(kind, tmp_path):
     """Where a kind measures differently from what one would assume, the output says so: the MoE (estimate and
-    check computed on the cpu), the compiled model (probe, its config, check and train: the tracker ran it eager)."""
+    check computed on the cpu), the compiled model (probe, its config, check and train: traced as --compile traces,
+    since Dynamo runs nothing under the tracker)."""
     probed, estimated, checked, trained = _probe_train_estimate_check(kind, tmp_path)
     print(f"{kind}: plan {probed['plan']}, cpu peak {probed['peak_bytes']}, fake {estimated['peak_bytes']}, "
           f"check {checked['new_peak_bytes']}; notes {estimated['notes'] + checked['notes']}")
@@ -75,10 +76,10 @@ def test_each_kind_probes_trains_estimates_and_checks_and_fake_equals_cpu(kind, 
     assert len(eager) == (3 if kind == "compiled" else 0)
     if kind == "compiled":
         own = [n for n in probed["notes"] if not n.startswith("threads: ")]
-        assert EAGER + "cpu device's memory tracker: memory was measured on the eager model" in own[-1]
+        assert EAGER + "cpu device's memory tracker, so the model is traced as --compile traces" in own[-1]
         assert EAGER + "fake device's memory tracker" in checked["notes"][0]
         assert load_config(tmp_path / "best.yaml").found_by.notes == tuple(probed["notes"])
-        assert EAGER + "cpu device's memory tracker: it trains uncompiled here" in " ".join(trained.split())
+        assert "it trains through that trace here" in " ".join(trained.split())
         assert " ex/s " in trained and "tok/s" not in trained  # context 1: its speed counts examples
 
 

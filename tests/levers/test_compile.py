@@ -329,3 +329,50 @@ def test_training_says_which_compiled_calls_run_eager(write_model, tmp_path):
     assert train.exit_code == 0, train.output
     said = [line for line in train.output.splitlines() if "it trains eager" in line]
     assert len(said) == 2 and all("(step 1)" in line for line in said), train.output
+
+
+def _compiled_by_build_model(folder: Path, compile_call: str) -> Path:
+    """The LoRA Llama's model file, its build_model() compiling what it returns (`compile_call` % the model)."""
+    text = LORA_LLAMA.read_text()
+    built = "get_peft_model(LlamaForCausalLM(config), lora)"
+    assert f"    return {built}\n" in text
+    path = folder / "own_compile.py"
+    path.write_text(text.replace(f"    return {built}\n", f"    model = {built}\n    return {compile_call}\n"))
+    return path
+
+
+@pytest.mark.parametrize("compile_call", ["torch.compile(model)", "model.base_model.model.model.compile() or model"],
+                         ids=["torch.compile(model)", "a submodule's .compile()"])
+@pytest.mark.parametrize("levers", [{}, {"precision": "bf16-true", "activation_checkpointing": True}],
+                         ids=["fp32", "bf16-true+checkpointing"])
+def test_a_model_build_model_compiled_is_traced_as_compile_traces_it(tmp_path, compile_call, levers):
+    """devices: cpu and fake. build_model() returning torch.compile(model) (or compiling a submodule) ran eager on
+    the simulated devices (Dynamo runs nothing under the memory tracker) and was estimated as eager: it is traced
+    as --compile traces the same model (per block and the loss), to the byte, on both devices, with eager's loss."""
+    own = load_model_file(_compiled_by_build_model(tmp_path, compile_call))
+    plan = Plan(micro_batch_size=4, context_length=64, **levers)
+    torch.manual_seed(0)
+    cpu = run_trial(own, plan, CpuDevice("1GiB"))
+    fake = run_trial(own, plan, FakeDevice("1GiB"))
+    torch.manual_seed(0)
+    flag = run_trial(load_model_file(LORA_LLAMA), Plan(micro_batch_size=4, context_length=64, compile=True, **levers),
+                     CpuDevice("1GiB"))
+    torch.manual_seed(0)
+    eager = run_trial(load_model_file(LORA_LLAMA), plan, CpuDevice("1GiB"))
+    assert cpu.peak_allocated_bytes == fake.peak_allocated_bytes == flag.peak_allocated_bytes
+    step = ("forward", "backward", "optimizer")  # (the build's peak differs by 4.5 KiB between the devices, eager too)
+    assert [cpu.phase_peaks[p] for p in step] == [fake.phase_peaks[p] for p in step] == \
+        [flag.phase_peaks[p] for p in step]
+    assert cpu.peak_allocated_bytes < eager.peak_allocated_bytes
+    assert cpu.loss == pytest.approx(eager.loss, rel=1e-5)
+    assert compile_notes() == ()  # every block and the loss traced
+
+
+def test_a_compiled_model_without_blocks_is_traced_whole():
+    """device: fake. A compiled nn.Sequential (no blocks): traced whole, below its eager self; the note says how."""
+    compiled = Path(__file__).parents[1] / "finetune" / "models" / "compiled.py"
+    r = run_cli("estimate", compiled, "--micro-batch", "64", "--budget", "1GiB", "--margin", "0", "--json")
+    assert r.exit_code == 0, r.output
+    report = json.loads(r.stdout)
+    assert any("traced as --compile traces" in n for n in report["notes"]), report["notes"]
+    assert not any(n.startswith("compiled ") for n in report["notes"])  # (nothing ran eager)

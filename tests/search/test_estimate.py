@@ -208,14 +208,15 @@ def test_what_if_one_plan(tmp_path):
     assert on_t4.exit_code == 0 and on_t4.stdout.startswith("estimate for Tesla T4:"), on_t4.output
 
 
-def test_what_if_of_a_compiled_model_says_it_ran_eager():
-    """device: fake. A build_model() returning torch.compile(model) runs eager on the fake device; the ladder notes
-    it (measurement_notes), and README promises "the output says so". The what-if (--micro-batch) said nothing."""
+def test_what_if_of_a_compiled_model_says_how_it_was_traced():
+    """device: fake. A build_model() returning torch.compile(model) is traced on the fake device as --compile traces
+    (Dynamo runs nothing under the tracker); the ladder notes it (measurement_notes), and README promises "the output
+    says so". The what-if (--micro-batch) said nothing."""
     model = ROOT / "tests" / "finetune" / "models" / "compiled.py"
     r = run_cli("estimate", model, "--micro-batch", "2", "--budget", "1GiB", "--margin", "0", "--json")
     assert r.exit_code == 0, r.output
     notes = json.loads(r.stdout)["notes"]
-    assert any("torch.compile'd model" in n and "eager model" in n for n in notes), notes
+    assert any("torch.compile'd model" in n and "traced as --compile traces" in n for n in notes), notes
 
 
 def test_what_if_one_plan_with_levers_past_accumulation():
