@@ -61,17 +61,19 @@ PER_BLOCK, WHOLE = "per block", "whole"  # how trace_own_compile traced a model 
 def trace_own_compile(model_file, model: nn.Module) -> str:
     """On the simulated devices, where Dynamo runs nothing under the memory tracker (a torch.compile'd model runs
     eager there), what the model file compiled itself is traced as `--compile` traces (CompiledCall: AOTAutograd's
-    partition, inductor's fusions): per block, and the loss, where the model has blocks (as torchtune compiles: a
-    whole-model graph of a transformers model leaks its tracing tensors into the model's caches); else each module
-    it compiled, whole. Returns how (PER_BLOCK: checkpointing then wraps the compiled blocks, as under --compile).
-    (On cuda torch.compile runs as the model file asked.)"""
+    partition, inductor's fusions): per block, and the loss, where it compiled a module that holds all the model's
+    blocks (as torchtune compiles: a whole-model graph of a transformers model leaks its tracing tensors into the
+    model's caches); else each module it compiled, whole (a part of a block, a model without blocks). Returns how
+    (PER_BLOCK: checkpointing then wraps the compiled blocks, as under --compile). (On cuda torch.compile runs as
+    the model file asked.)"""
     own = compiled_by_the_model_file(model)
     for m in own:  # Dynamo's wrappers taken off (inside one, AOTAutograd's tracing cannot read fake tensors)
         if type(m).__name__ == "OptimizedModule":
             m.forward = m._orig_mod.__call__
         else:
             m._compiled_call_impl = None
-    if model_file.blocks(model):
+    blocks = model_file.blocks(model)
+    if blocks and any(all(any(b is x for x in m.modules()) for b in blocks) for m in own):  # (one holds them all)
         compile_model(model_file, model, "cpu")
         return PER_BLOCK
     for m in own:

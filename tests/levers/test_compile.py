@@ -368,6 +368,24 @@ def test_a_model_build_model_compiled_is_traced_as_compile_traces_it(tmp_path, c
     assert compile_notes() == ()  # every block and the loss traced
 
 
+def test_a_compiled_part_of_the_model_is_traced_alone(tmp_path):
+    """devices: cpu and fake. build_model() compiling one part (the output head), not the blocks: that part alone is
+    traced (the blocks stay eager), the same to the byte on both devices, with eager's loss."""
+    own = load_model_file(_compiled_by_build_model(tmp_path, "model.base_model.model.lm_head.compile() or model"))
+    plan = Plan(micro_batch_size=4, context_length=64)
+    torch.manual_seed(0)
+    cpu = run_trial(own, plan, CpuDevice("1GiB"))
+    fake = run_trial(own, plan, FakeDevice("1GiB"))
+    torch.manual_seed(0)
+    eager = run_trial(load_model_file(LORA_LLAMA), plan, CpuDevice("1GiB"))
+    blocks = run_trial(load_model_file(LORA_LLAMA), Plan(micro_batch_size=4, context_length=64, compile=True),
+                       CpuDevice("1GiB"))
+    assert cpu.peak_allocated_bytes == fake.peak_allocated_bytes
+    assert cpu.peak_allocated_bytes != blocks.peak_allocated_bytes, "every block was compiled"
+    assert cpu.loss == pytest.approx(eager.loss, rel=1e-5)
+    assert compile_notes() == ()
+
+
 def test_a_compiled_model_without_blocks_is_traced_whole():
     """device: fake. A compiled nn.Sequential (no blocks): traced whole, below its eager self; the note says how."""
     compiled = Path(__file__).parents[1] / "finetune" / "models" / "compiled.py"
