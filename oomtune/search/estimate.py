@@ -287,7 +287,7 @@ def what_if(model_file: ModelFile, plan: Plan, device: FakeDevice, *, bounded: b
     bd, computed = computing_where_needed(device, model_file.label, lambda: breakdown(model_file, plan, device, steps))
     computed += kernel_notes() + compile_notes() + batch_notes(model_file, device, plan.context_length)
     static = static_memory(model_file)
-    if static.compiled:  # as the ladder says it (measurement_notes): the eager model's memory, not the compiled one's
+    if static.compiled:  # as the ladder says it (measurement_notes): traced as --compile traces
         computed += (own_compile_note(model_file.label, device.kind),)
     mislabelled = precision_note(model_file.label, plan.precision, static.weights_dtype, "--precision bf16-true")
     computed += (mislabelled,) if mislabelled else ()
