@@ -298,9 +298,10 @@ class ModelFile:
 
 
 def is_compiled(model: nn.Module) -> bool:
-    """torch.compile(model) (an OptimizedModule) or model.compile(), on the model or any submodule."""
+    """torch.compile(model) (an OptimizedModule) or model.compile(), on the model or any submodule (also once
+    levers/compile.trace_own_compile traced it on a simulated device, which takes Dynamo's wrappers off)."""
     return any(type(m).__name__ == "OptimizedModule" or getattr(m, "_compiled_call_impl", None) is not None
-               for m in model.modules())
+               or m.__dict__.get("_oomtune_traced_own_compile", False) for m in model.modules())
 
 
 def own_compile_note(label: str, device_kind: str, training: bool = False) -> str:
@@ -309,9 +310,10 @@ def own_compile_note(label: str, device_kind: str, training: bool = False) -> st
     what = ("it trains through that trace here (torch.compile itself on --device cuda)" if training else
             "its memory is the compiled graph's as oomtune traces it, not measured from inductor's own (on --device "
             "cuda it is)")
-    return (f"{label}: build_model() returns a torch.compile'd model; torch.compile does not run under the "
+    return (f"{label}: build_model() compiles its model (torch.compile); torch.compile does not run under the "
             f"{device_kind} device's memory tracker, so the model is traced as --compile traces (AOTAutograd's "
-            f"partition, inductor's fusions; per block and the loss where it has blocks, else whole): {what}")
+            f"partition, inductor's fusions; per block and the loss where what it compiled holds every block, else "
+            f"each compiled part whole): {what}")
 
 
 def _exit_call(e: SystemExit) -> str:

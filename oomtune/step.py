@@ -89,8 +89,8 @@ def build_training(model_file: ModelFile, plan: Plan, device: Device, lr: float,
 
     if model is None:
         model = dist.agreed(build) if plan.sharding != "none" else build()  # before any collective
-        own = compiled_by_the_model_file(model)  # build_model's own torch.compile (traced here as --compile's)
-        traced = bool(own) and device.kind != "cuda" and trace_own_compile(model_file, model)
+        own = device.kind != "cuda" and compiled_by_the_model_file(model)  # build_model's own torch.compile
+        traced = trace_own_compile(model_file, model, per_block=plan.compile) if own else None  # (as --compile's)
         if plan.compile and not own:
             compile_model(model_file, model, device.kind)
         if plan.activation_checkpointing:  # (around the compiled blocks)

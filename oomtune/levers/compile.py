@@ -56,27 +56,31 @@ def compiled_by_the_model_file(model: nn.Module) -> list[nn.Module]:
 
 
 PER_BLOCK, WHOLE = "per block", "whole"  # how trace_own_compile traced a model the model file compiled
+TRACED_OWN = "_oomtune_traced_own_compile"  # on a model so traced: model_file.is_compiled still says it is
 
 
-def trace_own_compile(model_file, model: nn.Module) -> str:
+def trace_own_compile(model_file, model: nn.Module, per_block: bool = False) -> str:
     """On the simulated devices, where Dynamo runs nothing under the memory tracker (a torch.compile'd model runs
     eager there), what the model file compiled itself is traced as `--compile` traces (CompiledCall: AOTAutograd's
-    partition, inductor's fusions): per block, and the loss, where it compiled a module that holds all the model's
-    blocks (as torchtune compiles: a whole-model graph of a transformers model leaks its tracing tensors into the
-    model's caches); else each module it compiled, whole (a part of a block, a model without blocks). Returns how
-    (PER_BLOCK: checkpointing then wraps the compiled blocks, as under --compile). (On cuda torch.compile runs as
-    the model file asked.)"""
+    partition, inductor's fusions): per block, and the loss, where every block lies inside a module it compiled,
+    or `per_block` (the plan's --compile too), as torchtune compiles (a whole-model graph of a transformers model
+    leaks its tracing tensors into the model's caches); else each outermost module it compiled, whole (a part of the
+    model, a model without blocks: a compiled module inside it is part of its graph). Returns how (PER_BLOCK:
+    checkpointing then wraps the compiled blocks, as under --compile). (On cuda torch.compile runs as asked.)"""
     own = compiled_by_the_model_file(model)
     for m in own:  # Dynamo's wrappers taken off (inside one, AOTAutograd's tracing cannot read fake tensors)
         if type(m).__name__ == "OptimizedModule":
             m.forward = m._orig_mod.__call__
         else:
             m._compiled_call_impl = None
+    object.__setattr__(model, TRACED_OWN, True)
     blocks = model_file.blocks(model)
-    if blocks and any(all(any(b is x for x in m.modules()) for b in blocks) for m in own):  # (one holds them all)
+    if blocks and (per_block or all(any(b is x for m in own for x in m.modules()) for b in blocks)):
         compile_model(model_file, model, "cpu")
         return PER_BLOCK
     for m in own:
+        if any(o is not m and any(m is x for x in o.modules()) for o in own):
+            continue  # (inside another compiled module: traced as part of it)
         inner = m._orig_mod if type(m).__name__ == "OptimizedModule" else m
         call = CompiledCall(f"{model_file.label}'s compiled {type(inner).__name__}", inner._call_impl, inner)
         if inner is m:

@@ -54,7 +54,7 @@ def _probe_train_estimate_check(kind: str, tmp_path: Path) -> tuple[dict, dict, 
 COMPUTED = ("moe_nonzero.py: aten.nonzero has an output that depends on tensor values (data-dependent), which fake "
             "tensors do not have, so it was measured on real tensors computed on the cpu (the same tracker and "
             "margin; slower, and it needs the RAM)")
-EAGER = "compiled.py: build_model() returns a torch.compile'd model; torch.compile does not run under the "
+EAGER = "compiled.py: build_model() compiles its model (torch.compile); torch.compile does not run under the "
 
 
 @pytest.mark.parametrize("kind", KINDS)

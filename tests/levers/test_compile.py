@@ -386,11 +386,76 @@ def test_a_compiled_part_of_the_model_is_traced_alone(tmp_path):
     assert compile_notes() == ()
 
 
-def test_a_compiled_model_without_blocks_is_traced_whole():
+def test_a_compiled_model_without_blocks_is_traced_whole(tmp_path):
     """device: fake. A compiled nn.Sequential (no blocks): traced whole, below its eager self; the note says how."""
     compiled = Path(__file__).parents[1] / "finetune" / "models" / "compiled.py"
-    r = run_cli("estimate", compiled, "--micro-batch", "64", "--budget", "1GiB", "--margin", "0", "--json")
+    eager = tmp_path / "eager.py"
+    eager.write_text(compiled.read_text().replace("torch.compile(nn.Sequential(", "(nn.Sequential("))
+    args = ("--micro-batch", "64", "--budget", "1GiB", "--margin", "0", "--json")
+    r = run_cli("estimate", compiled, *args)
     assert r.exit_code == 0, r.output
-    report = json.loads(r.stdout)
+    report, plain = json.loads(r.stdout), json.loads(run_cli("estimate", eager, *args).stdout)
+    assert report["breakdown"]["tensor_peak_bytes"] < plain["breakdown"]["tensor_peak_bytes"]
     assert any("traced as --compile traces" in n for n in report["notes"]), report["notes"]
     assert not any(n.startswith("compiled ") for n in report["notes"])  # (nothing ran eager)
+
+
+NESTED = """
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def build_model():
+    inner = nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256))
+    inner.compile()
+    return torch.compile(nn.Sequential(inner, nn.GELU(), nn.Linear(256, 8)))
+
+
+def make_batch(batch_size, context_length, device):
+    return torch.randn(batch_size, 256, device=device), torch.randint(0, 8, (batch_size,), device=device)
+
+
+def loss(model, batch):
+    x, y = batch
+    return F.cross_entropy(model(x), y)
+"""
+
+
+def test_a_compiled_module_inside_another_is_traced_as_part_of_it(write_model):
+    """devices: cpu and fake. A module compiled inside a compiled one (no blocks): the outer one traced whole, the
+    inner one as part of its graph (wrapping both crashed the trial), the same to the byte on both devices, with
+    eager's loss."""
+    mf = load_model_file(write_model(NESTED))
+    plan = Plan(micro_batch_size=2048, context_length=1)  # (activations, not the weights, set the peak)
+    torch.manual_seed(0)
+    cpu = run_trial(mf, plan, CpuDevice("1GiB"))
+    fake = run_trial(mf, plan, FakeDevice("1GiB"))
+    eager_mf = load_model_file(write_model(NESTED.replace("    inner.compile()\n", "").replace("torch.compile(", "("),
+                                           name="eager.py"))
+    torch.manual_seed(0)
+    eager = run_trial(eager_mf, plan, CpuDevice("1GiB"))
+    assert cpu.peak_allocated_bytes == fake.peak_allocated_bytes < eager.peak_allocated_bytes
+    assert cpu.loss == pytest.approx(eager.loss, rel=1e-5)
+    assert compile_notes() == ()
+
+
+@pytest.mark.parametrize(("compile_call", "plan_compiles"), [
+    ("[layer.compile() for layer in model.base_model.model.model.layers] and model", False),  # torchtune's way
+    ("model.base_model.model.lm_head.compile() or model", True)],  # a part, with the plan's compile too
+    ids=["each block compiled", "a part, and --compile"])
+def test_compiled_blocks_or_the_plans_compile_trace_per_block(tmp_path, compile_call, plan_compiles):
+    """devices: cpu and fake. A model file that compiles each block itself, or one that compiles a part under a
+    plan with compile on: traced per block and the loss, as --compile alone traces the same model, to the byte;
+    and what it built still counts as compiled (train's note)."""
+    own = load_model_file(_compiled_by_build_model(tmp_path, compile_call))
+    plan = Plan(micro_batch_size=4, context_length=64, compile=plan_compiles)
+    cpu, fake = run_trial(own, plan, CpuDevice("1GiB")), run_trial(own, plan, FakeDevice("1GiB"))
+    flag = run_trial(load_model_file(LORA_LLAMA), Plan(micro_batch_size=4, context_length=64, compile=True),
+                     CpuDevice("1GiB"))
+    assert cpu.peak_allocated_bytes == fake.peak_allocated_bytes == flag.peak_allocated_bytes
+    from oomtune.model_file import is_compiled
+    from oomtune.step import build_training
+
+    t = build_training(own, plan, CpuDevice("1GiB"), lr=1e-3)
+    assert is_compiled(t.module)  # (Dynamo's wrappers are off: the trainer's note reads this)

@@ -216,7 +216,7 @@ def test_what_if_of_a_compiled_model_says_how_it_was_traced():
     r = run_cli("estimate", model, "--micro-batch", "2", "--budget", "1GiB", "--margin", "0", "--json")
     assert r.exit_code == 0, r.output
     notes = json.loads(r.stdout)["notes"]
-    assert any("torch.compile'd model" in n and "traced as --compile traces" in n for n in notes), notes
+    assert any("compiles its model (torch.compile)" in n and "traced as --compile traces" in n for n in notes), notes
 
 
 def test_what_if_one_plan_with_levers_past_accumulation():
