@@ -123,7 +123,10 @@ def main(argv: list[str] | None = None) -> int:
         "the rungs past accumulation whose floor does not fit (rung_floors.py, with their bounds; the floors made "
         "from 2, 3 and 4 blocks only after), make the 8-bit AdamW's fake chunks and NF4's dequantizations and "
         "quantizations from the first of their kind (memory/made_calls.py) and check the first loss on 2 blocks, "
-        "so neither is the code before issue 40.",
+        "so neither is the code before issue 40. Both columns run in this one process, the defaults after the "
+        "traced-whole run of the same question: its imports, FakeTensorMode's dispatch cache and the first-of-kind "
+        "patterns are warm, so a cold `oomtune estimate` of the same question takes longer (make bench-levers, "
+        "Python's start and imports included).",
     ])
     write_section(args.out, "estimate-speed", text, heading="## Estimate speed")
     print(f"wrote the estimate-speed section of {args.out}", file=sys.stderr)
