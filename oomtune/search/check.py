@@ -149,7 +149,8 @@ def check(config: Config, model_file: ModelFile, *, device_kind: str = "fake", b
         computed += kernel_notes() + compile_notes()
         from .estimate import no_bf16_note
 
-        notes = (own_compile_note(model_file.label, device.kind),) if static_memory(model_file).compiled else ()
+        own = static_memory(model_file).compiled and device.kind != "cuda"  # (on cuda torch.compile itself runs)
+        notes = (own_compile_note(model_file.label, device.kind),) if own else ()
         notes += tuple(n for n in (no_bf16_note(device, config.plan.precision),) if n)
         return CheckResult(bd.peak_bytes <= limit, config.plan, device.kind, budget_bytes, headroom, limit,
                            old_peak, bd.peak_bytes, old_bd, bd, notes=notes + computed + versions, measured_on=device)
