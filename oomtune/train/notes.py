@@ -25,7 +25,11 @@ from .inputs import Inputs
 
 def run_notes(inputs: Inputs, start_step: int, requested: str | None, device: Device) -> list[Note]:
     """The notes for a run of `inputs` from `start_step` on `device`, asked for as `requested` (--device, or None):
-    the device's, the warmup's, then those of the resume."""
+    the device's, the warmup's, then those of the resume. Called before the build: it forgets the compiled calls
+    that ran eager earlier in the process (a search's), so that the run tells its own (compile_fallback_notes)."""
+    from ..memory.compiled import compile_notes
+
+    compile_notes()
     found, cfg, notes = inputs.file_config.found_by, inputs.cfg, []
     if _trains_for_a_gpu_without_one(found, requested, device):
         notes.append(Note(_no_gpu_note(found, device), warning=True))
