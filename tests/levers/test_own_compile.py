@@ -23,7 +23,7 @@ LORA_LLAMA = Path(__file__).parents[1] / "finetune" / "models" / "hf_llama_lora.
 
 
 def _compiled_by_build_model(folder: Path, compile_call: str) -> Path:
-    """The LoRA Llama's model file, its build_model() compiling what it returns (`compile_call` % the model)."""
+    """The LoRA Llama's model file whose build_model() returns `compile_call`, an expression of its `model`."""
     text = LORA_LLAMA.read_text()
     built = "get_peft_model(LlamaForCausalLM(config), lora)"
     assert f"    return {built}\n" in text
