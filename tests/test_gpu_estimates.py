@@ -110,6 +110,8 @@ LEVER_PLANS = {  # the rungs past accumulation, on the tiny GPT (NF4: tests/leve
     "step-in-backward": ("tiny_gpt", {"precision": "bf16-true", "optimizer_in_backward": True}),
     # each block and the loss torch.compile'd (inductor) on cuda, traced by AOTAutograd on fake
     "compile": ("qlora", {"precision": "bf16-true", "chunked_loss": True, "compile": True}),
+    # the model file's own torch.compile(model): inductor's whole graph on cuda, traced per block on fake
+    "own-compile": ("compiled", {"precision": "bf16-true"}),
 }
 
 
@@ -127,9 +129,9 @@ def test_each_lever_runs_on_cuda_and_the_fake_estimate_is_close(lever, tmp_path)
     offload = "offload" in lever
     if lever in ("8bit", "nf4"):
         pytest.importorskip("torchao")
-    if name == "qlora":
+    if name in ("qlora", "compiled"):
         pytest.importorskip("peft")
-        mf = load_model_file(Path(__file__).parent / "levers" / "models" / "hf_llama_qlora.py")
+        mf = load_model_file(Path(__file__).parent / "levers" / "models" / f"hf_llama_{name}.py")
     else:
         mf = load_model_file(EXAMPLES / "tiny_gpt.py")
     plan = Plan(8, 128, **keys)
