@@ -63,7 +63,8 @@ MasterPortOpt = Annotated[int | None, typer.Option("--master-port", help="Port o
                                                    "a free one on one node, 29500 on several).",
                                                    rich_help_panel="ranks")]
 DistTimeoutOpt = Annotated[float, typer.Option("--dist-timeout", help="Seconds a collective waits for the other ranks "
-                                               "before the run stops with an error (a rank that died or hangs).",
+                                               "before the run stops with an error (a rank that died or hangs); "
+                                               "joining waits at least 120 s.",
                                                rich_help_panel="ranks")]
 
 

@@ -42,6 +42,8 @@ from ..errors import OOM_RELAUNCH, OomtuneError, first_line
 from ..memory.devices import is_oom
 from .launch import DEFAULT_TIMEOUT_S, launched_by_torchrun
 
+JOIN_TIMEOUT_S = 120.0  # how long the ranks wait for each other to join, at least
+
 T = TypeVar("T")
 
 
@@ -197,7 +199,8 @@ def init(device_kind: str, sharding: str, timeout_s: float = DEFAULT_TIMEOUT_S) 
     if device_kind == "cuda":
         torch.cuda.set_device(local_rank)
     if not dist.is_initialized():
-        timeout = dt.timedelta(seconds=timeout_s)
+        # the join gets its own, longer wait: a rank that starts slowly on a loaded machine is not one that died
+        timeout = dt.timedelta(seconds=max(timeout_s, JOIN_TIMEOUT_S))
         try:
             if launched:
                 dist.init_process_group(backend, timeout=timeout)
@@ -211,7 +214,15 @@ def init(device_kind: str, sharding: str, timeout_s: float = DEFAULT_TIMEOUT_S) 
     device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
     d = Dist(dist.get_rank(), dist.get_world_size(), local_rank, dist.get_backend(), device, timeout_s=timeout_s)
     d.mesh()  # now, outside any measured work (FSDP needs it; building it is a collective)
+    _set_collective_timeout(timeout_s)
     return d
+
+
+def _set_collective_timeout(timeout_s: float) -> None:
+    """After the join, collectives wait `--dist-timeout` (torch < 2.3 has no setter: there they wait the join's)."""
+    setter = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+    if setter is not None and dist.get_backend() in ("gloo", "nccl"):
+        setter(dt.timedelta(seconds=timeout_s))
 
 
 @contextlib.contextmanager

@@ -149,6 +149,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+if os.environ.get("RANK") == "1":
+    time.sleep(float(os.environ["JOIN_LATE"]))  # joins the other rank later than --dist-timeout
+
 def build_model():
     return nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
 
@@ -178,7 +181,8 @@ def test_a_rank_that_dies_or_stops_answering_stops_the_run_with_one_clear_line(h
     cfg = write_config(tmp_path / "c.yaml", {"micro_batch_size": 2, "context_length": 1, "world_size": 2,
                                              "sharding": "ddp"}, {"checkpoint_interval": 100}, model=model)
     sleep = 6.0
-    env = {**ENV, "HOW": "die" if how == "die" else str(sleep)}
+    # rank 1 also starts 3 s late: the join waits longer than --dist-timeout (a slow start is not a dead rank)
+    env = {**ENV, "HOW": "die" if how == "die" else str(sleep), "JOIN_LATE": "3"}
     proc = oomtune("train", "--config", cfg, "--device", "cpu", "--nproc-per-node", "2", "--dist-timeout", "2",
                    cwd=tmp_path, env=env, timeout=120)
     print(f"{how}: exit {proc.returncode} after {proc.seconds:.1f}s; {error_lines(proc)}")
