@@ -53,10 +53,11 @@ def build_model(model_file, plan, device) -> nn.Module:
     NF4 builds it in host memory, stores the frozen Linear weights in 4 bits there, then moves it to the device,
     as loading a quantized checkpoint does: the device never holds the unquantized weights."""
     dtype = _default_dtype(torch.bfloat16) if plan.precision == "bf16-true" else contextlib.nullcontext()
-    if plan.nf4_frozen_weights:
+    four_bit = four_bit_of(model_file, plan)
+    if plan.nf4_frozen_weights or four_bit:
         with dtype, device.host(), torch.device("cpu"), CudaOnHost():  # (its own .to("cuda") too: quantized first)
             model = model_file.build()
-            prepare_model(model, plan, model_file.label, device.computes)
+            prepare_model(model, plan, model_file.label, device.computes, four_bit)
         relocate(model, device)
         return model
     with dtype, device.placement():
@@ -107,16 +108,24 @@ def _copy(t: torch.Tensor) -> torch.Tensor:
     return t.clone()
 
 
-def prepare_model(model: nn.Module, plan, label: str, computes: bool = True) -> None:
+def prepare_model(model: nn.Module, plan, label: str, computes: bool = True, four_bit=None) -> None:
     """bf16-true: every floating weight and buffer in bf16 (but NF4 weights the model file made: as made), unless
     every trained weight is bf16 as built (under bf16 as the default dtype, or by the model file: a config saying
     torch_dtype bfloat16), where what the model keeps in fp32 stays so, as Hugging Face's own bf16 loading keeps it
-    (the rotary frequencies: in bf16 every position's angle would drift). NF4: every frozen Linear weight in 4 bits
-    (`computes` False: tensors without values, see nf4.quantize_frozen)."""
+    (the rotary frequencies: in bf16 every position's angle would drift). 4-bit: the layout the model file declares
+    (`four_bit`, nf4_bnb.py: on every plan, `plan` None too), else the NF4 lever's, every frozen Linear weight in
+    torchao's NF4 (`computes` False: tensors without values, see nf4.quantize_frozen)."""
     trained = {p.dtype for p in model.parameters() if p.requires_grad and p.is_floating_point()}
-    if plan.precision == "bf16-true" and trained != {torch.bfloat16}:
+    if plan is not None and plan.precision == "bf16-true" and trained != {torch.bfloat16}:
         _cast_but_nf4(model)
-    if plan.nf4_frozen_weights:
+    if four_bit is not None:
+        from .nf4_bnb import is_bnb_4bit, quantize_declared
+
+        if quantize_declared(model, four_bit, computes) == 0 and not any(map(is_bnb_4bit, model.modules())):
+            raise OomtuneError(f"{label}: its BitsAndBytesConfig quantizes frozen nn.Linear weights, and the model "
+                               "has none (the base layers of a PEFT LoRA model: add --lora-r, or adapters in "
+                               "build_model)", BAD_INPUT)
+    elif plan is not None and plan.nf4_frozen_weights:
         from .nf4 import quantize_frozen
 
         if quantize_frozen(model, computes) == 0:
@@ -124,6 +133,23 @@ def prepare_model(model: nn.Module, plan, label: str, computes: bool = True) -> 
                                "store in NF4 (it applies to the base layers of a PEFT LoRA model whose forward is "
                                "nn.Linear's: a subclass with its own, Falcon's FalconLinear, is left as it is)",
                                BAD_INPUT)
+
+
+def four_bit_of(model_file, plan=None):
+    """The bitsandbytes 4-bit layout the model file or Hugging Face folder declares (nf4_bnb.Bnb4bit), or None;
+    one line, exit 2, where bitsandbytes is missing or the plan shards the model."""
+    from .nf4_bnb import declared
+
+    four_bit = declared(model_file.module)
+    if four_bit is None:
+        return None
+    if not installed("bitsandbytes"):
+        raise OomtuneError(f"{model_file.label} declares {four_bit.name} weights (BitsAndBytesConfig): they need "
+                           f"bitsandbytes ({EXTRA})", BAD_INPUT)
+    if plan is not None and plan.sharding != "none":
+        raise OomtuneError(f"{model_file.label} declares {four_bit.name} weights: they run on one process only, "
+                           f"not with plan.sharding {plan.sharding}", BAD_INPUT)
+    return four_bit
 
 
 def _cast_but_nf4(model: nn.Module) -> None:

@@ -20,14 +20,15 @@ from ..memory.made_nf4 import hook, made_to_nf4, nf4_tensor
 NF4_BLOCK, SCALER_BLOCK = 64, 256  # torchao's defaults (to_nf4)
 
 
-def frozen_linears(model: nn.Module) -> list[nn.Module]:
-    """The Linear (and Conv1D) layers whose weight is frozen and can be stored in NF4 (whole blocks of 64 and of 256
-    scalers), but not a Hugging Face model's output head: QLoRA keeps it as it is (bitsandbytes' and torchtune's
-    QLoRA both do), and dequantizing a vocabulary-sized matrix holds ~16 bytes an element of scratch in backward."""
+def frozen_linears(model: nn.Module, whole_blocks: bool = True) -> list[nn.Module]:
+    """The Linear (and Conv1D) layers whose weight is frozen and can be stored in NF4 (torchao's: whole blocks of
+    64 and of 256 scalers; bitsandbytes' takes any size, `whole_blocks` False), but not a Hugging Face model's
+    output head: QLoRA keeps it as it is (bitsandbytes' and torchtune's QLoRA both do), and dequantizing a
+    vocabulary-sized matrix holds ~16 bytes an element of scratch in backward."""
     head = _output_head(model)
     return [m for m in model.modules()
             if (computes_f_linear(m) or is_conv1d(m)) and m is not head and not m.weight.requires_grad
-            and _blocks_fit(m.weight.numel())]
+            and (not whole_blocks or _blocks_fit(m.weight.numel()))]
 
 
 def computes_f_linear(m: nn.Module) -> bool:

@@ -142,7 +142,7 @@ def static_memory(model_file: ModelFile, plan: Plan | None = None, levers: str =
     NF4 weights, 8-bit AdamW state, the optimizer and its gradients offloaded (counted as host memory).
     `checks=False`: the bytes only (a rung's floor): how the model checkpoints, which needs forwards, is not found
     (checkpointing_supported False)."""
-    from ..levers import make_optimizer, prepare_model
+    from ..levers import four_bit_of, make_optimizer, prepare_model
     from ..levers.nf4 import frozen_linears
     from ..levers.own_optimizer import blocked_levers
 
@@ -150,7 +150,7 @@ def static_memory(model_file: ModelFile, plan: Plan | None = None, levers: str =
     with FakeTensorMode(allow_non_fake_inputs=True), real_code_paths(), tracker, torch.device("cpu"):
         with CudaOnHost():
             model = model_file.build()
-        nf4 = sum(m.weight.numel() for m in frozen_linears(model))
+        nf4 = 0 if (four_bit := four_bit_of(model_file, plan)) else sum(w.weight.numel() for w in frozen_linears(model))
         runs = repeated_runs(model) if plan is None else []
         bf16 = _bf16_weights(model) if plan is None else 0
         repeats = (type(runs[0][0][-1]), len(runs[0][0]), runs[0][1]) if runs else None
@@ -159,8 +159,8 @@ def static_memory(model_file: ModelFile, plan: Plan | None = None, levers: str =
         frozen = frozen if low is None else None  # (a whole model in 16 bits: the weights_dtype note says it)
         stepping = steps_in_backward(model)
         chunked_why = chunked_why_not(model_file.label, model_file.has("loss"), causal_lm_loss(model))
-        if plan is not None:
-            prepare_model(model, plan, model_file.label, computes=False)
+        if plan is not None or four_bit:
+            prepare_model(model, plan, model_file.label, computes=False, four_bit=four_bit)
         weights = tracker.live_bytes
         params = [p for p in model.parameters() if p.requires_grad]
         for p in params:

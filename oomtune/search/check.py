@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from ..config.schema import HEADROOM, TRIAL_STEPS, Config, FoundBy, MemoryBreakdown, Plan
 from ..errors import OomtuneError
+from ..levers.nf4_bnb import declared_note
 from ..memory.breakdown import breakdown, breakdown_difference, static_memory
 from ..memory.cards import GENERIC, GpuSpec, find_gpu
 from ..memory.compiled import compile_notes
@@ -150,7 +151,7 @@ def check(config: Config, model_file: ModelFile, *, device_kind: str = "fake", b
         from .estimate import no_bf16_note
 
         own = static_memory(model_file).compiled and device.kind != "cuda"  # (on cuda torch.compile itself runs)
-        notes = (own_compile_note(model_file.label, device.kind),) if own else ()
+        notes = ((own_compile_note(model_file.label, device.kind),) if own else ()) + declared_note(model_file)
         notes += tuple(n for n in (no_bf16_note(device, config.plan.precision),) if n)
         return CheckResult(bd.peak_bytes <= limit, config.plan, device.kind, budget_bytes, headroom, limit,
                            old_peak, bd.peak_bytes, old_bd, bd, notes=notes + computed + versions, measured_on=device)

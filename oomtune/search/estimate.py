@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 from ..config.schema import HEADROOM, TRIAL_STEPS, Config, MemoryBreakdown, Plan, TrialRecord
 from ..dist.group import LOCAL, fake_world
 from ..errors import OomtuneError
+from ..levers.nf4_bnb import declared_note
 from ..memory.advice import levers_that_help, why_nothing_fits
 from ..memory.breakdown import breakdown, recorded_trial, static_memory
 from ..memory.cards import GENERIC, find_gpu
@@ -289,6 +290,7 @@ def what_if(model_file: ModelFile, plan: Plan, device: FakeDevice, *, bounded: b
     static = static_memory(model_file)
     if static.compiled:  # as the ladder says it (measurement_notes): traced as --compile traces
         computed += (own_compile_note(model_file.label, device.kind),)
+    computed += declared_note(model_file)
     mislabelled = precision_note(model_file.label, plan.precision, static.weights_dtype, "--precision bf16-true")
     computed += (mislabelled,) if mislabelled else ()
     own = static.optimizer_name if model_file.has("optimizer") else None  # (its class: "SGD's state", as the ladder's)

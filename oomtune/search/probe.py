@@ -15,6 +15,7 @@ from ..dist.group import LOCAL, Dist, init
 from ..dist.wrap import fsdp_unsupported
 from ..errors import BAD_INPUT, OomtuneError
 from ..hook_names import hook_name_notes
+from ..levers.nf4_bnb import declared_note
 from ..memory.breakdown import StaticMemory, static_memory
 from ..memory.cards import GENERIC, find_gpu
 from ..memory.compiled import compile_notes
@@ -360,7 +361,7 @@ def measurement_notes(model_file: ModelFile, static: StaticMemory, device: Devic
     notes += batch_notes(model_file, device, context) + hook_name_notes(model_file.label, model_file.module)
     if static.compiled and device.kind != "cuda":
         notes += (own_compile_note(model_file.label, device.kind),)
-    notes += weights_dtype_notes(model_file.label, static, amp_adds_nothing(static, amp))
+    notes += declared_note(model_file) + weights_dtype_notes(model_file.label, static, amp_adds_nothing(static, amp))
     if static.layer_drop is not None:
         notes += (static.layer_drop,)
     return notes

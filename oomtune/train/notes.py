@@ -12,6 +12,7 @@ from .. import rank_allocation as adalora
 from ..config.schema import FoundBy
 from ..errors import OomtuneError
 from ..hook_names import hook_name_notes
+from ..levers.nf4_bnb import declared_note
 from ..memory.cards import find_gpu
 from ..memory.devices import Device, TrackedDevice
 from ..model_file import ModelFile, is_compiled, own_compile_note
@@ -73,6 +74,7 @@ def data_notes(t: Training, model_file: ModelFile, device: Device) -> list[Note]
                           "random ones, built from its config.json", warning=True))
     if isinstance(device, TrackedDevice) and is_compiled(t.module):
         notes.append(Note(own_compile_note(label, device.kind, training=True), warning=True))
+    notes += [Note(text) for text in declared_note(model_file)]  # its BitsAndBytesConfig's 4-bit weights
     if not model_file.has("train_batches"):
         notes.append(Note(f"{label} has no train_batches(): training on make_batch(), random synthetic data (the loss "
                           "shows the loop runs, not that the model learns)", warning=True))

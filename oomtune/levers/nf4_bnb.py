@@ -1,0 +1,190 @@
+"""bitsandbytes' 4-bit weights, as a model file or a Hugging Face folder declares them: a `BitsAndBytesConfig(
+load_in_4bit=True, ...)` defined in the model file (any module-level name), or a config.json whose
+`quantization_config` is bitsandbytes' 4-bit one (a checkpoint saved quantized). QLoRA as transformers, PEFT and
+litgpt (`bnb.nf4`, `bnb.nf4-dq`) run it: the model is 4-bit on every rung, every frozen Linear but the output head
+and the config's `llm_int8_skip_modules`.
+
+The layout is bitsandbytes' own (`bitsandbytes.functional.quantize_4bit`, blocks of 64): the weight packed two
+elements a byte, ((n+1)//2, 1) uint8; its 16-value code in fp32; an fp32 absmax a block, or with double quantization
+(`bnb_4bit_use_double_quant`) a uint8 absmax a block, an fp32 scale per 256 of those, their mean and the 256-value
+map in fp32. Each layer keeps them as buffers, so they move with the model (bitsandbytes moves the same tensors with
+its weight, each layer its own copy of the maps).
+
+In training the weight is dequantized at each use, in forward and again in backward: `dequantize_4bit` makes the
+whole (out, in) weight in its dtype, then F.linear; with double quantization the absmax is dequantized first (fp32,
+a value a block). That is bitsandbytes' `MatMul4Bit` (and its CUDA kernel's choice for more than 1536 rows since
+0.50: a micro-batch of fewer tokens may take its fused kernel, which makes no dequantized weight). Every device runs
+bitsandbytes' own dequantization (its fake kernels on the fake device); on the cpu and cuda the quantization is its
+own too, on the fake device made here with the same shapes (its double quantization reads values)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+BLOCK, BLOCK2 = 64, 256  # bitsandbytes' 4-bit block (QLoRA's) and its double quantization's
+BUFFERS = ("bnb_absmax", "bnb_code", "bnb_offset", "bnb_absmax2", "bnb_code2")
+
+
+@dataclass(frozen=True)
+class Bnb4bit:
+    """What a BitsAndBytesConfig(load_in_4bit=True) says of the layout (fp4 stores as nf4 does)."""
+    quant_type: str = "nf4"
+    double_quant: bool = False
+    skip: tuple[str, ...] = ()  # llm_int8_skip_modules (None: the output head alone, as transformers keeps it)
+
+    @property
+    def name(self) -> str:
+        return f"bitsandbytes {self.quant_type}{' (double-quantized)' if self.double_quant else ''}"
+
+
+def declared(module) -> Bnb4bit | None:
+    """The 4-bit layout a model file's module (or a Hugging Face model's hooks object) declares, or None: a
+    BitsAndBytesConfig among its names, else its `config.quantization_config` (config.json's dict or the object)."""
+    found = [v for v in vars(module).values() if type(v).__name__ == "BitsAndBytesConfig"]
+    config = getattr(module, "config", None)
+    if not found and config is not None and not isinstance(config, type):
+        found = [getattr(config, "quantization_config", None)]
+    for q in found:
+        get = q.get if isinstance(q, dict) else (lambda k, d=None, q=q: getattr(q, k, d))
+        if q is None or str(get("quant_method", "bitsandbytes")).split(".")[-1].lower() not in (
+                "bitsandbytes", "bits_and_bytes") or not get("load_in_4bit", get("_load_in_4bit", False)):
+            continue
+        skip = get("llm_int8_skip_modules", None) or ()
+        return Bnb4bit(str(get("bnb_4bit_quant_type", "nf4")), bool(get("bnb_4bit_use_double_quant", False)),
+                       tuple(str(s) for s in skip))
+    return None
+
+
+def library():
+    """bitsandbytes' functional module; ImportError where it is not installed. Its first import makes tensors
+    (its maps): real ones, outside any fake mode and tracker, as an import before the search makes them."""
+    import sys
+
+    if "bitsandbytes.functional" not in sys.modules:
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        from ..memory.tracker import untracked
+
+        with _disable_current_modes(), untracked():
+            import bitsandbytes.functional  # noqa: F401
+    return sys.modules["bitsandbytes.functional"]
+
+
+def quantize_declared(model: nn.Module, spec: Bnb4bit, computes: bool = True) -> int:
+    """Store each frozen Linear weight (but the skipped) in bitsandbytes' layout; returns how many."""
+    from .nf4 import _as_linear_class, frozen_linears, is_conv1d
+
+    bnbf = library()
+    chosen = set(map(id, frozen_linears(model, whole_blocks=False)))
+    layers = [m for name, m in model.named_modules() if id(m) in chosen and not _skipped(name, spec.skip)]
+    for m in layers:
+        conv1d = is_conv1d(m)
+        w = m.weight.detach().t().contiguous() if conv1d else m.weight.detach()
+        if computes:
+            packed, state = bnbf.quantize_4bit(w, blocksize=BLOCK, compress_statistics=spec.double_quant,
+                                              quant_type=spec.quant_type)
+            tensors = _stored(state)
+        else:
+            packed, tensors = _made(w, spec.double_quant)
+        m.weight = nn.Parameter(packed, requires_grad=False)
+        for name, t in zip(BUFFERS, tensors, strict=True):
+            m.register_buffer(name, t, persistent=False)
+        m.bnb_4bit = (spec.quant_type, tuple(w.shape), w.dtype)
+        if conv1d:
+            m.__class__ = _as_linear_class(type(m))
+        m.__class__ = _bnb_class(type(m))
+        del w
+    return len(layers)
+
+
+def _skipped(name: str, skip: tuple[str, ...]) -> bool:
+    parts = name.split(".")
+    return any(s == name or s in parts or name.endswith("." + s) for s in skip)
+
+
+def _stored(state) -> tuple[torch.Tensor | None, ...]:
+    """The tensors bitsandbytes' QuantState keeps, in BUFFERS' order (None where it has none)."""
+    if state.nested:
+        return state.absmax, state.code, state.offset, state.state2.absmax, state.state2.code
+    return state.absmax, state.code, None, None, None
+
+
+def _made(w: torch.Tensor, double_quant: bool):
+    """quantize_4bit's stored tensors, made with its shapes and dtypes (the fake device: no values to quantize)."""
+    n, device = w.numel(), w.device
+    blocks = math.ceil(n / BLOCK)
+    packed = torch.empty((n + 1) // 2, 1, dtype=torch.uint8, device=device)
+    code = torch.empty(16, dtype=torch.float32, device=device)
+    if not double_quant:
+        return packed, (torch.empty(blocks, dtype=torch.float32, device=device), code, None, None, None)
+    return packed, (torch.empty(blocks, dtype=torch.uint8, device=device), code,
+                    torch.empty((), dtype=torch.float32, device=device),
+                    torch.empty(math.ceil(blocks / BLOCK2), dtype=torch.float32, device=device),
+                    torch.empty(256, dtype=torch.float32, device=device))
+
+
+def dequantized(m: nn.Module) -> torch.Tensor:
+    """The layer's whole weight, (out, in) in its dtype, by bitsandbytes' dequantize_4bit (as its MatMul4Bit)."""
+    bnbf = library()
+    quant_type, shape, dtype = m.bnb_4bit
+    state2 = None
+    if m.bnb_offset is not None:
+        state2 = bnbf.QuantState(absmax=m.bnb_absmax2, code=m.bnb_code2, blocksize=BLOCK2, dtype=torch.float32)
+    state = bnbf.QuantState(absmax=m.bnb_absmax, shape=torch.Size(shape), dtype=dtype, blocksize=BLOCK,
+                            code=m.bnb_code, quant_type=quant_type, offset=m.bnb_offset, state2=state2)
+    return bnbf.dequantize_4bit(m.weight, state)
+
+
+class _Linear4bit(torch.autograd.Function):
+    """F.linear with a bitsandbytes 4-bit weight, dequantized in forward and again in backward (nothing of it saved);
+    the weight is frozen; a trained bias gets its gradient."""
+
+    @staticmethod
+    def forward(ctx, x, bias, m):
+        ctx.m, ctx.bias_dtype = m, None if bias is None else bias.dtype
+        return F.linear(x, dequantized(m).to(x.dtype), bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad_x = grad_bias = None
+        if ctx.needs_input_grad[1]:
+            grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0, dtype=ctx.bias_dtype)
+        if ctx.needs_input_grad[0]:
+            grad_x = torch.matmul(grad, dequantized(ctx.m).to(grad.dtype))
+        return grad_x, grad_bias, None
+
+
+def _forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return _Linear4bit.apply(x, self.bias, self)
+
+
+def _bnb_class(cls: type) -> type:
+    """The subclass of a Linear class whose forward runs the 4-bit weight (made once per class, kept here so a
+    pickled model finds it)."""
+    name = f"{cls.__name__}Bnb4bit"
+    made = globals().get(name)
+    if made is None or made.__bases__ != (cls,):
+        made = type(name, (cls,), {"forward": _forward, "__module__": __name__, "__qualname__": name})
+        globals()[name] = made
+    return made
+
+
+def is_bnb_4bit(m: nn.Module) -> bool:
+    """A layer in bitsandbytes' 4-bit layout: made here, or bitsandbytes' own Linear4bit (a checkpoint loaded so)."""
+    return hasattr(m, "bnb_4bit") or type(m).__name__ == "Linear4bit"
+
+
+def declared_note(model_file) -> tuple[str, ...]:
+    """What the searches say of a model that declares 4-bit weights (none where it does not)."""
+    spec = declared(model_file.module)
+    if spec is None:
+        return ()
+    skipped = f" and {', '.join(spec.skip)}" if spec.skip else ""
+    return (f"{model_file.label}: its BitsAndBytesConfig stores every frozen Linear weight (but the output head"
+            f"{skipped}) in {spec.name}, bitsandbytes' layout, on every rung; dequantized whole at each use in "
+            "forward and backward (bitsandbytes' choice for more than 1536 tokens a micro-batch)",)

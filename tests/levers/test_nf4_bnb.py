@@ -1,0 +1,146 @@
+"""bitsandbytes' 4-bit weights as a model file declares them (a BitsAndBytesConfig among its names) or a Hugging
+Face folder (config.json's quantization_config): levers/nf4_bnb.py. Stored in bitsandbytes' layout (packed
+uint8, an fp32 absmax per 64, or with double quantization a uint8 one, an fp32 scale per 256 of them and the two
+maps), on every rung, dequantized by bitsandbytes in forward and backward. Devices: cpu (bitsandbytes computes)
+and fake (its fake kernels; the quantization made with its shapes), which must agree to the byte."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import textwrap
+from importlib.util import find_spec
+from pathlib import Path
+
+import pytest
+import torch
+
+from oomtune.config.schema import Plan
+from oomtune.memory.breakdown import static_memory
+from oomtune.memory.devices import CpuDevice, FakeDevice
+from oomtune.model_file import load_model_file
+from oomtune.search.trial import run_trial
+
+from ..conftest import run_cli
+
+pytestmark = pytest.mark.skipif(find_spec("bitsandbytes") is None or find_spec("peft") is None,
+                                reason="bitsandbytes is not installed (pip install -e '.[dev]' on linux x86-64)")
+
+MODELS = Path(__file__).parent / "models"
+QLORA = MODELS / "hf_llama_bnb_qlora.py"
+N = 256 * 256
+
+FROZEN = '''
+import torch
+from torch import nn
+from transformers import BitsAndBytesConfig
+
+bnb = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_use_double_quant=DQ)
+
+def build_model():
+    frozen, trained = nn.Linear(256, 256, bias=False), nn.Linear(256, 256, bias=False)
+    frozen.weight.requires_grad_(False)
+    return nn.Sequential(frozen, trained)
+
+def make_batch(batch_size, context_length, device):
+    return torch.randn(batch_size, 256, device=device)
+
+def loss(model, batch):
+    return model(batch).square().mean()
+'''
+
+
+def _frozen(tmp_path, dq: bool) -> Path:
+    path = tmp_path / f"frozen_{dq}.py"
+    path.write_text(textwrap.dedent(FROZEN).replace("DQ", str(dq)))
+    return path
+
+
+def _rounded(n: int) -> int:
+    return -(-n // 512) * 512
+
+
+@pytest.mark.parametrize("dq", [False, True], ids=["nf4", "nf4-dq"])
+def test_the_declared_layout_is_bitsandbytes_own_on_every_plan_and_leaves_no_nf4_lever(tmp_path, dq):
+    """device: fake (static memory). The frozen weight as bitsandbytes stores it, the trained one fp32, with no
+    plan at all (the model is 4-bit as built) and under a plan: ~0.563 bytes an element, ~0.516 double-quantized
+    (here more: each storage is 512-byte rounded)."""
+    mf = load_model_file(_frozen(tmp_path, dq))
+    blocks = N // 64
+    packed, code = N // 2, _rounded(16 * 4)
+    if dq:  # uint8 absmax, fp32 scale per 256 of them, their mean, the 256-value map
+        stored = packed + _rounded(blocks) + _rounded(4 * math.ceil(blocks / 256)) + 512 + code + _rounded(256 * 4)
+    else:
+        stored = packed + _rounded(4 * blocks) + code
+    for s in (static_memory(mf), static_memory(mf, Plan(1, 1), "")):
+        assert s.weights_bytes == stored + 4 * N and s.gradients_bytes == 4 * N
+        assert s.nf4_elements == 0  # nothing left for the NF4 lever
+
+
+def test_the_real_quantization_stores_what_the_fake_one_makes(tmp_path):
+    """devices: cpu against fake. bitsandbytes' own quantize_4bit on real weights and the made one on fake tensors
+    keep the same tensors: a trial's peak and its forward, backward and optimizer phases are equal to the byte."""
+    mf = load_model_file(QLORA)
+    for plan in (Plan(4, 64), Plan(4, 64, "bf16-true", activation_checkpointing=True)):
+        torch.manual_seed(0)
+        cpu = run_trial(mf, plan, CpuDevice("1GiB"))
+        fake = run_trial(mf, plan, FakeDevice("1GiB"))
+        assert not cpu.oom and not fake.oom
+        assert cpu.peak_allocated_bytes == fake.peak_allocated_bytes
+        # the setup phase is 2,560 B higher on cpu with torchao's NF4 lever and offloaded activations too: not here
+        assert {k: v for k, v in cpu.phase_peaks.items() if k != "setup"} == \
+            {k: v for k, v in fake.phase_peaks.items() if k != "setup"}
+        assert math.isfinite(cpu.loss)
+
+
+def test_forward_and_backward_dequantize_the_whole_weight_each_time(tmp_path):
+    """device: cpu. One frozen 256 x 256 weight in bitsandbytes' layout, fp32: its forward and its backward each
+    hold the dequantized weight (256 KiB) for their matmul, and nothing of it is kept between them; the loss and
+    the trained layer's gradient are those of the same model with the dequantized weight as a plain Linear."""
+    from oomtune.levers import build_model
+    from oomtune.levers.nf4_bnb import dequantized
+
+    mf = load_model_file(_frozen(tmp_path, True))
+    device = CpuDevice("1GiB")
+    with device.measure():
+        model = build_model(mf, Plan(8, 1), device)
+        x = torch.randn(8, 256)
+        before = device.live_bytes()
+        device.tracker.reset_peak()
+        out = model(x)
+        kept = device.live_bytes() - before
+        assert device.tracker.peak_bytes - before >= 4 * N + 8 * 256 * 4  # the whole fp32 weight beside its output
+        assert kept < 4 * N  # not kept for backward
+        out.square().mean().backward()
+        weight = dequantized(model[0])
+    plain = torch.nn.Sequential(torch.nn.Linear(256, 256, bias=False), torch.nn.Linear(256, 256, bias=False))
+    plain[0].weight.data.copy_(weight)
+    plain[0].weight.requires_grad_(False)
+    plain[1].weight.data.copy_(model[1].weight.detach())
+    plain(x).square().mean().backward()
+    assert torch.allclose(plain[1].weight.grad, model[1].weight.grad, rtol=1e-5, atol=1e-7)
+    assert weight.shape == (256, 256) and weight.dtype == torch.float32
+
+
+def test_a_folder_saved_4bit_is_read_as_its_quantization_config_says(tmp_path):
+    """device: fake. A Hugging Face folder whose config.json carries bitsandbytes' 4-bit quantization_config (a
+    checkpoint saved quantized) is 4-bit on every rung, and the estimate says so; without LoRA it has no frozen
+    weight to store so (one line, exit 2)."""
+    folder = tmp_path / "llama-bnb"
+    shutil.copytree(Path(__file__).parents[2] / "examples" / "hf" / "tiny-llama", folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True,
+                                     "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": False}
+    (folder / "config.json").write_text(json.dumps(config))
+    args = ("estimate", folder, "--budget", "1GiB", "--micro-batch", "2", "--context", "32", "--json")
+    r = run_cli(*args)
+    assert r.exit_code == 2 and "frozen nn.Linear weights, and the model has none" in r.stderr
+    quantized = run_cli(*args, "--lora-r", "4")
+    assert quantized.exit_code == 0, quantized.stderr
+    out = json.loads(quantized.stdout)
+    assert any("in bitsandbytes nf4, bitsandbytes' layout, on every rung" in n for n in out["notes"])
+    config.pop("quantization_config")
+    (folder / "config.json").write_text(json.dumps(config))
+    plain = json.loads(run_cli(*args, "--lora-r", "4").stdout)
+    assert out["breakdown"]["parameters_bytes"] < plain["breakdown"]["parameters_bytes"] / 2
