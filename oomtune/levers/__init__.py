@@ -201,21 +201,26 @@ def make_optimizer(model_file, params: Sequence[nn.Parameter], lr: float, model:
 
 
 def model_state(model: nn.Module) -> dict:
-    """The model's state dict as a checkpoint keeps it: NF4 frozen weights left out (they are rebuilt from the
-    model file, which the trainer seeds alike on every build)."""
-    from ..memory.made_nf4 import is_nf4
-
-    return {k: v for k, v in model.state_dict().items() if not is_nf4(v)}
+    """The model's state dict as a checkpoint keeps it: 4-bit frozen weights (torchao's NF4, bitsandbytes' layout)
+    left out (they are rebuilt from the model file, which the trainer seeds alike on every build)."""
+    left_out = _four_bit_keys(model)
+    return {k: v for k, v in model.state_dict().items() if k not in left_out}
 
 
 def load_model_state(model: nn.Module, state: dict) -> None:
-    """Load a checkpoint's model state (model_state's): strict, except for the NF4 weights it leaves out."""
-    from ..memory.made_nf4 import is_nf4
-
-    left_out = {k for k, v in model.state_dict().items() if is_nf4(v)}
-    missing, unexpected = model.load_state_dict(state, strict=not left_out)
+    """Load a checkpoint's model state (model_state's): strict, except for the 4-bit weights it leaves out."""
+    left_out = _four_bit_keys(model)
+    missing, unexpected = model.load_state_dict({k: v for k, v in state.items() if k not in left_out},
+                                                strict=not left_out)
     if set(missing) - left_out or unexpected:
         raise KeyError(f"model state: missing {sorted(set(missing) - left_out)[:1]}, unexpected {unexpected[:1]}")
+
+
+def _four_bit_keys(model: nn.Module) -> set[str]:
+    from ..memory.made_nf4 import is_nf4
+
+    return ({k for k, v in model.state_dict().items() if is_nf4(v)}
+            | {f"{name}.weight" if name else "weight" for name, m in model.named_modules() if hasattr(m, "bnb_4bit")})
 
 
 def cast_inputs(batch, plan):

@@ -55,7 +55,12 @@ LEVERS = {
     "nf4": {"nf4_frozen_weights": True},
     "offload": {"offload_optimizer": True, "grad_accum_steps": 2, "micro_batch_size": 4},
     "offload-activations": {"offload_activations": True, "activation_checkpointing": True},
+    "bnb-nf4-dq": {},  # not a plan key: the model file's BitsAndBytesConfig (BNB below)
 }
+BNB = '''
+from transformers import BitsAndBytesConfig
+bnb = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_use_double_quant=True)
+'''
 
 
 def run(tmp: Path, plan: dict, resume: bool = False) -> Path:
@@ -79,8 +84,10 @@ def run(tmp: Path, plan: dict, resume: bool = False) -> Path:
 def test_each_lever_trains_and_resumes(lever, tmp_path):
     if lever == "nf4" and importlib.util.find_spec("torchao") is None:
         pytest.skip("needs torchao")
+    if lever == "bnb-nf4-dq" and importlib.util.find_spec("bitsandbytes") is None:
+        pytest.skip("needs bitsandbytes")
     torch.set_num_threads(1)
-    (tmp_path / "model.py").write_text(MODEL)
+    (tmp_path / "model.py").write_text(MODEL + (BNB if lever == "bnb-nf4-dq" else ""))
     whole = run(tmp_path, LEVERS[lever])
     ref = [r["loss"] for r in metrics(whole)]
     assert len(ref) == STEPS
@@ -89,11 +96,11 @@ def test_each_lever_trains_and_resumes(lever, tmp_path):
     assert last < 0.9 * first  # (ln 4 = 1.39 is the uniform guess)
 
     ckpt = load_checkpoint(whole / f"ckpt-{HALF:08d}.pt")
-    if lever == "nf4":  # rebuilt from the model file, not saved
+    if lever in ("nf4", "bnb-nf4-dq"):  # rebuilt from the model file, not saved
         assert "base.weight" not in ckpt["model"] and "out.weight" in ckpt["model"]
     resumed_dir = tmp_path / "again"
     resumed_dir.mkdir()
-    shutil.copy(tmp_path / "model.py", resumed_dir)
+    shutil.copy(tmp_path / "model.py", resumed_dir)  # (the same config reads the same BitsAndBytesConfig)
     shutil.copytree(whole, resumed_dir / "run")
     (resumed_dir / "run" / f"ckpt-{STEPS:08d}.pt").unlink()
     again = [r["loss"] for r in metrics(run(resumed_dir, LEVERS[lever], resume=True))]
