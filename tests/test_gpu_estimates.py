@@ -112,6 +112,8 @@ LEVER_PLANS = {  # the rungs past accumulation, on the tiny GPT (NF4: tests/leve
     "compile": ("qlora", {"precision": "bf16-true", "chunked_loss": True, "compile": True}),
     # the model file's own torch.compile(model): inductor's whole graph on cuda, traced per block on fake
     "own-compile": ("compiled", {"precision": "bf16-true"}),
+    # the model file's BitsAndBytesConfig (NF4, double-quantized): bitsandbytes' CUDA kernels on the card
+    "bnb-nf4": ("bnb_qlora", {"precision": "bf16-true", "activation_checkpointing": True}),
 }
 
 
@@ -129,7 +131,9 @@ def test_each_lever_runs_on_cuda_and_the_fake_estimate_is_close(lever, tmp_path)
     offload = "offload" in lever
     if lever in ("8bit", "nf4"):
         pytest.importorskip("torchao")
-    if name in ("qlora", "compiled"):
+    if lever == "bnb-nf4":
+        pytest.importorskip("bitsandbytes")
+    if name in ("qlora", "compiled", "bnb_qlora"):
         pytest.importorskip("peft")
         mf = load_model_file(Path(__file__).parent / "levers" / "models" / f"hf_llama_{name}.py")
     else:
@@ -146,4 +150,4 @@ def test_each_lever_runs_on_cuda_and_the_fake_estimate_is_close(lever, tmp_path)
     assert not real.oom, real.oom_message
     assert 0.8 * fake.peak_allocated_bytes <= own <= 1.5 * fake.peak_allocated_bytes + 16 * MiB
     # host memory: the offloaded state, and NF4's build (in host memory, quantized there before it moves)
-    assert (real.host_peak_bytes > 0) == (fake.host_peak_bytes > 0) == (offload or lever == "nf4")
+    assert (real.host_peak_bytes > 0) == (fake.host_peak_bytes > 0) == (offload or "nf4" in lever)
