@@ -17,6 +17,7 @@ from oomtune.memory.cards import find_gpu
 from ..conftest import EXAMPLES, one_line_error, run_cli
 
 TINY_GPT = EXAMPLES / "tiny_gpt.py"
+SMALL = ("--batch", "4", "--context", "32")  # a short search: these tests are about budgets and margins
 H100 = find_gpu("h100")
 OVER_T4 = "--budget 32.00 GiB is more than the Tesla T4's 15.00 GiB"
 NO_SIZE = "--gpu generic has no memory size: give --budget too (e.g. --budget 24GiB)"
@@ -26,7 +27,7 @@ NO_SIZE = "--gpu generic has no memory size: give --budget too (e.g. --budget 24
 def cpu_config(tmp_path_factory):
     """A config probed on the cpu device in 12 MiB (a few seconds)."""
     out = tmp_path_factory.mktemp("card_budget") / "tmp.yaml"
-    r = run_cli("probe", TINY_GPT, "--device", "cpu", "--budget", "12MiB", "--out", out)
+    r = run_cli("probe", TINY_GPT, "--device", "cpu", "--budget", "12MiB", *SMALL, "--out", out)
     assert r.exit_code == 0, r.output
     return out
 
@@ -115,7 +116,7 @@ def test_probe_takes_a_margin_on_the_simulated_devices(tmp_path):
     """device: fake. probe --device fake counts a card's margin (512 MiB of assumed CUDA context): a small budget
     needs --margin 0 to probe the tensors alone, as estimate and check allow (probe had no --margin); the error
     says so. On cuda what a GPU needs beyond tensors is measured: --margin there is bad input."""
-    args = ("probe", EXAMPLES / "tiny_gpt.py", "--device", "fake", "--budget", "12MiB", "--out", tmp_path / "f.yaml")
+    args = ("probe", TINY_GPT, "--device", "fake", "--budget", "12MiB", *SMALL, "--out", tmp_path / "f.yaml")
     without = run_cli(*args)
     assert without.exit_code == 2 and without.stderr.strip().endswith("or --margin 0 to count tensors alone")
     r = run_cli(*args, "--margin", "0", "--json")
@@ -132,7 +133,7 @@ def test_check_and_train_take_the_margin_the_probe_used_beside_its_card(tmp_path
     config now records the flat margin (found_by.margin) and both take it."""
     out = tmp_path / "m.yaml"
     r = run_cli("probe", TINY_GPT, "--device", device, "--gpu", "generic", "--margin", "0", "--budget", "12MiB",
-                "--out", out)
+                *SMALL, "--out", out)
     assert r.exit_code == 0, r.output
     assert load_config(out).found_by.margin == "0"
     assert run_cli("check", "--config", out).exit_code == 0
