@@ -25,8 +25,8 @@ from ..search.test_block_extrapolation import MODELS, _deeper, _twin
 CKPT = Plan(2, 32, "bf16", activation_checkpointing=True, optimizer_8bit=True)
 CASES = [  # (model, plan, blocks a chunk: CHUNK_BLOCKS, small enough to slice the tiny models' weights)
     (EXAMPLES / "tiny_gpt.py", Plan(2, 32, "fp32", optimizer_8bit=True), adamw8bit.CHUNK_BLOCKS),
-    (EXAMPLES / "tiny_gpt.py", CKPT, 5),
-    (EXAMPLES / "tiny_gpt.py", dataclasses.replace(CKPT, precision="bf16-true", offload_optimizer=True), 5),
+    (EXAMPLES / "tiny_gpt.py", CKPT, 16),
+    (EXAMPLES / "tiny_gpt.py", dataclasses.replace(CKPT, precision="bf16-true", offload_optimizer=True), 16),
     ("wide", Plan(1, 64, "bf16-true", activation_checkpointing=True, optimizer_8bit=True, nf4_frozen_weights=True),
      1),
     (MODELS / "hf_llama_lora.py", dataclasses.replace(CKPT, grad_accum_steps=2, global_batch_size=4), 3),
