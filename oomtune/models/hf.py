@@ -144,6 +144,10 @@ class HFModel:
         wanted = torch.get_default_dtype() if self.dtype is None else getattr(torch, self.dtype)
         dtype = {"dtype" if version >= (4, 56) else "torch_dtype": wanted}  # (its name before 4.56)
         if self.load_weights and self.weights:
+            if getattr(self.config, "quantization_config", None):  # (bitsandbytes' 4-bit: levers/nf4_bnb.py)
+                raise ModelFileError(f"{self.name or self.folder}: its weights are saved quantized (config.json's "
+                                     "quantization_config): training from them is not supported yet; estimate and "
+                                     "probe build it from its config, and train needs its unquantized weights")
             return auto.from_pretrained(str(self.folder), config=copy.deepcopy(self.config), **dtype)
         model = auto.from_config(copy.deepcopy(self.config), **dtype)
         model.config.name_or_path = self.name

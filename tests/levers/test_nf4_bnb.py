@@ -140,6 +140,13 @@ def test_a_folder_saved_4bit_is_read_as_its_quantization_config_says(tmp_path):
     assert quantized.exit_code == 0, quantized.stderr
     out = json.loads(quantized.stdout)
     assert any("in bitsandbytes nf4, bitsandbytes' layout, on every rung" in n for n in out["notes"])
+    # its weights saved quantized (bitsandbytes' Linear4bit on loading): train says it cannot start from them yet
+    (folder / "model.safetensors").write_bytes(b"")
+    assert run_cli("estimate", folder, "--budget", "1GiB", "--batch", "2", "--context", "32", "--lora-r", "4",
+                   "--out", tmp_path / "q.yaml").exit_code == 0
+    trained = run_cli("train", "--config", tmp_path / "q.yaml", "--steps", "1", "--run-dir", tmp_path / "run")
+    assert trained.exit_code == 2 and "its weights are saved quantized" in trained.stderr, trained.output
+    (folder / "model.safetensors").unlink()
     config.pop("quantization_config")
     (folder / "config.json").write_text(json.dumps(config))
     plain = json.loads(run_cli(*args, "--lora-r", "4").stdout)
