@@ -45,19 +45,23 @@ class Bnb4bit:
 def declared(module) -> Bnb4bit | None:
     """The 4-bit layout a model file's module (or a Hugging Face model's hooks object) declares, or None: a
     BitsAndBytesConfig among its names, else its `config.quantization_config` (config.json's dict or the object)."""
-    found = [v for v in vars(module).values() if type(v).__name__ == "BitsAndBytesConfig"]
+    for get in _bitsandbytes_configs(module):
+        if get("load_in_4bit", get("_load_in_4bit", False)):
+            skip = get("llm_int8_skip_modules", None) or ()
+            return Bnb4bit(str(get("bnb_4bit_quant_type", "nf4")), bool(get("bnb_4bit_use_double_quant", False)),
+                           tuple(str(s) for s in skip))
+    return None
+
+
+def _bitsandbytes_configs(module) -> list:
+    """A getter (key, default) for each bitsandbytes quantization config the module declares."""
+    found = [v for v in getattr(module, "__dict__", {}).values() if type(v).__name__ == "BitsAndBytesConfig"]
     config = getattr(module, "config", None)
     if not found and config is not None and not isinstance(config, type):
         found = [getattr(config, "quantization_config", None)]
-    for q in found:
-        get = q.get if isinstance(q, dict) else (lambda k, d=None, q=q: getattr(q, k, d))
-        if q is None or str(get("quant_method", "bitsandbytes")).split(".")[-1].lower() not in (
-                "bitsandbytes", "bits_and_bytes") or not get("load_in_4bit", get("_load_in_4bit", False)):
-            continue
-        skip = get("llm_int8_skip_modules", None) or ()
-        return Bnb4bit(str(get("bnb_4bit_quant_type", "nf4")), bool(get("bnb_4bit_use_double_quant", False)),
-                       tuple(str(s) for s in skip))
-    return None
+    getters = [q.get if isinstance(q, dict) else (lambda k, d=None, q=q: getattr(q, k, d)) for q in found if q]
+    return [get for get in getters
+            if str(get("quant_method", "bitsandbytes")).split(".")[-1].lower() in ("bitsandbytes", "bits_and_bytes")]
 
 
 def library():
@@ -180,10 +184,13 @@ def is_bnb_4bit(m: nn.Module) -> bool:
 
 
 def declared_note(model_file) -> tuple[str, ...]:
-    """What the searches say of a model that declares 4-bit weights (none where it does not)."""
+    """What the searches say of a model that declares 4-bit weights, or 8-bit ones (not modelled); else nothing."""
     spec = declared(model_file.module)
     if spec is None:
-        return ()
+        eight = any(get("load_in_8bit", get("_load_in_8bit", False))
+                    for get in _bitsandbytes_configs(model_file.module))
+        return ((f"{model_file.label}: its BitsAndBytesConfig loads 8-bit weights (LLM.int8), which oomtune does not "
+                 "model: the weights are estimated as built (use load_in_4bit, or --levers nf4)",) if eight else ())
     skipped = f" and {', '.join(spec.skip)}" if spec.skip else ""
     return (f"{model_file.label}: its BitsAndBytesConfig stores every frozen Linear weight (but the output head"
             f"{skipped}) in {spec.name}, bitsandbytes' layout, on every rung; dequantized whole at each use in "

@@ -151,3 +151,16 @@ def test_a_folder_saved_4bit_is_read_as_its_quantization_config_says(tmp_path):
     (folder / "config.json").write_text(json.dumps(config))
     plain = json.loads(run_cli(*args, "--lora-r", "4").stdout)
     assert out["breakdown"]["parameters_bytes"] < plain["breakdown"]["parameters_bytes"] / 2
+
+
+def test_an_8bit_config_is_said_not_modelled(tmp_path):
+    """device: fake. BitsAndBytesConfig(load_in_8bit=True) (LLM.int8) is not modelled: the weights are estimated as
+    built, and the estimate says so rather than leave it silent."""
+    path = tmp_path / "eight.py"
+    path.write_text(textwrap.dedent(FROZEN).replace("load_in_4bit=True, bnb_4bit_use_double_quant=DQ",
+                                                    "load_in_8bit=True"))
+    r = run_cli("estimate", path, "--budget", "1GiB", "--micro-batch", "2", "--context", "1", "--json")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert any("loads 8-bit weights (LLM.int8), which oomtune does not model" in n for n in out["notes"])
+    assert out["breakdown"]["parameters_bytes"] == 2 * 4 * N  # both weights as built, fp32
