@@ -201,7 +201,8 @@ def host_use(plan) -> str:
     uses = ["for the offloaded parts"] if plan.offload_optimizer or plan.offload_activations else []
     if plan.nf4_frozen_weights:
         uses.append("for building the model, whose frozen weights are quantized to NF4 after")
-    return " and ".join(uses) or "for the offloaded parts"
+    # else: a model that declares 4-bit weights (its BitsAndBytesConfig) is built there too
+    return " and ".join(uses) or "for building the model, whose frozen weights are quantized to 4 bits after"
 
 
 def breakdown_table(bd, plan, limit_bytes: int | None = None, title: str = "breakdown",

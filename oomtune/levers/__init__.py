@@ -119,7 +119,13 @@ def prepare_model(model: nn.Module, plan, label: str, computes: bool = True, fou
     if plan is not None and plan.precision == "bf16-true" and trained != {torch.bfloat16}:
         _cast_but_nf4(model)
     if four_bit is not None:
+        from ..model_file import is_compiled
         from .nf4_bnb import is_bnb_4bit, quantize_declared
+
+        if is_compiled(model):
+            raise OomtuneError(f"{label}: build_model() compiles a model whose weights its {four_bit.source} "
+                               "stores in 4 bits: torch.compile cannot trace bitsandbytes' dequantization here yet "
+                               "(return the model uncompiled)", BAD_INPUT)
 
         if quantize_declared(model, four_bit, computes) == 0 and not any(map(is_bnb_4bit, model.modules())):
             raise OomtuneError(f"{label}: its BitsAndBytesConfig quantizes frozen nn.Linear weights, and the model "
@@ -137,18 +143,21 @@ def prepare_model(model: nn.Module, plan, label: str, computes: bool = True, fou
 
 def four_bit_of(model_file, plan=None):
     """The bitsandbytes 4-bit layout the model file or Hugging Face folder declares (nf4_bnb.Bnb4bit), or None;
-    one line, exit 2, where bitsandbytes is missing or the plan shards the model."""
+    one line, exit 2, where bitsandbytes is missing or the plan asks what cannot run with it."""
     from .nf4_bnb import declared
 
     four_bit = declared(model_file.module)
     if four_bit is None:
         return None
+    what = f"{model_file.label} declares {four_bit.name} weights ({four_bit.source})"
     if not installed("bitsandbytes"):
-        raise OomtuneError(f"{model_file.label} declares {four_bit.name} weights (BitsAndBytesConfig): they need "
-                           f"bitsandbytes ({EXTRA})", BAD_INPUT)
-    if plan is not None and plan.sharding != "none":
-        raise OomtuneError(f"{model_file.label} declares {four_bit.name} weights: they run on one process only, "
-                           f"not with plan.sharding {plan.sharding}", BAD_INPUT)
+        raise OomtuneError(f"{what}: they need bitsandbytes ({EXTRA})", BAD_INPUT)
+    clash = plan is not None and (
+        plan.sharding != "none" and f"they run on one process only, not with plan.sharding {plan.sharding}"
+        or plan.nf4_frozen_weights and "plan.nf4_frozen_weights (torchao's NF4) has nothing left to store: drop it"
+        or plan.compile and "plan.compile cannot trace bitsandbytes' dequantization yet: drop it")
+    if clash:
+        raise OomtuneError(f"{what}: {clash}", BAD_INPUT)
     return four_bit
 
 

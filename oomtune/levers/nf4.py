@@ -20,12 +20,15 @@ from ..memory.made_nf4 import hook, made_to_nf4, nf4_tensor
 NF4_BLOCK, SCALER_BLOCK = 64, 256  # torchao's defaults (to_nf4)
 
 
-def frozen_linears(model: nn.Module, whole_blocks: bool = True) -> list[nn.Module]:
+def frozen_linears(model: nn.Module, whole_blocks: bool = True, keep_head: bool = True) -> list[nn.Module]:
     """The Linear (and Conv1D) layers whose weight is frozen and can be stored in NF4 (torchao's: whole blocks of
     64 and of 256 scalers; bitsandbytes' takes any size, `whole_blocks` False), but not a Hugging Face model's
     output head: QLoRA keeps it as it is (bitsandbytes' and torchtune's QLoRA both do), and dequantizing a
-    vocabulary-sized matrix holds ~16 bytes an element of scratch in backward."""
+    vocabulary-sized matrix holds ~16 bytes an element of scratch in backward (`keep_head` False: a BitsAndBytesConfig
+    that lists the modules it skips quantizes the head too, as transformers does)."""
     head = _output_head(model)
+    if not keep_head and head is not None and not _tied(model, head):
+        head = None
     return [m for m in model.modules()
             if (computes_f_linear(m) or is_conv1d(m)) and m is not head and not m.weight.requires_grad
             and (not whole_blocks or _blocks_fit(m.weight.numel()))]
@@ -66,6 +69,16 @@ def _output_head(model: nn.Module) -> nn.Module | None:
         return get() if callable(get) else None
     except (AttributeError, NotImplementedError, TypeError):
         return None
+
+
+def _tied(model: nn.Module, head: nn.Module) -> bool:
+    """The head's weight is the input embedding's (tied): never quantized, as transformers keeps tied weights."""
+    get = getattr(model, "get_input_embeddings", None)
+    try:
+        embedding = get() if callable(get) else None
+    except (AttributeError, NotImplementedError, TypeError):
+        return False
+    return embedding is not None and getattr(embedding, "weight", None) is getattr(head, "weight", None)
 
 
 def _blocks_fit(numel: int) -> bool:

@@ -20,6 +20,7 @@ own too, on the fake device made here with the same shapes (its double quantizat
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 import torch
@@ -33,9 +34,10 @@ BUFFERS = ("bnb_absmax", "bnb_code", "bnb_offset", "bnb_absmax2", "bnb_code2")
 @dataclass(frozen=True)
 class Bnb4bit:
     """What a BitsAndBytesConfig(load_in_4bit=True) says of the layout (fp4 stores as nf4 does)."""
-    quant_type: str = "nf4"
+    quant_type: str = "fp4"  # (transformers' default)
     double_quant: bool = False
-    skip: tuple[str, ...] = ()  # llm_int8_skip_modules (None: the output head alone, as transformers keeps it)
+    skip: tuple[str, ...] = ()  # llm_int8_skip_modules (none given: the output head alone, as transformers keeps)
+    source: str = "its BitsAndBytesConfig"  # where it was declared, as the notes say it
 
     @property
     def name(self) -> str:
@@ -43,24 +45,28 @@ class Bnb4bit:
 
 
 def declared(module) -> Bnb4bit | None:
-    """The 4-bit layout a model file's module (or a Hugging Face model's hooks object) declares, or None: a
-    BitsAndBytesConfig among its names, else its `config.quantization_config` (config.json's dict or the object)."""
-    for get in _bitsandbytes_configs(module):
+    """The 4-bit layout a model file's module (or a Hugging Face model's hooks object) declares, or None."""
+    for get, source in _bitsandbytes_configs(module):
         if get("load_in_4bit", get("_load_in_4bit", False)):
             skip = get("llm_int8_skip_modules", None) or ()
-            return Bnb4bit(str(get("bnb_4bit_quant_type", "nf4")), bool(get("bnb_4bit_use_double_quant", False)),
-                           tuple(str(s) for s in skip))
+            return Bnb4bit(str(get("bnb_4bit_quant_type", "fp4")), bool(get("bnb_4bit_use_double_quant", False)),
+                           tuple(str(s) for s in skip), source)
     return None
 
 
-def _bitsandbytes_configs(module) -> list:
-    """A getter (key, default) for each bitsandbytes quantization config the module declares."""
-    found = [v for v in getattr(module, "__dict__", {}).values() if type(v).__name__ == "BitsAndBytesConfig"]
+def _bitsandbytes_configs(module) -> list[tuple]:
+    """(a getter (key, default), where it came from) for each bitsandbytes quantization config the module declares:
+    a BitsAndBytesConfig among its names, else its `config.quantization_config` (config.json's dict, or the object
+    transformers made of it)."""
+    found = [(q, "its BitsAndBytesConfig") for q in getattr(module, "__dict__", {}).values()
+             if type(q).__name__ == "BitsAndBytesConfig"]
     config = getattr(module, "config", None)
-    if not found and config is not None and not isinstance(config, type):
-        found = [getattr(config, "quantization_config", None)]
-    getters = [q.get if isinstance(q, dict) else (lambda k, d=None, q=q: getattr(q, k, d)) for q in found if q]
-    return [get for get in getters
+    if not found and config is not None and not isinstance(config, type) and \
+            getattr(config, "quantization_config", None):
+        found = [(config.quantization_config, "config.json's quantization_config")]
+    getters = [(q.get if isinstance(q, dict) else (lambda k, d=None, q=q: getattr(q, k, d)), source)
+               for q, source in found]
+    return [(get, source) for get, source in getters
             if str(get("quant_method", "bitsandbytes")).split(".")[-1].lower() in ("bitsandbytes", "bits_and_bytes")]
 
 
@@ -84,8 +90,8 @@ def quantize_declared(model: nn.Module, spec: Bnb4bit, computes: bool = True) ->
     from .nf4 import _as_linear_class, frozen_linears, is_conv1d
 
     bnbf = library()
-    chosen = set(map(id, frozen_linears(model, whole_blocks=False)))
-    layers = [m for name, m in model.named_modules() if id(m) in chosen and not _skipped(name, spec.skip)]
+    chosen = set(map(id, frozen_linears(model, whole_blocks=False, keep_head=not spec.skip)))
+    layers = [m for name, m in model.named_modules() if id(m) in chosen and not skipped(name, spec.skip)]
     for m in layers:
         conv1d = is_conv1d(m)
         w = m.weight.detach().t().contiguous() if conv1d else m.weight.detach()
@@ -106,9 +112,20 @@ def quantize_declared(model: nn.Module, spec: Bnb4bit, computes: bool = True) ->
     return len(layers)
 
 
-def _skipped(name: str, skip: tuple[str, ...]) -> bool:
-    parts = name.split(".")
-    return any(s == name or s in parts or name.endswith("." + s) for s in skip)
+def skipped(name: str, skip: tuple[str, ...]) -> bool:
+    """llm_int8_skip_modules as transformers matches them: the module's own name (PEFT's wrapping, base_model.model.
+    and .base_layer, taken off) equal to an entry, under it (a prefix at a dot), ending with it, or matching it as a
+    regular expression."""
+    name = name.removeprefix("base_model.model.").removesuffix(".base_layer")
+    for s in skip:
+        if name == s or name.startswith(s + ".") or name.endswith("." + s) or f".{s}." in f".{name}.":
+            return True
+        try:
+            if re.fullmatch(s, name):
+                return True
+        except re.error:
+            pass
+    return False
 
 
 def _stored(state) -> tuple[torch.Tensor | None, ...]:
@@ -183,15 +200,24 @@ def is_bnb_4bit(m: nn.Module) -> bool:
     return hasattr(m, "bnb_4bit") or type(m).__name__ == "Linear4bit"
 
 
+def loading_hint(error: BaseException) -> str:
+    """A hint for a build_model() that loads its model 4-bit itself (from_pretrained(..., quantization_config=...)):
+    bitsandbytes' Params4bit cannot wrap the simulated devices' tensors."""
+    if "Params4bit" not in str(error) and "Linear4bit" not in str(error):
+        return ""
+    return (" (build_model() loads its weights in 4 bits: return the model unquantized and define the "
+            "BitsAndBytesConfig at the file's top level; oomtune stores the frozen weights as it says)")
+
+
 def declared_note(model_file) -> tuple[str, ...]:
     """What the searches say of a model that declares 4-bit weights, or 8-bit ones (not modelled); else nothing."""
     spec = declared(model_file.module)
     if spec is None:
         eight = any(get("load_in_8bit", get("_load_in_8bit", False))
-                    for get in _bitsandbytes_configs(model_file.module))
+                    for get, _ in _bitsandbytes_configs(model_file.module))
         return ((f"{model_file.label}: its BitsAndBytesConfig loads 8-bit weights (LLM.int8), which oomtune does not "
                  "model: the weights are estimated as built (use load_in_4bit, or --levers nf4)",) if eight else ())
-    skipped = f" and {', '.join(spec.skip)}" if spec.skip else ""
-    return (f"{model_file.label}: its BitsAndBytesConfig stores every frozen Linear weight (but the output head"
-            f"{skipped}) in {spec.name}, bitsandbytes' layout, on every rung; dequantized whole at each use in "
-            "forward and backward (bitsandbytes' choice for more than 1536 tokens a micro-batch)",)
+    kept = f"but {', '.join(spec.skip)}" if spec.skip else "but the output head"
+    return (f"{model_file.label}: {spec.source} stores every frozen Linear weight ({kept}) in {spec.name}, "
+            "bitsandbytes' layout, on every rung; dequantized whole at each use in forward and backward "
+            "(bitsandbytes' choice for more than 1536 tokens a micro-batch)",)

@@ -69,8 +69,8 @@ class StaticMemory:
     checkpointing_via: str | None = None  # "switch" (the model's own: Hugging Face's) | "blocks" (wrapped) | None
     checkpointing_idle: str | None = None  # the blocks checkpointing would wrap, where a forward runs none: no rung
     blocks_wrapped: str | None = None  # the blocks checkpointing wraps, described ("8 blocks (MLP x4, ...)"), else None
-    optimizer_blocks: tuple[tuple[str, str], ...] = ()  # (plan key, why) of the 8-bit / offload levers that cannot
-    # apply to the model file's own optimizer() (levers/own_optimizer.py)
+    optimizer_blocks: tuple[tuple[str, str], ...] = ()  # (plan key, why): levers its optimizer() bars (own_optimizer)
+    declared_4bit: str | None = None  # the 4-bit weights the model declares (a BitsAndBytesConfig: nf4_bnb), or None
     chunked_loss_why: str | None = "not measured"  # why the chunked-loss lever cannot compute this model's loss (None:
     # it can: levers/chunked_loss.why_not)
     steps_in_backward: int = 0  # trained parameters with post-accumulate-grad hooks (an optimizer stepped in backward):
@@ -205,7 +205,7 @@ def static_memory(model_file: ModelFile, plan: Plan | None = None, levers: str =
                         levers, low, trained, batch_norm, itself, lstm, breaks, frozen_dtype=frozen,
                         layer_drop=drops, checkpointing_via=via, checkpointing_idle=idle, blocks_wrapped=wrapped,
                         optimizer_blocks=own, steps_in_backward=stepping, chunked_loss_why=chunked_why,
-                        repeated_blocks=repeats, bf16_weights_bytes=bf16)
+                        repeated_blocks=repeats, bf16_weights_bytes=bf16, declared_4bit=four_bit and four_bit.name)
 
 
 def _bf16_weights(model: torch.nn.Module) -> int:

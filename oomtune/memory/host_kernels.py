@@ -89,8 +89,11 @@ def dtype_clash_hint(error: BaseException) -> str:
 
 
 def host_hint(error: BaseException) -> str:
-    """What this host's CPU autocast adds to a model error's line ('' where nothing)."""
-    return lstm_hint(error) or dtype_clash_hint(error)
+    """What this host adds to a model error's line ('' where nothing): its CPU autocast, or bitsandbytes' 4-bit
+    loading, which cannot run on the simulated devices' tensors (levers/nf4_bnb.py)."""
+    from ..levers.nf4_bnb import loading_hint
+
+    return lstm_hint(error) or dtype_clash_hint(error) or loading_hint(error)
 
 
 __all__ = ["amp_cannot_run", "dtype_clash_hint", "has_lstm", "host_hint", "lstm_autocast_fails", "lstm_hint"]

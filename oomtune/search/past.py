@@ -136,6 +136,8 @@ def _why_not(lever: str, static: StaticMemory, label: str, device_kind: str) -> 
         return (f"{label} steps {static.steps_in_backward} trained parameters in backward with its own hooks "
                 "(post-accumulate-grad): the trainer's optimizer, which this lever changes, never sees their "
                 "gradients")
+    if key == "nf4_frozen_weights" and not static.nf4_elements and static.declared_4bit:
+        return f"{label} declares 4-bit weights already ({static.declared_4bit})"
     if key == "nf4_frozen_weights" and not static.nf4_elements:
         return (f"{label} has no frozen nn.Linear (or Conv1D) weights of a whole number of NF4 blocks (64 x 256 "
                 "elements; NF4 is for a PEFT LoRA model's base layers, the output head kept) whose forward is "

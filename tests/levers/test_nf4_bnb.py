@@ -95,9 +95,10 @@ def test_the_real_quantization_stores_what_the_fake_one_makes(tmp_path):
 
 
 def test_forward_and_backward_dequantize_the_whole_weight_each_time(tmp_path):
-    """device: cpu. One frozen 256 x 256 weight in bitsandbytes' layout, fp32: its forward and its backward each
-    hold the dequantized weight (256 KiB) for their matmul, and nothing of it is kept between them; the loss and
-    the trained layer's gradient are those of the same model with the dequantized weight as a plain Linear."""
+    """device: cpu. One frozen 256 x 256 weight in bitsandbytes' layout, fp32, with an input that needs its gradient:
+    its forward and its backward each hold the dequantized weight (256 KiB) for their matmul, and nothing of it is
+    kept between them; the input's gradient and the trained layer's are those of the same model with the
+    dequantized weight as a plain Linear."""
     from oomtune.levers import build_model
     from oomtune.levers.nf4_bnb import dequantized
 
@@ -105,21 +106,27 @@ def test_forward_and_backward_dequantize_the_whole_weight_each_time(tmp_path):
     device = CpuDevice("1GiB")
     with device.measure():
         model = build_model(mf, Plan(8, 1), device)
-        x = torch.randn(8, 256)
+        x = torch.randn(8, 256, requires_grad=True)
         before = device.live_bytes()
         device.tracker.reset_peak()
         out = model(x)
-        kept = device.live_bytes() - before
         assert device.tracker.peak_bytes - before >= 4 * N + 8 * 256 * 4  # the whole fp32 weight beside its output
+        kept = device.live_bytes() - before
         assert kept < 4 * N  # not kept for backward
-        out.square().mean().backward()
+        loss = out.square().mean()
+        device.tracker.reset_peak()
+        during = device.live_bytes()
+        loss.backward()
+        assert device.tracker.peak_bytes - during >= 4 * N  # dequantized again for the input's gradient
         weight = dequantized(model[0])
     plain = torch.nn.Sequential(torch.nn.Linear(256, 256, bias=False), torch.nn.Linear(256, 256, bias=False))
     plain[0].weight.data.copy_(weight)
     plain[0].weight.requires_grad_(False)
     plain[1].weight.data.copy_(model[1].weight.detach())
-    plain(x).square().mean().backward()
+    y = x.detach().clone().requires_grad_(True)
+    plain(y).square().mean().backward()
     assert torch.allclose(plain[1].weight.grad, model[1].weight.grad, rtol=1e-5, atol=1e-7)
+    assert torch.allclose(y.grad, x.grad, rtol=1e-5, atol=1e-7)
     assert weight.shape == (256, 256) and weight.dtype == torch.float32
 
 
@@ -164,3 +171,63 @@ def test_an_8bit_config_is_said_not_modelled(tmp_path):
     out = json.loads(r.stdout)
     assert any("loads 8-bit weights (LLM.int8), which oomtune does not model" in n for n in out["notes"])
     assert out["breakdown"]["parameters_bytes"] == 2 * 4 * N  # both weights as built, fp32
+
+
+@pytest.mark.parametrize(("skip", "quantized"), [
+    (None, 14),  # every frozen projection of the 2 layers, the output head kept
+    ("'mlp'", 9),  # the attention projections, and the head: a skip list given quantizes it too (transformers')
+    ("'model.layers.0'", 8),  # a prefix at a dot
+    ("'model.layers.0.self_attn.q_proj'", 14),  # one module by its full name: 13 projections and the head
+    (r"r'model\.layers\.\d+\.mlp\..*'", 9),  # a regular expression
+])
+def test_skip_modules_are_matched_as_transformers_matches_them(tmp_path, skip, quantized):
+    """device: cpu. llm_int8_skip_modules names modules by the model's own names, which PEFT's wrapping renames
+    (base_model.model. ... .base_layer): each kind of entry keeps its modules as built."""
+    from oomtune.levers import build_model
+
+    text = QLORA.read_text()
+    if skip is not None:
+        text = text.replace("bnb_4bit_compute_dtype=torch.bfloat16)",
+                            f"bnb_4bit_compute_dtype=torch.bfloat16, llm_int8_skip_modules=[{skip}])")
+    path = tmp_path / "skipping.py"
+    path.write_text(text)
+    device = CpuDevice("1GiB")
+    with device.measure():
+        model = build_model(load_model_file(path), Plan(1, 1), device)
+        assert sum(hasattr(m, "bnb_4bit") for m in model.modules()) == quantized
+
+
+@pytest.mark.parametrize(("flag", "says"), [(("--compile",), "plan.compile cannot trace bitsandbytes"),
+                                            (("--levers", "nf4"), "plan.nf4_frozen_weights (torchao's NF4) has "
+                                                                  "nothing left to store")])
+def test_what_cannot_run_with_declared_4bit_weights_is_one_line(flag, says):
+    """device: fake. A compiled plan (AOTAutograd cannot trace bitsandbytes' dequantization of a layer's own
+    buffers: it ran eager, estimated 33% under the cpu device's trial) and torchao's NF4 lever on a model that
+    declares bitsandbytes' 4-bit weights: one line, exit 2, not a silently wrong figure."""
+    r = run_cli("estimate", QLORA, "--budget", "1GiB", "--micro-batch", "2", "--context", "32", *flag)
+    assert r.exit_code == 2 and says in r.stderr, r.output
+    assert len([line for line in r.stderr.splitlines() if line.strip()]) == 1
+
+
+def test_a_build_model_that_loads_4bit_itself_is_told_how_to_declare_it(tmp_path):
+    """device: fake. from_pretrained(..., quantization_config=...) inside build_model makes bitsandbytes' own
+    Params4bit, which cannot wrap the simulated devices' tensors: the one line says what to write instead."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                 num_attention_heads=4)).save_pretrained(tmp_path / "tiny")
+    path = tmp_path / "loads_4bit.py"
+    path.write_text(textwrap.dedent(f"""
+        import torch
+        from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+        def build_model():
+            bnb = BitsAndBytesConfig(load_in_4bit=True)
+            return AutoModelForCausalLM.from_pretrained({str(tmp_path / "tiny")!r}, quantization_config=bnb)
+
+        def make_batch(batch_size, context_length, device):
+            ids = torch.randint(0, 256, (batch_size, context_length), device=device)
+            return {{"input_ids": ids, "labels": ids}}
+    """))
+    r = run_cli("estimate", path, "--budget", "1GiB", "--micro-batch", "2", "--context", "16")
+    assert r.exit_code == 2 and "return the model unquantized and define the BitsAndBytesConfig" in r.stderr, r.output
