@@ -51,15 +51,20 @@ def _as_linear(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return F.linear(x, self.weight, self.bias)
 
 
-def _as_linear_class(cls: type) -> type:
-    """The subclass of a Conv1D class whose forward is F.linear, made once per class and kept as this module's
-    attribute (so a pickled model finds it). Swapping the class, not binding a forward on the instance, makes no
-    reference cycle: the model is freed as soon as it is dropped."""
-    name = f"{cls.__name__}AsLinearNF4"
-    made = globals().get(name)
+def as_linear_class(cls: type) -> type:
+    """The subclass of a Conv1D class whose forward is F.linear."""
+    return forward_subclass(cls, "AsLinearNF4", _as_linear, globals())
+
+
+def forward_subclass(cls: type, suffix: str, forward, home: dict) -> type:
+    """The subclass of `cls` whose forward is `forward`, made once per class and kept in `home` (its module's
+    globals: a pickled model finds it there). Swapping a layer's class, not binding a forward on the instance, makes
+    no reference cycle: the model is freed as soon as it is dropped."""
+    name = f"{cls.__name__}{suffix}"
+    made = home.get(name)
     if made is None or made.__bases__ != (cls,):
-        made = type(name, (cls,), {"forward": _as_linear, "__module__": __name__, "__qualname__": name})
-        globals()[name] = made
+        made = type(name, (cls,), {"forward": forward, "__module__": home["__name__"], "__qualname__": name})
+        home[name] = made
     return made
 
 
@@ -119,7 +124,7 @@ def quantize_frozen(model: nn.Module, computes: bool = True) -> int:
         seen.add(key)
         m.weight = nn.Parameter(quantized, requires_grad=False)
         if conv1d:
-            m.__class__ = _as_linear_class(type(m))
+            m.__class__ = as_linear_class(type(m))
         del w
     return len(layers)
 

@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .nf4 import as_linear_class, forward_subclass, frozen_linears, is_conv1d
+
 BLOCK, BLOCK2 = 64, 256  # bitsandbytes' 4-bit block (QLoRA's) and its double quantization's
 BUFFERS = ("bnb_absmax", "bnb_code", "bnb_offset", "bnb_absmax2", "bnb_code2")
 
@@ -87,8 +89,6 @@ def library():
 
 def quantize_declared(model: nn.Module, spec: Bnb4bit, computes: bool = True) -> int:
     """Store each frozen Linear weight (but the skipped) in bitsandbytes' layout; returns how many."""
-    from .nf4 import _as_linear_class, frozen_linears, is_conv1d
-
     bnbf = library()
     chosen = set(map(id, frozen_linears(model, whole_blocks=False, keep_head=not spec.skip)))
     layers = [m for name, m in model.named_modules() if id(m) in chosen and not skipped(name, spec.skip)]
@@ -106,7 +106,7 @@ def quantize_declared(model: nn.Module, spec: Bnb4bit, computes: bool = True) ->
             m.register_buffer(name, t, persistent=False)
         m.bnb_4bit = (spec.quant_type, tuple(w.shape), w.dtype)
         if conv1d:
-            m.__class__ = _as_linear_class(type(m))
+            m.__class__ = as_linear_class(type(m))
         m.__class__ = _bnb_class(type(m))
         del w
     return len(layers)
@@ -185,14 +185,8 @@ def _forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def _bnb_class(cls: type) -> type:
-    """The subclass of a Linear class whose forward runs the 4-bit weight (made once per class, kept here so a
-    pickled model finds it)."""
-    name = f"{cls.__name__}Bnb4bit"
-    made = globals().get(name)
-    if made is None or made.__bases__ != (cls,):
-        made = type(name, (cls,), {"forward": _forward, "__module__": __name__, "__qualname__": name})
-        globals()[name] = made
-    return made
+    """The subclass of a Linear class whose forward runs the 4-bit weight."""
+    return forward_subclass(cls, "Bnb4bit", _forward, globals())
 
 
 def is_bnb_4bit(m: nn.Module) -> bool:
