@@ -1,6 +1,7 @@
 """`make bench-levers`: `oomtune estimate` on a 7B Llama (built from its config on fake tensors, no weights) at
 batch 8, context 2048, for the fine-tuning cases the levers past accumulation are for: full fine-tuning and LoRA
-on a 24 GB card, LoRA on a 12 GB card (from the model file, and from a Hugging Face folder with LoRA flags). The
+on a 24 GB card, LoRA on a 12 GB card (from the model file, and from a Hugging Face folder with LoRA flags), and
+QLoRA with the model file's BitsAndBytesConfig (bitsandbytes' 4-bit layout on every rung). The
 plan (or why nothing fits), its peak and host memory, the trials and the wall time of each go into bench/RESULTS.md
 between `<!-- levers:begin -->` and `<!-- levers:end -->`.
 
@@ -30,6 +31,9 @@ CASES = [  # (what, the command's arguments after `oomtune estimate`)
     ("LoRA, 12 GB card, asked as a Hugging Face folder (no Python)",  # the same model: plan and bytes must match
      ["examples/hf/llama-2-7b", "--gpu", "rtx3060", "--batch", "8", "--context", "2048", "--lora-r", "16",
       "--lora-alpha", "32", "--lora-targets", "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"]),
+    # the same LoRA, its base loaded 4-bit by bitsandbytes as its BitsAndBytesConfig says (NF4, double-quantized)
+    ("QLoRA as Hugging Face's guides run it (bitsandbytes NF4), 12 GB card",
+     ["examples/finetune/llama_7b_qlora_bnb.py", "--gpu", "rtx3060"]),
 ]
 
 

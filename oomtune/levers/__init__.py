@@ -126,10 +126,9 @@ def prepare_model(model: nn.Module, plan, label: str, computes: bool = True, fou
             raise OomtuneError(f"{label}: build_model() compiles a model whose weights its {four_bit.source} "
                                "stores in 4 bits: torch.compile cannot trace bitsandbytes' dequantization here yet "
                                "(return the model uncompiled)", BAD_INPUT)
-
         if quantize_declared(model, four_bit, computes) == 0 and not any(map(is_bnb_4bit, model.modules())):
-            raise OomtuneError(f"{label}: its BitsAndBytesConfig quantizes frozen nn.Linear weights, and the model "
-                               "has none (the base layers of a PEFT LoRA model: add --lora-r, or adapters in "
+            raise OomtuneError(f"{label}: {four_bit.source} quantizes frozen nn.Linear weights, and the model has "
+                               "none (the base layers of a PEFT LoRA model: add --lora-r, or adapters in "
                                "build_model)", BAD_INPUT)
     elif plan is not None and plan.nf4_frozen_weights:
         from .nf4 import quantize_frozen
