@@ -2,7 +2,7 @@
 load_in_4bit=True, ...)` defined in the model file (any module-level name), or a config.json whose
 `quantization_config` is bitsandbytes' 4-bit one (a checkpoint saved quantized). QLoRA as transformers, PEFT and
 litgpt (`bnb.nf4`, `bnb.nf4-dq`) run it: the model is 4-bit on every rung, every frozen Linear but the output head
-and the config's `llm_int8_skip_modules`.
+(or, where the config lists `llm_int8_skip_modules`, but those: `skipped`).
 
 The layout is bitsandbytes' own (`bitsandbytes.functional.quantize_4bit`, blocks of 64): the weight packed two
 elements a byte, ((n+1)//2, 1) uint8; its 16-value code in fp32; an fp32 absmax a block, or with double quantization
