@@ -40,6 +40,7 @@ class Bnb4bit:
     double_quant: bool = False
     skip: tuple[str, ...] = ()  # llm_int8_skip_modules (none given: the output head alone, as transformers keeps)
     source: str = "its BitsAndBytesConfig"  # where it was declared, as the notes say it
+    compute_dtype: torch.dtype | None = None  # bnb_4bit_compute_dtype, where 16-bit (fp32, the default: None)
 
     @property
     def name(self) -> str:
@@ -51,8 +52,10 @@ def declared(module) -> Bnb4bit | None:
     for get, source in _bitsandbytes_configs(module):
         if get("load_in_4bit", get("_load_in_4bit", False)):
             skip = get("llm_int8_skip_modules", None) or ()
+            compute = str(get("bnb_4bit_compute_dtype", None)).removeprefix("torch.")
             return Bnb4bit(str(get("bnb_4bit_quant_type", "fp4")), bool(get("bnb_4bit_use_double_quant", False)),
-                           tuple(str(s) for s in skip), source)
+                           tuple(str(s) for s in skip), source,
+                           {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(compute))
     return None
 
 
@@ -95,6 +98,8 @@ def quantize_declared(model: nn.Module, spec: Bnb4bit, computes: bool = True) ->
     for m in layers:
         conv1d = is_conv1d(m)
         w = m.weight.detach().t().contiguous() if conv1d else m.weight.detach()
+        if spec.compute_dtype is not None and w.dtype == torch.float32:  # loaded in it, as the guides load it
+            w = w.to(spec.compute_dtype)
         if computes:
             packed, state = bnbf.quantize_4bit(w, blocksize=BLOCK, compress_statistics=spec.double_quant,
                                               quant_type=spec.quant_type)
@@ -104,7 +109,7 @@ def quantize_declared(model: nn.Module, spec: Bnb4bit, computes: bool = True) ->
         m.weight = nn.Parameter(packed, requires_grad=False)
         for name, t in zip(BUFFERS, tensors, strict=True):
             m.register_buffer(name, t, persistent=False)
-        m.bnb_4bit = (spec.quant_type, tuple(w.shape), w.dtype)
+        m.bnb_4bit = (spec.quant_type, tuple(w.shape), w.dtype, spec.compute_dtype)
         if conv1d:
             m.__class__ = as_linear_class(type(m))
         m.__class__ = _bnb_class(type(m))
@@ -152,7 +157,7 @@ def _made(w: torch.Tensor, double_quant: bool):
 def dequantized(m: nn.Module) -> torch.Tensor:
     """The layer's whole weight, (out, in) in its dtype, by bitsandbytes' dequantize_4bit (as its MatMul4Bit)."""
     bnbf = library()
-    quant_type, shape, dtype = m.bnb_4bit
+    quant_type, shape, dtype, _ = m.bnb_4bit
     state2 = None
     if m.bnb_offset is not None:
         state2 = bnbf.QuantState(absmax=m.bnb_absmax2, code=m.bnb_code2, blocksize=BLOCK2, dtype=torch.float32)
@@ -181,7 +186,14 @@ class _Linear4bit(torch.autograd.Function):
 
 
 def _forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return _Linear4bit.apply(x, self.bias, self)
+    """bitsandbytes' Linear4bit.forward: the input (and bias) in the compute dtype where one is set, the output back
+    in the input's dtype."""
+    compute, given = self.bnb_4bit[3], x.dtype
+    bias = self.bias
+    if compute is not None:
+        x = x.to(compute)
+        bias = None if bias is None else bias.to(compute)
+    return _Linear4bit.apply(x, bias, self).to(given)
 
 
 def _bnb_class(cls: type) -> type:

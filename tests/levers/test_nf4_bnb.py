@@ -82,7 +82,7 @@ def test_the_real_quantization_stores_what_the_fake_one_makes(tmp_path):
     """devices: cpu against fake. bitsandbytes' own quantize_4bit on real weights and the made one on fake tensors
     keep the same tensors: a trial's peak and its forward, backward and optimizer phases are equal to the byte."""
     mf = load_model_file(QLORA)
-    for plan in (Plan(4, 64), Plan(4, 64, "bf16-true", activation_checkpointing=True)):
+    for plan in (Plan(4, 64), Plan(4, 64, "bf16"), Plan(4, 64, "bf16-true", activation_checkpointing=True)):
         torch.manual_seed(0)
         cpu = run_trial(mf, plan, CpuDevice("1GiB"))
         fake = run_trial(mf, plan, FakeDevice("1GiB"))
@@ -231,3 +231,26 @@ def test_a_build_model_that_loads_4bit_itself_is_told_how_to_declare_it(tmp_path
     """))
     r = run_cli("estimate", path, "--budget", "1GiB", "--micro-batch", "2", "--context", "16")
     assert r.exit_code == 2 and "return the model unquantized and define the BitsAndBytesConfig" in r.stderr, r.output
+
+
+def test_the_compute_dtype_is_what_the_weight_is_dequantized_to_and_computed_in(tmp_path):
+    """device: cpu. bnb_4bit_compute_dtype=bfloat16 on an fp32 model (a guide's QLoRA loads the base in bf16 and
+    computes in it): the weight is quantized from bf16, each use dequantizes it to bf16 (half the fp32 transient),
+    the layer computes in bf16 and hands back fp32, as bitsandbytes' Linear4bit."""
+    from oomtune.levers import build_model
+    from oomtune.levers.nf4_bnb import dequantized
+
+    path = tmp_path / "bf16_compute.py"
+    path.write_text(textwrap.dedent(FROZEN).replace("bnb_4bit_use_double_quant=DQ",
+                                                    "bnb_4bit_use_double_quant=False, "
+                                                    "bnb_4bit_compute_dtype=torch.bfloat16"))
+    device = CpuDevice("1GiB")
+    with device.measure():
+        model = build_model(load_model_file(path), Plan(8, 1), device)
+        x = torch.randn(8, 256)
+        before = device.live_bytes()
+        device.tracker.reset_peak()
+        out = model[0](x)
+        held = device.tracker.peak_bytes - before
+        assert out.dtype == torch.float32 and dequantized(model[0]).dtype == torch.bfloat16
+        assert 2 * N <= held < 4 * N  # the bf16 weight (and the bf16 input, output), not an fp32 one
