@@ -2,7 +2,8 @@
 Face folder (config.json's quantization_config): levers/nf4_bnb.py. Stored in bitsandbytes' layout (packed
 uint8, an fp32 absmax per 64, or with double quantization a uint8 one, an fp32 scale per 256 of them and the two
 maps), on every rung, dequantized by bitsandbytes in forward and backward. Devices: cpu (bitsandbytes computes)
-and fake (its fake kernels; the quantization made with its shapes), which must agree to the byte."""
+and fake (its fake kernels; the quantization made with its shapes), whose peaks and forward, backward and optimizer
+phases must agree to the byte."""
 
 from __future__ import annotations
 
@@ -254,3 +255,14 @@ def test_the_compute_dtype_is_what_the_weight_is_dequantized_to_and_computed_in(
         held = device.tracker.peak_bytes - before
         assert out.dtype == torch.float32 and dequantized(model[0]).dtype == torch.bfloat16
         assert 2 * N <= held < 4 * N  # the bf16 weight (and the bf16 input, output), not an fp32 one
+
+
+def test_without_bitsandbytes_a_declared_model_is_one_line(monkeypatch):
+    """device: fake. Where bitsandbytes is not installed, a model that declares its 4-bit weights is one line naming
+    the library, exit 2 (not the float weights estimated in silence)."""
+    import oomtune.levers as levers
+
+    real = levers.installed
+    monkeypatch.setattr(levers, "installed", lambda name: name != "bitsandbytes" and real(name))
+    r = run_cli("estimate", QLORA, "--budget", "1GiB", "--micro-batch", "2", "--context", "32")
+    assert r.exit_code == 2 and "they need bitsandbytes" in r.stderr, r.output
