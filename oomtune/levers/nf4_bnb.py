@@ -2,7 +2,7 @@
 load_in_4bit=True, ...)` defined in the model file (any module-level name), or a config.json whose
 `quantization_config` is bitsandbytes' 4-bit one (a checkpoint saved quantized). QLoRA as transformers, PEFT and
 litgpt (`bnb.nf4`, `bnb.nf4-dq`) run it: the model is 4-bit on every rung, every frozen Linear but the output head
-(or, where the config lists `llm_int8_skip_modules`, but those: `skipped`).
+(or, where the config lists `llm_int8_skip_modules`, but those: `skipped`; an empty list, none).
 
 The layout is bitsandbytes' own (`bitsandbytes.functional.quantize_4bit`, blocks of 64): the weight packed two
 elements a byte, ((n+1)//2, 1) uint8; its 16-value code in fp32; an fp32 absmax a block, or with double quantization
@@ -38,7 +38,8 @@ class Bnb4bit:
     """What a BitsAndBytesConfig(load_in_4bit=True) says of the layout (fp4 stores as nf4 does)."""
     quant_type: str = "fp4"  # (transformers' default)
     double_quant: bool = False
-    skip: tuple[str, ...] = ()  # llm_int8_skip_modules (none given: the output head alone, as transformers keeps)
+    skip: tuple[str, ...] | None = None  # llm_int8_skip_modules (None: not given, the output head alone is kept, as
+    # transformers keeps it; an empty list given: every frozen Linear, the head too, as transformers quantizes)
     source: str = "its BitsAndBytesConfig"  # where it was declared, as the notes say it
     compute_dtype: torch.dtype | None = None  # bnb_4bit_compute_dtype, where 16-bit (fp32, the default: None)
 
@@ -51,10 +52,10 @@ def declared(module) -> Bnb4bit | None:
     """The 4-bit layout a model file's module (or a Hugging Face model's hooks object) declares, or None."""
     for get, source in _bitsandbytes_configs(module):
         if get("load_in_4bit", get("_load_in_4bit", False)):
-            skip = get("llm_int8_skip_modules", None) or ()
+            skip = get("llm_int8_skip_modules", None)
             compute = str(get("bnb_4bit_compute_dtype", None)).removeprefix("torch.")
             return Bnb4bit(str(get("bnb_4bit_quant_type", "fp4")), bool(get("bnb_4bit_use_double_quant", False)),
-                           tuple(str(s) for s in skip), source,
+                           tuple(str(s) for s in skip) if skip is not None else None, source,
                            {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(compute))
     return None
 
@@ -93,8 +94,8 @@ def library():
 def quantize_declared(model: nn.Module, spec: Bnb4bit, computes: bool = True) -> int:
     """Store each frozen Linear weight (but the skipped) in bitsandbytes' layout; returns how many."""
     bnbf = library()
-    chosen = set(map(id, frozen_linears(model, whole_blocks=False, keep_head=not spec.skip)))
-    layers = [m for name, m in model.named_modules() if id(m) in chosen and not skipped(name, spec.skip)]
+    chosen = set(map(id, frozen_linears(model, whole_blocks=False, keep_head=spec.skip is None)))
+    layers = [m for name, m in model.named_modules() if id(m) in chosen and not skipped(name, spec.skip or ())]
     for m in layers:
         conv1d = is_conv1d(m)
         w = m.weight.detach().t().contiguous() if conv1d else m.weight.detach()
@@ -223,7 +224,8 @@ def declared_note(model_file) -> tuple[str, ...]:
                     for get, _ in _bitsandbytes_configs(model_file.module))
         return ((f"{model_file.label}: its BitsAndBytesConfig loads 8-bit weights (LLM.int8), which oomtune does not "
                  "model: the weights are estimated as built (use load_in_4bit, or --levers nf4)",) if eight else ())
-    kept = f"but {', '.join(spec.skip)}" if spec.skip else "but the output head"
+    kept = ("but the output head" if spec.skip is None else f"but {', '.join(spec.skip)}" if spec.skip else
+            "the output head too: its skip list is empty")
     return (f"{model_file.label}: {spec.source} stores every frozen Linear weight ({kept}) in {spec.name}, "
             "bitsandbytes' layout, on every rung; dequantized whole at each use in forward and backward "
             "(bitsandbytes' choice for more than 1536 tokens a micro-batch)",)

@@ -176,6 +176,7 @@ def test_an_8bit_config_is_said_not_modelled(tmp_path):
 
 @pytest.mark.parametrize(("skip", "quantized"), [
     (None, 14),  # every frozen projection of the 2 layers, the output head kept
+    ("", 15),  # an empty list: nothing skipped, the head quantized too (transformers adds no default skips then)
     ("'mlp'", 9),  # the attention projections, and the head: a skip list given quantizes it too (transformers')
     ("'model.layers.0'", 8),  # a prefix at a dot
     ("'model.layers.0.self_attn.q_proj'", 14),  # one module by its full name: 13 projections and the head
