@@ -143,7 +143,7 @@ def prepare_model(model: nn.Module, plan, label: str, computes: bool = True, fou
 def four_bit_of(model_file, plan=None):
     """The bitsandbytes 4-bit layout the model file or Hugging Face folder declares (nf4_bnb.Bnb4bit), or None;
     one line, exit 2, where bitsandbytes is missing or the plan asks what cannot run with it."""
-    from .nf4_bnb import declared
+    from .nf4_bnb import OLDEST, declared, too_old
 
     four_bit = declared(model_file.module)
     if four_bit is None:
@@ -151,6 +151,11 @@ def four_bit_of(model_file, plan=None):
     what = f"{model_file.label} declares {four_bit.name} weights ({four_bit.source})"
     if not installed("bitsandbytes"):
         raise OomtuneError(f"{what}: they need bitsandbytes ({EXTRA})", BAD_INPUT)
+    if (old := too_old()) is not None:
+        raise OomtuneError(f"{what}: bitsandbytes {old} is installed, and oomtune models bitsandbytes "
+                           f"{'.'.join(map(str, OLDEST))} or later (an older one runs no 4-bit kernels off the GPU, "
+                           f"and before 0.43.2 kept each 4-bit layer's input for backward): upgrade it ({EXTRA})",
+                           BAD_INPUT)
     clash = plan is not None and (
         plan.sharding != "none" and f"they run on one process only, not with plan.sharding {plan.sharding}"
         or plan.nf4_frozen_weights and "plan.nf4_frozen_weights (torchao's NF4) has nothing left to store: drop it"

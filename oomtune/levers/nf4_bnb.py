@@ -76,6 +76,20 @@ def _bitsandbytes_configs(module) -> list[tuple]:
             if str(get("quant_method", "bitsandbytes")).split(".")[-1].lower() in ("bitsandbytes", "bits_and_bytes")]
 
 
+OLDEST = (0, 47)  # the first bitsandbytes with 4-bit kernels on the CPU and on fake tensors (the finetune extra's)
+
+
+def too_old() -> str | None:
+    """The installed bitsandbytes' version where it is older than OLDEST, else None. Before it, bitsandbytes has no
+    4-bit kernels to run on the simulated devices, and before 0.43.2 its 4-bit matmul also kept each layer's input
+    for backward (dropped by its #1270), which the layout here does not hold."""
+    from importlib.metadata import version
+
+    found = version("bitsandbytes")
+    numbers = tuple(int(n) for n in re.findall(r"\d+", found)[:2])
+    return found if numbers < OLDEST else None
+
+
 def library():
     """bitsandbytes' functional module; ImportError where it is not installed. Its first import makes tensors
     (its maps): real ones, outside any fake mode and tracker, as an import before the search makes them."""

@@ -267,3 +267,16 @@ def test_without_bitsandbytes_a_declared_model_is_one_line(monkeypatch):
     monkeypatch.setattr(levers, "installed", lambda name: name != "bitsandbytes" and real(name))
     r = run_cli("estimate", QLORA, "--budget", "1GiB", "--micro-batch", "2", "--context", "32")
     assert r.exit_code == 2 and "they need bitsandbytes" in r.stderr, r.output
+
+
+def test_an_older_bitsandbytes_is_one_line(monkeypatch):
+    """device: fake. bitsandbytes before 0.47 has no 4-bit kernels off the GPU, and before 0.43.2 each 4-bit layer
+    kept its input for backward (litgpt pins 0.42): modelled as today's, its QLoRA would be estimated low (litgpt's
+    published 7B QLoRA run: 17%). One line naming the version, exit 2."""
+    import importlib.metadata
+
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.42.0" if name == "bitsandbytes" else real(name))
+    r = run_cli("estimate", QLORA, "--budget", "1GiB", "--micro-batch", "2", "--context", "32")
+    assert r.exit_code == 2 and "bitsandbytes 0.42.0 is installed, and oomtune models bitsandbytes 0.47" in r.stderr
+    assert len([line for line in r.stderr.splitlines() if line.strip()]) == 1
