@@ -116,8 +116,11 @@ class Job:
         taken = take_snapshot(self.snapshot, self.model_file, plan, self.device, self.options["steps"])
         if before_writing is not None:
             before_writing()
-        kept = self.out is not None and result.config is not None and \
-            write_config(result.config, self.out, _named(self.model_file), self.header)
+        kept = False
+        if self.out is not None and result.config is not None:
+            kept, note = write_config(result.config, self.out, _named(self.model_file), self.header)
+            search = result.search if self.kind == "estimate" else result
+            search.notes += (note,) if note else ()
         write_snapshot(self.snapshot, taken)
         return kept
 

@@ -14,12 +14,12 @@ from .schema import Config, TrainConfig
 from .writing import save_config
 
 
-def check_out(out_path: Path, model: Path, command: str = "probe") -> TrainConfig | None:
+def check_out(out_path: Path, model: Path, command: str = "probe") -> Config | None:
     """--out, checked before a single trial runs (and again just before writing): not the model file; absent or an
     oomtune config of the same model file (never a folder, a device, a pipe, another model's config, a plan a probe
     measured that `command` estimate would replace, nor a file of yours that is anything else); in a folder that
-    exists or can be made, and can be written. Returns the train: section of the config already there, which the
-    new config keeps (None when there is none)."""
+    exists or can be made, and can be written. Returns the config already there, whose train: section the new
+    config keeps (None when there is none)."""
     p = Path(out_path)
     if str(out_path) == "-":  # (not standard output: the command's own report is printed there)
         raise OomtuneError("--out -: the config is written to a file, not to standard output: name one (e.g. --out "
@@ -36,11 +36,10 @@ def check_out(out_path: Path, model: Path, command: str = "probe") -> TrainConfi
             raise OomtuneError(f"--out {p} is a folder: name a file in it (e.g. --out {p / 'best.yaml'})")
         if p.exists() and not p.is_file():
             raise OomtuneError(f"--out {p} is not a regular file (a device, pipe or socket): name a file")
-        train = None
+        existing = None
         if p.exists():
             try:
                 existing = load_config(p)
-                train = existing.train
             except (OomtuneError, ValueError) as e:  # not YAML, not a config, not text
                 why = str(e).removeprefix(f"{p}: ")
                 raise OomtuneError(f"--out {p} exists and is not an oomtune config ({why}): not overwriting it; "
@@ -62,19 +61,27 @@ def check_out(out_path: Path, model: Path, command: str = "probe") -> TrainConfi
         try_write_in(folder)  # what the write will do
     except OSError as e:
         raise OomtuneError(f"--out {p}: cannot write there ({e.strerror or e})") from None
-    return train
+    return existing
 
 
-def write_config(config: Config, out_path: Path, model: Path, header: str) -> bool:
+def write_config(config: Config, out_path: Path, model: Path, header: str) -> tuple[bool, str | None]:
     """Write the config to --out, keeping the train: section of the oomtune config already there (read again now:
-    it may have been edited while the search ran), its new plan and found_by replacing the old. True: it kept one."""
-
-    train = check_out(out_path, model, config.found_by.command if config.found_by is not None else "probe")
+    it may have been edited while the search ran), its new plan and found_by replacing the old. Returns whether it
+    kept one, and a note where it changed it: a plan that steps the optimizer in backward cannot clip (its
+    clip_grad_norm is written null), and a later plan without that step gets clipping back, at the default."""
+    existing = check_out(out_path, model, config.found_by.command if config.found_by is not None else "probe")
+    train = existing.train if existing is not None else None
+    note = None
     if config.plan.optimizer_in_backward:  # no clipping: each gradient is applied as backward makes it
         config = dataclasses.replace(config, train=dataclasses.replace(train or config.train, clip_grad_norm=None))
         train = None if train is None else config.train
+    elif train is not None and train.clip_grad_norm is None and existing.plan.optimizer_in_backward:
+        clip = TrainConfig().clip_grad_norm  # (its null was written for the plan it replaces, not by you)
+        train = dataclasses.replace(train, clip_grad_norm=clip)
+        note = (f"train.clip_grad_norm set back to {clip}: the plan {out_path} held stepped the optimizer in "
+                "backward, which cannot clip, and this one can (set it to null for no clipping)")
     try:
         save_config(config if train is None else dataclasses.replace(config, train=train), out_path, header=header)
     except OSError as e:  # a full disk, a folder that went away or turned read-only during the search
         raise OomtuneError(f"cannot write the config to {out_path}: {e.strerror or e}") from None
-    return train is not None
+    return train is not None, note

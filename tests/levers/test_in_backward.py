@@ -120,6 +120,27 @@ def test_the_ladder_climbs_it_where_only_the_gradients_are_over_then_trains_and_
                                                                              "hf").unexpressed)
 
 
+def test_a_later_plan_without_the_lever_gets_clipping_back(write_model, tmp_path, monkeypatch):
+    """device: cpu. The in-backward plan's config is written with clip_grad_norm null (it cannot clip); a later probe
+    into the same file whose plan steps after backward keeps the train: section, but not that null: clipping is set
+    back to the default and a note says so (it trained unclipped, silently, before)."""
+    monkeypatch.chdir(tmp_path)
+    model = write_model(WIDE_MODEL)
+    args = ("--device", "cpu", "--batch", "1", "--context", "4", "--out", "ib.yaml", "--json")
+    assert run_cli("probe", model, "--budget", "8MiB", *args).exit_code == 0
+    config = yaml.safe_load((tmp_path / "ib.yaml").read_text())
+    assert config["train"]["clip_grad_norm"] is None
+    config["train"]["lr"] = 0.002  # (the user's own edit: kept)
+    (tmp_path / "ib.yaml").write_text(yaml.safe_dump(config))
+    r = run_cli("probe", model, "--budget", "64MiB", *args)
+    assert r.exit_code == 0, r.output
+    report = json.loads(r.stdout)
+    assert report["plan"]["optimizer_in_backward"] is False and report["kept_train"] is True
+    assert any(n.startswith("train.clip_grad_norm set back to 1.0") for n in report["notes"])
+    again = yaml.safe_load((tmp_path / "ib.yaml").read_text())
+    assert again["train"]["clip_grad_norm"] == 1.0 and again["train"]["lr"] == 0.002
+
+
 def test_a_nan_loss_stops_before_backward_applies_its_update(case_dir):
     """The trainer reads the loss before backward under this lever (its update is applied there): the last finished
     step is saved, its weights finite, as without the lever."""
