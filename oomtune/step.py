@@ -170,9 +170,11 @@ def autocast(t: Training) -> contextlib.AbstractContextManager:
 
 def loss_of(t: Training, batch: Batch) -> torch.Tensor:
     """The micro-batch's loss: the model file's, or, under plan.chunked_loss, a causal LM's in slices."""
-    if t.plan.chunked_loss:
-        return chunked_loss(t.model_file, t.model, cast_inputs(batch, t.plan), t.chunk_loss)
-    return t.model_file.loss(t.model, cast_inputs(batch, t.plan))
+    if t.plan.chunked_loss:  # (the forward's saved tensors offloaded, not the output layer's and loss's)
+        return chunked_loss(t.model_file, t.model, cast_inputs(batch, t.plan), t.chunk_loss,
+                            lambda: saved_activations(t.plan, t.device))
+    with saved_activations(t.plan, t.device):
+        return t.model_file.loss(t.model, cast_inputs(batch, t.plan))
 
 
 def _accumulate(t: Training, micro_batches: Sequence[Batch], weights: Sequence[float] | None) -> torch.Tensor:
@@ -183,7 +185,7 @@ def _accumulate(t: Training, micro_batches: Sequence[Batch], weights: Sequence[f
     for i, batch in enumerate(micro_batches):
         with micro_step(t.model, t.plan.sharding, last=i == n - 1):
             t.phase("forward")
-            with autocast(t), saved_activations(t.plan, t.device):
+            with autocast(t):
                 loss = loss_of(t, batch)
             losses[i] = loss.detach()  # (before backward, which applies the update under plan.optimizer_in_backward:
             t.micro_losses = losses  # the trainer reads the loss when it starts)

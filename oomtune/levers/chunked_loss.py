@@ -6,7 +6,9 @@ vocabulary (Llama 3: 128,256) those are the step's largest tensors. Chunked, the
 model's forward runs with its output layer passed through (it returns the last hidden states), and the output layer
 runs on each slice of them; only one slice's fp32 copy and fp32 gradient exist at a time (the log-probabilities
 saved for backward are the same). Where the forward changes the logits after its output layer (Gemma 2's
-soft-capping, Cohere's logit scale: `sliced_head` says), the whole logits are made and sliced instead.
+soft-capping, Cohere's logit scale: `sliced_head` says), the whole logits are made and sliced instead. Under
+activation offloading what the slices' output layer and cross-entropy save stays on the device, as torchtune's
+offloading leaves its output layer and loss (`forward_saves`).
 
 It applies where oomtune computes the loss itself: a Hugging Face causal LM (PEFT LoRA-wrapped too) with the
 default loss, whose forward computes transformers' shifted cross-entropy (ForCausalLMLoss), and `labels` in its
@@ -138,9 +140,12 @@ def _copied(x: torch.Tensor) -> torch.Tensor:
     return x.clone(memory_format=torch.contiguous_format)
 
 
-def chunked_loss(model_file, model: nn.Module, batch, chunk_loss=chunk_cross_entropy) -> torch.Tensor:
+def chunked_loss(model_file, model: nn.Module, batch, chunk_loss=chunk_cross_entropy,
+                 forward_saves=contextlib.nullcontext) -> torch.Tensor:
     """The causal LM's mean next-token cross-entropy over `batch` (a dict with `labels`), in CHUNKS slices, each
-    by `chunk_loss` (chunk_cross_entropy, or it compiled: plan.compile)."""
+    by `chunk_loss` (chunk_cross_entropy, or it compiled: plan.compile). `forward_saves()`: the context the model's
+    forward runs in, the slices' output layer and loss outside it (activation offloading: what they save stays on
+    the device, as torchtune's offloading leaves its output layer and loss)."""
     if not isinstance(batch, dict) or "labels" not in batch:
         raise ModelFileError(f"{model_file.label}: plan.chunked_loss computes a causal LM's loss from the batch's "
                              "'labels', and make_batch's batch has none (add them, or remove the key)")
@@ -148,9 +153,10 @@ def chunked_loss(model_file, model: nn.Module, batch, chunk_loss=chunk_cross_ent
     sliced = sliced_head(model)
     with model_file.user_code("the model's forward (plan.chunked_loss: without its labels)"):
         if sliced is None:
-            parts, head = model(**inputs).logits, None
+            with forward_saves():
+                parts, head = model(**inputs).logits, None
         else:
-            with _passed_through(*sliced) as head:
+            with _passed_through(*sliced) as head, forward_saves():
                 parts = model(**inputs).logits  # (the last hidden states)
         labels = F.pad(batch["labels"], (0, 1), value=IGNORE)[:, 1:]  # token t predicts t + 1, as transformers shifts
         total = None
