@@ -106,6 +106,9 @@ LEVER_PLANS = {  # the rungs past accumulation, on the tiny GPT (NF4: tests/leve
     "nf4": ("qlora", {"precision": "bf16-true", "nf4_frozen_weights": True, "activation_checkpointing": True}),
     # a Hugging Face causal LM's loss in slices (the same LoRA Llama, without NF4)
     "chunked-loss": ("qlora", {"precision": "bf16", "chunked_loss": True}),
+    # the forward's saved tensors on the host, the slices' output layer and loss keeping theirs on the card
+    "chunked-loss+offload-activations": ("qlora", {"precision": "bf16", "chunked_loss": True,
+                                                   "offload_activations": True, "activation_checkpointing": True}),
     # the optimizer stepped in backward (fused AdamW, one parameter a hook), the whole batch at once
     "step-in-backward": ("tiny_gpt", {"precision": "bf16-true", "optimizer_in_backward": True}),
     # each block and the loss torch.compile'd (inductor) on cuda, traced by AOTAutograd on fake
