@@ -83,9 +83,12 @@ def too_old() -> str | None:
     """The installed bitsandbytes' version where it is older than OLDEST, else None. Before it, bitsandbytes has no
     4-bit kernels to run on the simulated devices, and before 0.43.2 its 4-bit matmul also kept each layer's input
     for backward (dropped by its #1270), which the layout here does not hold."""
-    from importlib.metadata import version
+    from importlib.metadata import PackageNotFoundError, version
 
-    found = version("bitsandbytes")
+    try:
+        found = version("bitsandbytes")
+    except PackageNotFoundError:  # (importable without its metadata: a source tree on the path; taken as it is)
+        return None
     numbers = tuple(int(n) for n in re.findall(r"\d+", found)[:2])
     return found if numbers < OLDEST else None
 
