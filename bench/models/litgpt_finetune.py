@@ -7,7 +7,8 @@ tutorials/resource-tables.md, October 2023, one A100 40GB, bf16-true). ARGS meth
 The rest frozen by litgpt's own mark_only_*_as_trainable; the output layer run on slices of 128 positions
 (`lm_head_chunk_size=128`) and litgpt's chunked_cross_entropy over the slices, as the scripts' training step does;
 torch's AdamW (not fused), as litgpt builds it. No activation checkpointing (single device). The rope cache is
-built for the longest sample, as litgpt sets `model.max_seq_length` (ARGS max_seq_length). Needs litgpt (make
+built for the longest sample, as litgpt sets `model.max_seq_length` (ARGS max_seq_length: a longer --context needs
+`--model-arg max_seq_length=N`, else litgpt's forward refuses it). Needs litgpt (make
 bench-published installs it without its dependencies); this is litgpt 0.5.13's code, which may keep other memory
 than the October 2023 commit that was measured."""
 

@@ -78,7 +78,7 @@ def write_config(config: Config, out_path: Path, model: Path, header: str) -> tu
     elif train is not None and train.clip_grad_norm is None and existing.plan.optimizer_in_backward:
         clip = TrainConfig().clip_grad_norm  # (its null was written for the plan it replaces, not by you)
         train = dataclasses.replace(train, clip_grad_norm=clip)
-        note = (f"train.clip_grad_norm set back to {clip}: the plan {out_path} held stepped the optimizer in "
+        note = (f"train.clip_grad_norm set back to {clip}: the plan in {out_path} stepped the optimizer in "
                 "backward, which cannot clip, and this one can (set it to null for no clipping)")
     try:
         save_config(config if train is None else dataclasses.replace(config, train=train), out_path, header=header)

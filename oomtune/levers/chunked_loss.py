@@ -7,8 +7,9 @@ model's forward runs with its output layer passed through (it returns the last h
 runs on each slice of them; only one slice's fp32 copy and fp32 gradient exist at a time (the log-probabilities
 saved for backward are the same). Where the forward changes the logits after its output layer (Gemma 2's
 soft-capping, Cohere's logit scale: `sliced_head` says), the whole logits are made and sliced instead. Under
-activation offloading what the slices' output layer and cross-entropy save stays on the device, as torchtune's
-offloading leaves its output layer and loss (`forward_saves`).
+activation offloading what the per-slice output layer and each slice's cross-entropy save stays on the device, as
+torchtune's offloading leaves its output layer and loss (`forward_saves`); where the whole logits are made, the
+output layer runs in the model's forward, and what it saves is offloaded with the rest.
 
 It applies where oomtune computes the loss itself: a Hugging Face causal LM (PEFT LoRA-wrapped too) with the
 default loss, whose forward computes transformers' shifted cross-entropy (ForCausalLMLoss), and `labels` in its
