@@ -82,8 +82,9 @@ bench-prior: $(STAMP)
 	$(PY) -m bench.bench_prior
 
 # oomtune estimate against peak memory published from real GPUs (torchtune's README tables: Llama2-7B LoRA/QLoRA on
-# an RTX 4090, Llama 3.2 3B full/LoRA/QLoRA on an A100-80GB), each recipe modelled with an equivalent Hugging Face
-# config -> the published section of bench/RESULTS.md: figure, kind, ours, error, what is not expressed (~4 min)
+# an RTX 4090, Llama 3.2 3B full/LoRA/QLoRA on an A100-80GB, each recipe modelled with an equivalent Hugging Face
+# config; litgpt's resource tables: LoRA/Adapter/QLoRA on Llama 2 7B/13B, one A100 40GB, with litgpt's own code)
+# -> the published section of bench/RESULTS.md: figure, kind, ours, error, what is not expressed (~16 min)
 # litgpt (its own model code for the litgpt rows) installed without its dependencies: it pins huggingface-hub below
 # what transformers needs, and what it imports (lightning, tokenizers, safetensors) is in the dev extra already
 .PHONY: bench-published
