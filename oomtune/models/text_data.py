@@ -93,8 +93,8 @@ class PackedText:
 
     def eval_batches(self, batch_size: int, context_length: int, device):
         self._check(context_length)
-        for i in range(0, len(self.eval), batch_size):
-            ids = self.eval[i:i + batch_size].to(device)
+        for i in range(0, len(self.eval), batch_size):  # (copied: a slice is a view of every packed sequence, which
+            ids = self.eval[i:i + batch_size].to(device, copy=True)  # the cpu device would count while it lives)
             yield {"input_ids": ids, "labels": ids}
 
 

@@ -9,6 +9,7 @@ import json
 import random
 
 import pytest
+import torch
 
 from oomtune.config.loading import load_config
 
@@ -171,3 +172,20 @@ def loss(model, batch):
     assert load_config(out).model.args == {"tag": "1e-3", "width": 8}
     r = run_cli("check", "--config", out)
     assert r.exit_code == 0, r.output
+
+
+def test_an_eval_batch_holds_its_own_tokens_not_the_whole_data(tmp_path):
+    """cpu device: an eval batch was a slice of the packed data, a view of every sequence's storage, which the
+    simulated device counted while the trainer kept the batch: after the first evaluation a run's steps peaked that
+    much over the plan's probe (78,848 B for a 77-sequence file). Each batch now owns its tokens, as a train batch
+    (gathered) and a batch copied to a GPU do."""
+    from oomtune.models.text_data import PackedText
+
+    where = with_tokenizer(tmp_path / "tok")
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": " ".join(WORDS)}) + "\n" for _ in range(40)))
+    packed = PackedText(data, transformers.AutoTokenizer.from_pretrained(str(where)), 64, 16)
+    assert len(packed.eval) >= 2
+    for hook in (packed.eval_batches, packed.train_batches):
+        ids = next(hook(1, 16, torch.device("cpu")))["input_ids"]
+        assert ids.untyped_storage().nbytes() == ids.numel() * ids.element_size() == 16 * 8
