@@ -145,6 +145,14 @@ def within(row: Row, n: int) -> bool:
     return n > row.published if row.kind == "oom" else -0.05 <= n / row.published - 1 <= 0.10
 
 
+def error(row: Row, n: int) -> str:
+    """oomtune's figure against the published one: the relative error, or for a run that ran out of memory whether
+    the modelled peak is past the card."""
+    if row.kind == "oom":
+        return "over the card" if n > row.published else "fits"
+    return f"{n / row.published - 1:+.1%}"
+
+
 def shown(n: int, row: Row) -> str:
     if row.kind in ("allocated", "oom"):
         return f"{n / GB:.2f} GB"
@@ -157,13 +165,11 @@ def table(results: list[tuple[Row, dict, float, list[str]]]) -> list[str]:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
     for row, report, wall, command in results:
         n = ours(row, report)
-        error = f"{n / row.published - 1:+.1%}" if row.kind != "oom" else "over the card" if n > row.published \
-            else "fits"
         eager = [note.split(":")[0] for note in report.get("notes", []) if note.startswith("compiled ")]
         said = "; ".join([*([row.not_expressed] if row.not_expressed else []),
                           *([f"ran eager: {', '.join(eager)}"] if eager else [])])
         lines.append("| " + " | ".join(cell.replace("|", "/") for cell in (
-            row.id, row.recipe, row.shown, row.kind, f"{shown(n, row)} ({n:,} B)", error,
+            row.id, row.recipe, row.shown, row.kind, f"{shown(n, row)} ({n:,} B)", error(row, n),
             "yes" if within(row, n) else "no", said or "-", f"`{shlex.join(command)}`",
             f"{wall:.0f}")) + " |")
     return lines
@@ -212,8 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         report, wall, command = estimate(row)
         results.append((row, report, wall, command))
         n = ours(row, report)
-        error = "" if row.kind == "oom" else f"{n / row.published - 1:+.1%}; "
-        print(f"    {wall:.0f} s: {shown(n, row)} vs {row.shown} ({error}within the goal: "
+        print(f"    {wall:.0f} s: {shown(n, row)} vs {row.shown} ({error(row, n)}; within the goal: "
               f"{'yes' if within(row, n) else 'no'})", file=sys.stderr, flush=True)
     if only:
         print("\n".join(table(results)))
