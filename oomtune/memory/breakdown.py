@@ -11,7 +11,7 @@ the moment of the peak, not a model of it."""
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -39,6 +39,7 @@ from .devices import FakeDevice, TrackedDevice
 from .fakes import real_code_paths
 from .host_kernels import has_lstm
 from .layer_drop import layer_drop_note
+from .life_kinds import run_kinds
 from .on_host import CudaOnHost
 from .recorder import Recorder
 from .tracker import MemoryTracker, storage_key
@@ -352,23 +353,32 @@ def snapshot(model_file: ModelFile, plan: Plan, device: TrackedDevice, steps: in
 
 def recorded_trial(model_file, plan, device, steps, dist, run_trial, lift_budget: bool = False) -> tuple:
     """`run_trial` with a Recorder on the device's tracker: (the trial's result, the breakdown of its peak, or
-    None where it ran out). `lift_budget`: measure a plan that does not fit, too."""
+    None where it ran out). `lift_budget`: measure a plan that does not fit, too. A traced trial's result has the
+    parts of its lives too (`kinds`, life_kinds.py), where they could be told."""
     result, rec = _recorded(model_file, plan, device, steps, dist, run_trial, lift_budget)
     if result.oom:
         return result, None
     parts, phase, peak = _classify(rec), rec.peak_phase, rec.peak_bytes
+    kinds = None
     if result.second_step_made:  # (the recorder saw the first step: the made peak's parts from its records)
         if rec.made is None or rec.made[2] != result.peak_allocated_bytes:
             return result, None
-        parts, phase, peak = {**dict.fromkeys(PART_LABELS, 0), **rec.made[0]}, rec.made[1], rec.made[2]
-    margin = device.margin
+        (parts, phase, peak), kinds = rec.made, rec.kinds
+    elif result.trace is not None:
+        kinds = run_kinds(result.trace, [k for k, _ in device.traced_from[0]], rec.records, lambda r: kind_of(rec, r))
+    return replace(result, kinds=kinds), breakdown_of(parts, phase, peak, result, device.margin)
+
+
+def breakdown_of(parts: dict[str, int], phase: str, peak: int, result, margin) -> MemoryBreakdown:
+    """The breakdown of a trial's peak (`result`, a TrialResult) from what was live at it: `parts` (bytes per
+    part, any left out being 0), the `phase` it was in, the tensor `peak`; `margin`: the device's."""
     lines = margin.fixed_lines()
-    return result, MemoryBreakdown(
-        phase=phase, **{f"{k}_bytes": v for k, v in parts.items()}, tensor_peak_bytes=peak,
-        margin=margin.describe(), margin_bytes=margin.overhead(peak, result.modelled_reserved_bytes),
-        host_bytes=result.host_peak_bytes, modelled_reserved_bytes=result.modelled_reserved_bytes,
-        context_bytes=lines.get("context", 0), workspace_bytes=lines.get("workspaces", 0),
-        step_peak_bytes=result.step_peak_bytes)
+    return MemoryBreakdown(
+        phase=phase, **{f"{k}_bytes": v for k, v in {**dict.fromkeys(PART_LABELS, 0), **parts}.items()},
+        tensor_peak_bytes=peak, margin=margin.describe(),
+        margin_bytes=margin.overhead(peak, result.modelled_reserved_bytes), host_bytes=result.host_peak_bytes,
+        modelled_reserved_bytes=result.modelled_reserved_bytes, context_bytes=lines.get("context", 0),
+        workspace_bytes=lines.get("workspaces", 0), step_peak_bytes=result.step_peak_bytes)
 
 
 def _recorded(model_file, plan, device, steps, dist, run_trial, lift_budget: bool, stacks: bool = False) -> tuple:
@@ -388,13 +398,3 @@ def _recorded(model_file, plan, device, steps, dist, run_trial, lift_budget: boo
         tracker.recorder = None
         tracker.budget_bytes = budget
     return result, rec
-
-
-def breakdown_difference(old: MemoryBreakdown, new: MemoryBreakdown) -> dict[str, int]:
-    """new - old per part, plus the tensor peak, the margin and the peak."""
-    diff = {k: new.part_bytes()[k] - old.part_bytes()[k] for k in MemoryBreakdown.PARTS}
-    diff["tensor_peak"] = new.tensor_peak_bytes - old.tensor_peak_bytes
-    diff["margin"] = new.margin_bytes - old.margin_bytes
-    diff["peak"] = new.peak_bytes - old.peak_bytes
-    return diff
-

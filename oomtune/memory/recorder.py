@@ -93,6 +93,7 @@ class Recorder:
         self.op = ""  # the op running now (the tracker says)
         self.stacks = False  # record each birth's Python frames (the memory snapshot; costs a stack walk a birth)
         self.made = None  # (parts, phase, peak) at the peak of a trial whose second step was made (made_peak.py)
+        self.kinds = None  # that trial's lives' parts (life_kinds.Kinds), where they could be told
         self._tracker = None
         for key, size in list(tracker._sizes.items()):  # storages alive before recording began
             self.born(key, size)

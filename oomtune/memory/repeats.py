@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .allocator import rounded
+from .life_kinds import Kinds
 from .replay import Trace
 
 WINDOW = 12  # events that must match after a mismatch for an insertion (or a changed size) to be taken
@@ -292,6 +293,34 @@ class Template:
                 live.discard(ev[1])
         # numbered by birth as Trace.of numbers them, each run of frees in the order of the traces it was fitted on
         return Trace(self.initial, tuple(events), self.host_initial)
+
+    def kinds_at(self, n: int, traces: list[Trace], kinds: list[Kinds]) -> Kinds | None:
+        """The parts of the lives of the trace at n blocks (life_kinds.Kinds) from those of the traces it was
+        fitted on (at k, k+1, ... blocks): each device set event takes the part its slot's events had there in
+        the same place of their run (its first period, its last, one between, the only one: the last block's
+        storage may be scratch where the others' are kept), which must be one; None where they differ or one was
+        never seen."""
+        by_slot: dict = {}
+        for i, (trace, (first, sets)) in enumerate(zip(traces, kinds, strict=True)):
+            if first != kinds[0][0]:
+                return None
+            part = iter(sets)
+            for place, tok in zip(self._places(self.k + i), tokens(without_last_frees(trace)), strict=True):
+                if tok[0] in "br":
+                    kind = next(part, "")
+                    if by_slot.setdefault(place, kind) != kind:
+                        return None
+            if next(part, None) is not None:
+                return None
+        made = tuple(by_slot.get(place, "") for place in self._places(n) if self.rules[place[0]][0] in "br")
+        return (kinds[0][0], made) if "" not in made else None
+
+    def _places(self, n: int):
+        """(slot, "first" / "between" / "last" / "only": its period's place in its run) of each event at n
+        blocks (a fixed event's: "only")."""
+        for slot, t in _positions(self.layout, n, self.k):
+            last = n + slot[0].offset - 1 if isinstance(slot[0], Run) else 0
+            yield slot, ("only" if last == 0 else "first") if t == 0 else "last" if t == last else "between"
 
 
 PEELS = ((), ("first",), ("last",), ("first", "last"))

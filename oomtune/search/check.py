@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from ..config.schema import HEADROOM, TRIAL_STEPS, Config, FoundBy, MemoryBreakdown, Plan
 from ..errors import OomtuneError
 from ..levers.nf4_bnb import declared_note
-from ..memory.breakdown import breakdown, breakdown_difference, static_memory
+from ..memory.breakdown import breakdown, static_memory
 from ..memory.cards import GENERIC, GpuSpec, find_gpu
 from ..memory.compiled import compile_notes
 from ..memory.cuda_attention import kernel_notes
@@ -225,4 +225,13 @@ def _cuda_device(budget_bytes: int, clamp: bool) -> tuple[Device, int | None]:
     free = device.budget_bytes
     device.lower_budget(budget_bytes)
     return device, (budget_bytes if free < budget_bytes else None)
+
+
+def breakdown_difference(old: MemoryBreakdown, new: MemoryBreakdown) -> dict[str, int]:
+    """new - old per part, plus the tensor peak, the margin and the peak."""
+    diff = {k: new.part_bytes()[k] - old.part_bytes()[k] for k in MemoryBreakdown.PARTS}
+    diff["tensor_peak"] = new.tensor_peak_bytes - old.tensor_peak_bytes
+    diff["margin"] = new.margin_bytes - old.margin_bytes
+    diff["peak"] = new.peak_bytes - old.peak_bytes
+    return diff
 

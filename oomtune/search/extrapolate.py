@@ -12,8 +12,9 @@ from collections import Counter
 from collections.abc import Callable
 
 from ..config.schema import MemoryBreakdown, Plan
-from ..memory.breakdown import StaticMemory
+from ..memory.breakdown import StaticMemory, breakdown_of
 from ..memory.devices import FakeDevice
+from ..memory.life_kinds import peak_parts
 from ..memory.repeats import Template
 from ..memory.replay import Lines, Trace
 from .fewer_blocks import FewerBlocks, Stacks
@@ -146,14 +147,27 @@ class BlockTrials:
                              batch_peak_bytes=reading.batch_peak_bytes, phase_peaks=phases,
                              modelled_reserved_bytes=reading.modelled_reserved_bytes, host_peak_bytes=host,
                              trace=trace, extrapolated=True)
+        return result, _made_breakdown(template, self.blocks, runs, result, device)
+
+
+def _made_breakdown(template: Template, blocks: int, runs: list, result: TrialResult, device: FakeDevice):
+    """The breakdown of the made trial's peak: its lives' parts from those of the three traced (life_kinds.py),
+    wherever its peak falls; else each figure on its line through theirs, where the peak stays in one place (the
+    two must give the made trace's peak); else None."""
+    kinds = [r.kinds for r, _ in runs]
+    made = (template.kinds_at(blocks, [r.trace for r, _ in runs], kinds)
+            if all(k is not None for k in kinds) else None)
+    parts = peak_parts(result.trace, made) if made is not None else None
+    if parts is not None:
+        bd = breakdown_of(*parts, result, device.margin)
+    else:
         bds = [bd for _, bd in runs]
-        bd = (extrapolated_breakdown(bds, self.blocks, (result.modelled_reserved_bytes, device.margin))
+        bd = (extrapolated_breakdown(bds, blocks, (result.modelled_reserved_bytes, device.margin))
               if all(b is not None for b in bds) else None)
-        if bd is not None and (bd.peak_bytes, bd.tensor_peak_bytes) != (result.peak_bytes, result.peak_allocated_bytes):
-            bd = None
-        if bd is not None:  # (the step's own peak read off the made trace, as the trial's: not a line's)
-            bd = dataclasses.replace(bd, step_peak_bytes=result.step_peak_bytes)
-        return result, bd
+    if bd is None or (bd.peak_bytes, bd.tensor_peak_bytes) != (result.peak_bytes, result.peak_allocated_bytes):
+        return None
+    return dataclasses.replace(bd, step_peak_bytes=result.step_peak_bytes)  # (the made trace's, not a line's)
+
 
 
 STATIC_LINES = ("weights_bytes", "gradients_bytes", "optimizer_bytes", "nf4_elements", "host_bytes",

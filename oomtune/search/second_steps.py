@@ -17,7 +17,8 @@ import dataclasses
 
 from ..config.schema import Plan
 from ..memory.breakdown import kind_of
-from ..memory.made_peak import made_peak
+from ..memory.life_kinds import peak_parts
+from ..memory.made_peak import made_kinds
 from ..memory.reading import Reading
 from ..memory.replay import Trace
 from ..memory.second_step import second_step_agrees, with_second_step
@@ -65,8 +66,9 @@ class SecondSteps:
         self.made += 1
         recorder = device.tracker.recorder
         if recorder is not None:  # a breakdown is read: what was live at the made peak, by the first step's records
-            recorder.made = made_peak(recorder.records, initial, made_events, len(reading.events), reading.points,
-                                      lambda r: kind_of(recorder, r))
+            recorder.kinds = made_kinds(recorder.records, initial, made_events, len(reading.events), reading.points,
+                                        lambda r: kind_of(recorder, r))
+            recorder.made = peak_parts(trace, recorder.kinds) if recorder.kinds is not None else None
         return dataclasses.replace(made, trace=trace)
 
 

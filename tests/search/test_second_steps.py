@@ -16,7 +16,9 @@ from oomtune.dist.group import LOCAL
 from oomtune.memory.breakdown import recorded_trial
 from oomtune.memory.cards import find_gpu
 from oomtune.memory.devices import FakeDevice
-from oomtune.memory.made_peak import made_peak
+from oomtune.memory.life_kinds import peak_parts
+from oomtune.memory.made_peak import made_kinds
+from oomtune.memory.replay import Trace
 from oomtune.memory.second_step import repeat_step, with_second_step
 from oomtune.model_file import load_model_file
 from oomtune.search.second_steps import SecondSteps
@@ -148,6 +150,10 @@ def test_the_made_peak_is_sorted_by_the_lives_the_made_step_repeats():
     A storage the step makes and then resizes (a new life in the first's records, which the made step's cannot be
     told from): None."""
     from types import SimpleNamespace as R
+
+    def made_peak(records, initial, made, events, points, kind_of):  # (as SecondSteps.finish reads a made peak)
+        kinds = made_kinds(records, initial, made, events, points, kind_of)
+        return peak_parts(Trace.of(initial, made), kinds) if kinds is not None else None
 
     records = [R(key="S0", at=None, nbytes=512, kind="optimizer_state"),
                R(key="a", at=1, nbytes=1024, kind="activations"), R(key="g", at=2, nbytes=512, kind="gradients"),
