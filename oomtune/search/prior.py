@@ -11,12 +11,14 @@ from dataclasses import dataclass, field
 from ..config.schema import TRIAL_STEPS, Plan
 from ..dist.group import LOCAL
 from ..errors import first_line
+from ..memory.context_curves import CHECKED, Curves
 from ..memory.devices import Device, FakeDevice, TrackedDevice
+from ..memory.repeats import without_last_frees
 from ..memory.replay import Lines, Trace
 from ..model_file import ModelFile
 from ..units import counted
 from .certify import RungPrior, priors_from
-from .extrapolate import BlockTrials
+from .extrapolate import BlockTrials, as_lines
 from .second_steps import SecondSteps
 from .trial import TrialResult, run_trial
 
@@ -67,8 +69,10 @@ class ReplayingTrials:
     """The prior's trials (probe's `trial`): each plan is run on the fake device, traced, until two of its
     micro-batches line up (memory/replay.py); every other micro-batch of that plan is then replayed from them, in
     milliseconds, instead of run. A plan with accumulation, and micro-batch 1 (whose tensors' layouts can differ
-    from a larger batch's), are always run; micro-batch 1's trace may still be one of the two, where it lines up
-    with another (a layout that differs there makes other events, and then it does not)."""
+    from a larger batch's), are not replayed from other micro-batches; micro-batch 1's trace may still be one of
+    the two, where it lines up with another (a layout that differs there makes other events, and then it does
+    not). Micro-batch 1 at other contexts (the ladder's search for the longest that fits) is replayed from its
+    traces at four contexts that line up (memory/context_curves.py), with or without accumulation."""
 
     def __init__(self):
         self.traces: dict[Plan, list[tuple[int, Trace]]] = {}  # plan at micro-batch 1 -> its traced trials
@@ -76,6 +80,8 @@ class ReplayingTrials:
         self.run = 0
         self.replayed = 0
         self.blocks = BlockTrials()  # a plan's trial from trials of fewer of the model's repeated blocks
+        self.contexts: dict[Plan, list[tuple[int, Trace]]] = {}  # plan at micro-batch 1, any context -> its traces
+        self.curves: dict[Plan, Curves | None] = {}  # ... -> their curves (None: they did not line up)
         self.second = SecondSteps()  # a trial's second step made from its first, where that was checked
 
     def __call__(self, model_file: ModelFile, plan: Plan, device: FakeDevice, steps: int = TRIAL_STEPS,
@@ -93,8 +99,13 @@ class ReplayingTrials:
                                    batch_peak_bytes=reading.batch_peak_bytes, phase_peaks=dict(reading.phase_peaks),
                                    seconds=time.perf_counter() - start, host_peak_bytes=reading.host_peak_bytes,
                                    modelled_reserved_bytes=reading.modelled_reserved_bytes, replayed=True)
+        made = self._other_context(plan, device, key) if plan.micro_batch_size == 1 else None
+        if made is not None:
+            return made
         result = self.run_one(model_file, plan, device, steps, dist)
         self.run += 1
+        if plan.micro_batch_size == 1 and result.trace is not None:
+            self._at_context(plan, result.trace)
         if key is not None and lines is None and result.trace is not None:
             known = self.traces.setdefault(key, [])
             for batch, trace in known:
@@ -107,6 +118,38 @@ class ReplayingTrials:
                 known.append((plan.micro_batch_size, result.trace))
         return result
 
+
+    def _other_context(self, plan: Plan, device: FakeDevice, key: Plan | None) -> TrialResult | None:
+        """Micro-batch 1 of `plan` replayed from its curves in the context, where it has them; its trace then
+        stands for a traced one at that context (a second micro-batch lines up with it)."""
+        start = time.perf_counter()
+        curves = self.curves.get(dataclasses.replace(plan, context_length=1, global_batch_size=0))
+        trace = curves.at(plan.context_length) if curves is not None else None
+        reading = device.replay(as_lines(trace), 1) if trace is not None else None
+        if reading is None:
+            return None
+        self.replayed += 1
+        if key is not None and key not in self.lines:
+            self.traces.setdefault(key, []).append((1, trace))
+        return TrialResult(plan, oom=False, peak_bytes=reading.peak_bytes,
+                           peak_allocated_bytes=reading.peak_allocated_bytes, batch_peak_bytes=reading.batch_peak_bytes,
+                           phase_peaks=dict(reading.phase_peaks), host_peak_bytes=reading.host_peak_bytes,
+                           modelled_reserved_bytes=reading.modelled_reserved_bytes, trace=trace, replayed=True,
+                           seconds=time.perf_counter() - start)
+
+    def _at_context(self, plan: Plan, trace: Trace) -> None:
+        """A traced trial at micro-batch 1 joins its plan's traces at other contexts; at CHECKED of them, their
+        curves are fitted, once."""
+        key = dataclasses.replace(plan, context_length=1, global_batch_size=0)
+        if key in self.curves:
+            return
+        points = self.contexts.setdefault(key, [])
+        if any(t == plan.context_length for t, _ in points):
+            return
+        points.append((plan.context_length, without_last_frees(trace)))
+        if len(points) >= CHECKED:
+            self.curves[key] = Curves.through(points)
+            del self.contexts[key]
 
     def run_one(self, model_file: ModelFile, plan: Plan, device: FakeDevice, steps: int, dist) -> TrialResult:
         """One trial run (traced), not replayed: from fewer of its blocks where that lines up (BlockTrials)."""
