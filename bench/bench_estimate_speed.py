@@ -5,8 +5,10 @@
 - GPT-2 small's whole ladder with a card's rules (bench_estimate.COMMAND: --gpu t4, batch 32, context 1024), with
   every trial traced whole (`replays=False`: the estimate before issue 40) and as it runs by default (sizes replayed
   from two traces).
-- The three 7B questions of `make bench-levers`, with every trial traced whole (`min_blocks=0`) and by default
-  (repeated blocks made from traces of 2, 3 and 4 of them, sizes replayed).
+- A 1B LoRA's search for the longest context on a T4 (LONG), with every context traced and by default (micro-batch
+  1 at other contexts replayed from four: memory/context_curves.py).
+- The 7B questions of `make bench-levers` asked of a model file, with every trial traced whole (`min_blocks=0`) and
+  by default (repeated blocks made from traces of 2, 3 and 4 of them, sizes replayed).
 
 Each pair must choose the same plan with the same peak, to the byte. Written into bench/RESULTS.md between
 `<!-- estimate-speed:begin -->` and `<!-- estimate-speed:end -->`.
@@ -31,6 +33,7 @@ from oomtune.units import utc_now
 
 ROOT = Path(__file__).resolve().parent.parent
 GPT2 = (MODEL, "t4", 32, 1024)
+LONG = ("bench/models/llama_1b_lora.py", "t4", "7GiB", 16, 2048, 128, "amp,checkpointing,accumulation")
 
 
 def bare_step_seconds() -> float:
@@ -67,6 +70,26 @@ def timed_estimate(path: str, gpu: str, batch: int | None, context: int | None, 
     return time.perf_counter() - start, result
 
 
+def timed_context_search(traced: bool) -> tuple[float, object]:
+    """LONG's question: micro-batch 1 does not fit 2048 tokens, the search bisects the context; `traced`: every
+    context traced (no curves: prior.CHECKED out of reach), else the estimate as it runs."""
+    import oomtune.search.prior as prior
+    from oomtune.model_file import load_model_file
+    from oomtune.search.estimate import estimate, make_fake_device
+    from oomtune.search.options import parse_levers, resolve_targets
+
+    path, gpu, budget, batch, context, min_context, levers = LONG
+    mf = load_model_file(ROOT / path)
+    checked, prior.CHECKED = prior.CHECKED, (1 << 30 if traced else prior.CHECKED)
+    try:
+        start = time.perf_counter()
+        result = estimate(mf, make_fake_device(budget, gpu, None), resolve_targets(mf, batch, context, min_context),
+                          levers=parse_levers(levers))
+        return time.perf_counter() - start, result
+    finally:
+        prior.CHECKED = checked
+
+
 def _sources(result) -> str:
     counts = Counter(r.source for r in result.search.records)
     return ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
@@ -93,6 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = [row("GPT-2 small, T4, batch 32, context 1024", timed_estimate(*GPT2, replays=False),
                 timed_estimate(*GPT2), bare)]
     print(rows[-1], file=sys.stderr)
+    rows.append(row("1B Llama LoRA, T4 at 7 GiB, batch 16, the longest context of 128-2048 (amp, checkpointing, "
+                    "accumulation)", timed_context_search(traced=True), timed_context_search(traced=False), None))
+    print(rows[-1], file=sys.stderr)
     for what, case in ([] if args.skip_7b else CASES):
         path, gpu = case[0], case[case.index("--gpu") + 1]
         if not path.endswith(".py"):  # (the Hugging Face folder row asks a model file's question again)
@@ -116,10 +142,11 @@ def main(argv: list[str] | None = None) -> int:
         "| --- | ---: | ---: | ---: | --- | ---: | ---: | --- |",
         *rows,
         "",
-        "Before: GPT-2 small with `replays=False`, the 7B questions with `min_blocks=0, made_steps=False` (each "
-        "trial traced whole, both steps run; the 7B's sizes still replayed). After: the defaults. The trial counts "
-        "say how each figure was found: run (traced whole, both steps), first-step-run (the second step made from "
-        "the first), replayed (from two sizes), extrapolated (from 2, 3 and 4 repeated blocks). Both columns pass "
+        "Before: GPT-2 small with `replays=False`, the 1B's with every context traced (no context curves), the 7B "
+        "questions with `min_blocks=0, made_steps=False` (each trial traced whole, both steps run; the 7B's sizes "
+        "still replayed). After: the defaults. The trial counts say how each figure was found: run (traced whole, "
+        "both steps), first-step-run (the second step made from the first), replayed (from two sizes, or from four "
+        "contexts), extrapolated (from 2, 3 and 4 repeated blocks). The 7B columns pass "
         "the rungs past accumulation whose floor does not fit (rung_floors.py, with their bounds; the floors made "
         "from 2, 3 and 4 blocks only after), make the 8-bit AdamW's fake chunks and NF4's dequantizations and "
         "quantizations from the first of their kind (memory/made_calls.py) and check the first loss on 2 blocks, "
