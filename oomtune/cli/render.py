@@ -135,8 +135,10 @@ def found_text(records) -> str:
     made = sum(r.source == "extrapolated" for r in records)
     replayed = sum(r.source == "replayed" for r in records)
     halves = sum(r.source == "first-step-run" for r in records)
+    bounded = sum(r.source == "bounded" for r in records)
     parts = ([f"{replayed} replayed"] if replayed else []) + ([f"{made} made from fewer blocks"] if made else []) + \
-        ([f"{halves} with the second step made from the first"] if halves else [])
+        ([f"{halves} with the second step made from the first"] if halves else []) + \
+        ([f"{bounded} out of memory since micro-batch 1 is"] if bounded else [])
     return f" ({', '.join(parts)})" if parts else ""
 
 

@@ -211,10 +211,12 @@ class TrialRecord:
     sharding: Sharding = "none"
     host_peak_bytes: int | None = None  # host memory the plan's offloaded parts held at most (offload rungs)
     build_seconds: float = 0.0  # of `seconds`: building the model, its wrappers and its optimizer
-    source: Literal["run", "first-step-run", "replayed", "extrapolated"] = "run"  # run: the steps ran; first-step-run:
-    # the first ran, the second was made from it (memory/second_step.py); replayed: its peaks were predicted from two
-    # runs of the same plan at other micro-batches (memory/replay.py), no step ran; extrapolated: from runs of the
-    # model with 2, 3 and 4 of its repeated blocks (memory/repeats.py), the whole model never ran
+    source: Literal["run", "first-step-run", "replayed", "extrapolated", "bounded"] = "run"  # run: the steps ran;
+    # first-step-run: the first ran, the second was made from it (memory/second_step.py); replayed: its peaks were
+    # predicted from two runs of the same plan at other micro-batches (memory/replay.py), or from four at other
+    # contexts (memory/context_curves.py), no step ran; extrapolated: from runs of the model with 2, 3 and 4 of its
+    # repeated blocks (memory/repeats.py), the whole model never ran; bounded: out of memory, not run, since
+    # micro-batch 1 of the same plan is (the estimate of a model made from fewer blocks)
 
 
 @dataclass(frozen=True)

@@ -56,7 +56,7 @@ class DeviceTrials:
             self.leaks.after(r.left_bytes)  # (a model file that keeps tensors from trial to trial: exit 2 past a share)
         self.seconds[point], self.host[point], self.build[point] = r.seconds, r.host_peak_bytes, r.build_seconds
         self.sources[point] = ("replayed" if r.replayed else "extrapolated" if r.extrapolated else
-                               "first-step-run" if r.second_step_made else "run")
+                               "first-step-run" if r.second_step_made else "bounded" if r.bounded else "run")
         return Measurement(oom=r.oom, peak_bytes=r.peak_bytes, tokens_per_s=r.tokens_per_s,
                            batch_peak_bytes=r.batch_peak_bytes)
 

@@ -22,7 +22,7 @@ from ..memory.devices import Device, FakeDevice
 from ..memory.fakes import NeedsValues
 from ..memory.margin import AnyMargin, parse_margin
 from ..model_file import ModelFile, own_compile_note
-from ..units import card_budget, card_memory
+from ..units import card_budget, card_memory, format_bytes
 from .batch_notes import batch_notes
 from .extrapolate import BlockTrials
 from .headroom_note import over_headroom
@@ -87,6 +87,7 @@ class ReplayedTrials(ReplayingTrials):
         super().__init__()
         self.budget_bytes = budget_bytes
         self.breakdowns: dict[Plan, MemoryBreakdown] = {}
+        self.ahead: dict[Plan, TrialResult] = {}  # micro-batch 1 run before a plan's first size (_bounded)
 
     def run_one(self, model_file: ModelFile, plan: Plan, device: FakeDevice, steps: int, dist) -> TrialResult:
         trial = functools.partial(run_trial, second=self.second)  # (second steps made where that was checked)
@@ -99,10 +100,34 @@ class ReplayedTrials(ReplayingTrials):
 
     def __call__(self, model_file: ModelFile, plan: Plan, device: FakeDevice, steps: int = TRIAL_STEPS,
                  dist=LOCAL) -> TrialResult:
-        result = super().__call__(model_file, plan, device, steps, dist)
+        ahead = self.ahead.pop(plan, None)
+        if ahead is not None:
+            return ahead
+        bounded = self._bounded(model_file, plan, device, steps, dist)
+        return bounded if bounded is not None else self._within(super().__call__(model_file, plan, device, steps, dist))
+
+    def _within(self, result: TrialResult) -> TrialResult:
         if not result.oom and (result.peak_bytes or 0) > self.budget_bytes:
             result = dataclasses.replace(result, oom=True, tokens_per_s=None)
         return result
+
+    def _bounded(self, model_file: ModelFile, plan: Plan, device: FakeDevice, steps: int, dist) -> TrialResult | None:
+        """A model made from fewer blocks (each trial a few seconds): before a plan's first size above 1 (the
+        ladder's target), its micro-batch 1 at that context, which the ladder tries next where the target does
+        not fit. Where micro-batch 1 does not fit, neither does the target (memory grows with the batch): its OOM
+        is known without a trace (`bounded`). Else None: the target is traced (micro-batch 1 waits for the
+        ladder)."""
+        one = dataclasses.replace(plan, micro_batch_size=1, global_batch_size=0)
+        if (plan.micro_batch_size == 1 or plan.grad_accum_steps != 1 or dist.world_size != 1
+                or plan.optimizer_in_backward or one in self.ahead or one in self.traces or one in self.lines
+                or not self.blocks.blocks or self.blocks.blocks < self.blocks.min_blocks):
+            return None
+        self.ahead[one] = first = self._within(super().__call__(model_file, one, device, steps, dist))
+        if not first.oom:
+            return None
+        return TrialResult(plan, oom=True, bounded=True, oom_message=(
+            f"micro-batch 1 of it does not fit ({format_bytes(first.peak_bytes or 0)}): micro-batch "
+            f"{plan.micro_batch_size} needs more"))
 
 
 def make_fake_device(budget: str | None, gpu: str | None, margin: str | None) -> FakeDevice:

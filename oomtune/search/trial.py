@@ -141,6 +141,7 @@ class TrialResult:
     extrapolated: bool = False  # from trials of fewer of its repeated blocks (search/extrapolate.py)
     left_bytes: int = 0  # still alive once the trial let go of its memory, beyond what was before (leaks.py)
     second_step_made: bool = False  # its second step made from its first (second_steps.py)
+    bounded: bool = False  # not run: out of memory since micro-batch 1 of it is (estimate.ReplayedTrials._bounded)
     kinds: tuple | None = dataclasses.field(default=None, repr=False, compare=False)  # its lives' parts, where
     # a breakdown recorded it (memory/life_kinds.py: a trace made from fewer blocks then has its own peak's parts)
 

@@ -274,3 +274,26 @@ def test_the_reserved_bytes_come_from_the_made_replay_not_from_a_line():
     made = extrapolated_breakdown(three, 32, (3 << 30, margin))
     assert made.tensor_peak_bytes == 1130 * 32 + 7 and made.activations_bytes == 32000
     assert made.modelled_reserved_bytes == 3 << 30 and made.peak_bytes == context + (3 << 30)
+
+
+def test_a_target_whose_micro_batch_1_does_not_fit_is_not_traced(tmp_path):
+    """device: fake, no card, no margin. A 20-layer GPT in 30 MiB: micro-batch 1 of 512 tokens does not fit at fp32
+    or bf16, so micro-batch 8 cannot either; the estimate of a model made from fewer blocks runs micro-batch 1 first
+    and marks the target `bounded` (not traced, no peak) where it is out of memory. Every other trial, the plan and
+    its breakdown are those of the estimate with every trial traced whole, which runs the target first."""
+    from oomtune.search.estimate import make_fake_device
+
+    mf = load_model_file(_deeper(tmp_path, ROOT / "examples" / "tiny_gpt.py", 20))
+    targets = resolve_targets(mf, 8, 512, 512)
+    made = estimate(mf, make_fake_device("30MiB", None, "0"), targets)
+    whole = estimate(mf, make_fake_device("30MiB", None, "0"), targets, min_blocks=0)
+    assert made.plan == whole.plan and made.breakdown == whole.breakdown
+    bounded = [(r.rung, r.micro_batch_size) for r in made.search.records if r.source == "bounded"]
+    assert bounded == [("fp32", 8), ("amp", 8)]
+    assert all(r.result == "oom" and r.peak_bytes is None for r in made.search.records if r.source == "bounded")
+    figures = lambda r: (r.rung, r.micro_batch_size, r.grad_accum_steps, r.result,  # noqa: E731
+                         None if r.source == "bounded" else r.peak_bytes)
+    assert [figures(r) for r in made.search.records] == \
+        [figures(r) if (r.rung, r.micro_batch_size) not in bounded else (*figures(r)[:4], None)
+         for r in whole.search.records]
+    assert "2 out of memory since micro-batch 1 is" in found_text(made.search.records)
