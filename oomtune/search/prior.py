@@ -13,7 +13,6 @@ from ..dist.group import LOCAL
 from ..errors import first_line
 from ..memory.context_curves import CHECKED, Curves
 from ..memory.devices import Device, FakeDevice, TrackedDevice
-from ..memory.repeats import without_last_frees
 from ..memory.replay import Lines, Trace
 from ..model_file import ModelFile
 from ..units import counted
@@ -146,7 +145,7 @@ class ReplayingTrials:
         points = self.contexts.setdefault(key, [])
         if any(t == plan.context_length for t, _ in points):
             return
-        points.append((plan.context_length, without_last_frees(trace)))
+        points.append((plan.context_length, trace))
         if len(points) >= CHECKED:
             self.curves[key] = Curves.through(points)
             del self.contexts[key]

@@ -32,4 +32,7 @@ def test_contexts_replayed_answer_as_every_context_traced(monkeypatch):
     replayed = {(r.rung, r.context_length) for r in made.search.records
                 if r.source == "replayed" and r.micro_batch_size == 1}
     assert {c for rung, c in replayed if rung == "fp32"} == {192, 224}, replayed
+    # the replayed micro-batch 1 at 192 lines up with micro-batch 3 traced there: micro-batch 2 is replayed too
+    assert [r.source for r in made.search.records if (r.rung, r.micro_batch_size, r.context_length) ==
+            ("fp32", 2, 192)] == ["replayed"]
     assert not any(r.source == "replayed" and r.micro_batch_size == 1 for r in traced.search.records)
