@@ -88,6 +88,7 @@ class ReplayedTrials(ReplayingTrials):
         self.budget_bytes = budget_bytes
         self.breakdowns: dict[Plan, MemoryBreakdown] = {}
         self.ahead: dict[Plan, TrialResult] = {}  # micro-batch 1 run before a plan's first size (_bounded)
+        self.bounded: dict[Plan, tuple] = {}  # a target not traced -> how to trace it (peak_of)
 
     def run_one(self, model_file: ModelFile, plan: Plan, device: FakeDevice, steps: int, dist) -> TrialResult:
         trial = functools.partial(run_trial, second=self.second)  # (second steps made where that was checked)
@@ -120,14 +121,22 @@ class ReplayedTrials(ReplayingTrials):
         one = dataclasses.replace(plan, micro_batch_size=1, global_batch_size=0)
         if (plan.micro_batch_size == 1 or plan.grad_accum_steps != 1 or dist.world_size != 1
                 or plan.optimizer_in_backward or one in self.ahead or one in self.traces or one in self.lines
-                or not self.blocks.blocks or self.blocks.blocks < self.blocks.min_blocks):
+                or one in self.blocks.off or not self.blocks.blocks or self.blocks.blocks < self.blocks.min_blocks):
             return None
         self.ahead[one] = first = self._within(super().__call__(model_file, one, device, steps, dist))
         if not first.oom:
             return None
+        self.bounded[plan] = (model_file, device, steps, dist)
         return TrialResult(plan, oom=True, bounded=True, oom_message=(
             f"micro-batch 1 of it does not fit ({format_bytes(first.peak_bytes or 0)}): micro-batch "
             f"{plan.micro_batch_size} needs more"))
+
+    def peak_of(self, point: Point) -> int | None:
+        """The peak of a bounded target's trial, traced now (rung_notes asks where it must compare it); None for
+        any other point."""
+        plan = plan_of(point)
+        how = self.bounded.pop(plan, None)
+        return super().__call__(how[0], plan, *how[1:]).peak_bytes if how is not None else None
 
 
 def make_fake_device(budget: str | None, gpu: str | None, margin: str | None) -> FakeDevice:

@@ -225,7 +225,7 @@ def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: 
     kernels = kernel_notes(ladder.choice.rung.precision if ladder.choice is not None else None)  # the plan's own
     kernels += compile_notes()
     notes += computed + kernels + (past.notes() + floors.note() if climbed_past or ladder.choice is None else ())
-    notes += checkpointing_saved_nothing(model_file.label, rungs, ladder.trials, static)
+    notes += checkpointing_saved_nothing(model_file.label, rungs, ladder.trials, static, trial)
     notes += tuple(n for n in (trials.leaks.note(),) if n)
     if ladder.choice is None:
         return _nothing_fits(ladder, records, static, floor if climbed_past else static, targets, limit, world,

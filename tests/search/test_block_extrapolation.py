@@ -297,3 +297,38 @@ def test_a_target_whose_micro_batch_1_does_not_fit_is_not_traced(tmp_path):
         [figures(r) if (r.rung, r.micro_batch_size) not in bounded else (*figures(r)[:4], None)
          for r in whole.search.records]
     assert "2 out of memory since micro-batch 1 is" in found_text(made.search.records)
+
+
+def test_bounded_targets_are_traced_where_the_checkpointing_note_needs_them(tmp_path):
+    """device: fake, no card, no margin. The 20-layer GPT whose blocks() is a module that saves nothing: the
+    checkpointing rung's peaks equal the amp rung's. Micro-batch 1 fits on neither, so both targets are bounded
+    (no peak), leaving one size the two measured; the note needs two, and the bounded targets are traced for it
+    (ReplayedTrials.peak_of): it names micro-batch 1 and 8, as where every target is traced."""
+    from oomtune.search.estimate import make_fake_device
+    from oomtune.search.options import parse_levers
+
+    text = _deeper(tmp_path, ROOT / "examples" / "tiny_gpt.py", 20).read_text()
+    text = text.replace("class Block(nn.Module):", '''class Scale(nn.Module):  # a constant from a buffer
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("value", torch.ones(N_EMBD))
+
+    def forward(self):
+        return self.value * 0.5
+
+
+class Block(nn.Module):''', 1)
+    stack = "        self.h = nn.ModuleList("
+    text = text.replace(stack, "        self.scale = Scale()\n" + stack, 1)
+    line = "        x = self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))  # (B, T, C)\n"
+    assert line in text
+    text = text.replace(line, line + "        x = x * self.scale()\n", 1)
+    text += "\n\ndef blocks(model):\n    return [model.scale]\n"
+    path = tmp_path / "idle_blocks.py"
+    path.write_text(text)
+    mf = load_model_file(path)
+    result = estimate(mf, make_fake_device("30MiB", None, "0"), resolve_targets(mf, 8, 512, 512),
+                      levers=parse_levers("amp,checkpointing,accumulation"))
+    assert [r.rung for r in result.search.records if r.source == "bounded"] == ["fp32", "amp", "checkpointing"]
+    note = next(n for n in result.search.notes if "saved nothing" in n)
+    assert "(micro-batch 1, 8 at context 512)" in note
