@@ -71,6 +71,8 @@ CASES = [  # (model, layers, plan)
     (MODELS / "hf_llama_loha.py", 6, Plan(2, 32, "fp32")),
     (MODELS / "hf_self_checkpointing.py", 6, Plan(2, 32, "bf16")),
     (MODELS / "hf_llama_lora.py", 6, Plan(1, 32, "bf16", activation_checkpointing=True, grad_accum_steps=8)),
+    (ROOT / "tests" / "levers" / "models" / "hf_llama_bnb_qlora.py", 6,  # (its host peak is off a line in the blocks)
+     Plan(1, 64, "bf16-true", activation_checkpointing=True, optimizer_8bit=True, offload_optimizer=True)),
 ]
 
 

@@ -151,6 +151,26 @@ def test_a_bf16_true_rung_is_passed_on_its_weights_cast_to_bf16_alone(monkeypatc
     assert "bf16-true rung past accumulation: weights in bf16 600 B alone" in floors.note()[0]
 
 
+
+def test_a_model_that_declares_4_bit_weights_has_its_bf16_true_floor_measured(monkeypatch):
+    """A model file whose BitsAndBytesConfig stores its frozen weights in 4 bits (a 7B QLoRA: 4.55 GB built, 12.6 GiB
+    if every weight were cast to bf16): the weights cast to bf16 do not bound its bf16-true floor, which keeps those
+    weights in 4 bits, so the floor is measured. The bound passed the 7B's bf16-true rungs on a 6.5 GiB RTX 3060
+    and the estimate said nothing fits, where bf16-true, 8-bit AdamW and the optimizer offloaded fit at 5.8 GiB."""
+    from types import SimpleNamespace
+
+    from oomtune.memory.breakdown import StaticMemory
+    from oomtune.search import rung_floors
+
+    static = StaticMemory(weights_bytes=1000, gradients_bytes=10, optimizer_bytes=20, optimizer_name="AdamW",
+                          checkpointing_supported=True, bf16_weights_bytes=2600, declared_4bit="bitsandbytes nf4")
+    measured: list[str] = []
+    monkeypatch.setattr(rung_floors, "static_memory", lambda mf, plan, name, **kw: measured.append(name) or
+                        StaticMemory(900, 10, 20, "AdamW", True, declared_4bit="bitsandbytes nf4"))
+    floors = rung_floors.RungFloors(SimpleNamespace(label="m.py"), static)
+    assert floors.at_least(TRUE) == 0
+    assert floors.reaches(TRUE, 1000) and measured == ["bf16-true"]
+
 COMPLEX_AND_VIEWS = """
 import torch
 from torch import nn
