@@ -172,7 +172,6 @@ def _made_breakdown(template: Template, blocks: int, runs: list, result: TrialRe
     return dataclasses.replace(bd, step_peak_bytes=result.step_peak_bytes)  # (the made trace's, not a line's)
 
 
-
 STATIC_LINES = ("weights_bytes", "gradients_bytes", "optimizer_bytes", "nf4_elements", "host_bytes",
                 "steps_in_backward")
 
