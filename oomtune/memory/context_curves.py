@@ -8,8 +8,11 @@ up event by event (the same storages born and freed in the same order, only size
 quadratic; a fourth must lie on every one of them before any is used (three points fit any values: the fourth is
 the check). The trace at another context is then made from them, and replayed as a traced one would be.
 
-Traces that do not line up (a kernel chosen by the length, a model that pads it) or a size off its curve at the
-fourth context: no curves, every context traced. Sizes between the checked contexts are interpolated, outside
+A size may instead be a quadratic in the context rounded up to 32 or 128 (the log-sum-exp and backward scratch of
+CUDA attention's kernels); each size keeps every quadratic the four pass through, and a context at which two of
+them disagree is not made (four contexts that are all multiples of 128 cannot tell T from T rounded to 128: 200 is
+then traced). Traces that do not line up (a kernel chosen by the length) or a size on no curve at the fourth
+context: no curves, every context traced. Sizes between the checked contexts are interpolated, outside
 them extrapolated; the estimate traces its answer again (search/estimate.py), so a curve wrong there shows."""
 
 from __future__ import annotations
@@ -20,6 +23,12 @@ from .replay import Trace
 
 FIT = 3  # contexts the quadratics are fitted on
 CHECKED = FIT + 1  # ... and traced contexts needed before they are used (at least one checks them)
+PADS = (1, 32, 128)  # a size may be a quadratic in the context rounded up to these (CUDA attention's kernels keep
+# their log-sum-exp and backward scratch at T rounded to 32 or 128: cuda_attention.py)
+
+
+def _padded(context: int, pad: int) -> int:
+    return -(-context // pad) * pad
 
 
 def _lined_up(traces: list[Trace]) -> bool:
@@ -35,55 +44,74 @@ def _lined_up(traces: list[Trace]) -> bool:
 
 
 @dataclass(frozen=True)
+class _Quadratic:
+    """The quadratic through (x0, v0), (x1, v1), (x2, v2), x = the context rounded up to `pad`, in Newton's form kept
+    in whole numbers: v(x) = (v0 * D + e1 * b * c * (x - x0) + e2 * (x - x0) * (x - x1)) / D, with a = x1 - x0,
+    b = x2 - x1, c = x2 - x0, D = a * b * c."""
+
+    pad: int
+    xs: tuple[int, int, int]
+    v0: int
+    e1: int
+    e2: int
+
+    @staticmethod
+    def through(pad: int, contexts: list[int], values: list[int]) -> _Quadratic | None:
+        xs = tuple(_padded(t, pad) for t in contexts[:FIT])
+        if len(set(xs)) < FIT:
+            return None
+        (x0, x1, x2), (v0, v1, v2) = xs, values[:FIT]
+        return _Quadratic(pad, xs, v0, v1 - v0, (v2 - v1) * (x1 - x0) - (v1 - v0) * (x2 - x1))
+
+    def at(self, context: int) -> int | None:
+        """The bytes at `context`; None where the quadratic gives no whole number there."""
+        x0, x1, x2 = self.xs
+        b, c = x2 - x1, x2 - x0
+        x = _padded(context, self.pad)
+        size, rest = divmod(self.v0 * (x1 - x0) * b * c + self.e1 * b * c * (x - x0) + self.e2 * (x - x0) * (x - x1),
+                            (x1 - x0) * b * c)
+        return size if not rest else None
+
+
+@dataclass(frozen=True)
 class Curves:
     """Traces at FIT contexts (and more that checked them) lined up: each set event's raw bytes at a context T as
-    (v0 * D + e1 * b * c * (T - T0) + e2 * (T - T0) * (T - T1)) / D, the quadratic through the three (Newton's
-    form, kept in whole numbers: a = T1 - T0, b = T2 - T1, c = T2 - T0, D = a * b * c)."""
+    the quadratics (_Quadratic) in T, or in T rounded up to 32 or 128, that pass through all of them; a context
+    where two such quadratics of an event disagree is not made (which the traces cannot tell)."""
 
-    template: Trace  # the trace at T0 (its events' kinds, storages and marks)
-    contexts: tuple[int, int, int]  # T0, T1, T2
-    terms: dict[int, tuple[int, int, int]] = field(repr=False)  # event index -> (v0, e1, e2), for the sets
+    template: Trace  # the trace at the first context (its events' kinds, storages and marks)
+    terms: dict[int, tuple[_Quadratic, ...]] = field(repr=False)  # event index -> its quadratics, for the sets
 
     @staticmethod
     def through(points: list[tuple[int, Trace]]) -> Curves | None:
         """The curves through traces at CHECKED or more distinct contexts ((context, trace)), fitted on the first
-        three and checked on the rest; None where they do not line up or a size is off its curve."""
+        three and checked on the rest; None where they do not line up or a size is on no curve."""
         contexts = [t for t, _ in points]
         if len(set(contexts)) != len(contexts) or len(points) < CHECKED:
             return None
         traces = [trace for _, trace in points]
         if not _lined_up(traces):
             return None
-        t0, t1, t2 = contexts[:FIT]
-        a, b = t1 - t0, t2 - t1
         terms = {}
         for i, ev in enumerate(traces[0].events):
             if ev[0] not in ("set", "hset"):
                 continue
-            v0, v1, v2 = (trace.events[i][2] for trace in traces[:FIT])
-            terms[i] = (v0, v1 - v0, (v2 - v1) * a - (v1 - v0) * b)
-        curves = Curves(traces[0], (t0, t1, t2), terms)
-        for context, trace in points[FIT:]:
-            if any(curves._size(i, context) != trace.events[i][2] for i in terms):
+            values = [trace.events[i][2] for trace in traces]
+            fits = tuple(q for q in (_Quadratic.through(pad, contexts, values) for pad in PADS) if q is not None
+                         and all(q.at(t) == v for t, v in zip(contexts[FIT:], values[FIT:], strict=True)))
+            if not fits:
                 return None
-        return curves
-
-    def _size(self, i: int, context: int) -> int | None:
-        """Event i's raw bytes at `context`; None where the quadratic gives no whole number of bytes there."""
-        t0, t1, t2 = self.contexts
-        a, b, c = t1 - t0, t2 - t1, t2 - t0
-        d = a * b * c
-        v0, e1, e2 = self.terms[i]
-        num = v0 * d + e1 * b * c * (context - t0) + e2 * (context - t0) * (context - t1)
-        size, rest = divmod(num, d)
-        return size if not rest else None
+            terms[i] = fits
+        return Curves(traces[0], terms)
 
     def at(self, context: int) -> Trace | None:
-        """The trace at `context`; None where a size would not be a whole number of bytes or would be negative."""
+        """The trace at `context`; None where a size would not be a whole number of bytes, would be negative, or
+        is not told (its quadratics disagree there)."""
         events = list(self.template.events)
-        for i in self.terms:
-            size = self._size(i, context)
-            if size is None or size < 0:
+        for i, quadratics in self.terms.items():
+            sizes = {q.at(context) for q in quadratics}
+            size = sizes.pop()
+            if sizes or size is None or size < 0:
                 return None
             ev = events[i]
             events[i] = (ev[0], ev[1], size)

@@ -15,20 +15,35 @@ def _trace(t: int, scores=lambda t: 4 * t * t, mask=lambda t: t * (t + 1) // 2, 
 
 
 def test_four_contexts_make_any_other_to_the_byte():
-    """Fitted on 512, 32, 256, checked on 128: the trace at 192, 1024 or 4096 is the one traced there."""
+    """Fitted on 512, 32, 256, checked on 128: the trace at 96, 192, 1024 or 4096 is the one traced there. At 33 it
+    is not made: four multiples of 32 cannot tell T from T rounded up to 32, and there the two differ."""
     curves = Curves.through([(t, _trace(t)) for t in (512, 32, 256, 128)])
     assert curves is not None
-    for t in (192, 1024, 4096, 33):
+    for t in (96, 192, 1024, 4096):
         assert curves.at(t) == _trace(t)
+    assert curves.at(33) is None
 
 
 def test_three_contexts_are_not_enough_and_a_size_off_its_curve_is_refused():
-    """Three points fit any sizes: nothing without a fourth. A size padded to a multiple of 128 (flash attention's
-    log-sum-exp) is no quadratic: the fourth context is off its curve, no curves."""
+    """Three points fit any sizes: nothing without a fourth. A size padded to a multiple of 100 (no kernel's) is no
+    quadratic in the context, nor in it rounded to 32 or 128: the fourth context is off every curve, no curves."""
     assert Curves.through([(t, _trace(t)) for t in (512, 32, 256)]) is None
-    padded = lambda t: 16 * -(-t // 128) * 128  # noqa: E731
+    padded = lambda t: 16 * -(-t // 100) * 100  # noqa: E731
     assert Curves.through([(t, _trace(t, scores=padded)) for t in (512, 32, 256, 384)]) is None
     assert Curves.through([(t, _trace(t)) for t in (512, 32, 256, 256)]) is None  # (a context twice)
+
+
+def test_a_size_padded_as_flash_attention_pads_it_is_made_where_the_contexts_tell():
+    """Flash attention's backward keeps (B, H, T rounded up to 128) fp32: a line in T rounded to 128, which the
+    four contexts (32 and 384 among them) tell from a line in T; the trace at 160 or 992 is the traced one. Four
+    contexts that are all multiples of 128 cannot tell the two apart: the trace at 640 is made (both agree), at
+    160 it is not (they differ), and that context is traced."""
+    padded = lambda t: 16 * -(-t // 128) * 128  # noqa: E731
+    curves = Curves.through([(t, _trace(t, scores=padded)) for t in (512, 32, 256, 384)])
+    assert curves is not None
+    assert curves.at(160) == _trace(160, scores=padded) and curves.at(992) == _trace(992, scores=padded)
+    aligned = Curves.through([(t, _trace(t, scores=padded)) for t in (512, 128, 256, 384)])
+    assert aligned is not None and aligned.at(640) == _trace(640, scores=padded) and aligned.at(160) is None
 
 
 def test_traces_that_do_not_line_up_are_refused():

@@ -20,9 +20,9 @@ def _estimate():
 
 def test_contexts_replayed_answer_as_every_context_traced(monkeypatch):
     """The tiny GPT in 8 MiB: micro-batch 1 does not fit 512 tokens at fp32 or bf16, and the ladder bisects the
-    context. At fp32, 512, 32, 256 and 128 are traced and the rest replayed from their curves; under bf16 (the
-    generic card's flash attention pads its log-sum-exp to 128 positions: no quadratic) every context is traced.
-    Each trial's peak is the one traced, the plan and breakdown the same."""
+    context. At fp32, 512, 32, 256 and 128 are traced and the rest replayed from their curves; under bf16 too, where
+    the generic card's flash attention keeps its backward scratch at the context rounded up to 128 (a quadratic in
+    that). Each trial's peak is the one traced, the plan and breakdown the same."""
     made = _estimate()
     monkeypatch.setattr(prior, "CHECKED", 1 << 30)  # (never enough contexts for curves: each one traced)
     traced = _estimate()
@@ -32,6 +32,7 @@ def test_contexts_replayed_answer_as_every_context_traced(monkeypatch):
     replayed = {(r.rung, r.context_length) for r in made.search.records
                 if r.source == "replayed" and r.micro_batch_size == 1}
     assert {c for rung, c in replayed if rung == "fp32"} == {192, 224}, replayed
+    assert {c for rung, c in replayed if rung == "amp"} == {320, 288}, replayed
     # the replayed micro-batch 1 at 192 lines up with micro-batch 3 traced there: micro-batch 2 is replayed too
     assert [r.source for r in made.search.records if (r.rung, r.micro_batch_size, r.context_length) ==
             ("fp32", 2, 192)] == ["replayed"]
