@@ -63,6 +63,11 @@ class _Quadratic:
         (x0, x1, x2), (v0, v1, v2) = xs, values[:FIT]
         return _Quadratic(pad, xs, v0, v1 - v0, (v2 - v1) * (x1 - x0) - (v1 - v0) * (x2 - x1))
 
+    def checked(self, contexts: list[int]) -> bool:
+        """Do `contexts` check it: one of them rounds to a point it was not fitted on (512, 32, 256 and 128 rounded
+        up to 128 are 512, 128, 256 and 128 again: no check)."""
+        return any(_padded(t, self.pad) not in self.xs for t in contexts)
+
     def at(self, context: int) -> int | None:
         """The bytes at `context`; None where the quadratic gives no whole number there."""
         x0, x1, x2 = self.xs
@@ -76,8 +81,9 @@ class _Quadratic:
 @dataclass(frozen=True)
 class Curves:
     """Traces at FIT contexts (and more that checked them) lined up: each set event's raw bytes at a context T as
-    the quadratics (_Quadratic) in T, or in T rounded up to 32 or 128, that pass through all of them; a context
-    where two such quadratics of an event disagree is not made (which the traces cannot tell)."""
+    the quadratics (_Quadratic) in T, or in T rounded up to 32 or 128, that pass through all of them, a fourth
+    context checking each (rounded, it is not one of the three it was fitted on); a context where two such
+    quadratics of an event disagree is not made (which the traces cannot tell)."""
 
     template: Trace  # the trace at the first context (its events' kinds, storages and marks)
     terms: dict[int, tuple[_Quadratic, ...]] = field(repr=False)  # event index -> its quadratics, for the sets
@@ -98,6 +104,7 @@ class Curves:
                 continue
             values = [trace.events[i][2] for trace in traces]
             fits = tuple(q for q in (_Quadratic.through(pad, contexts, values) for pad in PADS) if q is not None
+                         and q.checked(contexts[FIT:])
                          and all(q.at(t) == v for t, v in zip(contexts[FIT:], values[FIT:], strict=True)))
             if not fits:
                 return None

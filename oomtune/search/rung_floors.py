@@ -86,10 +86,10 @@ class RungFloors:
 
     def at_least(self, rung: Rung) -> int:
         """A bound under the rung's floor, known without measuring it: the weights as built, for a rung that
-        leaves them so; cast to bf16 (StaticMemory.bf16_weights_bytes) for bf16-true; 0 for NF4, and for a model
-        that declares 4-bit weights (its bf16-true build keeps them in 4 bits: every weight cast to bf16 is no
-        bound, nor its fp32 parts as built)."""
-        if rung.nf4_frozen_weights or self.static.declared_4bit:
+        leaves them so; cast to bf16 (StaticMemory.bf16_weights_bytes) for bf16-true; 0 for NF4, and for the
+        bf16-true rungs of a model that declares 4-bit weights (the build keeps them in 4 bits: every weight cast to
+        bf16 is no bound; its weights as built, quantized as on every rung, still bound the others)."""
+        if rung.nf4_frozen_weights or (self.static.declared_4bit and rung.precision == "bf16-true"):
             return 0
         return self.static.bf16_weights_bytes if rung.precision == "bf16-true" else self.static.weights_bytes
 

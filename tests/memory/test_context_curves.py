@@ -31,6 +31,10 @@ def test_three_contexts_are_not_enough_and_a_size_off_its_curve_is_refused():
     padded = lambda t: 16 * -(-t // 100) * 100  # noqa: E731
     assert Curves.through([(t, _trace(t, scores=padded)) for t in (512, 32, 256, 384)]) is None
     assert Curves.through([(t, _trace(t)) for t in (512, 32, 256, 256)]) is None  # (a context twice)
+    # a size flat below 128 tokens: rounded up to 128, 512, 32, 256 and 128 are 512, 128, 256 and 128 again, so
+    # the fourth does not check the curve in T rounded to 128 (which would make 160 as 256 tokens): none
+    floor = lambda t: 1024 * max(t, 128)  # noqa: E731
+    assert Curves.through([(t, _trace(t, scores=floor)) for t in (512, 32, 256, 128)]) is None
 
 
 def test_a_size_padded_as_flash_attention_pads_it_is_made_where_the_contexts_tell():
