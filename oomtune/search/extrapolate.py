@@ -143,13 +143,7 @@ class BlockTrials:
         if reading is None or any(getattr(device.replay(as_lines(r.trace), plan.micro_batch_size), "host_peak_bytes",
                                           None) != r.host_peak_bytes for r, _ in runs):
             return None
-        host = reading.host_peak_bytes
-        phases = dict(reading.phase_peaks)
-        result = TrialResult(plan, oom=False, peak_bytes=reading.peak_bytes,
-                             peak_allocated_bytes=reading.peak_allocated_bytes,
-                             batch_peak_bytes=reading.batch_peak_bytes, phase_peaks=phases,
-                             modelled_reserved_bytes=reading.modelled_reserved_bytes, host_peak_bytes=host,
-                             trace=trace, extrapolated=True)
+        result = TrialResult.from_reading(plan, reading, trace=trace, extrapolated=True)
         return result, _made_breakdown(template, self.blocks, runs, result, device)
 
 

@@ -93,11 +93,7 @@ class ReplayingTrials:
             reading = device.replay(lines, plan.micro_batch_size)
             if reading is not None:
                 self.replayed += 1
-                return TrialResult(plan, oom=False, peak_bytes=reading.peak_bytes,
-                                   peak_allocated_bytes=reading.peak_allocated_bytes,
-                                   batch_peak_bytes=reading.batch_peak_bytes, phase_peaks=dict(reading.phase_peaks),
-                                   seconds=time.perf_counter() - start, host_peak_bytes=reading.host_peak_bytes,
-                                   modelled_reserved_bytes=reading.modelled_reserved_bytes, replayed=True)
+                return TrialResult.from_reading(plan, reading, replayed=True, seconds=time.perf_counter() - start)
         made = self._other_context(plan, device, key) if plan.micro_batch_size == 1 else None
         if made is not None:
             return made
@@ -117,7 +113,6 @@ class ReplayingTrials:
                 known.append((plan.micro_batch_size, result.trace))
         return result
 
-
     def _other_context(self, plan: Plan, device: FakeDevice, key: Plan | None) -> TrialResult | None:
         """Micro-batch 1 of `plan` replayed from its curves in the context, where it has them; its trace then
         stands for a traced one at that context (a second micro-batch lines up with it)."""
@@ -130,11 +125,7 @@ class ReplayingTrials:
         self.replayed += 1
         if key is not None and key not in self.lines:
             self.traces.setdefault(key, []).append((1, trace))
-        return TrialResult(plan, oom=False, peak_bytes=reading.peak_bytes,
-                           peak_allocated_bytes=reading.peak_allocated_bytes, batch_peak_bytes=reading.batch_peak_bytes,
-                           phase_peaks=dict(reading.phase_peaks), host_peak_bytes=reading.host_peak_bytes,
-                           modelled_reserved_bytes=reading.modelled_reserved_bytes, trace=trace, replayed=True,
-                           seconds=time.perf_counter() - start)
+        return TrialResult.from_reading(plan, reading, trace=trace, replayed=True, seconds=time.perf_counter() - start)
 
     def _at_context(self, plan: Plan, trace: Trace) -> None:
         """A traced trial at micro-batch 1 joins its plan's traces at other contexts; at CHECKED of them, their

@@ -145,6 +145,15 @@ class TrialResult:
     kinds: tuple | None = dataclasses.field(default=None, repr=False, compare=False)  # its lives' parts, where
     # a breakdown recorded it (memory/life_kinds.py: a trace made from fewer blocks then has its own peak's parts)
 
+    @staticmethod
+    def from_reading(plan: Plan, reading, **kw) -> TrialResult:
+        """A trial not run but read off a replayed trace (memory/replay.py): its peaks the `reading`'s; `kw`: how it
+        was made (replayed, extrapolated, its trace, its seconds)."""
+        return TrialResult(plan, oom=False, peak_bytes=reading.peak_bytes,
+                           peak_allocated_bytes=reading.peak_allocated_bytes, batch_peak_bytes=reading.batch_peak_bytes,
+                           phase_peaks=dict(reading.phase_peaks), host_peak_bytes=reading.host_peak_bytes,
+                           modelled_reserved_bytes=reading.modelled_reserved_bytes, **kw)
+
     @property
     def step_peak_bytes(self) -> int | None:
         """The peak of the step's phases alone (forward, backward, optimizer): the build ("setup") left out."""
