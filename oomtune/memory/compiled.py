@@ -20,6 +20,7 @@ an op with no fake kernel), the call runs eager and `fallbacks` says why: the es
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Callable
 
@@ -29,7 +30,8 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .tracker import untracked
+from . import kernel_lives
+from .tracker import adopt, untracked
 
 REDUCTIONS = frozenset(("sum", "mean", "amax", "amin", "max", "min", "prod", "var", "var_mean", "std", "any", "all",
                         "argmax", "argmin", "logsumexp"))
@@ -42,8 +44,8 @@ FUSED = REDUCTIONS | frozenset((
     "nll_loss_backward", "nll_loss2d_forward", "nll_loss2d_backward", "_to_copy", "clone", "cat", "where",
     "native_dropout", "native_dropout_backward", "embedding", "slice_backward", "select_backward", "slice_scatter",
     "select_scatter", "index_select", "gather", "masked_fill", "constant_pad_nd", "full", "zeros", "ones",
-    "new_zeros", "new_ones", "new_full", "full_like", "zeros_like", "ones_like", "scalar_tensor", "arange", "fill",
-    "copy", "expand_copy", "permute_copy", "repeat", "tril", "triu", "mse_loss", "mse_loss_backward",
+    "new_zeros", "new_ones", "new_full", "full_like", "zeros_like", "ones_like", "scalar_tensor", "arange", "iota",
+    "fill", "copy", "expand_copy", "permute_copy", "repeat", "tril", "triu", "mse_loss", "mse_loss_backward",
     "_native_batch_norm_legit_functional", "native_batch_norm_backward", "lift_fresh_copy",
     "rand", "rand_like", "randn", "randn_like", "bernoulli",  # (drawn inside the kernel that uses them)
 ))
@@ -142,37 +144,40 @@ def _reused(graph: fx.Graph, kept: set[fx.Node]) -> set[fx.Node]:
     return out
 
 
-def graph_runner(gm: fx.GraphModule, example_inputs=None) -> Callable:
+def graph_runner(gm: fx.GraphModule, example_inputs=None, backward: bool = False) -> Callable:
     """AOTAutograd's compiler for each graph: a boxed call that runs `gm`'s nodes in order, frees each value after
-    its last use (and the inputs as they are read), and counts only what `buffers` says inductor keeps."""
+    the last kernel that reads it (and the inputs as they are read), writes a pointwise kernel's result over an input
+    that dies in it where inductor would (kernel_lives), and counts only what `buffers` says inductor keeps.
+    `backward`: the graph is a backward one, whose saved tensors AOTAutograd may donate to inductor."""
     nodes = list(gm.graph.nodes)
     if any(node.op == "get_attr" for node in nodes):
         raise RuntimeError("the trace bakes in tensors that are not its inputs (a cache?)")
     kept = buffers(gm.graph)
-    last: dict[fx.Node, fx.Node] = {}
-    for node in nodes:
-        for used in node.all_input_nodes:
-            last[used] = node
-    dies: dict[fx.Node, list[fx.Node]] = {}
-    for used, at in last.items():
-        dies.setdefault(at, []).append(used)
+    fused = {n for n in kept if n.op == "call_function" and _fused(n) and not _aliases(n)}
+    nodes = kernel_lives.fused_order(nodes, kept, fused)
+    dies, over = kernel_lives.plan(nodes, kept, fused, _donated(nodes) if backward else set())
 
     def run(args: list):
         env: dict[fx.Node, object] = {}
         inputs = list(args)
         args.clear()  # (boxed: the caller's list let go of, and each input taken out of ours as it is read, so
-        at = 0  # that a saved tensor handed to backward dies at its last use here)
+        at = 0  # that a saved tensor handed to backward dies after the last kernel that reads it)
         for node in nodes:
             if node.op == "placeholder":
                 env[node], inputs[at] = inputs[at], None
                 at += 1
             elif node.op == "call_function":
                 a, k = fx.map_arg((node.args, node.kwargs), lambda n: env[n])
-                if node in kept:  # (a view of a fused result too runs untracked: its storage was never made)
-                    env[node] = node.target(*a, **k)
+                if node in kept and node not in over:  # (a view of a fused result too runs untracked: its
+                    env[node] = node.target(*a, **k)  # storage was never made)
                 else:
                     with untracked():  # a fused kernel's intermediate: never in memory
                         env[node] = node.target(*a, **k)
+                if node in over:  # written over an input that dies in it: counted once that input is gone
+                    del a, k
+                    for gone in over[node]:
+                        env.pop(gone, None)
+                    adopt(env[node])
             elif node.op == "output":
                 return fx.map_arg(node.args[0], lambda n: env[n])
             for dead in dies.get(node, ()):
@@ -181,6 +186,15 @@ def graph_runner(gm: fx.GraphModule, example_inputs=None) -> Callable:
 
     run._boxed_call = True
     return run
+
+
+def _donated(nodes: list[fx.Node]) -> set[fx.Node]:
+    """Backward's placeholders AOTAutograd donates (saved tensors made in forward, aliasing none of its inputs or
+    outputs): the ones inductor may write over (its DonatedBuffer), as the tracing context lists them."""
+    context = torch._guards.TracingContext.try_get()
+    meta = getattr(context, "fw_metadata", None) if context is not None else None
+    idxs = set(getattr(meta, "bw_donated_idxs", None) or ())
+    return {n for i, n in enumerate(x for x in nodes if x.op == "placeholder") if i in idxs}
 
 
 class _Call(nn.Module):
@@ -297,15 +311,29 @@ def _stand_in(t: torch.Tensor) -> torch.Tensor:
     return out.requires_grad_(t.requires_grad) if t.is_floating_point() or t.is_complex() else out
 
 
+def _partition(gm: fx.GraphModule, joint_inputs, **kwargs):
+    """Inductor's own partition of the joint graph: its joint-graph passes (pattern rewrites that change what is
+    worth saving), then the min-cut partitioner as inductor calls it; random ops left as they are (a dropout stays
+    one op, drawn inside the kernel that uses it: FUSED)."""
+    from torch._guards import detect_fake_mode
+    from torch._inductor import config
+    from torch._inductor.compile_fx import partition_fn
+    from torch._inductor.virtualized import V
+
+    with V.set_fake_mode(detect_fake_mode(joint_inputs)), config.patch(fallback_random=True):
+        return partition_fn(gm, joint_inputs, **kwargs)
+
+
 def _trace(holder: _Call, tensors: list) -> Callable:
     from torch._functorch.aot_autograd import aot_module_simplified
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
 
     from .cuda_kernels import native_attention
 
     with _disable_current_modes(), untracked(), native_attention(), \
             torch._functorch.config.patch(force_non_lazy_backward_lowering=True):  # (both graphs traced now)
         tensors = [_stand_in(t) for t in tensors]  # (AOTAutograd keeps what it traced with)
-        return aot_module_simplified(holder, tensors, fw_compiler=graph_runner, bw_compiler=graph_runner,
-                                     partition_fn=min_cut_rematerialization_partition,
-                                     decompositions=_inductor_decompositions())
+        with torch._guards.tracing(torch._guards.TracingContext(None)):  # (where it lists what it donates)
+            return aot_module_simplified(holder, tensors, fw_compiler=graph_runner,
+                                         bw_compiler=functools.partial(graph_runner, backward=True),
+                                         partition_fn=_partition,
+                                         decompositions=_inductor_decompositions())

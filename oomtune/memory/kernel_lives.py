@@ -1,0 +1,141 @@
+"""When each value of a compiled graph dies, and which kernel writes its result over a dying input, as inductor's
+generated code does (its wrapper's `del` lines and `# reuse` lines).
+
+A fused kernel's intermediates are never in memory (compiled.buffers); the kernel reads its inputs and writes its
+output buffer, which is allocated before the kernel runs, while every input is still alive. An input therefore dies
+after the last kernel that reads it, directly or through a fused intermediate that kernel recomputes: not at the
+intermediate op that read it last in the graph. Inductor writes a pointwise kernel's output over an input that dies
+in it instead, where it may (its scheduler's decide_inplace_update): the input is a buffer of this graph (an
+intermediate, or in backward a saved tensor AOTAutograd donates; never a graph input of forward or a primal), of the
+same dtype and storage size (within 5%), read by no other kernel. Not modelled: its further conditions on how the
+kernel indexes the input (a read through a transpose is not written over)."""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch import fx
+
+
+def _alias(node: fx.Node) -> bool:
+    """A result that shares its first argument's storage (a view, an item of a multi-output result, _unsafe_view)."""
+    target = node.target
+    if target is operator.getitem:
+        return True
+    return isinstance(target, torch._ops.OpOverload) and \
+        (target.is_view or target.overloadpacket.__name__ == "_unsafe_view")
+
+
+def _root(node: fx.Node) -> fx.Node:
+    while node.op == "call_function" and _alias(node) and node.args and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node
+
+
+def _ends(nodes: list[fx.Node], kept: set[fx.Node], index: dict[fx.Node, int]) -> dict[fx.Node, fx.Node]:
+    """Each node's last kernel: itself where it is written out (kept, or the graph's output), else the last kernel
+    that recomputes it (reached through fused intermediates only); itself where none reads it."""
+    ends: dict[fx.Node, fx.Node] = {}
+    for node in reversed(nodes):
+        if node in kept or node.op == "output":
+            ends[node] = node
+            continue
+        ends[node] = max((u if u in kept or u.op == "output" else ends[u] for u in node.users),
+                         key=index.__getitem__, default=node)
+    return ends
+
+
+def _size(node: fx.Node) -> tuple | None:
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return None
+    return val.dtype, val.untyped_storage().nbytes() if val.layout == torch.strided else None
+
+
+def _fits(dying: fx.Node, kernel: fx.Node) -> bool:
+    a, b = _size(dying), _size(kernel)
+    if a is None or b is None or a[1] is None or b[1] is None or a[0] != b[0]:
+        return False
+    return 0.95 * a[1] <= b[1] <= a[1]
+
+
+def _numel(node: fx.Node) -> int | None:
+    val = node.meta.get("val")
+    return val.numel() if isinstance(val, torch.Tensor) else None
+
+
+class _Kernels:
+    """Each fused kernel's recomputed intermediates and the buffers it reads."""
+
+    def __init__(self, kept: set[fx.Node]):
+        self.kept, self._parts = kept, {}
+
+    def parts(self, kernel: fx.Node) -> tuple[list[fx.Node], set[fx.Node]]:
+        if kernel not in self._parts:
+            parts, reads, seen, work = [], set(), set(), list(kernel.all_input_nodes)
+            while work:
+                node = work.pop()
+                if node in seen:
+                    continue
+                seen.add(node)
+                if node in self.kept or node.op != "call_function":
+                    reads.add(_root(node))
+                else:
+                    parts.append(node)
+                    work.extend(node.all_input_nodes)
+            self._parts[kernel] = (parts, reads)
+        return self._parts[kernel]
+
+
+def fused_order(nodes: list[fx.Node], kept: set[fx.Node], fused: set[fx.Node]) -> list[fx.Node]:
+    """The graph's nodes in the order inductor's scheduler runs them: a later fused kernel that reads a buffer an
+    earlier one reads, over as many elements, joins it (runs right after it, with what it recomputes) where every
+    input it needs exists by then (its fusion of nodes that share reads)."""
+    kernels, order, i = _Kernels(kept), list(nodes), 0
+    while i < len(order):
+        first = order[i]
+        if first in fused:
+            done, at = set(order[:i + 1]), i + 1
+            reads, size = kernels.parts(first)[1], _numel(first)
+            for later in [n for n in order[at:] if n in fused and _numel(n) == size]:
+                parts, its_reads = kernels.parts(later)
+                if not reads & its_reads:
+                    continue
+                move = [n for n in order if n is later or (n in parts and n not in done)]
+                if all(x in done or x in move for n in move for x in n.all_input_nodes):
+                    order = order[:at] + move + [n for n in order[at:] if n not in move]
+                    done.update(move)
+                    at += len(move)
+            i = at - 1
+        i += 1
+    return order
+
+
+def plan(nodes: list[fx.Node], kept: set[fx.Node], fused: set[fx.Node], donated: set[fx.Node]):
+    """(dies, over): the values freed after each node runs, and for a fused kernel's output the dying input it is
+    written over, with its views (freed as it runs). `fused`: the kept nodes that are fused kernels' outputs (an extern
+    kernel, a matmul, writes into a buffer of its own); `donated`: backward's saved tensors inductor may reuse."""
+    index = {n: i for i, n in enumerate(nodes)}
+    ends = _ends(nodes, kept, index)
+    dies: dict[fx.Node, list[fx.Node]] = {}
+    for value in nodes:
+        if value.users:
+            at = max((ends[u] for u in value.users), key=index.__getitem__)
+            dies.setdefault(at, []).append(value)
+    death = {v: at for at, values in dies.items() for v in values}
+    shared: dict[fx.Node, list[fx.Node]] = {}
+    for node in nodes:
+        shared.setdefault(_root(node), []).append(node)
+    over: dict[fx.Node, list[fx.Node]] = {}
+    for kernel in nodes:
+        if kernel not in fused:
+            continue
+        for root in dict.fromkeys(_root(v) for v in dies.get(kernel, ())):
+            owned = (root.op == "call_function" and root in kept) or root in donated
+            last = max((death[v] for v in shared[root] if v in death), key=index.__getitem__)
+            if owned and last is kernel and _fits(root, kernel):
+                over[kernel] = [v for v in shared[root] if death.get(v) is kernel]
+                dies[kernel] = [v for v in dies[kernel] if v not in over[kernel]]
+                break
+    return dies, over
