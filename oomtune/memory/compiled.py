@@ -145,17 +145,17 @@ def _reused(graph: fx.Graph, kept: set[fx.Node]) -> set[fx.Node]:
 
 
 def graph_runner(gm: fx.GraphModule, example_inputs=None, backward: bool = False) -> Callable:
-    """AOTAutograd's compiler for each graph: a boxed call that runs `gm`'s nodes in order, frees each value after
-    the last kernel that reads it (and the inputs as they are read), writes a pointwise kernel's result over an input
-    that dies in it where inductor would (kernel_lives), and counts only what `buffers` says inductor keeps.
+    """AOTAutograd's compiler for each graph: a boxed call that runs `gm`'s nodes in the order inductor's scheduler
+    runs them, frees each value (an input too) after the last kernel that reads it, writes a fused kernel's result
+    over an input that dies in it where inductor would (kernel_lives), and counts only what `buffers` says inductor
+    keeps.
     `backward`: the graph is a backward one, whose saved tensors AOTAutograd may donate to inductor."""
     nodes = list(gm.graph.nodes)
     if any(node.op == "get_attr" for node in nodes):
         raise RuntimeError("the trace bakes in tensors that are not its inputs (a cache?)")
     kept = buffers(gm.graph)
     fused = {n for n in kept if n.op == "call_function" and _fused(n) and not _aliases(n)}
-    nodes = kernel_lives.fused_order(nodes, kept, fused)
-    dies, over = kernel_lives.plan(nodes, kept, fused, _donated(nodes) if backward else set())
+    nodes, dies, over = kernel_lives.plan(nodes, kept, fused, _donated(nodes) if backward else set())
 
     def run(args: list):
         env: dict[fx.Node, object] = {}
