@@ -21,7 +21,6 @@ an op with no fake kernel), the call runs eager and `fallbacks` says why: the es
 from __future__ import annotations
 
 import functools
-import operator
 from collections.abc import Callable
 
 import torch
@@ -31,6 +30,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import kernel_lives
+from .kernel_lives import is_view as _aliases
 from .tracker import adopt, untracked
 
 REDUCTIONS = frozenset(("sum", "mean", "amax", "amin", "max", "min", "prod", "var", "var_mean", "std", "any", "all",
@@ -72,12 +72,6 @@ def _fused(node: fx.Node) -> bool:
         return isinstance(base, fx.Node) and isinstance(base.target, torch._ops.OpOverload) and \
             base.target.overloadpacket.__name__ in _CONSTANT
     return torch.Tag.pointwise in target.tags or name in FUSED
-
-
-def _aliases(node: fx.Node) -> bool:
-    """A view of its first argument (or an item of a multi-output op's result): no storage of its own."""
-    target = node.target
-    return target is operator.getitem or (isinstance(target, torch._ops.OpOverload) and target.is_view)
 
 
 def buffers(graph: fx.Graph) -> set[fx.Node]:

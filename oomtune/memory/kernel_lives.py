@@ -22,13 +22,16 @@ import torch
 from torch import fx
 
 
-def _alias(node: fx.Node) -> bool:
-    """A result that shares its first argument's storage (a view, an item of a multi-output result, _unsafe_view)."""
+def is_view(node: fx.Node) -> bool:
+    """A view of its first argument (or an item of a multi-output op's result): no storage of its own."""
     target = node.target
-    if target is operator.getitem:
-        return True
-    return isinstance(target, torch._ops.OpOverload) and \
-        (target.is_view or target.overloadpacket.__name__ == "_unsafe_view")
+    return target is operator.getitem or (isinstance(target, torch._ops.OpOverload) and target.is_view)
+
+
+def _alias(node: fx.Node) -> bool:
+    """A result that shares its first argument's storage: a view, or _unsafe_view (which inductor still counts as a
+    buffer of its own: compiled.buffers goes by is_view)."""
+    return is_view(node) or _name(node) == "_unsafe_view"
 
 
 def _root(node: fx.Node) -> fx.Node:

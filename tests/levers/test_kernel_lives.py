@@ -23,7 +23,7 @@ from torch import nn
 from oomtune.memory import compiled
 from oomtune.memory.devices import CpuDevice
 
-pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="inductor's CPU backend needs a C++ compiler")
+NEEDS_GXX = pytest.mark.skipif(shutil.which("g++") is None, reason="inductor's CPU backend needs a C++ compiler")
 ITEM = {"float32": 4, "bfloat16": 2, "int64": 8, "float16": 2, "bool": 1, "int32": 4}
 
 
@@ -171,6 +171,7 @@ def _cases():
     }
 
 
+@NEEDS_GXX
 @pytest.mark.parametrize("case", ["cross-entropy", "upcast logits", "mlp", "llama layer"])
 def test_a_compiled_calls_peaks_are_inductors_own(case):
     torch.manual_seed(0)
@@ -189,6 +190,7 @@ def test_cross_entropys_backward_holds_the_logits_while_it_writes_their_gradient
     assert backward >= 64 * 1000 * 4  # the gradient written while the logits (inputs) still live
 
 
+@NEEDS_GXX
 @pytest.mark.parametrize("case", list(HEADS))
 def test_a_kernel_writes_over_an_input_only_where_inductor_does(case):
     """Inductor writes a kernel's result over a dying input only where the kernel reads it at the place it writes
