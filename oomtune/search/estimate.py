@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -22,7 +21,7 @@ from ..memory.devices import Device, FakeDevice
 from ..memory.fakes import NeedsValues
 from ..memory.margin import AnyMargin, parse_margin
 from ..model_file import ModelFile, own_compile_note
-from ..units import card_budget, card_memory, format_bytes
+from ..units import card_budget, card_memory
 from .batch_notes import batch_notes
 from .extrapolate import BlockTrials
 from .headroom_note import over_headroom
@@ -38,8 +37,9 @@ from .options import (
     resolve_targets,
 )
 from .past import PAST_LEVERS, PastRungs, past_rungs
-from .prior import ReplayingTrials, prior_device
+from .prior import prior_device
 from .probe import ProbeResult, all_rungs, fsdp_reach, no_fsdp_note, plan_of, probe
+from .replayed_trials import ReplayedTrials
 from .rung_floors import RungFloors
 from .trial import TrialResult, computing_where_needed, run_trial
 from .weights_dtype import precision_note
@@ -75,68 +75,6 @@ class RecordingTrials:
         if bd is not None:
             self.breakdowns[plan] = bd
         return result
-
-
-class ReplayedTrials(ReplayingTrials):
-    """The estimate's trials, on the fake device's twin that never runs out (prior.prior_device): each plan is traced
-    until two of its micro-batches line up, and every other micro-batch of it is replayed from them (replay.py);
-    those run are recorded, so a plan run has the breakdown of its own trial. A peak past the budget is an OOM, as
-    on the device (the twin reports it instead of running out, which tells the search by how much)."""
-
-    def __init__(self, budget_bytes: int):
-        super().__init__()
-        self.budget_bytes = budget_bytes
-        self.breakdowns: dict[Plan, MemoryBreakdown] = {}
-        self.ahead: dict[Plan, TrialResult] = {}  # micro-batch 1 run before a plan's first size (_bounded)
-        self.bounded: dict[Plan, tuple] = {}  # a target not traced -> how to trace it (peak_of)
-
-    def run_one(self, model_file: ModelFile, plan: Plan, device: FakeDevice, steps: int, dist) -> TrialResult:
-        trial = functools.partial(run_trial, second=self.second)  # (second steps made where that was checked)
-        made = self.blocks.trial(model_file, plan, device,
-                                 lambda fewer, p: recorded_trial(fewer, p, device, steps, dist, trial))
-        result, bd = made or recorded_trial(model_file, plan, device, steps, dist, trial)
-        if bd is not None:
-            self.breakdowns[plan] = bd
-        return result
-
-    def __call__(self, model_file: ModelFile, plan: Plan, device: FakeDevice, steps: int = TRIAL_STEPS,
-                 dist=LOCAL) -> TrialResult:
-        ahead = self.ahead.pop(plan, None)
-        if ahead is not None:
-            return ahead
-        bounded = self._bounded(model_file, plan, device, steps, dist)
-        return bounded if bounded is not None else self._within(super().__call__(model_file, plan, device, steps, dist))
-
-    def _within(self, result: TrialResult) -> TrialResult:
-        if not result.oom and (result.peak_bytes or 0) > self.budget_bytes:
-            result = dataclasses.replace(result, oom=True, tokens_per_s=None)
-        return result
-
-    def _bounded(self, model_file: ModelFile, plan: Plan, device: FakeDevice, steps: int, dist) -> TrialResult | None:
-        """A model made from fewer blocks (each trial a few seconds): before a plan's first size above 1 (the
-        ladder's target), its micro-batch 1 at that context, which the ladder tries next where the target does
-        not fit. Where micro-batch 1 does not fit, neither does the target (memory grows with the batch): its OOM
-        is known without a trace (`bounded`). Else None: the target is traced (micro-batch 1 waits for the
-        ladder)."""
-        one = dataclasses.replace(plan, micro_batch_size=1, global_batch_size=0)
-        if (plan.micro_batch_size == 1 or plan.grad_accum_steps != 1 or dist.world_size != 1
-                or plan.optimizer_in_backward or one in self.ahead or one in self.traces or one in self.lines
-                or one in self.blocks.off or not self.blocks.blocks or self.blocks.blocks < self.blocks.min_blocks):
-            return None
-        self.ahead[one] = first = self._within(super().__call__(model_file, one, device, steps, dist))
-        if not first.oom:
-            return None
-        self.bounded[plan] = (model_file, device, steps, dist)
-        return TrialResult(plan, oom=True, bounded=True, oom_message=(
-            f"micro-batch 1 of it does not fit ({format_bytes(first.peak_bytes or 0)}): micro-batch "
-            f"{plan.micro_batch_size} needs more"))
-
-    def peak_of(self, point: Point) -> int | None:
-        """The peak of a bounded target's trial, traced now (rung_notes asks where it must compare it); None for
-        any other point."""
-        plan = plan_of(point)
-        how = self.bounded.pop(plan, None)
-        return super().__call__(how[0], plan, *how[1:]).peak_bytes if how is not None else None
 
 
 def make_fake_device(budget: str | None, gpu: str | None, margin: str | None) -> FakeDevice:
@@ -259,7 +197,7 @@ def _replayed(model_file, device, targets, headroom, steps, objective, amp, on_s
     model needs tensor values, or the replay was off at the answer): the caller then searches with every trial
     run."""
     twin = prior_device(device)
-    trials = ReplayedTrials(device.budget_bytes)
+    trials = ReplayedTrials(device.budget_bytes, targets.batch)
     trials.blocks, trials.second.whole = blocks_and_steps[0], not blocks_and_steps[1]
     try:
         search = probe(model_file, twin, targets, headroom=headroom, steps=steps, objective=objective, amp=amp,

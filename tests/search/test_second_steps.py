@@ -169,3 +169,28 @@ def test_the_made_peak_is_sorted_by_the_lives_the_made_step_repeats():
                *[R(key=r.key, at=r.at + 1, nbytes=r.nbytes, kind=r.kind) for r in records[2:]]]
     made = with_second_step(resized, {"S0"}, (0, 8, 8), None)
     assert made_peak(records, [("S0", 512)], made, len(resized), (0, 8, 8), lambda r: r.kind) is None
+
+
+def test_the_estimate_checks_its_second_steps_on_fewer_blocks(tmp_path, monkeypatch):
+    """device: fake, a card's rules (T4). A GPT of 6 blocks: each plan's levers are checked on the model with 2 of
+    its blocks (two steps of 2 blocks, not a second step of 6), so no trial of the whole model runs both steps; the
+    answer, its breakdown and every trial's figures are those of every trial's two steps run. Only trials of a
+    plan that can be the answer (the global batch, alone or accumulated) are recorded for a breakdown."""
+    import oomtune.search.estimate as est
+    from oomtune.search.estimate import estimate, make_fake_device
+    from oomtune.search.options import resolve_targets
+
+    mf = load_model_file(_deeper(tmp_path, EXAMPLES / "tiny_gpt.py", 6))
+    targets = resolve_targets(mf, 64, 256, None)
+    recorded: list[Plan] = []
+    real = est.recorded_trial
+    monkeypatch.setattr(est, "recorded_trial", lambda m, p, *a: recorded.append(p) or real(m, p, *a))
+    made = estimate(mf, make_fake_device("700MiB", "t4", None), targets)
+    assert recorded and {p.micro_batch_size * p.grad_accum_steps for p in recorded} == {64}, recorded
+    monkeypatch.setattr(SecondSteps, "mode", lambda *a: None)
+    run = estimate(mf, make_fake_device("700MiB", "t4", None), targets)
+    sources = [r.source for r in made.search.records]
+    assert "run" not in sources and sources.count("first-step-run") >= 3, sources
+    assert made.plan == run.plan and made.breakdown == run.breakdown
+    assert [(r.rung, r.micro_batch_size, r.grad_accum_steps, r.peak_bytes) for r in made.search.records] == \
+        [(r.rung, r.micro_batch_size, r.grad_accum_steps, r.peak_bytes) for r in run.search.records]
