@@ -64,15 +64,28 @@ def row(what: str, report: dict, wall: float, command: list[str]) -> list[str]:
     return [what, f"`{shlex.join(command)}`", rungs, result, peak, host, str(len(report["trials"])), f"{wall:.0f}"]
 
 
-def section(rows: list[list[str]]) -> str:
+def gauge() -> float:
+    """This machine's speed now: the best of three warm bare FakeTensorMode steps of GPT-2 small (the unit
+    bench_estimate_speed counts in). The same commit's questions took 20-32 s one day and 40-59 s another on
+    this machine: the walls are compared across days in these steps."""
+    from bench.bench_estimate_speed import bare_step_seconds
+
+    return min(bare_step_seconds() for _ in range(3))
+
+
+def section(rows: list[list[str]], unit: tuple[float, float]) -> str:
     import torch
 
     header = ["case", "command", "rungs climbed", "plan", "peak (margin incl.)", "host memory", "trials",
-              "wall s"]
+              "wall s", "in bare steps"]
+    rows = [[*r, f"{float(r[-1]) / (sum(unit) / 2):.0f}"] for r in rows]
     lines = [
         f"Written by `make bench-levers` (`python -m bench.bench_levers`) on {utc_now()}, torch {torch.__version__}, "
         "on this machine's CPU: each estimate builds Llama-2-7B's shape (6.7B parameters) on fake tensors, batch 8, "
-        "context 2048 (no shorter context allowed), and climbs the ladder; the wall time is the whole command's.",
+        "context 2048 (no shorter context allowed), and climbs the ladder; the wall time is the whole command's. "
+        f"The machine's speed, a bare fake step of GPT-2 small (best of 3, warm; `make bench-estimate`'s unit), "
+        f"before and after the questions: {unit[0]:.2f} s and {unit[1]:.2f} s; each wall time is also given in "
+        "those steps (their mean), which compares runs on days of different speed.",
         "",
         "| " + " | ".join(header) + " |",
         "|" + "|".join(" --- " for _ in header) + "|",
@@ -86,12 +99,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "RESULTS.md")
     args = ap.parse_args(argv)
     rows = []
+    before = gauge()
     for i, (what, case) in enumerate(CASES):
         print(f"[{i + 1}/{len(CASES)}] oomtune estimate {' '.join(case)}", file=sys.stderr, flush=True)
         report, wall, command = run_case(case, f"out/bench/llama_7b_{i}.yaml")
         rows.append(row(what, report, wall, command))
         print(f"    {wall:.0f} s: {rows[-1][3][:120]}", file=sys.stderr, flush=True)
-    write_section(args.out, "levers", section(rows), heading="## Past accumulation: 7B Llama estimates")
+    text = section(rows, (before, gauge()))
+    write_section(args.out, "levers", text, heading="## Past accumulation: 7B Llama estimates")
     print(f"wrote the levers section of {args.out}", file=sys.stderr)
     return 0
 
