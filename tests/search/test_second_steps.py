@@ -176,7 +176,7 @@ def test_the_estimate_checks_its_second_steps_on_fewer_blocks(tmp_path, monkeypa
     its blocks (two steps of 2 blocks, not a second step of 6), so no trial of the whole model runs both steps; the
     answer, its breakdown and every trial's figures are those of every trial's two steps run. Only trials of a
     plan that can be the answer (the global batch, alone or accumulated) are recorded for a breakdown."""
-    import oomtune.search.estimate as est
+    import oomtune.search.replayed_trials as est
     from oomtune.search.estimate import estimate, make_fake_device
     from oomtune.search.options import resolve_targets
 
