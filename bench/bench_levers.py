@@ -66,8 +66,8 @@ def row(what: str, report: dict, wall: float, command: list[str]) -> list[str]:
 
 def gauge() -> float:
     """This machine's speed now: the best of three warm bare FakeTensorMode steps of GPT-2 small (the unit
-    bench_estimate_speed counts in). The same commit's questions took 20-32 s one day and 40-59 s another on
-    this machine: the walls are compared across days in these steps."""
+    bench_estimate_speed counts in). Its bare step took 0.23 s at one hour and 0.41-0.55 s five hours later on
+    the same day: walls are compared across runs in these steps."""
     from bench.bench_estimate_speed import bare_step_seconds
 
     return min(bare_step_seconds() for _ in range(3))
