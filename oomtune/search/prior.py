@@ -3,7 +3,6 @@ rung can be certified on the device in two trials (certify.py)."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import time
@@ -18,8 +17,7 @@ from ..memory.replay import Lines, Trace
 from ..model_file import ModelFile
 from ..units import counted
 from .certify import RungPrior, priors_from
-from .extrapolate import KEPT, BlockTrials, as_lines
-from .fewer_blocks import FewerBlocks
+from .extrapolate import BlockTrials, as_lines
 from .second_steps import SecondSteps
 from .trial import TrialResult, run_trial
 
@@ -147,27 +145,8 @@ class ReplayingTrials:
         """One trial run (traced), not replayed: from fewer of its blocks where that lines up (BlockTrials)."""
         made = self.blocks.trial(model_file, plan, device, lambda fewer, p: (
             run_trial(fewer, p, device, steps, dist=dist, second=self.second), None))
-        if made is not None:
-            return made[0]
-        self.check_on_fewer(model_file, plan, device, steps, dist)
-        return run_trial(model_file, plan, device, steps, dist=dist, second=self.second)
-
-    def check_on_fewer(self, model_file: ModelFile, plan: Plan, device: FakeDevice, steps: int, dist) -> None:
-        """Before the whole model's first trial of a plan's levers, which would run both steps to check the second
-        made from the first (second_steps.py): that check, on the model with KEPT of its repeated blocks (known from
-        an earlier build), where it repeats more than twice that many. The whole model's trial then runs one step
-        and makes the second. A trace's cost is about its blocks' (GPT-2 small: two steps of 2 of its 12 blocks,
-        0.3 s, against 0.9 s for the whole model's second step). The check holds across block counts as it holds
-        across sizes: the 7B's trials, made from 2, 3 and 4 blocks, are checked on 2 (tests/search hold the made
-        figures equal to the whole model's traced on every kind of model). Where the fewer-block model cannot run,
-        or the check cannot be told, the whole model's trial checks, as before."""
-        seen = self.blocks.seen
-        if (seen is None or not seen.cut or (self.blocks.blocks or 0) <= 2 * KEPT
-                or self.second.mode(plan, device, steps, dist.world_size) != "check"):
-            return
-        with contextlib.suppress(Exception):  # (the whole model's trial raises what is the user's)
-            run_trial(FewerBlocks(model_file, KEPT, seen), plan, device, steps, dist=dist, second=self.second)
-        device.release()
+        return made[0] if made is not None else run_trial(model_file, plan, device, steps, dist=dist,
+                                                          second=self.second)
 
 
 # What the prior costs and saves, a rung: it traces about three sizes of it on fake tensors (the target, micro-batch

@@ -42,8 +42,6 @@ class ReplayedTrials(ReplayingTrials):
         else:
             measure = lambda mf, p: (trial(mf, p, device, steps, dist=dist), None)  # noqa: E731
         made = self.blocks.trial(model_file, plan, device, measure)
-        if made is None:
-            self.check_on_fewer(model_file, plan, device, steps, dist)
         result, bd = made or measure(model_file, plan)
         if bd is not None:
             self.breakdowns[plan] = bd

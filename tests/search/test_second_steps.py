@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+from pathlib import Path
 
 import pytest
 
@@ -171,26 +172,26 @@ def test_the_made_peak_is_sorted_by_the_lives_the_made_step_repeats():
     assert made_peak(records, [("S0", 512)], made, len(resized), (0, 8, 8), lambda r: r.kind) is None
 
 
-def test_the_estimate_checks_its_second_steps_on_fewer_blocks(tmp_path, monkeypatch):
-    """device: fake, a card's rules (T4). A GPT of 6 blocks: each plan's levers are checked on the model with 2 of
-    its blocks (two steps of 2 blocks, not a second step of 6), so no trial of the whole model runs both steps; the
-    answer, its breakdown and every trial's figures are those of every trial's two steps run. Only trials of a
-    plan that can be the answer (the global batch, alone or accumulated) are recorded for a breakdown."""
-    import oomtune.search.replayed_trials as est
+def test_a_later_block_that_keeps_something_is_checked_with_the_whole_model(monkeypatch):
+    """device: fake, a card's rules (T4). A model of 6 alike blocks whose later ones build a mask on their first
+    forward and keep it (tests/search/models/local_layers.py): the whole model's first trial of each plan's levers
+    runs both steps and checks; the estimate's plan, breakdown and every trial's figures are those of every
+    trial's two steps run (a check made on its first 2 blocks agreed, and the made steps were off by 3 MiB, one of
+    them under: a review's find). Only trials of a plan that can be the answer (the global batch, alone or
+    accumulated) are recorded for a breakdown."""
+    import oomtune.search.replayed_trials as replayed
     from oomtune.search.estimate import estimate, make_fake_device
     from oomtune.search.options import resolve_targets
 
-    mf = load_model_file(_deeper(tmp_path, EXAMPLES / "tiny_gpt.py", 6))
+    mf = load_model_file(Path(__file__).parent / "models" / "local_layers.py")
     targets = resolve_targets(mf, 64, 256, None)
     recorded: list[Plan] = []
-    real = est.recorded_trial
-    monkeypatch.setattr(est, "recorded_trial", lambda m, p, *a: recorded.append(p) or real(m, p, *a))
+    real = replayed.recorded_trial
+    monkeypatch.setattr(replayed, "recorded_trial", lambda m, p, *a: recorded.append(p) or real(m, p, *a))
     made = estimate(mf, make_fake_device("700MiB", "t4", None), targets)
     assert recorded and {p.micro_batch_size * p.grad_accum_steps for p in recorded} == {64}, recorded
     monkeypatch.setattr(SecondSteps, "mode", lambda *a: None)
     run = estimate(mf, make_fake_device("700MiB", "t4", None), targets)
-    sources = [r.source for r in made.search.records]
-    assert "run" not in sources and sources.count("first-step-run") >= 3, sources
     assert made.plan == run.plan and made.breakdown == run.breakdown
     assert [(r.rung, r.micro_batch_size, r.grad_accum_steps, r.peak_bytes) for r in made.search.records] == \
         [(r.rung, r.micro_batch_size, r.grad_accum_steps, r.peak_bytes) for r in run.search.records]
