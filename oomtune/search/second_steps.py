@@ -27,23 +27,28 @@ TWO_STEPS = 2  # the trial's steps this applies to (TRIAL_STEPS): a first, and a
 
 
 class SecondSteps:
-    """Per plan's levers (_key): None until a trial checked them, then whether the made step was the run one."""
+    """Per plan's levers (_key), apart for the whole model and for models made with fewer of its blocks: None until
+    a trial checked them, then whether the made step was the run one. A check on fewer blocks does not hold for the
+    whole model: a later block can keep what its first forward made (a local-attention layer's mask), which the
+    first blocks never show (tests/search/test_second_steps.py); among the fewer-block models, the traces of 2, 3
+    and 4 blocks must line up (repeats.py), which such a block breaks."""
 
     def __init__(self):
-        self.agreed: dict[Plan, bool] = {}
+        self.agreed: dict[tuple[Plan, bool], bool] = {}
         self.whole = False  # run every step (estimate(made_steps=False); an answer whose made peak had no breakdown)
         self.made = 0  # trials whose second step was made
 
-    def mode(self, plan: Plan, device, steps: int, world_size: int) -> str | None:
-        """"check" (run both, compare), "make" (run one, make the second) or None (run them all, as asked)."""
+    def mode(self, plan: Plan, device, steps: int, world_size: int, fewer: bool = False) -> str | None:
+        """"check" (run both, compare), "make" (run one, make the second) or None (run them all, as asked);
+        `fewer`: the trial's model has fewer of its blocks (FewerBlocks)."""
         if (self.whole or steps != TWO_STEPS or world_size != 1
                 or not (getattr(device, "traces", False) and getattr(device, "never_runs_out", False))
                 or device.computes or device.primes):
             return None
-        agreed = self.agreed.get(_key(plan))
+        agreed = self.agreed.get((_key(plan), fewer))
         return "check" if agreed is None else ("make" if agreed else None)
 
-    def finish(self, plan: Plan, reading: Reading, device, mode: str) -> Reading:
+    def finish(self, plan: Plan, reading: Reading, device, mode: str, fewer: bool = False) -> Reading:
         """The trial's reading: as run ("check": after comparing its second step with the one made from its
         first), or made ("make": the two steps' replay)."""
         initial, host_initial = device.traced_from
@@ -52,7 +57,7 @@ class SecondSteps:
                 raise AssertionError("a trial whose second step is made was not traced")
             return reading
         if mode == "check":
-            self.agreed[_key(plan)] = second_step_agrees(reading.events, initial, host_initial, reading.points,
+            self.agreed[_key(plan), fewer] = second_step_agrees(reading.events, initial, host_initial, reading.points,
                                                          reading.loss_key)
             return reading
         keys = {k for k, _ in (*initial, *host_initial)}

@@ -25,6 +25,7 @@ from ..memory.replay import Trace
 from ..memory.tracker import storage_key, untracked
 from ..model_file import ModelFile, is_compiled
 from ..step import Training, build_training, every_gradient_made, make_optimizer_state, release_tensor_hooks, train_step
+from .fewer_blocks import FewerBlocks
 from .second_steps import SecondSteps
 
 T = TypeVar("T")
@@ -306,7 +307,8 @@ def run_trial(model_file: ModelFile, plan: Plan, device: Device, steps: int = TR
     context or accumulation changed (ModelCache). `second`: the estimate's traced trials, whose second step is
     made from the first where that was checked (second_steps.py)."""
     start = time.perf_counter()
-    mode = second.mode(plan, device, steps, dist.world_size) if second is not None else None
+    fewer = isinstance(model_file, FewerBlocks)  # (its second steps are checked apart from the whole model's)
+    mode = second.mode(plan, device, steps, dist.world_size, fewer) if second is not None else None
     box: list = []
     oom_message = None
     built: list[float] = []  # the build's seconds (none where the build itself ran out of memory)
@@ -343,7 +345,7 @@ def run_trial(model_file: ModelFile, plan: Plan, device: Device, steps: int = TR
     if oom_message is not None:
         return TrialResult(plan, oom=True, oom_message=oom_message, seconds=seconds, build_seconds=build_s,
                            left_bytes=left)
-    reading = box[0] if mode is None else second.finish(plan, box[0], device, mode)
+    reading = box[0] if mode is None else second.finish(plan, box[0], device, mode, fewer)
     peak, allocated, batch_peak = reading.peak_bytes, reading.peak_allocated_bytes, reading.batch_peak_bytes
     host = int(dist.max(reading.host_peak_bytes)[0])
     phases = dict(reading.phase_peaks)
