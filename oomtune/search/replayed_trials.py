@@ -22,8 +22,9 @@ from .trial import TrialResult, run_trial
 class ReplayedTrials(ReplayingTrials):
     """The estimate's trials, on the fake device's twin that never runs out (prior.prior_device): each plan is traced
     until two of its micro-batches line up, and every other micro-batch of it is replayed from them (replay.py);
-    those run are recorded, so a plan run has the breakdown of its own trial. A peak past the budget is an OOM, as
-    on the device (the twin reports it instead of running out, which tells the search by how much)."""
+    those run for a plan that can be the answer are recorded, so it has the breakdown of its own trial. A peak past
+    the budget is an OOM, as on the device (the twin reports it instead of running out, which tells the search by
+    how much)."""
 
     def __init__(self, budget_bytes: int, answers: int | None = None):
         super().__init__()

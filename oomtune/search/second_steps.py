@@ -1,15 +1,15 @@
 """The estimate's traced trials with their second step made from the first (memory/second_step.py): where a card's
 allocator model reads the peak, a trial runs two training steps (the second starts from where the first left the
-allocator's blocks); on fake tensors the second costs as much Python as the first and repeats it. The first trial
-of each plan's levers (at any micro-batch, context or accumulation, with or without checkpointing, of the whole
-model or of fewer blocks) runs both and checks that the step made from the first is the one run, event for event;
-where it is, later trials with those levers run one step and make the second, and their figures come from
-replaying the two (the tracker's count and the allocator model, as a replay from two sizes does). Where it is not,
-every trial with those levers runs both.
+allocator's blocks); on fake tensors the second costs as much Python as the first and repeats it. The first trial of
+each plan's levers (at any micro-batch, context or accumulation, with or without checkpointing; of the whole model, and
+apart from it of the models with fewer of its blocks) runs both and checks that the step made from the first is the one
+run, event for event; where it is, later trials with those levers run one step and make the second, and their figures
+come from replaying the two (the tracker's count and the allocator model, as a replay from two sizes does). Where it is
+not, every trial with those levers runs both.
 
-A trial with a made step has the breakdown of its made peak where it was recorded (memory/made_peak.py: each life
-of the made step has the kind of the first step's life it repeats); where that cannot be told it has none, and the
-estimate's answer, whose breakdown it shows, is traced again with both steps run (`whole`)."""
+A trial with a made step has the breakdown of its made peak where it was recorded (memory/made_peak.py: each life of the
+made step has the kind of the first step's life it repeats); where that cannot be told it has none, and the estimate's
+answer, whose breakdown it shows, is traced again with both steps run (`whole`)."""
 
 from __future__ import annotations
 
