@@ -58,6 +58,12 @@ def bare_step_seconds() -> float:
     return times[-1]
 
 
+def best_bare_step() -> float:
+    """The machine's speed now: the best of three warm bare steps (it moves by 15% from one to the next, and by
+    2.4x within a day: bench_levers gives its wall times in these too)."""
+    return min(bare_step_seconds() for _ in range(3))
+
+
 def timed_estimate(path: str, gpu: str, batch: int | None, context: int | None, **kw) -> tuple[float, object]:
     from oomtune.model_file import load_model_file
     from oomtune.search.estimate import estimate, make_fake_device
@@ -111,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     import torch
 
-    bare = min(bare_step_seconds() for _ in range(3))  # (the best of three: this machine's speed moves by 15%)
+    bare = best_bare_step()
     print(f"bare fake step: {bare:.2f} s", file=sys.stderr)
     rows = [row("GPT-2 small, T4, batch 32, context 1024", timed_estimate(*GPT2, replays=False),
                 min((timed_estimate(*GPT2) for _ in range(3)), key=lambda r: r[0]), bare)]

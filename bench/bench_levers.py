@@ -64,15 +64,6 @@ def row(what: str, report: dict, wall: float, command: list[str]) -> list[str]:
     return [what, f"`{shlex.join(command)}`", rungs, result, peak, host, str(len(report["trials"])), f"{wall:.0f}"]
 
 
-def gauge() -> float:
-    """This machine's speed now: the best of three warm bare FakeTensorMode steps of GPT-2 small (the unit
-    bench_estimate_speed counts in). Its bare step took 0.23 s at one hour and 0.41-0.55 s five hours later on
-    the same day: walls are compared across runs in these steps."""
-    from bench.bench_estimate_speed import bare_step_seconds
-
-    return min(bare_step_seconds() for _ in range(3))
-
-
 def section(rows: list[list[str]], unit: tuple[float, float]) -> str:
     import torch
 
@@ -99,13 +90,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "RESULTS.md")
     args = ap.parse_args(argv)
     rows = []
-    before = gauge()
+    from bench.bench_estimate_speed import best_bare_step  # (it imports CASES from here)
+
+    before = best_bare_step()
     for i, (what, case) in enumerate(CASES):
         print(f"[{i + 1}/{len(CASES)}] oomtune estimate {' '.join(case)}", file=sys.stderr, flush=True)
         report, wall, command = run_case(case, f"out/bench/llama_7b_{i}.yaml")
         rows.append(row(what, report, wall, command))
         print(f"    {wall:.0f} s: {rows[-1][3][:120]}", file=sys.stderr, flush=True)
-    text = section(rows, (before, gauge()))
+    text = section(rows, (before, best_bare_step()))
     write_section(args.out, "levers", text, heading="## Past accumulation: 7B Llama estimates")
     print(f"wrote the levers section of {args.out}", file=sys.stderr)
     return 0
