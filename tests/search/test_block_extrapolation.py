@@ -230,6 +230,26 @@ def test_blocks_that_differ_are_not_made(tmp_path):
     assert made is None and not whole.oom
 
 
+def test_blocks_told_apart_by_a_number_are_not_alike(tmp_path):
+    """device: fake. local_layers.py at 20 blocks of one class and shapes, the first 6 attending in full and the rest
+    locally (window None against 64), each local one keeping a band mask: the run of alike blocks is the 14 local
+    ones at the end, and a trial made from fewer blocks, where there is one, is the whole model's. Before, blocks
+    were alike by their str and bool settings only: the run was all 20, the 2, 3 and 4 blocks kept were full-
+    attention ones, their traces lined up, and the trial made left out the later blocks' masks (peak 583,008,256 B
+    against 603,979,776 B traced whole). A layer's index (layer_idx, 0 to 31 in a Llama) still leaves its blocks
+    alike (the CASES above)."""
+    text = (Path(__file__).parent / "models" / "local_layers.py").read_text()
+    text = text.replace("LAYERS = 256, 64, 4, 6", "LAYERS = 256, 64, 4, 20").replace("None if i < 2", "None if i < 6")
+    assert "None if i < 6" in text and ", 20\n" in text
+    path = tmp_path / "local20.py"
+    path.write_text(text)
+    made, whole, trials = _blocks_and_whole(path, Plan(2, 64, "fp32"))
+    assert (trials.seen.start, trials.blocks) == (6, 14)
+    if made is not None:  # (today the 2, 3 and 4 local blocks after 6 full ones do not line up: it runs whole)
+        for figure in ("peak_bytes", "peak_allocated_bytes", "modelled_reserved_bytes", "phase_peaks"):
+            assert getattr(made[0], figure) == getattr(whole, figure), figure
+
+
 def test_the_estimate_says_which_trials_were_made_and_chooses_as_the_whole_models(tmp_path):
     """device: fake. The estimate of a 20-layer GPT with blocks made and with every trial traced whole: the same
     plan, peak and breakdown; its records say `extrapolated` for the trials made."""

@@ -173,12 +173,12 @@ def test_the_made_peak_is_sorted_by_the_lives_the_made_step_repeats():
 
 
 def test_a_later_block_that_keeps_something_is_checked_with_the_whole_model(monkeypatch):
-    """device: fake, a card's rules (T4). A model of 6 alike blocks whose later ones build a mask on their first
-    forward and keep it (tests/search/models/local_layers.py): the whole model's first trial of each plan's levers
-    runs both steps and checks; the estimate's plan, breakdown and every trial's figures are those of every
-    trial's two steps run (a check made on its first 2 blocks agreed, and the made steps were off by 3 MiB, one of
-    them under: a review's find). Only trials of a plan that can be the answer (the global batch, alone or
-    accumulated) are recorded for a breakdown."""
+    """device: fake, a card's rules (T4). A model of 6 blocks of the same classes and shapes whose later ones build a
+    mask on their first forward and keep it (tests/search/models/local_layers.py): the whole model's first trial of
+    each plan's levers runs both steps and checks; the estimate's plan, breakdown and every trial's figures are
+    those of every trial's two steps run (a check made on its first 2 blocks agreed, and the made steps were off by
+    3 MiB, one of them under: a review's find). Only trials of a plan that can be the answer (the global batch,
+    alone or accumulated) are recorded for a breakdown."""
     import oomtune.search.replayed_trials as replayed
     from oomtune.search.estimate import estimate, make_fake_device
     from oomtune.search.options import resolve_targets
@@ -198,18 +198,24 @@ def test_a_later_block_that_keeps_something_is_checked_with_the_whole_model(monk
 
 
 def test_a_check_on_fewer_blocks_does_not_hold_for_the_whole_model(tmp_path):
-    """device: fake (the estimate's twin, a T4's rules). The model of local_layers.py at 18 blocks: a check made on
-    its first 2 blocks agrees (neither keeps a mask); the whole model's trial of the same levers checks again (its
-    later blocks keep theirs after the first step) and runs both steps, its figures those of both steps run. Before,
-    the whole model's second step was made from the 2-block check: its tensor peak 121,270,272 B against
-    113,368,576 B run (an estimate falls back to whole trials where the extrapolation from 2, 3 and 4 blocks does
-    not line up, as here)."""
+    """device: fake (the estimate's twin, a T4's rules). The model of local_layers.py at 18 blocks, each told from the
+    others by its index only (layers from the third on attend locally by their code, as `if self.index >= 2`: the
+    blocks are alike, checkpointing._counters), so a check made on its first 2 blocks agrees (neither keeps a mask);
+    the whole model's trial of the same levers checks again (its later blocks keep theirs after the first step) and
+    runs both steps, its figures those of both steps run. Before, the whole model's second step was made from the
+    2-block check: its tensor peak 121,270,272 B against 113,368,576 B run (an estimate falls back to whole trials
+    where the extrapolation from 2, 3 and 4 blocks does not line up, as here)."""
     from oomtune.memory.breakdown import static_memory
     from oomtune.search.fewer_blocks import FewerBlocks, Stacks
 
     path = tmp_path / "local18.py"
-    path.write_text((Path(__file__).parent / "models" / "local_layers.py").read_text()
-                    .replace("LAYERS = 256, 64, 4, 6", "LAYERS = 256, 64, 4, 18"))
+    text = ((Path(__file__).parent / "models" / "local_layers.py").read_text()
+            .replace("LAYERS = 256, 64, 4, 6", "LAYERS = 256, 64, 4, 18")
+            .replace("self.window = window", "self.index = window")
+            .replace("if self.window is not None:", "if self.index >= 2:").replace("triu(-self.window)", "triu(-64)")
+            .replace("Block(None if i < 2 else 64)", "Block(i)"))
+    assert "Block(i)" in text and "self.index >= 2" in text and "self.window" not in text
+    path.write_text(text)
     mf = load_model_file(path)
     blocks = Stacks(*static_memory(mf).repeated_blocks)
     plan, device = Plan(2, 256, "fp32"), FakeDevice("80GiB", gpu=find_gpu("t4"), never_runs_out=True, traces=True)

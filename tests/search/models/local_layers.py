@@ -1,7 +1,8 @@
-"""A tiny causal LM of 6 alike blocks (the same classes and shapes) of which only the later ones do something
-once: from the third on, each is a local-attention layer that builds its band mask from a wide scratch tensor on
-its first forward and keeps it for the steps after. A check of the second step made on the first 2 blocks never
-sees it. device: any (tests run it on fake)."""
+"""A tiny causal LM of 6 blocks of the same classes and shapes of which only the later ones do something once: from
+the third on, each is a local-attention layer (its window 64, the first two's None) that builds its band mask from a
+wide scratch tensor on its first forward and keeps it for the steps after. A check of the second step made on the
+first 2 blocks never sees it; the window setting tells the blocks apart (checkpointing.repeated_runs). device: any
+(tests run it on fake)."""
 
 import torch
 import torch.nn.functional as F
