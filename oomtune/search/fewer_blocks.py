@@ -3,7 +3,8 @@ N of them is made, not traced (memory/repeats.py).
 
 The repeated blocks are the longest run of alike members at the end of the model's block stacks (checkpointing's: a
 transformer's layers; T5's first layer, which holds the relative position bias, stays out of the run), alike meaning
-the same classes, parameter and buffer shapes, dtypes and trainability, and the same flags (a hybrid's layer type).
+the same classes, parameter and buffer shapes, dtypes and trainability, and the same settings (a hybrid's layer type,
+a local layer's window; a layer's index apart: checkpointing._signature).
 Every stack with a run as long as the longest keeps k of its run. The whole model's static build finds them
 (StaticMemory.repeated_blocks), or else a first build, untracked; every fewer-block build is then tracked as the
 whole model's is, with the blocks it cuts never built (cut_when_made): the blocks cut never exist on the device, and
