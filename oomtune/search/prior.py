@@ -185,13 +185,16 @@ def fake_trial_seconds(model_file: ModelFile, plan: Plan, device: Device, steps:
     return time.perf_counter() - start
 
 
-def run_prior(run_ladder, device: Device, label: str) -> PriorReport:
+def run_prior(run_ladder, device: Device, label: str, repeats: tuple | None = None) -> PriorReport:
     """`run_ladder(fake_device, trial) -> ProbeResult` on the fake device standing in for `device`, with
-    ReplayingTrials; the priors of the rungs it searched. Where the fake device cannot stand in or cannot run the
-    model (an op that needs tensor values, too: the prior never computes the model on the host), the report says
-    why and has none (the device then searches as without a prior)."""
+    ReplayingTrials, told the model's repeated blocks (StaticMemory.repeated_blocks: else its first trial measured a
+    model cut to 2 of them only to learn how many there are, and threw it away where they were too few, as they are
+    in most); the priors of the rungs it searched. Where the fake device cannot stand in or cannot run the model (an
+    op that needs tensor values, too: the prior never computes the model on the host), the report says why and has
+    none (the device then searches as without a prior)."""
     fake = prior_device(device)
     trials = ReplayingTrials()
+    trials.blocks.knowing(repeats)
     start = time.perf_counter()
     try:
         result = run_ladder(fake, trials)

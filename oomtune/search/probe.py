@@ -215,7 +215,7 @@ def probe(model_file: ModelFile, device: Device, targets: Targets, *, headroom: 
                         auto, lambda fake, trial: probe(
                             model_file, fake, targets, headroom=headroom, steps=steps, objective=objective, amp=amp,
                             command="estimate", levers=levers, statics=(static, floor), trial=trial, prior=False,
-                            floors=floors),
+                            floors=floors), static.repeated_blocks,
                         ) if estimating else None
         ladder, computed = computing_where_needed(device, model_file.label, lambda: _climb(
             trials, limit, report, rungs, past, targets, world, objective, accumulates, unreachable,
@@ -281,11 +281,12 @@ def _first_notes(model_file: ModelFile, static: StaticMemory, device: Device, ta
 
 
 def _prior(trials: DeviceTrials, model_file: ModelFile, device: Device, first: Point, steps: int, batch: int,
-           auto: bool, ladder: Callable) -> PriorReport:
-    """The prior's report: run (`ladder` on the fake device), or, "auto", skipped where timing the `first` trial
-    (one the search runs anyway, kept for it) on both says it would not pay."""
+           auto: bool, ladder: Callable, repeats: tuple | None) -> PriorReport:
+    """The prior's report: run (`ladder` on the fake device; `repeats`: the model's repeated blocks), or, "auto",
+    skipped where timing the `first` trial (one the search runs anyway, kept for it) on both says it would not
+    pay."""
     why_not = prior_would_not_pay(trials, model_file, device, first, plan_of(first, 1), steps, batch) if auto else None
-    return PriorReport(missing=why_not) if why_not else run_prior(ladder, device, model_file.label)
+    return PriorReport(missing=why_not) if why_not else run_prior(ladder, device, model_file.label, repeats)
 
 
 def flat_margin(device: Device) -> str | None:

@@ -279,6 +279,22 @@ def test_the_probe_from_the_estimate_runs_the_same_plan_in_two_device_trials_a_r
     assert certified.prior.to_json()["replayed_trials"] == 6
 
 
+def test_the_prior_knows_the_models_blocks_from_its_static_build(monkeypatch):
+    """device: cpu (its prior on fake). The prior is told the model's repeated blocks by the probe's static build
+    (3 alike layers of mlp_dict.py, too few to make trials from fewer of them): none of its fake trials runs a model
+    cut to fewer blocks. Before, its first trial measured the model cut to 2 of them only to learn how many there
+    were, threw that away, and ran the trial again whole (6 traced trials for 5)."""
+    import oomtune.search.prior as prior
+    from oomtune.search.fewer_blocks import FewerBlocks
+
+    ran = []
+    real = prior.run_trial
+    monkeypatch.setattr(prior, "run_trial", lambda mf, *a, **k: ran.append(type(mf)) or real(mf, *a, **k))
+    mf = load_model_file(EXAMPLES / "mlp_dict.py")
+    certified = probe(mf, CpuDevice("16MiB"), resolve_targets(mf, 64, 16, None), prior=True)
+    assert certified.prior.trials == 5 and len(ran) == 5 and FewerBlocks not in ran, ran
+
+
 PADDED = """
 import torch
 from torch import nn
