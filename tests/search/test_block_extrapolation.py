@@ -1,7 +1,7 @@
 """A trial of N repeated blocks made from trials of 2, 3 and 4 of them (search/extrapolate.py, memory/repeats.py):
 its figures equal the whole model's trace to the byte, and where the traces do not line up it answers nothing (the
 trial then runs whole). Device: fake (the estimate's never-out twin, which traces). Models: the finetune kinds with
-six layers instead of two, the examples' GPT with nine."""
+six layers instead of two (a BERT classifier among them), the examples' GPT with nine."""
 
 from __future__ import annotations
 
@@ -70,6 +70,7 @@ CASES = [  # (model, layers, plan)
     (MODELS / "hf_mistral_lora_all.py", 6, Plan(2, 32, "bf16", activation_checkpointing=True)),
     (MODELS / "hf_llama_loha.py", 6, Plan(2, 32, "fp32")),
     (MODELS / "hf_self_checkpointing.py", 6, Plan(2, 32, "bf16")),
+    (MODELS / "hf_bert_lora_cls.py", 6, Plan(2, 32, "bf16", activation_checkpointing=True)),  # (a classifier's loss)
     (MODELS / "hf_llama_lora.py", 6, Plan(1, 32, "bf16", activation_checkpointing=True, grad_accum_steps=8)),
     (ROOT / "tests" / "levers" / "models" / "hf_llama_bnb_qlora.py", 6,  # (its host peak is off a line in the blocks)
      Plan(1, 64, "bf16-true", activation_checkpointing=True, optimizer_8bit=True, offload_optimizer=True)),
