@@ -47,14 +47,15 @@ def _settings(member: nn.Module) -> Iterator[tuple[str, str, object]]:
 
 
 def _counters(stack: nn.ModuleList) -> frozenset[tuple[str, str]]:
-    """(submodule, attribute) of each int setting that counts the stack's members (a layer's index: member i holds
-    the first's value plus i), which tells nothing of what a member does; anything else that differs does."""
-    seen: dict[tuple[str, str], list[int]] = {}
+    """(submodule, attribute) of each int setting that counts the stack's members (a layer's index: every member
+    has it, member i holding i plus the same offset), which tells nothing of what a member does; anything else that
+    differs does."""
+    seen: dict[tuple[str, str], list] = {}
     for i, member in enumerate(stack):
         for name, k, v in _settings(member):
-            if type(v) is int:
-                seen.setdefault((name, k), []).append(v - i)
-    return frozenset(key for key, offsets in seen.items() if len(offsets) == len(stack) > 1 and len(set(offsets)) == 1)
+            seen.setdefault((name, k), []).append(v - i if type(v) is int else None)
+    return frozenset(key for key, offsets in seen.items() if len(offsets) == len(stack) > 1 and None not in offsets
+                     and len(set(offsets)) == 1)
 
 
 def _signature(member: nn.Module, counters: frozenset = frozenset()) -> tuple:
