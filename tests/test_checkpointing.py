@@ -1,5 +1,5 @@
 """Activation checkpointing's wrapper (oomtune/checkpointing.py): a recomputed block leaves the buffers its forward
-writes as one forward left them. device: none (real tensors)."""
+writes as one forward left them; which blocks are alike (repeated_runs). device: none (real tensors)."""
 
 from __future__ import annotations
 
@@ -180,3 +180,29 @@ def test_a_forward_that_calls_checkpoint_itself_gets_no_checkpointing_rung(write
     import torch.utils.checkpoint as tuc
 
     assert tuc.checkpoint.__name__ == "checkpoint"  # put back
+
+
+class _Layer(nn.Module):
+    def __init__(self, index: int, window=None, rate: float = 0.0):
+        super().__init__()
+        self.attn = nn.Linear(8, 8)
+        self.attn.layer_idx = index  # (a layer's index, on a submodule as Hugging Face keeps it)
+        self.window, self.rate = window, rate
+
+
+def _runs(*layers: _Layer) -> list[tuple[int, int]]:
+    from oomtune.checkpointing import repeated_runs
+
+    model = nn.Module()
+    model.layers = nn.ModuleList(layers)
+    return [(len(stack), start) for stack, start in repeated_runs(model)]
+
+
+def test_blocks_are_alike_by_every_setting_but_their_index():
+    """The run of alike blocks (what the estimate makes trials from fewer of): a layer's index leaves them alike; a
+    window (None against an int), a rate, or an index that is not every layer's tells them apart."""
+    assert _runs(*(_Layer(i) for i in range(8))) == [(8, 0)]
+    assert _runs(*(_Layer(i, None if i < 3 else 64) for i in range(8))) == [(8, 3)]
+    assert _runs(*(_Layer(i, rate=0.1 * i) for i in range(8))) == []
+    assert _runs(*(_Layer(i, None if i < 3 else i) for i in range(8))) == []  # a window that grows: not an index
+    assert _runs(*(_Layer(i, rate=0.1) for i in range(4)), *(_Layer(i, rate=0.2) for i in range(4, 8))) == [(8, 4)]
