@@ -53,7 +53,7 @@ def segment_size(size: int) -> int:
     return -(-size // ROUND_LARGE) * ROUND_LARGE
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Block:
     segment: int  # the segment's id
     offset: int  # bytes from the segment's start
@@ -62,9 +62,6 @@ class Block:
     free: bool = True
     prev: Block | None = None  # neighbours in the same segment
     next: Block | None = None
-
-    def key(self) -> tuple[int, int, int]:
-        return self.size, self.segment, self.offset  # best fit: the smallest, then the lowest address
 
 
 class OutOfMemory(Exception):
@@ -95,20 +92,24 @@ class CachingAllocatorModel:
     def malloc(self, key: object, nbytes: int) -> None:
         if nbytes <= 0:
             return
-        size = round_size(nbytes)
+        size = -(-nbytes // MIN_BLOCK) * MIN_BLOCK  # round_size's (at least MIN_BLOCK: nbytes > 0)
         small = size <= SMALL_SIZE
-        block = self._best_fit(size, small) or self._new_segment(size, small)
+        pool = self._free[small]
+        i = bisect.bisect_left(pool, (size, -1, -1))  # best fit: the smallest free block that holds it
+        block = self._blocks[pool[i]] if i < len(pool) else self._new_segment(size, small)
         self._take(block)
-        if self._should_split(block, size):
-            rest = Block(block.segment, block.offset + size, block.size - size, small, prev=block, next=block.next)
+        rest = block.size - size
+        if rest >= MIN_BLOCK if small else rest > SMALL_SIZE:  # split: the rest stays cached
+            split = Block(block.segment, block.offset + size, rest, small, prev=block, next=block.next)
             if block.next is not None:
-                block.next.prev = rest
-            block.next, block.size = rest, size
-            self._cache(rest)
+                block.next.prev = split
+            block.next, block.size = split, size
+            self._cache(split)
         block.free = False
         self._handed[key] = block
         self.allocated_bytes += block.size
-        self.peak_allocated_bytes = max(self.peak_allocated_bytes, self.allocated_bytes)
+        if self.allocated_bytes > self.peak_allocated_bytes:
+            self.peak_allocated_bytes = self.allocated_bytes
 
     def resize(self, key: object, nbytes: int) -> None:
         """`key`'s storage now holds `nbytes` (new, or resized in place as FSDP does): the new block is taken
@@ -131,10 +132,13 @@ class CachingAllocatorModel:
             return
         self.allocated_bytes -= block.size
         block.free = True
-        for neighbour in (block.prev, block.next):
-            if neighbour is not None and neighbour.free:
-                self._take(neighbour)
-                self._merge(block, neighbour)
+        prev, after = block.prev, block.next
+        if prev is not None and prev.free:
+            self._take(prev)
+            self._merge(block, prev)
+        if after is not None and after.free:
+            self._take(after)
+            self._merge(block, after)
         self._cache(block)
 
     def reset_peak(self) -> None:
@@ -172,19 +176,14 @@ class CachingAllocatorModel:
         self._cache(block)
         return block
 
-    @staticmethod
-    def _should_split(block: Block, size: int) -> bool:
-        rest = block.size - size
-        return rest >= MIN_BLOCK if block.small else rest > SMALL_SIZE
-
     def _cache(self, block: Block) -> None:
-        k = block.key()
+        k = (block.size, block.segment, block.offset)  # best fit: the smallest, then the lowest address
         self._blocks[k] = block
         bisect.insort(self._free[block.small], k)
 
     def _take(self, block: Block) -> None:
         """Out of the free lists (handed out, or merged into a neighbour)."""
-        k = block.key()
+        k = (block.size, block.segment, block.offset)
         del self._blocks[k]
         pool = self._free[block.small]
         del pool[bisect.bisect_left(pool, k)]

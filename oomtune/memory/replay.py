@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .allocator import CachingAllocatorModel, rounded
+from .allocator import MIN_BLOCK, CachingAllocatorModel, rounded
 from .reading import Reading
 
 
@@ -118,27 +118,34 @@ def replay(lines: Lines, micro_batch: int, model: CachingAllocatorModel,
     live = peak = sum(lines.initial)
     hosts = dict(enumerate(lines.host_initial, start=len(lines.initial)))  # the host's storages, counted apart
     host_live = out.host_peak_bytes = sum(lines.host_initial)
+    malloc, resize = model.malloc, model.resize
     for ev in lines.events:
         kind = ev[0]
-        if kind in ("set", "hset"):
+        if kind == "set":
             _, n, base, per_sample = ev
             raw = base + per_sample * micro_batch
-            if raw < 0:
+            if raw < 0 or n in hosts:  # (a number of the host's: not one trace's lines)
                 return None
-            if n in (sizes if kind == "hset" else hosts):  # a number of the other memory's: not one trace's lines
-                return None
-            if kind == "hset":
-                host_live += rounded(raw) - hosts.get(n, 0)
-                hosts[n] = rounded(raw)
-                out.host_peak_bytes = max(out.host_peak_bytes, host_live)
-                continue
-            size, old = rounded(raw), sizes.get(n)
+            size, old = -(-raw // MIN_BLOCK) * MIN_BLOCK, sizes.get(n)  # (rounded)
             if old == size:  # the tracker records no event for a resize that keeps the rounded size
                 continue
             sizes[n] = size
-            live += size - (old or 0)
-            peak = max(peak, live)
-            model.resize(n, size)
+            if old is None:
+                live += size
+                malloc(n, size)
+            else:
+                live += size - old
+                resize(n, size)
+            if live > peak:
+                peak = live
+        elif kind == "hset":
+            _, n, base, per_sample = ev
+            raw = base + per_sample * micro_batch
+            if raw < 0 or n in sizes:
+                return None
+            host_live += rounded(raw) - hosts.get(n, 0)
+            hosts[n] = rounded(raw)
+            out.host_peak_bytes = max(out.host_peak_bytes, host_live)
         elif kind == "hfree":
             if ev[1] not in hosts:
                 return None
