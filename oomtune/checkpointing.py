@@ -37,24 +37,30 @@ def block_stacks(model: nn.Module) -> list[nn.ModuleList]:
     return taken
 
 
+SCALARS = (str, bool, int, float, type(None))
+
+
 def _settings(member: nn.Module) -> Iterator[tuple[str, str, object]]:
-    """(submodule, attribute, value) of each setting a member's modules hold: a str, bool, int, float or None that
-    is not private (a layer type, a flag, a window size, a dropout rate)."""
+    """(submodule, attribute, value) of each setting a member's modules hold: a str, bool, int, float or None, or a
+    tuple of them, that is not private (a layer type, a flag, a window size, a dropout rate, ModernBERT's local
+    window as a pair)."""
     for name, m in member.named_modules():
         for k, v in vars(m).items():
-            if not k.startswith("_") and (v is None or isinstance(v, (str, bool, int, float))):
+            if not k.startswith("_") and (isinstance(v, SCALARS)
+                                          or isinstance(v, tuple) and all(isinstance(x, SCALARS) for x in v)):
                 yield name, k, v
 
 
 def _counters(stack: nn.ModuleList) -> frozenset[tuple[str, str]]:
     """(submodule, attribute) of each int setting that counts the stack's members (a layer's index: every member
-    has it, member i holding i plus the same offset), which tells nothing of what a member does; anything else that
-    differs does."""
+    that has it holds an int, member i's i plus the same offset), which tells nothing of what a member does;
+    anything else that differs does. Members without it are compared without it: a hybrid's first layer that
+    keeps its index on another submodule leaves the others a run."""
     seen: dict[tuple[str, str], list] = {}
     for i, member in enumerate(stack):
         for name, k, v in _settings(member):
             seen.setdefault((name, k), []).append(v - i if type(v) is int else None)
-    return frozenset(key for key, offsets in seen.items() if len(offsets) == len(stack) > 1 and None not in offsets
+    return frozenset(key for key, offsets in seen.items() if len(offsets) > 1 and None not in offsets
                      and len(set(offsets)) == 1)
 
 

@@ -199,10 +199,17 @@ def _runs(*layers: _Layer) -> list[tuple[int, int]]:
 
 
 def test_blocks_are_alike_by_every_setting_but_their_index():
-    """The run of alike blocks (what the estimate makes trials from fewer of): a layer's index leaves them alike; a
-    window (None against an int), a rate, or an index that is not every layer's tells them apart."""
+    """The run of alike blocks (what the estimate makes trials from fewer of): a layer's index leaves them alike,
+    from any offset, also where the first layer keeps its own elsewhere; a window (None against an int, or a pair),
+    a rate, or an int that grows but not with every layer tells them apart."""
     assert _runs(*(_Layer(i) for i in range(8))) == [(8, 0)]
     assert _runs(*(_Layer(i, None if i < 3 else 64) for i in range(8))) == [(8, 3)]
     assert _runs(*(_Layer(i, rate=0.1 * i) for i in range(8))) == []
     assert _runs(*(_Layer(i, None if i < 3 else i) for i in range(8))) == []  # a window that grows: not an index
     assert _runs(*(_Layer(i, rate=0.1) for i in range(4)), *(_Layer(i, rate=0.2) for i in range(4, 8))) == [(8, 4)]
+    assert _runs(*(_Layer(i + 10) for i in range(8))) == [(8, 0)]  # an index from another offset
+    assert _runs(*(_Layer(i, (-1, -1) if i < 4 else (64, 64)) for i in range(8))) == [(8, 4)]  # a pair (ModernBERT)
+    first = _Layer(0)
+    del first.attn.layer_idx  # (its index elsewhere: a hybrid's first layer)
+    first.mixer_idx = 0
+    assert _runs(first, *(_Layer(i) for i in range(1, 8))) == [(8, 1)]

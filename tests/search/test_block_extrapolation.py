@@ -234,7 +234,7 @@ def test_blocks_that_differ_are_not_made(tmp_path):
 def test_blocks_told_apart_by_a_number_are_not_alike(tmp_path):
     """device: fake. local_layers.py at 20 blocks of one class and shapes, the first 6 attending in full and the rest
     locally (window None against 64), each local one keeping a band mask: the run of alike blocks is the 14 local
-    ones at the end, and a trial made from fewer blocks, where there is one, is the whole model's. Before, blocks
+    ones at the end (behind 6 near-alike blocks they do not line up today, and the trial runs whole). Before, blocks
     were alike by their str and bool settings only: the run was all 20, the 2, 3 and 4 blocks kept were full-
     attention ones, their traces lined up, and the trial made left out the later blocks' masks (peak 583,008,256 B
     against 603,979,776 B traced whole). A layer's index (layer_idx, 0 to 31 in a Llama) still leaves its blocks
@@ -246,9 +246,9 @@ def test_blocks_told_apart_by_a_number_are_not_alike(tmp_path):
     path.write_text(text)
     made, whole, trials = _blocks_and_whole(path, Plan(2, 64, "fp32"))
     assert (trials.seen.start, trials.blocks) == (6, 14)
-    if made is not None:  # (today the 2, 3 and 4 local blocks after 6 full ones do not line up: it runs whole)
-        for figure in ("peak_bytes", "peak_allocated_bytes", "modelled_reserved_bytes", "phase_peaks"):
-            assert getattr(made[0], figure) == getattr(whole, figure), figure
+    # the 2, 3 and 4 local blocks after 6 full ones do not line up today (memory/repeats.py): the trial runs whole
+    assert made is None, "they line up now: check the made trial's figures against the whole model's here"
+    assert not whole.oom
 
 
 def test_the_estimate_says_which_trials_were_made_and_chooses_as_the_whole_models(tmp_path):
