@@ -154,11 +154,6 @@ class CachingAllocatorModel:
                 del self._first[seg]
 
     # -- inside -----------------------------------------------------------------------------------
-    def _best_fit(self, size: int, small: bool) -> Block | None:
-        pool = self._free[small]
-        i = bisect.bisect_left(pool, (size, -1, -1))
-        return self._blocks[pool[i]] if i < len(pool) else None
-
     def _new_segment(self, size: int, small: bool) -> Block:
         alloc = segment_size(size)
         if self.capacity_bytes is not None and self.reserved_bytes + alloc > self.capacity_bytes:
