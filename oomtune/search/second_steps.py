@@ -57,8 +57,8 @@ class SecondSteps:
                 raise AssertionError("a trial whose second step is made was not traced")
             return reading
         if mode == "check":
-            self.agreed[_key(plan), fewer] = second_step_agrees(reading.events, initial, host_initial, reading.points,
-                                                         reading.loss_key)
+            self.agreed[_key(plan), fewer] = second_step_agrees(reading.events, initial, host_initial,
+                                                                reading.points, reading.loss_key)
             return reading
         keys = {k for k, _ in (*initial, *host_initial)}
         made_events = with_second_step(reading.events, keys, reading.points, reading.loss_key)
