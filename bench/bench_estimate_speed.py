@@ -8,7 +8,8 @@
 - A 1B LoRA's search for the longest context on a T4 (LONG), with every context traced and by default (micro-batch
   1 at other contexts replayed from four: memory/context_curves.py).
 - The 7B questions of `make bench-levers` asked of a model file, with every trial traced whole (`min_blocks=0`) and
-  by default (repeated blocks made from traces of 2, 3 and 4 of them, sizes replayed).
+  by default (repeated blocks made from traces of 2, 3 and 4 of them, sizes replayed), the latter also with no
+  forked copies tracing side by side (search/fan_out.py; the 1B's question too).
 
 Each pair must choose the same plan with the same peak, to the byte. Written into bench/RESULTS.md between
 `<!-- estimate-speed:begin -->` and `<!-- estimate-speed:end -->`.
@@ -101,12 +102,26 @@ def _sources(result) -> str:
     return ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
 
 
-def row(what: str, before: tuple, after: tuple, unit: float | None) -> str:
+def alone(run):
+    """`run()` with every measurement in this process (fan_out.PROCESSES = 1: no copies side by side)."""
+    from oomtune.search import fan_out
+
+    processes, fan_out.PROCESSES = fan_out.PROCESSES, 1
+    try:
+        return run()
+    finally:
+        fan_out.PROCESSES = processes
+
+
+def row(what: str, before: tuple, after: tuple, unit: float | None, one: tuple | None = None) -> str:
+    """A question's row; `one`: the defaults in one process (no copies), where copies run side by side."""
     (tb, rb), (ta, ra) = before, after
-    same = rb.plan == ra.plan and rb.breakdown.peak_bytes == ra.breakdown.peak_bytes
+    same = rb.plan == ra.plan and rb.breakdown.peak_bytes == ra.breakdown.peak_bytes and \
+        (one is None or (one[1].plan, one[1].breakdown) == (ra.plan, ra.breakdown))  # (copies: the whole breakdown)
     ratio = f" | {tb / unit:.0f}x -> {ta / unit:.0f}x" if unit else " | "
     plan = ra.plan.describe(with_global=False) if ra.plan is not None else "nothing fits"
-    return (f"| {what} | {tb:.1f} s ({_sources(rb)}) | {ta:.1f} s ({_sources(ra)}){ratio} | {plan} | "
+    alone_text = f"{one[0]:.1f} s" if one else "-"
+    return (f"| {what} | {tb:.1f} s ({_sources(rb)}) | {alone_text} | {ta:.1f} s ({_sources(ra)}){ratio} | {plan} | "
             f"{rb.breakdown.peak_bytes:,} | {ra.breakdown.peak_bytes:,} | {'yes' if same else '**no**'} |")
 
 
@@ -123,14 +138,16 @@ def main(argv: list[str] | None = None) -> int:
                 min((timed_estimate(*GPT2) for _ in range(3)), key=lambda r: r[0]), bare)]
     print(rows[-1], file=sys.stderr)
     rows.append(row("1B Llama LoRA, T4 at 7 GiB, batch 16, the longest context of 128-2048 (amp, checkpointing, "
-                    "accumulation)", timed_context_search(traced=True), timed_context_search(traced=False), None))
+                    "accumulation)", timed_context_search(traced=True), timed_context_search(traced=False), None,
+                    alone(lambda: timed_context_search(traced=False))))
     print(rows[-1], file=sys.stderr)
     for what, case in ([] if args.skip_7b else CASES):
         path, gpu = case[0], case[case.index("--gpu") + 1]
         if not path.endswith(".py"):  # (the Hugging Face folder row asks a model file's question again)
             continue
-        rows.append(row(f"7B Llama, {what}", timed_estimate(path, gpu, None, None, min_blocks=0, made_steps=False),
-                        timed_estimate(path, gpu, None, None), None))
+        before = timed_estimate(path, gpu, None, None, min_blocks=0, made_steps=False)
+        one = alone(lambda: timed_estimate(path, gpu, None, None))  # noqa: B023 - called here
+        rows.append(row(f"7B Llama, {what}", before, timed_estimate(path, gpu, None, None), None, one))
         print(rows[-1], file=sys.stderr)
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     text = "\n".join([
@@ -143,22 +160,26 @@ def main(argv: list[str] | None = None) -> int:
         f"One bare FakeTensorMode training step of GPT-2 small (micro-batch 4, context 1024, fp32, AdamW; warm, the "
         f"best of three): {bare:.2f} s. GPT-2 small's ladder as the estimate runs: the best of three runs.",
         "",
-        "| question | every trial traced whole | as the estimate runs | in bare steps | plan | peak before, B | "
-        "peak after, B | same plan and bytes |",
-        "| --- | ---: | ---: | ---: | --- | ---: | ---: | --- |",
+        "| question | every trial traced whole | as the estimate runs, in one process | as the estimate runs | "
+        "in bare steps | plan | peak before, B | peak after, B | same plan and bytes |",
+        "| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | --- |",
         *rows,
         "",
         "Before: GPT-2 small with `replays=False`, the 1B's with every context traced (no context curves), the 7B "
         "questions with `min_blocks=0, made_steps=False` (each trial traced whole, both steps run; the 7B's sizes "
         "still replayed). After: the defaults. The trial counts say how each figure was found: run (traced whole, "
         "both steps), first-step-run (the second step made from the first), replayed (from two sizes, or from four "
-        "contexts), extrapolated (from 2, 3 and 4 repeated blocks). The 7B columns pass "
+        "contexts), extrapolated (from 2, 3 and 4 repeated blocks). As the estimate runs, a trial made from fewer "
+        "blocks traces 2 of them first, then 3 in a forked copy of the process while this one traces 4 "
+        "(search/fan_out.py; the floors too); in one process: the same with no copies, whose breakdown and plan "
+        "must be the same to the byte. The 7B columns pass "
         "the rungs past accumulation whose floor does not fit (rung_floors.py, with their bounds; the floors made "
         "from 2, 3 and 4 blocks only after), make the 8-bit AdamW's fake chunks and NF4's dequantizations and "
         "quantizations from the first of their kind (memory/made_calls.py) and check the first loss on 2 blocks, "
-        "so neither is the code before issue 40. Both columns run in this one process, the defaults after the "
-        "traced-whole run of the same question: its imports, FakeTensorMode's dispatch cache and the first-of-kind "
-        "patterns are warm, so a cold `oomtune estimate` of the same question takes longer (make bench-levers, "
+        "so neither is the code before issue 40. The columns run in this one process (its copies apart), the "
+        "defaults after the traced-whole and the one-process runs of the same question: its imports, FakeTensorMode's "
+        "dispatch cache and the first-of-kind patterns are warm, so a cold `oomtune estimate` of the same question "
+        "takes longer (make bench-levers, "
         "Python's start and imports included).",
     ])
     write_section(args.out, "estimate-speed", text, heading="## Estimate speed")

@@ -7,6 +7,7 @@ the trial (or floor) runs whole."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -17,6 +18,7 @@ from ..memory.devices import FakeDevice
 from ..memory.life_kinds import peak_parts
 from ..memory.repeats import Template
 from ..memory.replay import Lines, Trace
+from . import fan_out
 from .fewer_blocks import FewerBlocks, Stacks
 from .trial import TrialResult
 
@@ -80,6 +82,7 @@ class BlockTrials:
         self.blocks: int | None = None  # the model's repeated blocks, once seen (0: none)
         self.seen = None  # what the first build found (fewer_blocks.Stacks): later builds cut as they are made
         self.off: set[Plan] = set()  # rungs (plans at micro-batch 1) where the three did not line up
+        self.fourth = False  # a trial's traces lined up only with a fourth
 
     def knowing(self, repeats: tuple | None) -> BlockTrials:
         """Told what the whole model's build found (StaticMemory.repeated_blocks): no fewer-block build then builds
@@ -105,28 +108,58 @@ class BlockTrials:
             self.blocks, self.seen = fewer.repeated or 0, fewer.seen
         return self.blocks >= self.min_blocks, out
 
-    def trial(self, model_file, plan: Plan, device: FakeDevice, run: Callable) -> tuple[TrialResult, object] | None:
+    def fanned(self, tasks: list[Callable], carried: tuple = ()) -> fan_out.Fanned:
+        """The tasks (each a `measured`): the first here, the others side by side in copies of this process once it
+        has found the model's blocks enough to cut (fan_out.py); what the copies' tasks changed here that matters
+        later is handed back: a model whose blocks cannot be cut, and `carried`'s states."""
+        def handed():
+            return self.blocks, self.seen.cut if self.seen is not None else None, [c.handed() for c in carried]
+
+        def take(state):
+            blocks, cut, states = state
+            self.blocks = 0 if blocks == 0 else self.blocks
+            if cut is False and self.seen is not None:
+                self.seen.cut = False
+            for c, s in zip(carried, states, strict=True):
+                c.take(s)
+
+        def may() -> bool:
+            for c in carried:
+                c.mark()
+            return bool(self.blocks) and self.blocks >= self.min_blocks
+
+        return fan_out.Fanned(tasks, handed, take, may)
+
+    def trial(self, model_file, plan: Plan, device: FakeDevice, run: Callable,
+              carried: tuple = ()) -> tuple[TrialResult, object] | None:
         """`run(model_file, plan) -> (TrialResult, breakdown or None)` on the three fewer-block model files; the
-        trial at all the blocks and its breakdown (None where a breakdown did not line up), or None."""
+        trial at all the blocks and its breakdown (None where a breakdown did not line up), or None. The three run
+        side by side where they can (fanned); `carried`: what `run` changes that later trials depend on (each with
+        `handed()` and `take(state)`: SecondSteps' verdicts)."""
         key = dataclasses.replace(plan, micro_batch_size=1, global_batch_size=0)
         if key in self.off:
             return None
         start = time.perf_counter()
         runs: list = []
         template = None
-        for keep in (KEPT, KEPT + 1, KEPT + 2, KEPT + 3):  # a fourth trace only where three do not line up
-            ok, out = self.measured(model_file, keep, lambda fewer: run(fewer, plan))
-            if not ok:
-                self.off.add(key)
-                return None
-            result, bd = out
-            if result.oom or result.trace is None:
-                self.off.add(key)
-                return None
-            runs.append((result, bd))
-            template = Template.fit([r.trace for r, _ in runs], KEPT) if len(runs) >= 3 else None
-            if template is not None:
-                break
+        measure = [functools.partial(self.measured, model_file, keep, lambda fewer: run(fewer, plan))
+                   for keep in (KEPT, KEPT + 1, KEPT + 2, KEPT + 3)]  # a fourth only where three do not line up
+        ahead = 4 if self.fourth else 3  # (with the three, side by side, once a trial needed it)
+        with self.fanned(measure[:ahead], carried) as fanned:
+            for i in range(4):
+                ok, out = fanned.result(i) if i < ahead else measure[i]()
+                if not ok:
+                    self.off.add(key)
+                    return None
+                result, bd = out
+                if result.oom or result.trace is None:
+                    self.off.add(key)
+                    return None
+                runs.append((result, bd))
+                template = Template.fit([r.trace for r, _ in runs], KEPT) if len(runs) >= 3 else None
+                if template is not None:
+                    self.fourth |= len(runs) > 3
+                    break
         made = self._made(plan, device, runs, template) if template is not None else None
         if made is None:
             self.off.add(key)

@@ -144,7 +144,7 @@ class ReplayingTrials:
     def run_one(self, model_file: ModelFile, plan: Plan, device: FakeDevice, steps: int, dist) -> TrialResult:
         """One trial run (traced), not replayed: from fewer of its blocks where that lines up (BlockTrials)."""
         made = self.blocks.trial(model_file, plan, device, lambda fewer, p: (
-            run_trial(fewer, p, device, steps, dist=dist, second=self.second), None))
+            run_trial(fewer, p, device, steps, dist=dist, second=self.second), None), (self.second,))
         return made[0] if made is not None else run_trial(model_file, plan, device, steps, dist=dist,
                                                           second=self.second)
 

@@ -42,7 +42,7 @@ class ReplayedTrials(ReplayingTrials):
             measure = lambda mf, p: recorded_trial(mf, p, device, steps, dist, trial)  # noqa: E731
         else:
             measure = lambda mf, p: (trial(mf, p, device, steps, dist=dist), None)  # noqa: E731
-        made = self.blocks.trial(model_file, plan, device, measure)
+        made = self.blocks.trial(model_file, plan, device, measure, (self.second,))
         result, bd = made or measure(model_file, plan)
         if bd is not None:
             self.breakdowns[plan] = bd

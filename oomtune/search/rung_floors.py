@@ -10,6 +10,7 @@ trials to find micro-batch 1 out of memory)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 from ..config.schema import Plan
@@ -59,12 +60,15 @@ class RungFloors:
         if self.blocks is None:
             return None
         statics = []
-        for keep in (KEPT, KEPT + 1, KEPT + 2):
-            ok, static = self.blocks.measured(
-                self.model_file, keep, lambda fewer: static_memory(fewer, plan, levers, checks=False))
-            if not ok:
-                return None
-            statics.append(static)
+        measure = [functools.partial(self.blocks.measured, self.model_file, keep,
+                                     lambda fewer: static_memory(fewer, plan, levers, checks=False))
+                   for keep in (KEPT, KEPT + 1, KEPT + 2)]
+        with self.blocks.fanned(measure) as three:  # (side by side where they can: fan_out.py)
+            for i in range(3):
+                ok, static = three.result(i)
+                if not ok:
+                    return None
+                statics.append(static)
         made = extrapolated_static(statics, self.blocks.blocks)
         if made is not None:
             self.extrapolated.add(plan)

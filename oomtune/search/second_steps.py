@@ -37,6 +37,23 @@ class SecondSteps:
         self.agreed: dict[tuple[Plan, bool], bool] = {}
         self.whole = False  # run every step (estimate(made_steps=False); an answer whose made peak had no breakdown)
         self.made = 0  # trials whose second step was made
+        self._base = 0  # self.made at mark()
+
+    def mark(self) -> None:
+        """Before trials run side by side in copies of this process (fan_out.py): what they add is counted from
+        here."""
+        self._base = self.made
+
+    def handed(self) -> tuple:
+        """(In a copy) what its trials found: the verdicts, the made steps since mark()."""
+        return dict(self.agreed), self.made - self._base
+
+    def take(self, state: tuple) -> None:
+        """A copy's findings kept here: a check that failed there stands here too."""
+        agreed, made = state
+        for key, verdict in agreed.items():
+            self.agreed[key] = self.agreed.get(key, True) and verdict
+        self.made += made
 
     def mode(self, plan: Plan, device, steps: int, world_size: int, fewer: bool = False) -> str | None:
         """"check" (run both, compare), "make" (run one, make the second) or None (run them all, as asked);

@@ -1,0 +1,174 @@
+"""Independent traced measurements run side by side, each in a forked copy of this process, on the machine's other
+cores: the three fewer-block trials a made trial needs (extrapolate.BlockTrials), the three floors a rung's is made
+from (rung_floors.py). A fake-tensor trace computes nothing and shares nothing with the next: run in a copy, it
+records the events it would record here, and its result comes back pickled. The caller gets each task's result as
+if it had run the tasks here in order; whatever a copy cannot do (no fork on this platform, one core, CUDA started in
+this process, a result that does not pickle, a copy that dies or takes far longer than the one run here) is run
+here instead, after the others, so a fan-out is never the cause of an answer, only of its speed.
+
+A copy runs with no output (its stdout and stderr go nowhere: a progress display's thread may hold their locks at
+the fork), one torch thread, and leaves by os._exit (no exit handlers, no flush of buffers it inherited)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import pickle
+import select
+import signal
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+
+T = TypeVar("T")
+
+PROCESSES: int | None = None  # at most this many at once (None: one per core this process may run on); 1: no copies
+SLOWER = 20.0  # a copy that runs this many times longer than the task run here (and past MIN_WAIT) is given up on
+MIN_WAIT = 120.0  # seconds
+
+_IN_COPY: list[bool] = []  # inside a copy: it fans out no further
+_RUNNING: set[int] = set()  # copies started and not yet waited for
+
+
+def cores() -> int:
+    with contextlib.suppress(AttributeError, OSError):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def can_fan_out() -> bool:
+    """Copies can run here: fork exists (Linux), two or more cores, not inside a copy, CUDA not started (a forked
+    process cannot use it, and its state would be shared)."""
+    wanted = cores() if PROCESSES is None else PROCESSES
+    return (sys.platform == "linux" and hasattr(os, "fork") and wanted >= 2 and not _IN_COPY
+            and not torch.cuda.is_initialized())
+
+
+class Fanned:
+    """Each task's result, fetched in order with `result(i)`, as if the tasks ran here one after another, each when
+    first fetched (a caller that stops at a failed one runs no more). The first runs here alone: it fills the
+    caches every later one reads (FakeTensor's dispatch cache, the first-of-their-kind calls: made_calls.py), which
+    copies made before it would each fill again. Fetching the second then starts every task between the first and
+    the last in a copy, where copies can run and `may()` says so, runs the last here, and takes the copies'
+    results. `handed` (run in a copy after its task) gives state the task changed there that this process must
+    keep (a check's verdict); `take` (run here) merges it. A task whose copy failed runs here when fetched."""
+
+    def __init__(self, tasks: list[Callable[[], T]], handed: Callable[[], object] | None = None,
+                 take: Callable[[object], None] | None = None, may: Callable[[], bool] = lambda: True):
+        self.tasks = tasks
+        self.handed, self.take, self.may = handed, take, may
+        self.done: dict[int, T] = {}
+        self.copies: list[tuple[int, int]] = []
+
+    def result(self, i: int) -> T:
+        if i not in self.done and 0 in self.done and len(self.done) == 1 and len(self.tasks) > 2 \
+                and can_fan_out() and self.may():
+            self._side_by_side()
+        if i not in self.done:
+            self.done[i] = self.tasks[i]()
+        return self.done[i]
+
+    def __enter__(self) -> Fanned:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        """Copies whose results were never taken are stopped (after an error here)."""
+        copies, self.copies = self.copies, []
+        for pid, read in copies:
+            os.close(read)
+            _stop(pid)
+
+    def _side_by_side(self) -> None:
+        self.copies = [_start(task, self.handed) for task in self.tasks[1:-1]]
+        start = time.perf_counter()
+        self.done[len(self.tasks) - 1] = self.tasks[-1]()
+        deadline = start + max(MIN_WAIT, SLOWER * (time.perf_counter() - start))
+        copies, self.copies = self.copies, []
+        try:
+            for i, copy in enumerate(copies, start=1):
+                got = _finish(copy, deadline)
+                if got is not None:
+                    value, state = got
+                    if self.take is not None and state is not None:
+                        self.take(state)
+                    self.done[i] = value
+        finally:
+            for pid, _ in copies:  # (any still running: given up on)
+                _stop(pid)
+
+
+def _start(task: Callable[[], T], handed: Callable[[], object] | None) -> tuple[int, int]:
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid:
+        os.close(write)
+        _RUNNING.add(pid)
+        return pid, read
+    os.close(read)  # the copy: run the task, send (value, state), leave
+    code = 1
+    try:
+        _IN_COPY.append(True)
+        _quiet()
+        value = task()
+        data = pickle.dumps((value, handed() if handed is not None else None), protocol=pickle.HIGHEST_PROTOCOL)
+        with os.fdopen(write, "wb") as f:
+            f.write(data)
+        code = 0
+    except BaseException:  # noqa: BLE001 - whatever it is, the task runs again in the parent
+        pass
+    finally:
+        os._exit(code)
+
+
+def _quiet() -> None:
+    """A copy's output goes nowhere, its warnings and logs too; SIGINT is the parent's to act on."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    null = os.open(os.devnull, os.O_WRONLY)
+    for fd in (1, 2):
+        os.dup2(null, fd)
+    sys.stdout = sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - for the copy's life
+    warnings.simplefilter("ignore")
+    logging.disable(logging.CRITICAL)
+    torch.set_num_threads(1)
+
+
+def _finish(copy: tuple[int, int], deadline: float) -> tuple | None:
+    """(value, state) a copy sent, or None where it failed or passed the deadline (it is stopped then). The copy is
+    waited for here, once it has sent all."""
+    pid, read = copy
+    chunks = []
+    try:
+        while True:
+            left = deadline - time.perf_counter()
+            if left <= 0 or not select.select([read], [], [], left)[0]:
+                return None
+            chunk = os.read(read, 1 << 20)
+            if not chunk:
+                break
+            chunks.append(chunk)
+    finally:
+        os.close(read)
+    _, status = os.waitpid(pid, 0)
+    _RUNNING.discard(pid)
+    if status != 0 or not chunks:
+        return None
+    try:
+        return pickle.loads(b"".join(chunks))
+    except Exception:  # noqa: BLE001 - run here instead
+        return None
+
+
+def _stop(pid: int) -> None:
+    """A copy not yet waited for is killed and waited for (one waited for is left alone: its number may be
+    another process's now)."""
+    if pid not in _RUNNING:
+        return
+    _RUNNING.discard(pid)
+    with contextlib.suppress(ChildProcessError, ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)

@@ -1,0 +1,114 @@
+"""Measurements side by side in forked copies of the process (search/fan_out.py): each result is the one the task
+gives run here, in order; whatever a copy cannot do is run here; an estimate made with copies is the estimate made
+in one process, to the byte. Devices: none (the unit tests), fake (the estimates)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import pytest
+
+from oomtune.memory.cards import find_gpu
+from oomtune.memory.devices import FakeDevice
+from oomtune.model_file import load_model_file
+from oomtune.search import fan_out
+from oomtune.search.estimate import estimate
+from oomtune.search.options import resolve_targets
+from tests.search.test_block_extrapolation import ROOT, _deeper
+
+pytestmark = pytest.mark.skipif(not fan_out.can_fan_out(), reason="no fork here, or one core: nothing side by side")
+
+
+@pytest.fixture
+def started(monkeypatch) -> list[int]:
+    """The copies started (counted here, in the parent)."""
+    count: list[int] = []
+    start = fan_out._start
+
+    def counted(task, handed):
+        count.append(1)
+        return start(task, handed)
+
+    monkeypatch.setattr(fan_out, "_start", counted)
+    return count
+
+
+def where(i: int):
+    return lambda: (i, os.getpid(), bool(fan_out._IN_COPY))
+
+
+def test_the_first_runs_here_then_the_middle_ones_in_copies_and_the_last_here(started):
+    fanned = fan_out.Fanned([where(i) for i in range(4)])
+    results = [fanned.result(i) for i in range(4)]
+    assert [r[0] for r in results] == [0, 1, 2, 3]
+    assert [r[2] for r in results] == [False, True, True, False]  # 1 and 2 in copies
+    assert results[0][1] == results[3][1] == os.getpid() != results[1][1] != results[2][1]
+    assert len(started) == 2
+
+
+def test_a_caller_that_stops_after_the_first_starts_no_copy(started):
+    with fan_out.Fanned([where(i) for i in range(3)]) as fanned:
+        assert fanned.result(0)[0] == 0
+    assert started == []
+
+
+def test_a_copy_that_fails_or_cannot_send_its_result_is_run_here(started):
+    def fails_in_a_copy():
+        if fan_out._IN_COPY:
+            raise RuntimeError("only there")
+        return "here"
+
+    def dies_in_a_copy():
+        if fan_out._IN_COPY:
+            os._exit(3)
+        return "here too"
+
+    def unpicklable():
+        return (lambda: 1) if fan_out._IN_COPY else "and here"
+
+    tasks = [where(0), fails_in_a_copy, dies_in_a_copy, unpicklable, where(4)]
+    fanned = fan_out.Fanned(tasks)
+    assert [fanned.result(i) for i in range(4)][1:] == ["here", "here too", "and here"]
+    assert len(started) == 3
+
+
+def test_state_a_copy_hands_back_is_taken_here():
+    box = {"verdicts": []}
+
+    def check(i):
+        def task():
+            box["verdicts"].append(i)  # (in a copy: its own box)
+            return i
+        return task
+
+    taken = []
+    fanned = fan_out.Fanned([check(i) for i in range(4)], handed=lambda: list(box["verdicts"]), take=taken.append)
+    assert [fanned.result(i) for i in range(4)] == [0, 1, 2, 3]
+    assert box["verdicts"] == [0, 3]  # run here
+    assert sorted(taken) == [[0, 1], [0, 2]]  # each copy's: what it had (0, from before the fork) and its own
+
+
+def test_one_process_or_may_not_runs_all_here(started, monkeypatch):
+    fanned = fan_out.Fanned([where(i) for i in range(3)], may=lambda: False)
+    assert not any(fanned.result(i)[2] for i in range(3))
+    monkeypatch.setattr(fan_out, "PROCESSES", 1)
+    fanned = fan_out.Fanned([where(i) for i in range(3)])
+    assert not any(fanned.result(i)[2] for i in range(3))
+    assert started == []
+
+
+def test_an_estimate_with_copies_is_the_one_made_in_one_process(tmp_path: Path, started, monkeypatch):
+    """device: fake. A 20-layer GPT: the trials made from 2, 3 and 4 of its blocks (and the floors) with 3 and 4
+    traced in copies give the plan, the breakdown and every trial's figures of the estimate run in one process."""
+    mf = load_model_file(_deeper(tmp_path, ROOT / "examples" / "tiny_gpt.py", 20))
+    targets = resolve_targets(mf, None, None, None)
+    side = estimate(mf, FakeDevice("700MiB", gpu=find_gpu("generic")), targets)
+    assert started, "no copy ran"
+    monkeypatch.setattr(fan_out, "PROCESSES", 1)
+    alone = estimate(mf, FakeDevice("700MiB", gpu=find_gpu("generic")), targets)
+    assert side.plan == alone.plan and side.breakdown == alone.breakdown
+    figures = lambda r: dataclasses.replace(r, seconds=0.0, build_seconds=0.0)  # noqa: E731
+    assert [figures(r) for r in side.search.records] == [figures(r) for r in alone.search.records]
+    assert "extrapolated" in {r.source for r in side.search.records}
