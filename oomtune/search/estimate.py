@@ -205,6 +205,8 @@ def _replayed(model_file, device, targets, headroom, steps, objective, amp, on_s
                        trial=trials, floors=floors)
     except NeedsValues:
         return None
+    finally:
+        trials.close()  # (a copy tracing ahead what the search did not ask for)
     recording.breakdowns.update(trials.breakdowns)
     if search.config is None:
         return search

@@ -123,12 +123,12 @@ class BlockTrials:
             for c, s in zip(carried, states, strict=True):
                 c.take(s)
 
-        def may() -> bool:
+        def ready() -> bool:  # (the copies' counts start here)
             for c in carried:
                 c.mark()
             return bool(self.blocks) and self.blocks >= self.min_blocks
 
-        return fan_out.Fanned(tasks, handed, take, may)
+        return fan_out.Fanned(tasks, handed, take, ready)
 
     def trial(self, model_file, plan: Plan, device: FakeDevice, run: Callable,
               carried: tuple = ()) -> tuple[TrialResult, object] | None:

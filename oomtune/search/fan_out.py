@@ -1,10 +1,11 @@
 """Independent traced measurements run side by side, each in a forked copy of this process, on the machine's other
-cores: the three fewer-block trials a made trial needs (extrapolate.BlockTrials), the three floors a rung's is made
-from (rung_floors.py). A fake-tensor trace computes nothing and shares nothing with the next: run in a copy, it
-records the events it would record here, and its result comes back pickled. The caller gets each task's result as
-if it had run the tasks here in order; whatever a copy cannot do (no fork on this platform, one core, CUDA started in
-this process, a result that does not pickle, a copy that dies or takes far longer than the one run here) is run
-here instead, after the others, so a fan-out is never the cause of an answer, only of its speed.
+cores: the fewer-block trials a made trial needs and the floors a rung's is made from (Fanned: extrapolate.py,
+rung_floors.py), and a rung's micro-batch 1 while its target is traced (Ahead: replayed_trials.py). A fake-tensor
+trace computes nothing and shares nothing with the next: run in a copy, it records the events it would record here,
+and its result comes back pickled. The caller gets each task's result as if it had run the task here; whatever a
+copy cannot do (no fork on this platform, one core, CUDA started in this process, no process or pipe left, a result
+that does not pickle, a copy that dies or takes far longer than the task run here beside it) is run here instead,
+so a copy is never the cause of an answer, only of its speed.
 
 A copy runs with no output (its stdout and stderr go nowhere: a progress display's thread may hold their locks at
 the fork), one torch thread, and leaves by os._exit (no exit handlers, no flush of buffers it inherited)."""
@@ -27,7 +28,7 @@ import torch
 
 T = TypeVar("T")
 
-PROCESSES: int | None = None  # at most this many at once (None: one per core this process may run on); 1: no copies
+PROCESSES: int | None = None  # the cores to count on (None: those this process may run on); below 2: no copies
 SLOWER = 20.0  # a copy that runs this many times longer than the task run here (and past MIN_WAIT) is given up on
 MIN_WAIT = 120.0  # seconds
 
@@ -54,20 +55,21 @@ class Fanned:
     first fetched (a caller that stops at a failed one runs no more). The first runs here alone: it fills the
     caches every later one reads (FakeTensor's dispatch cache, the first-of-their-kind calls: made_calls.py), which
     copies made before it would each fill again. Fetching the second then starts every task between the first and
-    the last in a copy, where copies can run and `may()` says so, runs the last here, and takes the copies'
-    results. `handed` (run in a copy after its task) gives state the task changed there that this process must
-    keep (a check's verdict); `take` (run here) merges it. A task whose copy failed runs here when fetched."""
+    the last in a copy, where copies can run and `ready()` says so (called just before: it may prepare for them),
+    runs the last here, and takes the copies' results. `handed` (run in a copy after its task) gives state the task
+    changed there that this process must keep (a check's verdict); `take` (run here) merges it. A task whose copy
+    failed runs here when fetched."""
 
     def __init__(self, tasks: list[Callable[[], T]], handed: Callable[[], object] | None = None,
-                 take: Callable[[object], None] | None = None, may: Callable[[], bool] = lambda: True):
+                 take: Callable[[object], None] | None = None, ready: Callable[[], bool] = lambda: True):
         self.tasks = tasks
-        self.handed, self.take, self.may = handed, take, may
+        self.handed, self.take, self.ready = handed, take, ready
         self.done: dict[int, T] = {}
         self.copies: list[tuple[int, int]] = []
 
     def result(self, i: int) -> T:
         if i not in self.done and 0 in self.done and len(self.done) == 1 and len(self.tasks) > 2 \
-                and can_fan_out() and self.may():
+                and can_fan_out() and self.ready():
             self._side_by_side()
         if i not in self.done:
             self.done[i] = self.tasks[i]()
@@ -79,9 +81,8 @@ class Fanned:
     def __exit__(self, *exc) -> None:
         """Copies whose results were never taken are stopped (after an error here)."""
         copies, self.copies = self.copies, []
-        for pid, read in copies:
-            os.close(read)
-            _stop(pid)
+        for copy in copies:
+            _stop(copy, close=True)
 
     def _side_by_side(self) -> None:
         self.copies = [_start(task, self.handed) for task in self.tasks[1:-1]]
@@ -89,22 +90,67 @@ class Fanned:
         self.done[len(self.tasks) - 1] = self.tasks[-1]()
         deadline = start + max(MIN_WAIT, SLOWER * (time.perf_counter() - start))
         copies, self.copies = self.copies, []
+        pending = list(enumerate(copies, start=1))
         try:
-            for i, copy in enumerate(copies, start=1):
-                got = _finish(copy, deadline)
+            while pending:
+                i, copy = pending.pop(0)
+                got = _finish(copy, deadline)  # (its pipe closed)
                 if got is not None:
                     value, state = got
                     if self.take is not None and state is not None:
                         self.take(state)
                     self.done[i] = value
         finally:
-            for pid, _ in copies:  # (any still running: given up on)
-                _stop(pid)
+            for _, copy in pending:  # (an error here: those not reached)
+                _stop(copy, close=True)
+            for copy in copies:  # (any still running: given up on)
+                _stop(copy)
 
 
-def _start(task: Callable[[], T], handed: Callable[[], object] | None) -> tuple[int, int]:
-    read, write = os.pipe()
-    pid = os.fork()
+class Ahead:
+    """One task run ahead in a copy while this process goes on (a trial the search will most likely ask for next):
+    `result()` waits for it (and runs the task here where the copy failed, or where no copy could start); `drop()`
+    stops a copy whose result is not wanted. `handed`/`take` as for Fanned."""
+
+    def __init__(self, task: Callable[[], T], handed: Callable[[], object] | None = None,
+                 take: Callable[[object], None] | None = None):
+        self.task, self.take = task, take
+        self.started = time.perf_counter()
+        self.copy = _start(task, handed) if can_fan_out() else None
+
+    def result(self) -> T:
+        copy, self.copy = self.copy, None
+        if copy is not None:
+            now = time.perf_counter()
+            try:
+                got = _finish(copy, now + max(MIN_WAIT, SLOWER * (now - self.started)))
+            finally:
+                _stop(copy)
+            if got is not None:
+                value, state = got
+                if self.take is not None and state is not None:
+                    self.take(state)
+                return value
+        return self.task()
+
+    def drop(self) -> None:
+        copy, self.copy = self.copy, None
+        _stop(copy, close=True)
+
+
+def _start(task: Callable[[], T], handed: Callable[[], object] | None) -> tuple[int, int] | None:
+    """(the copy's process id, the pipe its result comes by), or None where no copy could start (no pipes, no
+    processes left: the task then runs here)."""
+    try:
+        read, write = os.pipe()
+    except OSError:
+        return None
+    try:
+        pid = os.fork()
+    except OSError:
+        os.close(read)
+        os.close(write)
+        return None
     if pid:
         os.close(write)
         _RUNNING.add(pid)
@@ -137,9 +183,11 @@ def _quiet() -> None:
     torch.set_num_threads(1)
 
 
-def _finish(copy: tuple[int, int], deadline: float) -> tuple | None:
-    """(value, state) a copy sent, or None where it failed or passed the deadline (it is stopped then). The copy is
-    waited for here, once it has sent all."""
+def _finish(copy: tuple[int, int] | None, deadline: float) -> tuple | None:
+    """(value, state) a copy sent, or None where it failed, passed the deadline (_stop it then) or never started.
+    The copy is waited for here, once it has sent all."""
+    if copy is None:
+        return None
     pid, read = copy
     chunks = []
     try:
@@ -163,9 +211,15 @@ def _finish(copy: tuple[int, int], deadline: float) -> tuple | None:
         return None
 
 
-def _stop(pid: int) -> None:
-    """A copy not yet waited for is killed and waited for (one waited for is left alone: its number may be
-    another process's now)."""
+def _stop(copy: tuple[int, int] | None, close: bool = False) -> None:
+    """A copy not yet waited for is killed and waited for (one waited for is left alone: its number may be another
+    process's now); `close`: its pipe too (where _finish did not)."""
+    if copy is None:
+        return
+    pid, read = copy
+    if close:
+        with contextlib.suppress(OSError):
+            os.close(read)
     if pid not in _RUNNING:
         return
     _RUNNING.discard(pid)

@@ -13,10 +13,13 @@ from ..memory.breakdown import recorded_trial
 from ..memory.devices import FakeDevice
 from ..model_file import ModelFile
 from ..units import format_bytes
+from . import fan_out
 from .ladder import Point
 from .prior import ReplayingTrials
 from .probe import plan_of
 from .trial import TrialResult, run_trial
+
+SPECULATE = 0.5  # seconds a trial takes, at least, for the next rung's micro-batch 1 to be traced ahead in a copy
 
 
 class ReplayedTrials(ReplayingTrials):
@@ -34,27 +37,61 @@ class ReplayedTrials(ReplayingTrials):
         self.bounded: dict[Plan, tuple] = {}  # a target not traced -> how to trace it (peak_of)
         self.answers = answers  # the global batch an answer keeps (alone or accumulated): only plans of it are
         # recorded for a breakdown (a Recorder costs 5-12% of a trace); None: every plan
+        self.speculated: dict[Plan, fan_out.Ahead] = {}  # micro-batch 1 traced ahead in a copy (_speculate)
+        self.last_seconds = 0.0  # the last trial run's
 
     def run_one(self, model_file: ModelFile, plan: Plan, device: FakeDevice, steps: int, dist) -> TrialResult:
-        """The trial traced (from fewer blocks where they line up), recorded where its plan can be the answer."""
+        """The trial traced (from fewer blocks where they line up), recorded where its plan can be the answer; taken
+        from the copy that ran it ahead, where one did."""
+        speculated = self.speculated.pop(plan, None)
+        result, bd = speculated.result() if speculated is not None else \
+            self._measured(model_file, plan, device, steps, dist)
+        if bd is not None:
+            self.breakdowns[plan] = bd
+        self.last_seconds = result.seconds
+        return result
+
+    def _measured(self, model_file: ModelFile, plan: Plan, device: FakeDevice, steps: int, dist) -> tuple:
         trial = functools.partial(run_trial, second=self.second)  # (second steps made where that was checked)
         if self.answers is None or plan.micro_batch_size * plan.grad_accum_steps == self.answers:
             measure = lambda mf, p: recorded_trial(mf, p, device, steps, dist, trial)  # noqa: E731
         else:
             measure = lambda mf, p: (trial(mf, p, device, steps, dist=dist), None)  # noqa: E731
-        made = self.blocks.trial(model_file, plan, device, measure, (self.second,))
-        result, bd = made or measure(model_file, plan)
-        if bd is not None:
-            self.breakdowns[plan] = bd
-        return result
+        return self.blocks.trial(model_file, plan, device, measure, (self.second,)) or measure(model_file, plan)
 
     def __call__(self, model_file: ModelFile, plan: Plan, device: FakeDevice, steps: int = TRIAL_STEPS,
                  dist=LOCAL) -> TrialResult:
+        for other in [p for p in self.speculated if p != plan]:  # the search asked another first: not wanted
+            self.speculated.pop(other).drop()
         ahead = self.ahead.pop(plan, None)
         if ahead is not None:
             return ahead
         bounded = self._bounded(model_file, plan, device, steps, dist)
-        return bounded if bounded is not None else self._within(super().__call__(model_file, plan, device, steps, dist))
+        if bounded is not None:
+            return bounded
+        self._speculate(model_file, plan, device, steps, dist)
+        return self._within(super().__call__(model_file, plan, device, steps, dist))
+
+    def _speculate(self, model_file: ModelFile, plan: Plan, device: FakeDevice, steps: int, dist) -> None:
+        """A rung's first size traced whole (not from fewer blocks, whose three traces run side by side already):
+        its micro-batch 1 at that context, the search's next trial wherever the first size does not fit, traced at
+        the same time in a copy of this process (fan_out.Ahead), where trials take SPECULATE seconds or more (the
+        last one run did). Where the first size fits, the copy is dropped when the search asks for another."""
+        one = dataclasses.replace(plan, micro_batch_size=1, global_batch_size=0)
+        if (plan.micro_batch_size == 1 or plan.grad_accum_steps != 1 or dist.world_size != 1
+                or self.last_seconds < SPECULATE or one in self.traces or one in self.lines or one in self.ahead
+                or (self.blocks.blocks or 0) >= self.blocks.min_blocks or not fan_out.can_fan_out()
+                or dataclasses.replace(one, context_length=1) in self.curves):
+            return
+        self.second.mark()
+        self.speculated[one] = fan_out.Ahead(lambda: self._measured(model_file, one, device, steps, dist),
+                                             self.second.handed, self.second.take)
+
+    def close(self) -> None:
+        """Copies still running ahead are stopped (the search is over)."""
+        for ahead in self.speculated.values():
+            ahead.drop()
+        self.speculated.clear()
 
     def _within(self, result: TrialResult) -> TrialResult:
         if not result.oom and (result.peak_bytes or 0) > self.budget_bytes:

@@ -90,8 +90,8 @@ def test_state_a_copy_hands_back_is_taken_here():
     assert sorted(taken) == [[0, 1], [0, 2]]  # each copy's: what it had (0, from before the fork) and its own
 
 
-def test_one_process_or_may_not_runs_all_here(started, monkeypatch):
-    fanned = fan_out.Fanned([where(i) for i in range(3)], may=lambda: False)
+def test_one_process_or_not_ready_runs_all_here(started, monkeypatch):
+    fanned = fan_out.Fanned([where(i) for i in range(3)], ready=lambda: False)
     assert not any(fanned.result(i)[2] for i in range(3))
     monkeypatch.setattr(fan_out, "PROCESSES", 1)
     fanned = fan_out.Fanned([where(i) for i in range(3)])
@@ -112,3 +112,48 @@ def test_an_estimate_with_copies_is_the_one_made_in_one_process(tmp_path: Path, 
     figures = lambda r: dataclasses.replace(r, seconds=0.0, build_seconds=0.0)  # noqa: E731
     assert [figures(r) for r in side.search.records] == [figures(r) for r in alone.search.records]
     assert "extrapolated" in {r.source for r in side.search.records}
+
+
+@pytest.mark.parametrize(("budget", "copies"), [("12MiB", 3), ("40MiB", 2)])
+def test_micro_batch_1_traced_ahead_in_a_copy_is_the_one_traced_after(started, monkeypatch, budget, copies):
+    """device: fake, no card. The tiny GPT: each rung's micro-batch 1 at the target's context (the search's next
+    trial where the target does not fit) is traced in a copy while the target is traced here (trials of any length:
+    SPECULATE 0). In 12 MiB no target fits and the three copies' results are taken; in 40 MiB the amp rung's target
+    fits, and its copy is dropped. Records, plan and breakdown are those of the estimate in one process."""
+    from oomtune.search import replayed_trials
+    from oomtune.search.estimate import make_fake_device
+
+    monkeypatch.setattr(replayed_trials, "SPECULATE", 0.0)
+    mf = load_model_file(ROOT / "examples" / "tiny_gpt.py")
+    targets = resolve_targets(mf, None, None, None)
+    ahead = estimate(mf, make_fake_device(budget, None, "0"), targets)
+    assert len(started) == copies
+    monkeypatch.setattr(fan_out, "PROCESSES", 1)
+    alone = estimate(mf, make_fake_device(budget, None, "0"), targets)
+    assert ahead.plan == alone.plan and ahead.breakdown == alone.breakdown
+    # (source: a copy's micro-batch 1 checks its second step itself, where the search would have made it after the
+    # target had checked; both are the run figures where the check holds)
+    figures = lambda r: dataclasses.replace(r, seconds=0.0, build_seconds=0.0, source="run")  # noqa: E731
+    assert [figures(r) for r in ahead.search.records] == [figures(r) for r in alone.search.records]
+    assert len(ahead.search.records) == len(alone.search.records) > copies
+
+
+def test_a_copy_ahead_that_is_not_asked_for_is_dropped(monkeypatch):
+    """A speculated trial the search does not ask for next is stopped, its process waited for."""
+    ahead = fan_out.Ahead(lambda: __import__("time").sleep(30))
+    assert ahead.copy is not None
+    pid = ahead.copy[0]
+    ahead.drop()
+    with pytest.raises(ChildProcessError):
+        os.waitpid(pid, os.WNOHANG)
+
+
+def test_no_process_left_runs_the_tasks_here(monkeypatch):
+    """A fork that fails (no process left under the user's limit) is no error: the tasks run here."""
+    def no_fork():
+        raise BlockingIOError(11, "Resource temporarily unavailable")
+
+    monkeypatch.setattr(os, "fork", no_fork)
+    fanned = fan_out.Fanned([where(i) for i in range(3)])
+    assert [fanned.result(i)[0] for i in range(3)] == [0, 1, 2]
+    assert fan_out.Ahead(where(7)).result()[0] == 7
