@@ -20,6 +20,8 @@ from .probe import plan_of
 from .trial import TrialResult, run_trial
 
 SPECULATE = 0.5  # seconds a trial takes, at least, for the next rung's micro-batch 1 to be traced ahead in a copy
+# (not before the estimate's first trial: both would fill the same cold caches, FakeTensor's and the first-of-kind
+# calls', each its own; GPT-2 small's first rung so took as long with its micro-batch 1 ahead as without)
 
 
 class ReplayedTrials(ReplayingTrials):
