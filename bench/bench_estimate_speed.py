@@ -4,7 +4,7 @@
   warm: the unit the ladder's cost is counted in.
 - GPT-2 small's whole ladder with a card's rules (bench_estimate.COMMAND: --gpu t4, batch 32, context 1024), with
   every trial traced whole (`replays=False`: the estimate before issue 40) and as it runs by default (sizes replayed
-  from two traces).
+  from two traces), in one process and with a rung's micro-batch 1 traced in a copy (search/fan_out.py).
 - A 1B LoRA's search for the longest context on a T4 (LONG), with every context traced and by default (micro-batch
   1 at other contexts replayed from four: memory/context_curves.py).
 - The 7B questions of `make bench-levers` asked of a model file, with every trial traced whole (`min_blocks=0`) and
@@ -118,7 +118,7 @@ def row(what: str, before: tuple, after: tuple, unit: float | None, one: tuple |
     (tb, rb), (ta, ra) = before, after
     same = rb.plan == ra.plan and rb.breakdown.peak_bytes == ra.breakdown.peak_bytes and \
         (one is None or (one[1].plan, one[1].breakdown) == (ra.plan, ra.breakdown))  # (copies: the whole breakdown)
-    ratio = f" | {tb / unit:.0f}x -> {ta / unit:.0f}x" if unit else " | "
+    ratio = (" | " + ", ".join(f"{t / unit:.0f}x" for t in (tb, *(one[:1] if one else ()), ta))) if unit else " | "
     plan = ra.plan.describe(with_global=False) if ra.plan is not None else "nothing fits"
     alone_text = f"{one[0]:.1f} s" if one else "-"
     return (f"| {what} | {tb:.1f} s ({_sources(rb)}) | {alone_text} | {ta:.1f} s ({_sources(ra)}){ratio} | {plan} | "
@@ -134,8 +134,10 @@ def main(argv: list[str] | None = None) -> int:
 
     bare = best_bare_step()
     print(f"bare fake step: {bare:.2f} s", file=sys.stderr)
-    rows = [row("GPT-2 small, T4, batch 32, context 1024", timed_estimate(*GPT2, replays=False),
-                min((timed_estimate(*GPT2) for _ in range(3)), key=lambda r: r[0]), bare)]
+    before = timed_estimate(*GPT2, replays=False)
+    best = lambda: min((timed_estimate(*GPT2) for _ in range(3)), key=lambda r: r[0])  # noqa: E731
+    one = alone(best)
+    rows = [row("GPT-2 small, T4, batch 32, context 1024", before, best(), bare, one)]
     print(rows[-1], file=sys.stderr)
     rows.append(row("1B Llama LoRA, T4 at 7 GiB, batch 16, the longest context of 128-2048 (amp, checkpointing, "
                     "accumulation)", timed_context_search(traced=True), timed_context_search(traced=False), None,
@@ -158,10 +160,11 @@ def main(argv: list[str] | None = None) -> int:
         "at the end.",
         "",
         f"One bare FakeTensorMode training step of GPT-2 small (micro-batch 4, context 1024, fp32, AdamW; warm, the "
-        f"best of three): {bare:.2f} s. GPT-2 small's ladder as the estimate runs: the best of three runs.",
+        f"best of three): {bare:.2f} s. GPT-2 small's ladder as the estimate runs (in one process too): the best of "
+        "three runs.",
         "",
         "| question | every trial traced whole | as the estimate runs, in one process | as the estimate runs | "
-        "in bare steps | plan | peak before, B | peak after, B | same plan and bytes |",
+        "in bare steps (each column's) | plan | peak before, B | peak after, B | same plan and bytes |",
         "| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | --- |",
         *rows,
         "",
@@ -171,8 +174,10 @@ def main(argv: list[str] | None = None) -> int:
         "both steps), first-step-run (the second step made from the first), replayed (from two sizes, or from four "
         "contexts), extrapolated (from 2, 3 and 4 repeated blocks). As the estimate runs, a trial made from fewer "
         "blocks traces 2 of them first, then 3 in a forked copy of the process while this one traces 4 "
-        "(search/fan_out.py; the floors too); in one process: the same with no copies, whose breakdown and plan "
-        "must be the same to the byte. The 7B columns pass "
+        "(search/fan_out.py; the floors too), and a model traced whole has each rung's micro-batch 1 traced in a "
+        "copy while the rung's target is traced, from its second rung on (replayed_trials.py: a copy's micro-batch "
+        "1 checks its own second step, so it counts as run, not first-step-run); in one process: the same with no "
+        "copies, whose breakdown and plan must be the same to the byte. The 7B columns pass "
         "the rungs past accumulation whose floor does not fit (rung_floors.py, with their bounds; the floors made "
         "from 2, 3 and 4 blocks only after), make the 8-bit AdamW's fake chunks and NF4's dequantizations and "
         "quantizations from the first of their kind (memory/made_calls.py) and check the first loss on 2 blocks, "

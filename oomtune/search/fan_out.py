@@ -65,7 +65,7 @@ class Fanned:
         self.tasks = tasks
         self.handed, self.take, self.ready = handed, take, ready
         self.done: dict[int, T] = {}
-        self.copies: list[tuple[int, int]] = []
+        self.copies: list[tuple[int, int] | None] = []  # (None: one that could not start)
 
     def result(self, i: int) -> T:
         if i not in self.done and 0 in self.done and len(self.done) == 1 and len(self.tasks) > 2 \

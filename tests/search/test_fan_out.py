@@ -114,8 +114,8 @@ def test_an_estimate_with_copies_is_the_one_made_in_one_process(tmp_path: Path, 
     assert "extrapolated" in {r.source for r in side.search.records}
 
 
-@pytest.mark.parametrize(("budget", "copies"), [("12MiB", 3), ("40MiB", 2)])
-def test_micro_batch_1_traced_ahead_in_a_copy_is_the_one_traced_after(started, monkeypatch, budget, copies):
+@pytest.mark.parametrize(("budget", "copies", "taken"), [("12MiB", 3, 3), ("40MiB", 2, 1)])
+def test_micro_batch_1_traced_ahead_in_a_copy_is_the_one_traced_after(started, monkeypatch, budget, copies, taken):
     """device: fake, no card. The tiny GPT: each rung's micro-batch 1 at the target's context (the search's next
     trial where the target does not fit) is traced in a copy while the target is traced here (trials of any length:
     SPECULATE 0). In 12 MiB no target fits and the three copies' results are taken; in 40 MiB the amp rung's target
@@ -124,10 +124,13 @@ def test_micro_batch_1_traced_ahead_in_a_copy_is_the_one_traced_after(started, m
     from oomtune.search.estimate import make_fake_device
 
     monkeypatch.setattr(replayed_trials, "SPECULATE", 0.0)
+    results: list[bool] = []  # a copy's result taken (True), or the trial run here (False)
+    result = fan_out.Ahead.result
+    monkeypatch.setattr(fan_out.Ahead, "result", lambda self: (results.append(self.copy is not None), result(self))[1])
     mf = load_model_file(ROOT / "examples" / "tiny_gpt.py")
     targets = resolve_targets(mf, None, None, None)
     ahead = estimate(mf, make_fake_device(budget, None, "0"), targets)
-    assert len(started) == copies
+    assert len(started) == copies and results == [True] * taken  # (the others dropped)
     monkeypatch.setattr(fan_out, "PROCESSES", 1)
     alone = estimate(mf, make_fake_device(budget, None, "0"), targets)
     assert ahead.plan == alone.plan and ahead.breakdown == alone.breakdown
