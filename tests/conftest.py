@@ -65,6 +65,18 @@ def own_working_folder(tmp_path_factory, monkeypatch):
 
 
 @pytest.fixture(autouse=True)
+def traces_in_one_process(request, monkeypatch):
+    """The suite runs three workers on two cores: no core is free for the estimate's forked copies (search/
+    fan_out.py), which would only add forks and page copies (a fresh clone's suite took 13:41 with them, against
+    11:00-11:30 before). Every test traces in one process, except tests/search/test_fan_out.py, which holds the
+    copies' results to the one process's."""
+    from oomtune.search import fan_out
+
+    if not request.module.__name__.endswith("test_fan_out"):
+        monkeypatch.setattr(fan_out, "PROCESSES", 1)
+
+
+@pytest.fixture(autouse=True)
 def one_thread():
     """torch on one thread in every test (a 2-core machine shared by two pytest workers; OMP_NUM_THREADS=1 in
     `make test` does the same for the processes the tests start)."""

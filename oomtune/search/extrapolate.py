@@ -2,7 +2,8 @@
 the trace at N (memory/repeats.py), whose replay gives the trial's peaks to the byte, in a fraction of the time (a
 7B Llama's 32 layers: 9 layers traced). Used by the estimate's trials on the never-out twin (ReplayingTrials), which
 trace, and for its rungs' floors (extrapolated_static, rung_floors.py); wherever a check fails it answers None and
-the trial (or floor) runs whole."""
+the trial (or floor) runs whole. The k+1 and k+2 traces run side by side where the machine has the cores, k+1 in a
+forked copy of the process (BlockTrials.fanned, fan_out.py)."""
 
 from __future__ import annotations
 

@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
+import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from oomtune.memory.cards import find_gpu
 from oomtune.memory.devices import FakeDevice
@@ -18,7 +21,14 @@ from oomtune.search.estimate import estimate
 from oomtune.search.options import resolve_targets
 from tests.search.test_block_extrapolation import ROOT, _deeper
 
-pytestmark = pytest.mark.skipif(not fan_out.can_fan_out(), reason="no fork here, or one core: nothing side by side")
+pytestmark = pytest.mark.skipif(sys.platform != "linux" or torch.cuda.is_initialized(),
+                                reason="copies are forked on Linux only, where CUDA has not started")
+
+
+@pytest.fixture(autouse=True)
+def two_cores(monkeypatch):
+    """Copies run whatever this machine's cores (the estimate counts them: fan_out.cores)."""
+    monkeypatch.setattr(fan_out, "PROCESSES", 2)
 
 
 @pytest.fixture
@@ -141,9 +151,9 @@ def test_micro_batch_1_traced_ahead_in_a_copy_is_the_one_traced_after(started, m
     assert len(ahead.search.records) == len(alone.search.records) > copies
 
 
-def test_a_copy_ahead_that_is_not_asked_for_is_dropped(monkeypatch):
+def test_a_copy_ahead_that_is_not_asked_for_is_dropped():
     """A speculated trial the search does not ask for next is stopped, its process waited for."""
-    ahead = fan_out.Ahead(lambda: __import__("time").sleep(30))
+    ahead = fan_out.Ahead(lambda: time.sleep(30))
     assert ahead.copy is not None
     pid = ahead.copy[0]
     ahead.drop()
