@@ -67,9 +67,9 @@ def own_working_folder(tmp_path_factory, monkeypatch):
 @pytest.fixture(autouse=True)
 def traces_in_one_process(request, monkeypatch):
     """The suite runs three workers on two cores: no core is free for the estimate's forked copies (search/
-    fan_out.py), which would only add forks and page copies (a fresh clone's suite took 13:41 with them, against
-    11:00-11:30 before). Every test traces in one process, except tests/search/test_fan_out.py, which holds the
-    copies' results to the one process's."""
+    fan_out.py), which would only add forks and page copies (a fresh clone's suite took 13:41 with them and 13:31
+    without: little either way). Every test traces in one process, except tests/search/test_fan_out.py, which holds
+    the copies' results to the one process's."""
     from oomtune.search import fan_out
 
     if not request.module.__name__.endswith("test_fan_out"):
