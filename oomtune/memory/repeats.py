@@ -243,17 +243,9 @@ class Template:
         runs = runs_of(tb, ops, k) if ops is not None else None
         if not runs:
             return None
-        peels = {run: 0 for run in runs}  # per run: none, its first period, its last, both (PEELS) peeled off
-        while True:
-            layout = tuple(_layout(tb, [_peeled(run, PEELS[p]) for run, p in peels.items()], k))
-            rules, failed = _rules(layout, k, seen)
-            if rules is not None:
-                break
-            failed = {run for run, p in peels.items() if _peeled(run, PEELS[p]) in failed}
-            if not failed or any(peels[run] == len(PEELS) - 1 for run in failed):
-                return None
-            for run in failed:
-                peels[run] += 1
+        rules, layout = _tried(tb, runs, k, seen)
+        if rules is None:
+            return None
         template = Template(a.initial, layout, k, rules, a.host_initial)
         if any(template.at(k + i) != trace for i, trace in enumerate(traces)):
             return None
@@ -324,6 +316,45 @@ class Template:
 
 
 PEELS = ((), ("first",), ("last",), ("first", "last"))
+
+
+def _tried(b: list[Token], runs: list[Run], k: int, seen: list) -> tuple[dict | None, tuple]:
+    """The rules and layout of the first of the runs' ways (_variants) whose rules are affine: each run whose rules
+    are not is laid out its next way; a run split in parts gives way to each part, tried on its own from there."""
+    ways: dict = {}
+    tried = dict.fromkeys(runs, 0)  # per run: the index of the way it is laid out in
+    while True:
+        laid = {run: ways.setdefault(run, _variants(run, b, k))[x] for run, x in tried.items()}
+        layout = tuple(_layout(b, sorted((part for parts in laid.values() for part in parts),
+                                         key=lambda part: part.start), k))
+        rules, failed = _rules(layout, k, seen)
+        if rules is not None:
+            return rules, layout
+        failed = {run for run, parts in laid.items() if failed & set(parts)}
+        if not failed or any(tried[run] == len(ways[run]) - 1 for run in failed):
+            return None, ()
+        for run in failed:
+            tried[run] += 1
+            parts = ways[run][tried[run]]
+            if len(parts) > 1:
+                del tried[run]
+                tried.update(dict.fromkeys(parts, 0))
+
+
+def _variants(run: Run, b: list[Token], k: int) -> list[tuple[Run, ...]]:
+    """The ways a run found by runs_of may be laid out, in the order tried: whole, less its first and/or last
+    period (PEELS); then, where its period is itself periodic, as that many runs of the shorter period one after
+    another (as at the end of a step: a pair of frees a block of one kind of storage, then a pair a block of
+    another, whose extra pairs are inserted side by side and so look like one period of four)."""
+    out = [(_peeled(run, which),) for which in PEELS]
+    periods = k + 1 + run.offset
+    for parts in range(2, run.length + 1):
+        short = run.length // parts
+        if run.length % parts or not all(_key(b[run.start + x]) == _key(b[run.start + x % short])
+                                         for x in range(run.length)):
+            continue
+        out.append(tuple(Run(run.start + i * short * periods, short, run.offset) for i in range(parts)))
+    return out
 
 
 def _peeled(run: Run, which: tuple[str, ...]) -> Run:
