@@ -238,18 +238,13 @@ class Template:
             return None
         toks = [tokens(t) for t in traces]
         seen = [(k + i, t) for i, t in enumerate(toks)]
-        a, tb = traces[0], toks[1]
-        ops = align(toks[0], tb)
-        runs = runs_of(tb, ops, k) if ops is not None else None
-        if not runs:
-            return None
-        rules, layout = _tried(tb, runs, k, seen)
+        ops = align(toks[0], toks[1])
+        runs = runs_of(toks[1], ops, k) if ops is not None else None
+        rules, layout = _tried(toks[1], runs, k, seen) if runs else (None, ())
         if rules is None:
             return None
-        template = Template(a.initial, layout, k, rules, a.host_initial)
-        if any(template.at(k + i) != trace for i, trace in enumerate(traces)):
-            return None
-        return template
+        template = Template(traces[0].initial, layout, k, rules, traces[0].host_initial)
+        return None if any(template.at(k + i) != trace for i, trace in enumerate(traces)) else template
 
     def at(self, n: int) -> Trace | None:
         """The trace at n blocks, less its last frees (without_last_frees); None where a rule gives a storage that
@@ -342,10 +337,9 @@ def _tried(b: list[Token], runs: list[Run], k: int, seen: list) -> tuple[dict | 
 
 
 def _variants(run: Run, b: list[Token], k: int) -> list[tuple[Run, ...]]:
-    """The ways a run found by runs_of may be laid out, in the order tried: whole, less its first and/or last
-    period (PEELS); then, where its period is itself periodic, as that many runs of the shorter period one after
-    another (as at the end of a step: a pair of frees a block of one kind of storage, then a pair a block of
-    another, whose extra pairs are inserted side by side and so look like one period of four)."""
+    """The ways to lay out a run, in the order tried: whole, less its first and/or last period (PEELS); where its
+    period is periodic, as runs of the shorter one side by side (a run of frees: each block's old pair, then each
+    one's fresh pair; the extra block's two pairs are inserted together and look like one period of four)."""
     out = [(_peeled(run, which),) for which in PEELS]
     periods = k + 1 + run.offset
     for parts in range(2, run.length + 1):
