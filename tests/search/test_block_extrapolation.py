@@ -252,12 +252,13 @@ def test_blocks_told_apart_by_a_number_are_not_alike(tmp_path):
 
 
 def test_the_estimate_says_which_trials_were_made_and_chooses_as_the_whole_models(tmp_path):
-    """device: fake. The estimate of a 20-layer GPT with blocks made and with every trial traced whole: the same
-    plan, peak and breakdown; its records say `extrapolated` for the trials made."""
-    mf = load_model_file(_deeper(tmp_path, ROOT / "examples" / "tiny_gpt.py", 20))
+    """device: fake. The estimate of an 8-layer GPT with blocks made (from 5 alike on, not 16, to keep it quick)
+    and with every trial traced whole: the same plan, peak and breakdown; its records say `extrapolated` for the
+    trials made."""
+    mf = load_model_file(_deeper(tmp_path, ROOT / "examples" / "tiny_gpt.py", 8))
     targets = resolve_targets(mf, None, None, None)
-    made = estimate(mf, FakeDevice("700MiB", gpu=find_gpu("generic")), targets)
-    whole = estimate(mf, FakeDevice("700MiB", gpu=find_gpu("generic")), targets, min_blocks=0)
+    made = estimate(mf, FakeDevice("640MiB", gpu=find_gpu("generic")), targets, min_blocks=5)
+    whole = estimate(mf, FakeDevice("640MiB", gpu=find_gpu("generic")), targets, min_blocks=0)
     assert made.plan == whole.plan and made.breakdown == whole.breakdown
     sources = {r.source for r in made.search.records}
     assert "extrapolated" in sources and "extrapolated" not in {r.source for r in whole.search.records}
@@ -300,16 +301,17 @@ def test_the_reserved_bytes_come_from_the_made_replay_not_from_a_line():
 
 
 def test_a_target_whose_micro_batch_1_does_not_fit_is_not_traced(tmp_path):
-    """device: fake, no card, no margin. A 20-layer GPT in 30 MiB: micro-batch 1 of 512 tokens does not fit at fp32
-    or bf16, so micro-batch 8 cannot either; the estimate of a model made from fewer blocks runs micro-batch 1 first
-    and marks the target `bounded` (not traced, no peak) where it is out of memory. Every other trial, the plan and
-    its breakdown are those of the estimate with every trial traced whole, which runs the target first."""
+    """device: fake, no card, no margin. An 8-layer GPT (made from 5 alike blocks on) in 14 MiB: micro-batch 1 of
+    512 tokens does not fit at fp32 or bf16, so micro-batch 8 cannot either; the estimate of a model made from fewer
+    blocks runs micro-batch 1 first and marks the target `bounded` (not traced, no peak) where it is out of memory.
+    Every other trial, the plan and its breakdown are those of the estimate with every trial traced whole, which
+    runs the target first."""
     from oomtune.search.estimate import make_fake_device
 
-    mf = load_model_file(_deeper(tmp_path, ROOT / "examples" / "tiny_gpt.py", 20))
+    mf = load_model_file(_deeper(tmp_path, ROOT / "examples" / "tiny_gpt.py", 8))
     targets = resolve_targets(mf, 8, 512, 512)
-    made = estimate(mf, make_fake_device("30MiB", None, "0"), targets)
-    whole = estimate(mf, make_fake_device("30MiB", None, "0"), targets, min_blocks=0)
+    made = estimate(mf, make_fake_device("14MiB", None, "0"), targets, min_blocks=5)
+    whole = estimate(mf, make_fake_device("14MiB", None, "0"), targets, min_blocks=0)
     assert made.plan == whole.plan and made.breakdown == whole.breakdown
     bounded = [(r.rung, r.micro_batch_size) for r in made.search.records if r.source == "bounded"]
     assert bounded == [("fp32", 8), ("amp", 8)]

@@ -110,14 +110,15 @@ def test_one_process_or_not_ready_runs_all_here(started, monkeypatch):
 
 
 def test_an_estimate_with_copies_is_the_one_made_in_one_process(tmp_path: Path, started, monkeypatch):
-    """device: fake. A 20-layer GPT: the trials made from 2, 3 and 4 of its blocks (and the floors) with 3 and 4
-    traced in copies give the plan, the breakdown and every trial's figures of the estimate run in one process."""
-    mf = load_model_file(_deeper(tmp_path, ROOT / "examples" / "tiny_gpt.py", 20))
+    """device: fake. An 8-layer GPT (made from fewer blocks from 5 alike on, not 16, to keep it quick): the trials
+    made from 2, 3 and 4 of its blocks (and the floors) with 3 and 4 traced in copies give the plan, the breakdown and
+    every trial's figures of the estimate run in one process."""
+    mf = load_model_file(_deeper(tmp_path, ROOT / "examples" / "tiny_gpt.py", 8))
     targets = resolve_targets(mf, None, None, None)
-    side = estimate(mf, FakeDevice("700MiB", gpu=find_gpu("generic")), targets)
+    side = estimate(mf, FakeDevice("640MiB", gpu=find_gpu("generic")), targets, min_blocks=5)
     assert started, "no copy ran"
     monkeypatch.setattr(fan_out, "PROCESSES", 1)
-    alone = estimate(mf, FakeDevice("700MiB", gpu=find_gpu("generic")), targets)
+    alone = estimate(mf, FakeDevice("640MiB", gpu=find_gpu("generic")), targets, min_blocks=5)
     assert side.plan == alone.plan and side.breakdown == alone.breakdown
     figures = lambda r: dataclasses.replace(r, seconds=0.0, build_seconds=0.0)  # noqa: E731
     assert [figures(r) for r in side.search.records] == [figures(r) for r in alone.search.records]
