@@ -47,6 +47,19 @@ class Trace:
         """Some storage lived in host memory."""
         return bool(self.host_initial) or any(ev[0] == "hset" for ev in self.events)
 
+    def host_peak(self) -> int:
+        """The host's peak, as replay() counts it (the storages in host memory alone: no allocator model)."""
+        sizes = dict(enumerate(self.host_initial, start=len(self.initial)))
+        live = peak = sum(self.host_initial)
+        for ev in self.events:
+            if ev[0] == "hset":
+                live += rounded(ev[2]) - sizes.get(ev[1], 0)
+                sizes[ev[1]] = rounded(ev[2])
+                peak = max(peak, live)
+            elif ev[0] == "hfree":
+                live -= sizes.pop(ev[1])
+        return peak
+
     @staticmethod
     def of(initial: list[tuple[int, int]], events: list[tuple], host_initial: list[tuple[int, int]] = ()) -> Trace:
         """From the tracker's record: `initial` and `host_initial` as (key, size), events keyed by the storage's id,

@@ -172,10 +172,9 @@ class BlockTrials:
     def _made(self, plan: Plan, device: FakeDevice, runs: list, template: Template) -> tuple | None:
         trace = template.at(self.blocks)
         reading = device.replay(as_lines(trace), plan.micro_batch_size) if trace is not None else None
-        # the host's peak is the made trace's, as the device's: replayed on the three traced, it must read theirs (a
+        # the host's peak is the made trace's, as the device's: counted on the three traced, it must read theirs (a
         # line through theirs would not hold where that peak moves with the blocks, as a QLoRA's bf16-true build's)
-        if reading is None or any(getattr(device.replay(as_lines(r.trace), plan.micro_batch_size), "host_peak_bytes",
-                                          None) != r.host_peak_bytes for r, _ in runs):
+        if reading is None or any(r.trace.host_peak() != r.host_peak_bytes for r, _ in runs):
             return None
         result = TrialResult.from_reading(plan, reading, trace=trace, extrapolated=True)
         return result, _made_breakdown(template, self.blocks, runs, result, device)
