@@ -77,6 +77,7 @@ def test_storages_in_host_memory_are_replayed_on_lines_and_counted_apart():
     assert r.host_peak_bytes == 2048 + 4096 * 7
     assert r.peak_allocated_bytes == 1024 + 512  # the host's bytes are not the device's
     assert Lines.through(traced(2), 2, traced(4, host_initial=()), 4) is None  # another host start
+    assert traced(7).host_peak() == r.host_peak_bytes  # counted on the host's events alone, as replayed
     crossed = Lines((), (("set", 0, 1024, 0), ("hfree", 0), ("mark", None)), (1, 2))  # a device storage freed as
     assert replay(crossed, 3, CachingAllocatorModel(), Margin().total) is None  # the host's: no reading, no error
 
@@ -153,7 +154,7 @@ def test_nf4_weights_quantized_on_the_host_are_replayed_to_the_byte(tmp_path):
     at = lambda b: Plan(b, 32, "bf16-true", activation_checkpointing=True, optimizer_8bit=True,  # noqa: E731
                         nf4_frozen_weights=True)
     two, twelve = run_trial(mf, at(2), device), run_trial(mf, at(12), device)
-    assert two.trace.hosted and two.host_peak_bytes > 0
+    assert two.trace.hosted and two.host_peak_bytes > 0 and two.trace.host_peak() == two.host_peak_bytes
     lines = Lines.through(two.trace, 2, twelve.trace, 12)
     assert lines is not None
     assert _reading(device.replay(lines, 5)) == _reading(run_trial(mf, at(5), device))
