@@ -16,6 +16,7 @@ traces the whole model instead.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from .allocator import rounded
 from .life_kinds import Kinds
@@ -127,10 +128,9 @@ def align(a: list[Token], b: list[Token]) -> list[tuple] | None:
     return ops
 
 
-@dataclass(frozen=True)
-class Run:
+class Run(NamedTuple):
     """Periods of events repeated once per block: `start` in the trace with k+1 blocks, `length` events a period,
-    `n + offset` periods at n blocks."""
+    `n + offset` periods at n blocks. (A tuple: each event's slot, hashed once per event, hashes in C.)"""
 
     start: int
     length: int
@@ -388,7 +388,8 @@ def _rules(layout: tuple, k: int, seen: list[tuple[int, list[Token]]]) -> tuple[
         value = _solve(values[slot]) if kind in SIZED else fixed
         ref = refs.get(slot)
         if isinstance(ref, list):
-            ref = ("d", _solve(ref)) if _solve(ref) is not None else None
+            solved = _solve(ref)
+            ref = ("d", solved) if solved is not None else None
             if ref is None:
                 failed.add(slot[0])
         if kind in SIZED and value is None:
