@@ -137,7 +137,7 @@ def user_errors(debug: bool, as_json: bool = False, searches: bool = False):
     _quiet_libraries(debug)
     with _json_alone_on_stdout() if as_json else contextlib.nullcontext(), \
             model_lines_once() if searches else contextlib.nullcontext():
-        yield from _reporting_errors(debug, as_json, rank, who)
+        yield from _reporting_errors(debug, as_json, rank, who, searches)
 
 
 _json_stdout: list = []  # under --json, the real stdout (sys.stdout is stderr meanwhile)
@@ -159,8 +159,12 @@ def print_json(text: str) -> None:
     print(text, file=_json_stdout[-1] if _json_stdout else sys.stdout, flush=True)
 
 
-def _reporting_errors(debug: bool, as_json: bool, rank, who: str):
+def _reporting_errors(debug: bool, as_json: bool, rank, who: str, searches: bool = False):
     try:
+        if searches:  # OOMTUNE_PROCESSES read (a bad value refused) before the model file loads
+            from ..search.fan_out import cores
+
+            cores()
         with _remember_signals():
             yield
     except OomtuneError as e:

@@ -26,9 +26,13 @@ from typing import TypeVar
 
 import torch
 
+from ..errors import BAD_INPUT, OomtuneError
+
 T = TypeVar("T")
 
-PROCESSES: int | None = None  # the cores to count on (None: those this process may run on); below 2: no copies
+PROCESSES: int | None = None  # the cores to count on (None: OOMTUNE_PROCESSES, else those this process may run
+# on); below 2: no copies
+ENV = "OOMTUNE_PROCESSES"  # the user's cap (1: no copies), for a machine shared with other work
 SLOWER = 20.0  # a copy that runs this many times longer than the task run here (and past MIN_WAIT) is given up on
 MIN_WAIT = 120.0  # seconds
 
@@ -37,6 +41,13 @@ _RUNNING: set[int] = set()  # copies started and not yet waited for
 
 
 def cores() -> int:
+    """The processes to count on: OOMTUNE_PROCESSES where set (a positive integer), else this process's cores."""
+    told = os.environ.get(ENV, "").strip()
+    if told:
+        if not told.isdigit() or int(told) < 1:
+            raise OomtuneError(f"{ENV}={told!r}: expected a whole number of processes, 1 or more (1: no copies)",
+                               BAD_INPUT)
+        return int(told)
     with contextlib.suppress(AttributeError, OSError):
         return len(os.sched_getaffinity(0))
     return os.cpu_count() or 1

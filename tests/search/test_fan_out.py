@@ -171,3 +171,23 @@ def test_no_process_left_runs_the_tasks_here(monkeypatch):
     fanned = fan_out.Fanned([where(i) for i in range(3)])
     assert [fanned.result(i)[0] for i in range(3)] == [0, 1, 2]
     assert fan_out.Ahead(where(7)).result()[0] == 7
+
+
+def test_oomtune_processes_caps_the_copies_and_a_bad_value_is_one_line_and_exit_2(monkeypatch, tmp_path):
+    """OOMTUNE_PROCESSES (a machine shared with other work): 1 means no copies, whatever the cores; a value that is
+    not a whole number of 1 or more stops an estimate before the model file loads, one line, exit 2."""
+    from oomtune.errors import OomtuneError
+    from tests.conftest import run_cli
+
+    monkeypatch.setattr(fan_out, "PROCESSES", None)
+    monkeypatch.setenv(fan_out.ENV, "1")
+    assert fan_out.cores() == 1 and not fan_out.can_fan_out()
+    monkeypatch.setenv(fan_out.ENV, " 3 ")
+    assert fan_out.cores() == 3
+    for bad in ("0", "two", "-1"):
+        monkeypatch.setenv(fan_out.ENV, bad)
+        with pytest.raises(OomtuneError, match="OOMTUNE_PROCESSES"):
+            fan_out.cores()
+        result = run_cli("estimate", "no_such_model.py", "--out", str(tmp_path / "x.yaml"))
+        assert result.exit_code == 2 and "OOMTUNE_PROCESSES" in result.output, result.output
+        assert not (tmp_path / "x.yaml").exists()
