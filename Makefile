@@ -60,6 +60,7 @@ gpu-check:
 # and the breakdown against the design's reference figures -> the estimate section of bench/RESULTS.md; then how
 # fast it answers (a bare fake step, GPT-2 small and the three 7B questions, before and after; ~35 min)
 bench-estimate: $(STAMP)
+	$(PY) -c "import litgpt" 2>/dev/null || $(PY) -m pip install -q --no-compile --no-deps "litgpt==0.5.13"
 	$(PY) -m bench.bench_estimate
 	$(PY) -m bench.bench_estimate_speed
 
@@ -73,6 +74,7 @@ bench-autocast: $(STAMP)
 # LoRA on a 12 GB card, with the levers past accumulation -> the levers section of bench/RESULTS.md (~10-15 min)
 .PHONY: bench-levers
 bench-levers: $(STAMP)
+	$(PY) -c "import litgpt" 2>/dev/null || $(PY) -m pip install -q --no-compile --no-deps "litgpt==0.5.13"
 	$(PY) -m bench.bench_levers
 
 # the probe from the estimate against the search alone in wall time, tiny_gpt at context 128 (a cpu device trial

@@ -1,7 +1,8 @@
 """`make bench-levers`: `oomtune estimate` on a 7B Llama (built from its config on fake tensors, no weights) at
 batch 8, context 2048, for the fine-tuning cases the levers past accumulation are for: full fine-tuning and LoRA
 on a 24 GB card, LoRA on a 12 GB card (from the model file, and from a Hugging Face folder with LoRA flags), and
-QLoRA with the model file's BitsAndBytesConfig (bitsandbytes' 4-bit layout on every rung). The
+QLoRA with the model file's BitsAndBytesConfig (bitsandbytes' 4-bit layout on every rung); and litgpt's own 7B LoRA
+code on an A100 40GB at its published runs' batch 1 x 1304 tokens (needs `pip install --no-deps litgpt`). The
 plan (or why nothing fits), its peak and host memory, the trials and the wall time of each go into bench/RESULTS.md
 between `<!-- levers:begin -->` and `<!-- levers:end -->`.
 
@@ -34,6 +35,9 @@ CASES = [  # (what, the command's arguments after `oomtune estimate`)
     # the same LoRA, its base loaded 4-bit by bitsandbytes as its BitsAndBytesConfig says (NF4, double-quantized)
     ("QLoRA as Hugging Face's guides run it (bitsandbytes NF4), 12 GB card",
      ["examples/finetune/llama_7b_qlora_bnb.py", "--gpu", "rtx3060"]),
+    # a model file of code nobody here wrote: litgpt's own Llama 2 7B with its LoRA on the query and value parts
+    ("LoRA with litgpt's own model code, A100 40GB (its published runs' card)",
+     ["bench/models/litgpt_finetune.py", "--gpu", "a100-40"]),
 ]
 
 
@@ -73,7 +77,8 @@ def section(rows: list[list[str]], unit: tuple[float, float]) -> str:
     lines = [
         f"Written by `make bench-levers` (`python -m bench.bench_levers`) on {utc_now()}, torch {torch.__version__}, "
         "on this machine's CPU: each estimate builds Llama-2-7B's shape (6.7B parameters) on fake tensors, batch 8, "
-        "context 2048 (no shorter context allowed), and climbs the ladder; the wall time is the whole command's. "
+        "context 2048 (no shorter context allowed; litgpt's row: its own code, batch 1 at 1304 tokens, as its "
+        "published runs), and climbs the ladder; the wall time is the whole command's. "
         f"The machine's speed, a bare fake step of GPT-2 small (best of 3, warm; `make bench-estimate`'s unit), "
         f"before and after the questions: {unit[0]:.2f} s and {unit[1]:.2f} s; each wall time is also given in "
         "those steps (their mean), which compares runs on days of different speed.",
