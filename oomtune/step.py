@@ -36,6 +36,7 @@ from .levers import (
 )
 from .levers.chunked_loss import check_applies, chunk_cross_entropy, chunked_loss
 from .levers.compile import PER_BLOCK, compile_model, compiled, compiled_by_the_model_file, trace_own_compile
+from .memory import made_optim
 from .memory.devices import Device, is_oom
 from .model_file import Batch, ModelFile, ModelFileError
 from .rank_allocation import after_optimizer_step, allocator_of
@@ -62,6 +63,8 @@ class Training:
     rank_allocator: nn.Module | None = None  # PEFT AdaLoRA's, called after each optimizer step (rank_allocation.py)
     steps_in_backward: int = 0  # parameters stepped in backward: the model file's own hooks or optimizer_in_backward
     chunk_loss: Callable = chunk_cross_entropy  # a slice's loss under plan.chunked_loss (compiled: plan.compile)
+    last_of_trial: bool = False  # the step is a trial's last: on fake tensors its optimizer step may be made, its
+    # state's values unknown after (memory/made_optim.py)
 
     @property
     def module(self) -> nn.Module:
@@ -229,8 +232,9 @@ def train_step(t: Training, micro_batches: Sequence[Batch], step: int = 0,
     with _sparse_gradients_refused(t):
         if t.clip_grad_norm is not None:
             t.scaler.unscale_(t.optimizer)  # clip the true gradients, not the scaled ones
-            nn.utils.clip_grad_norm_(gradient_holders(t.optimizer, t.model), t.clip_grad_norm)
-        t.scaler.step(t.optimizer)  # skips the step when fp16 gradients overflowed
+            made_optim.clip(gradient_holders(t.optimizer, t.model), t.clip_grad_norm)  # (computed on real tensors)
+        with made_optim.stepping(t.optimizer, t.last_of_trial):
+            t.scaler.step(t.optimizer)  # skips the step when fp16 gradients overflowed
     scale = t.scaler.get_scale() if t.rank_allocator is not None and t.scaler.is_enabled() and t.device.computes \
         else None  # (on the fake device, which computes no values, every step is taken)
     t.scaler.update()  # (the scale drops exactly when the step was skipped)

@@ -23,8 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes, _get_current_dispatch_mode_stack
 
 from . import tracker
 from .fakes import Values
@@ -125,15 +125,17 @@ def watched(call: Callable[[], object], returned: Callable[[object], list[torch.
     return out, Pattern(tuple(watch.events), tuple(outputs))
 
 
-def made(pattern: Pattern, written: tuple[torch.Tensor, ...] = ()) -> list[torch.Tensor]:
+def made(pattern: Pattern, written: tuple[torch.Tensor, ...] = (), direct: bool = False) -> list[torch.Tensor]:
     """The call's storages made from its pattern, in order; the tensors it returned (views of those left alive).
     `written`: the tensors the call writes in place (their values, if any were known, are not after it). What it
     returns is made with `torch.empty`; its scratch (born and freed inside) is counted by each tracker counting
     (MemoryTracker.count_made) with no tensor made, unless a call around it is being watched (which sees ops only)."""
     modes = _get_current_dispatch_mode_stack()
-    counting = ([] if any(isinstance(m, _Watch) for m in modes)
-                else [t for t in tracker._ACTIVE if not t._paused])
-    returned = {o[0] for o in pattern.outputs}
+    watched_around = any(isinstance(m, _Watch) for m in modes)
+    counting = [] if watched_around else [t for t in tracker._ACTIVE if not t._paused]
+    returned = {o[0]: o for o in pattern.outputs}
+    fake = None if not direct or watched_around or len(returned) != len(pattern.outputs) else \
+        next((m for m in modes if isinstance(m, FakeTensorMode)), None)  # (each output its own birth: made direct)
     held: dict[int, object] = {}  # birth index -> its tensor, or the token its scratch is counted under
     try:
         for event in pattern.events:
@@ -143,6 +145,8 @@ def made(pattern: Pattern, written: tuple[torch.Tensor, ...] = ()) -> list[torch
                     held[index] = token = object()
                     for t in counting:
                         t.count_made(id(token), nbytes)
+                elif fake is not None:
+                    held[index] = _direct(fake, nbytes, dtype, device, returned[index][1:], counting)
                 else:
                     held[index] = torch.empty(nbytes // dtype.itemsize, dtype=dtype, device=device)
             else:
@@ -155,7 +159,25 @@ def made(pattern: Pattern, written: tuple[torch.Tensor, ...] = ()) -> list[torch
         if isinstance(mode, Values):
             for t in written:
                 mode._mark_stale(t)
+    if fake is not None:
+        return [held[o[0]] for o in pattern.outputs]
     return [held[index].as_strided(size, stride, offset) for index, size, stride, offset in pattern.outputs]
+
+
+def _direct(fake: FakeTensorMode, nbytes: int, dtype: torch.dtype, device: torch.device, view: tuple,
+            counting: list) -> torch.Tensor:
+    """A returned storage made as `torch.empty` and the view of it would make it, without an op through the modes
+    (two ops through every mode cost about as much as the call they stand for): the fake tensor made from a meta
+    one, counted by each tracker as an op's output is. Its values are unknown, as an empty's are."""
+    size, stride, offset = view
+    with _disable_current_modes():
+        meta = torch.empty(nbytes // dtype.itemsize, dtype=dtype, device="meta").as_strided(size, stride, offset)
+    out = FakeTensor(fake, meta, device)
+    for t in counting:
+        if t.recorder is not None:
+            t.recorder.op = "empty"
+        t._check_budget(t._count(out))
+    return out
 
 
 def _let_go(gone: object, counting: list) -> None:
@@ -169,9 +191,10 @@ def _let_go(gone: object, counting: list) -> None:
 class MadeCalls:
     """The patterns of one kind of call (kind -> Pattern), and how many calls were made from them."""
 
-    def __init__(self):
+    def __init__(self, direct: bool = False):
         self.patterns: dict[tuple, Pattern | None] = {}  # None: that kind's first call could not be made again
         self.made = 0
+        self.direct = direct  # what a call returns made without an op (_direct): the optimizer's state
 
     def __call__(self, kind: tuple | None, call: Callable[[], object],
                  returned: Callable[[object], list[torch.Tensor]] = lambda out: [],
@@ -185,7 +208,7 @@ class MadeCalls:
             pattern = self.patterns[kind]
             if pattern is not None:
                 self.made += 1
-                return rebuilt(made(pattern, written))
+                return rebuilt(made(pattern, written, self.direct))
             return call()
         out, self.patterns[kind] = watched(call, returned)
         return out

@@ -218,6 +218,7 @@ def _steps(model_file: ModelFile, plan: Plan, device: Device, steps: int, readin
                        for _ in range(plan.grad_accum_steps)]
             scale = t.scaler.get_scale() if scaled else None
             start = time.perf_counter()
+            t.last_of_trial = i == steps - 1 and not scaled  # (a skipped step is taken again)
             loss = train_step(t, batches[:micro])
             if events is not None:
                 points.append(len(events))

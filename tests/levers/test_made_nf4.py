@@ -13,7 +13,7 @@ import pytest
 
 from oomtune.config.schema import Plan
 from oomtune.dist.group import LOCAL
-from oomtune.memory import made_calls, made_nf4
+from oomtune.memory import made_calls, made_nf4, made_optim
 from oomtune.memory.breakdown import recorded_trial
 from oomtune.memory.devices import CpuDevice, FakeDevice
 from oomtune.model_file import load_model_file
@@ -50,6 +50,10 @@ def test_made_nf4_calls_leave_the_trace_of_computed_ones(tmp_path, monkeypatch):
     its kind made, in forward, recomputation and backward; the second trial's quantization made from the first's."""
     mf = load_model_file(_lora_wide(tmp_path))
     monkeypatch.setattr(made_nf4, "QUANTIZED", made_calls.MadeCalls())  # (this test's patterns, not the process's)
+    monkeypatch.setattr(made_optim, "fake_call", lambda *a: None)  # (the optimizer phase computed: NF4's counted)
+    with monkeypatch.context() as m:  # what a process makes once, on its first NF4 weight (two 64-byte host
+        m.setattr(made_nf4, "fake_call", lambda *a: None)  # storages), made before: run alone, the first trial
+        recorded_trial(mf, NF4, _twin(), 2, LOCAL, run_trial)  # had them and the computed one not
     made = [0]
     _counted(monkeypatch, made)
     first = recorded_trial(mf, NF4, _twin(), 2, LOCAL, run_trial)
