@@ -9,10 +9,11 @@ next):
 
 - clipping, on every step: what it writes (the gradients) is marked as of unknown values; the norm it returns is
   not used by the step;
-- the optimizer step, only where it is the trial's last (`last`): the state it makes is made with `torch.empty`,
-  whose values (a step count) are not known after, so no later step may read them. Only torch's own optimizer
-  classes, with no step hooks and their `step` not replaced on the instance (an LR scheduler's counter): a model
-  file's own optimizer may keep more than its tensors.
+- the optimizer step: a first one (no state yet) anywhere, its state made empty with the values the first of its
+  kind left known (a step count a later step reads); a later one only where it is the trial's last (`last`), as
+  what it writes in place (a step count) is of unknown values after. Only torch's own optimizer classes, with no
+  step hooks and their `step` not replaced on the instance (an LR scheduler's counter): a model file's own
+  optimizer may keep more than its tensors.
 
 Real tensors (the cpu device, a GPU) and a memory snapshot's trial compute every call (made_calls.fake_call).
 """
@@ -25,12 +26,14 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 from torch.optim import optimizer as torch_optimizer
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
+from .fakes import Values
 from .made_calls import MadeCalls, fake_call
 
 _CALLS = MadeCalls(direct=True)  # every trial's in this process (kinds by shapes: they hold from trial to trial)
-_STATES: dict[tuple, tuple] = {}  # a first step's kind -> the state it made: per parameter, (key, output index or
-# the value) for each entry
+_STATES: dict[tuple, tuple] = {}  # a first step's kind -> the state it made (per parameter, (key, output index or
+# the value) for each entry), and the values known of each tensor it made (a step count; None: unknown)
 
 
 def _sig(t: torch.Tensor | None) -> tuple | None:
@@ -72,23 +75,27 @@ def _step_kind(opt: torch.optim.Optimizer, params: list, args: tuple, kwargs: di
 
 @contextlib.contextmanager
 def stepping(opt: torch.optim.Optimizer, last: bool) -> Iterator[None]:
-    """Inside, `opt.step(...)` (called by a GradScaler too) is made where it is `last` (the trial's last step) and
-    its kind was seen: a first step (no state yet), or one whose every parameter has its state."""
-    if not last or not _makeable(opt):
+    """Inside, `opt.step(...)` (called by a GradScaler too) is made where its kind was seen: a first step (no state
+    yet), or, where it is `last` (the trial's last step), one whose every parameter has its state."""
+    if not _makeable(opt):
         yield
         return
-    opt.step = lambda *args, **kwargs: _step(opt, args, kwargs)
+    opt.step = lambda *args, **kwargs: _step(opt, last, args, kwargs)
     try:
         yield
     finally:
         del opt.step
 
 
-def _step(opt: torch.optim.Optimizer, args: tuple, kwargs: dict):
+def _values() -> Values | None:
+    return next((m for m in _get_current_dispatch_mode_stack() if isinstance(m, Values)), None)
+
+
+def _step(opt: torch.optim.Optimizer, last: bool, args: tuple, kwargs: dict):
     call: Callable[[], object] = lambda: type(opt).step(opt, *args, **kwargs)  # noqa: E731
     params = [p for g in opt.param_groups for p in g["params"]]
     fresh = not any(p in opt.state for p in params)
-    if not fresh and not all(p in opt.state for p in params):
+    if not (fresh or last and all(p in opt.state for p in params)):
         return call()
     kind = _step_kind(opt, params, args, kwargs)
     if kind is None:
@@ -105,12 +112,19 @@ def _step(opt: torch.optim.Optimizer, args: tuple, kwargs: dict):
                 entries.append((k, ("out", len(made)) if isinstance(v, torch.Tensor) else ("value", v)))
                 made += [v] if isinstance(v, torch.Tensor) else []
             layout.append(tuple(entries))
-        _STATES[kind] = tuple(layout)
+        values = _values()
+        _STATES[kind] = tuple(layout), tuple(None if values is None or (v := values._known(t)) is None
+                                             else v.clone() for t in made)
         return made
 
     def rebuilt(tensors: list[torch.Tensor]) -> None:
         if fresh:
-            for p, entries in zip(params, _STATES[kind], strict=True):
+            layout, known = _STATES[kind]
+            for p, entries in zip(params, layout, strict=True):
                 opt.state[p] = {k: tensors[v] if how == "out" else v for k, (how, v) in entries}
+            values = _values()
+            for t, v in zip(tensors, known, strict=True):
+                if v is not None and values is not None:
+                    values._attach(t, v.clone())  # (the step count a later step reads, as the call left it)
 
     return _CALLS(kind, call, returned, rebuilt, written=(*params, *before))
