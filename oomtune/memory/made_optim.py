@@ -108,7 +108,7 @@ def _step(opt: torch.optim.Optimizer, last: bool, args: tuple, kwargs: dict):
         made, layout = [], []
         for p in params:
             entries = []
-            for k, v in sorted(opt.state[p].items()):
+            for k, v in sorted(opt.state.get(p, {}).items()):  # (no state: a parameter with no gradient)
                 entries.append((k, ("out", len(made)) if isinstance(v, torch.Tensor) else ("value", v)))
                 made += [v] if isinstance(v, torch.Tensor) else []
             layout.append(tuple(entries))
@@ -121,7 +121,8 @@ def _step(opt: torch.optim.Optimizer, last: bool, args: tuple, kwargs: dict):
         if fresh:
             layout, known = _STATES[kind]
             for p, entries in zip(params, layout, strict=True):
-                opt.state[p] = {k: tensors[v] if how == "out" else v for k, (how, v) in entries}
+                if entries:
+                    opt.state[p] = {k: tensors[v] if how == "out" else v for k, (how, v) in entries}
             values = _values()
             for t, v in zip(tensors, known, strict=True):
                 if v is not None and values is not None:
