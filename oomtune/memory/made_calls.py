@@ -128,8 +128,9 @@ def watched(call: Callable[[], object], returned: Callable[[object], list[torch.
 def made(pattern: Pattern, written: tuple[torch.Tensor, ...] = (), direct: bool = False) -> list[torch.Tensor]:
     """The call's storages made from its pattern, in order; the tensors it returned (views of those left alive).
     `written`: the tensors the call writes in place (their values, if any were known, are not after it). What it
-    returns is made with `torch.empty`; its scratch (born and freed inside) is counted by each tracker counting
-    (MemoryTracker.count_made) with no tensor made, unless a call around it is being watched (which sees ops only)."""
+    returns is made with `torch.empty` (`direct`: without an op, where each is its own storage: _direct); its
+    scratch (born and freed inside) is counted by each tracker counting (MemoryTracker.count_made) with no tensor
+    made, unless a call around it is being watched (which sees ops only)."""
     modes = _get_current_dispatch_mode_stack()
     watched_around = any(isinstance(m, _Watch) for m in modes)
     counting = [] if watched_around else [t for t in tracker._ACTIVE if not t._paused]
