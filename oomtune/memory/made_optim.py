@@ -77,7 +77,8 @@ def _step_kind(opt: torch.optim.Optimizer, params: list, args: tuple, kwargs: di
 def stepping(opt: torch.optim.Optimizer, last: bool) -> Iterator[None]:
     """Inside, `opt.step(...)` (called by a GradScaler too) is made where its kind was seen: a first step (no state
     yet), or, where it is `last` (the trial's last step), one whose every parameter has its state."""
-    if not _makeable(opt):
+    first = next((p for g in opt.param_groups for p in g["params"]), None)
+    if first is None or fake_call(first) is None or not _makeable(opt):  # (real tensors: training left as it is)
         yield
         return
     opt.step = lambda *args, **kwargs: _step(opt, last, args, kwargs)

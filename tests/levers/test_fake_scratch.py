@@ -55,6 +55,9 @@ def test_made_chunks_leave_the_trace_of_computed_ones(tmp_path, monkeypatch, sou
     mf = load_model_file(path)
     monkeypatch.setattr(adamw8bit, "CHUNK_BLOCKS", chunk)
     monkeypatch.setattr(made_optim, "fake_call", lambda *a: None)  # (the clipping computed: the chunks counted)
+    with monkeypatch.context() as m:  # what a process makes once (its first NF4 weight's two 64-byte host storages,
+        m.setattr(FakeScratch, "kind", staticmethod(lambda *a: None))  # ...) made before: run alone, the made trial
+        recorded_trial(mf, plan, _twin(), 2, LOCAL, run_trial)  # had them and the computed one after it not
     made = [0]
     _counted(monkeypatch, made)
     result, bd = recorded_trial(mf, plan, _twin(), 2, LOCAL, run_trial)

@@ -23,6 +23,7 @@ from oomtune.model_file import load_model_file
 from oomtune.search.trial import run_trial
 
 from ..conftest import EXAMPLES, run_cli
+from ..levers.test_fake_scratch import _counted as counted
 
 SGD = """
 def optimizer(params, lr):
@@ -48,13 +49,8 @@ def _twin(card: str) -> FakeDevice:
 
 
 def _counted(monkeypatch) -> list[int]:
-    made, real = [0], made_calls.made
-
-    def make(pattern, written=(), direct=False):
-        made[0] += 1
-        return real(pattern, written, direct)
-
-    monkeypatch.setattr(made_calls, "made", make)
+    made = [0]
+    counted(monkeypatch, made)
     return made
 
 
