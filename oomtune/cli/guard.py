@@ -36,19 +36,27 @@ LIBRARIES = ("transformers", "peft", "torchao", "accelerate", "bitsandbytes", "h
 LIBRARY_LOGGERS = ("torchao", "peft", "accelerate", "bitsandbytes", "huggingface_hub", "torch.utils._pytree")
 
 
-def _below_error(record: logging.LogRecord) -> bool:
-    return record.levelno >= logging.ERROR
+def _library_quiet(record: logging.LogRecord) -> bool:
+    """Keep a record unless a library's logger (or one of its modules' loggers) made it below ERROR."""
+    return record.levelno >= logging.ERROR or not any(
+        record.name == name or record.name.startswith(name + ".") for name in LIBRARY_LOGGERS)
 
 
 def _quiet_libraries(debug: bool) -> None:
-    """Library warnings off unless --debug: Python warnings raised in their modules, their loggers below ERROR
-    (transformers through its own TRANSFORMERS_VERBOSITY, read when it is imported, and its API where it was)."""
+    """Library warnings off unless --debug: Python warnings raised in their modules, their loggers' records below
+    ERROR (transformers through its own TRANSFORMERS_VERBOSITY, read when it is imported, and its API where it was).
+    A logger's filter only sees the records made on that very logger, and a library logs on its modules' own
+    (bitsandbytes' CPU backend says "Failed to load CPU gemm_4bit_forward" on its import on a CPU with AVX512-BF16,
+    on bitsandbytes.backends.cpu.ops), so the filter is also on the handlers those records reach: the root's,
+    the libraries' own and logging's last resort, which writes them to stderr where nothing is configured."""
+    handlers = [logging.lastResort, *logging.getLogger().handlers]
     for name in LIBRARY_LOGGERS:
         log = logging.getLogger(name)
-        if debug:
-            log.removeFilter(_below_error)
-        elif _below_error not in log.filters:
-            log.addFilter(_below_error)
+        handlers += log.handlers
+        (log.removeFilter if debug else log.addFilter)(_library_quiet)
+    for handler in handlers:
+        if handler is not None:
+            (handler.removeFilter if debug else handler.addFilter)(_library_quiet)
     if debug:
         return
     warnings.filterwarnings("ignore", module=rf"({'|'.join(LIBRARIES)})(\.|$)")

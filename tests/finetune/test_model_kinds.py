@@ -174,6 +174,8 @@ def test_t5s_two_block_stacks_are_both_found_and_hf_checkpointing_works_through_
 
 
 LIBRARY_WARNING = """
+import logging
+
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -183,6 +185,8 @@ def build_model():
     model = LlamaForCausalLM(config)
     assert hasattr(type(model), "is_gradient_checkpointing"), "transformers dropped the alias: warn another way"
     model.is_gradient_checkpointing  # transformers' deprecated alias warns (peft 0.21 read it in get_peft_model)
+    # what bitsandbytes 0.50 logs when it is imported on a CPU with AVX512-BF16 and no kernel comes (here on any CPU)
+    logging.getLogger("bitsandbytes.backends.cpu.ops").warning("Failed to load CPU gemm_4bit_forward: %s", "none")
     return model
 
 def make_batch(batch_size, context_length, device):
@@ -193,8 +197,10 @@ def make_batch(batch_size, context_length, device):
 
 def test_library_warnings_show_only_with_debug(tmp_path):
     """device: fake. A library's warning (transformers' FutureWarning on a renamed attribute, read in build_model
-    as peft 0.21's get_peft_model read it; peft 0.22 reads it no more, and a fresh install failed here) is not shown
-    by every command; --debug shows it. Run as a user runs it, in a process of its own."""
+    as peft 0.21's get_peft_model read it; peft 0.22 reads it no more, and a fresh install failed here) and a record
+    on a library module's logger (bitsandbytes' on a CPU with AVX512-BF16, shown by every command: the filter was
+    on the library's top logger only) are not shown by every command; --debug shows them. Run as a user runs it, in
+    a process of its own."""
     import os
     import subprocess
     import sys
@@ -208,6 +214,8 @@ def test_library_warnings_show_only_with_debug(tmp_path):
     assert loud.returncode == quiet.returncode == 0, (loud.stderr + quiet.stderr)[-2000:]
     assert "is_gradient_checkpointing` is deprecated" in loud.stderr, loud.stderr[-2000:]
     assert "is_gradient_checkpointing" not in quiet.stderr, quiet.stderr[-2000:]
+    assert "Failed to load CPU gemm_4bit_forward: none" in loud.stderr, loud.stderr[-2000:]
+    assert "gemm_4bit" not in quiet.stderr, quiet.stderr[-2000:]
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
