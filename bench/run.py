@@ -339,15 +339,18 @@ def run_other_sections(out: Path) -> dict[str, str]:
     """Run `make bench-train` / `make bench-estimate` where they exist; return each one's section as it wrote
     it into `out` (between its markers), or a TODO/failure line. Never a number of ours."""
     sections = {}
+    ran: dict[str, tuple] = {}  # target -> (its process, seconds): a target that writes two sections runs once
     for name, target, _ in OTHER_SECTIONS:
         if not has_make_target(target):
             sections[name] = (f"TODO: this section is missing: the Makefile has no `{target}` target yet, so this "
                               "run did not measure it.")
             continue
-        log(f"running make {target}")
-        start = time.perf_counter()
-        proc = subprocess.run(["make", "--no-print-directory", target], cwd=ROOT, capture_output=True, text=True)
-        took = time.perf_counter() - start
+        if target not in ran:
+            log(f"running make {target}")
+            start = time.perf_counter()
+            ran[target] = (subprocess.run(["make", "--no-print-directory", target], cwd=ROOT, capture_output=True,
+                                          text=True), time.perf_counter() - start)
+        proc, took = ran[target]
         body = report.read_section(out.read_text(), name) if out.exists() else None
         if proc.returncode != 0:
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["(no output)"]

@@ -6,8 +6,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-# the blocks other scripts write: (name, the make target that writes it, its heading in RESULTS.md)
+# the blocks other scripts write: (name, the make target that writes it, its heading in RESULTS.md); a target may
+# write several (bench-estimate: the estimate and its speed), and `make bench` runs each target once
 OTHER_SECTIONS = (("train", "bench-train", "Trainer overhead"), ("estimate", "bench-estimate", "Estimate"),
+                  ("estimate-speed", "bench-estimate", "Estimate speed"),
                   ("levers", "bench-levers", "Past accumulation: 7B Llama estimates"),
                   ("autocast", "bench-autocast", "CUDA-faithful estimate"),
                   ("prior", "bench-prior", "The probe from the estimate, by what a device trial costs"),

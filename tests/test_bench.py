@@ -160,3 +160,37 @@ def test_the_prior_sections_verdict_is_read_off_its_rows():
     assert "7 of 8 replays over 21 estimates read what the fake trial read" in checked
     assert "Differed: m.py 8 x1." in checked
     assert "took 6.5 s against 7.0 s alone (0.93): wall time lower." in text
+
+
+def test_make_bench_keeps_every_section_a_target_writes_and_runs_it_once(tmp_path, monkeypatch):
+    """bench.run.run_other_sections: bench-estimate writes two sections (the estimate, its speed); `make bench`
+    dropped the second from bench/RESULTS.md (it listed one section per target). Each target runs once, and every
+    section it wrote is kept. No real make: a stand-in writes each target's sections."""
+    import json
+    import subprocess
+    from pathlib import Path
+
+    from bench import report, run
+    from bench.sections import OTHER_SECTIONS, write_section
+
+    out = tmp_path / "RESULTS.md"
+    out.write_text(report.skeleton())
+    calls = []
+
+    def fake_make(cmd, **kw):
+        target = cmd[-1]
+        calls.append(target)
+        for name, t, heading in OTHER_SECTIONS:
+            if t == target:
+                write_section(out, name, f"figures of {name}", heading=f"## {heading}")
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(run, "has_make_target", lambda target: True)
+    monkeypatch.setattr(run.subprocess, "run", fake_make)
+    sections = run.run_other_sections(out)
+    assert sorted(calls) == sorted({t for _, t, _ in OTHER_SECTIONS})  # each target once
+    assert sections == {name: f"figures of {name}" for name, _, _ in OTHER_SECTIONS}
+    assert "estimate-speed" in sections
+    text = report.render(json.loads((Path(__file__).resolve().parent.parent / "bench" / "results.json").read_text()),
+                         sections)
+    assert "## Estimate speed" in text and "figures of estimate-speed" in text
