@@ -30,7 +30,7 @@ from oomtune.units import parse_budget, utc_now
 from . import report
 from .ours import run_oomtune
 from .peers import oom_recognised, run_accelerate, run_lightning
-from .sections import OTHER_SECTIONS
+from .sections import OTHER_SECTIONS, has_make_target
 from .truth import PeakTable, peak_table, plan_label, time_plans, verify_boundary
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -328,11 +328,6 @@ def machine() -> dict:
             "torch_threads": torch.get_num_threads(), "versions": versions,
             "git_commit": commit.stdout.strip() or None, "git_dirty": bool(dirty.stdout.strip()),
             "load_average_start": list(os.getloadavg())}
-
-
-def has_make_target(target: str) -> bool:
-    makefile = ROOT / "Makefile"
-    return makefile.exists() and re.search(rf"^{re.escape(target)}\s*:", makefile.read_text(), re.M) is not None
 
 
 def run_other_sections(out: Path) -> dict[str, str]:

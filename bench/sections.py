@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 # the blocks other scripts write: (name, the make target that writes it, its heading in RESULTS.md); a target may
@@ -14,6 +15,12 @@ OTHER_SECTIONS = (("train", "bench-train", "Trainer overhead"), ("estimate", "be
                   ("autocast", "bench-autocast", "CUDA-faithful estimate"),
                   ("prior", "bench-prior", "The probe from the estimate, by what a device trial costs"),
                   ("published", "bench-published", "Published fine-tuning runs"))
+
+
+def has_make_target(target: str, root: Path = Path(__file__).resolve().parent.parent) -> bool:
+    """Does the repository's Makefile have `target`?"""
+    makefile = root / "Makefile"
+    return makefile.exists() and re.search(rf"^{re.escape(target)}\s*:", makefile.read_text(), re.M) is not None
 
 
 def marker(name: str, which: str) -> str:
