@@ -175,9 +175,7 @@ def _direct(fake: FakeTensorMode, nbytes: int, dtype: torch.dtype, device: torch
         meta = torch.empty(nbytes // dtype.itemsize, dtype=dtype, device="meta").as_strided(size, stride, offset)
     out = FakeTensor(fake, meta, device)
     for t in counting:
-        if t.recorder is not None:
-            t.recorder.op = "empty"
-        t._check_budget(t._count(out))
+        t.count_made_tensor(out)
     return out
 
 

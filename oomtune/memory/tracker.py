@@ -305,6 +305,13 @@ class MemoryTracker(TorchDispatchMode):
             self.recorder.op = "empty"
         self._check_budget(self._account_storage(None, key, raw))
 
+    def count_made_tensor(self, t: torch.Tensor) -> None:
+        """A tensor made without an op (made_calls._direct), counted as an op's output is: the recorder, the
+        allocator model, the budget."""
+        if self.recorder is not None:
+            self.recorder.op = "empty"
+        self._check_budget(self._count(t))
+
     def reset_peak(self) -> None:
         self.peak_bytes = self.live_bytes
 

@@ -68,7 +68,8 @@ def test_made_optimizer_phases_leave_the_trace_of_computed_ones(tmp_path, monkey
     assert made[0] == steps + 1 + (steps > 1)  # clipping on each step; the step on the first and on the last
     monkeypatch.setattr(made_optim, "fake_call", lambda *a: None)  # every call computed
     computed, computed_bd = recorded_trial(mf, plan, _twin(card), steps, LOCAL, run_trial)
-    assert made[0] == steps + 1 + (steps > 1)  # (the second of three steps is computed on the first's made state)
+    assert made[0] == steps + 1 + (steps > 1)  # nothing more made: every call computed (the second of three
+    # steps, made or computed, runs on the first's made state)
     assert result.trace == computed.trace and result.trace is not None
     for figure in ("peak_bytes", "peak_allocated_bytes", "phase_peaks", "modelled_reserved_bytes", "host_peak_bytes"):
         assert getattr(result, figure) == getattr(computed, figure), figure
