@@ -44,28 +44,35 @@ def _signature(args) -> tuple:
                  tuple(a) if isinstance(a, (list, tuple)) else a for a in args)
 
 
+def cpu_kernel_call(func, args, kwargs):
+    """`func(*args, **kwargs)` on fake tensors, its outputs made as the CPU's kernels make them (module doc). Called
+    from a dispatch mode's handler, inside FakeTensorMode and below the tracker: an LSTM layer's workspace is made
+    at oneDNN's size, as an output of that op, where the tracker counts it. The fake device calls it from
+    fakes.Values' own dispatch."""
+    if func is _GROUPED_MM and args[0].dtype != torch.bfloat16:
+        return _grouped_mm(func, args, kwargs)
+    out = func(*args, **kwargs)
+    if func is _GROUP_NORM or func is _GROUP_NORM_BACKWARD:
+        return _group_norm_dtypes(func, args, out)
+    if func is _LSTM_LAYER and not kwargs and out[3] is not None and out[3].numel() == 0:
+        size = _workspace_elements(args)
+        if size:
+            out = (*out[:3], torch.empty(size, dtype=out[3].dtype, device=out[3].device))
+    return out
+
+
 class CpuKernelBuffers(TorchDispatchMode):
-    """Enter inside FakeTensorMode (below the tracker): an LSTM layer's workspace is made at oneDNN's size, as an
-    output of that op, where the tracker counts it."""
+    """cpu_kernel_call as a mode of its own: enter inside FakeTensorMode (below the tracker)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is _GROUPED_MM and args[0].dtype != torch.bfloat16:
-            return _grouped_mm(func, args, kwargs)
-        out = func(*args, **kwargs)
-        if func is _GROUP_NORM or func is _GROUP_NORM_BACKWARD:
-            return _group_norm_dtypes(func, args, out)
-        if func is _LSTM_LAYER and not kwargs and out[3] is not None and out[3].numel() == 0:
-            size = self._workspace_elements(args)
-            if size:
-                out = (*out[:3], torch.empty(size, dtype=out[3].dtype, device=out[3].device))
-        return out
+        return cpu_kernel_call(func, args, kwargs or {})
 
-    def _workspace_elements(self, args) -> int:
-        key = (_signature(args), torch.is_grad_enabled())
-        if key not in _SIZES:
-            _SIZES[key] = _workspace_bytes(args)
-        return _SIZES[key]
+
+def _workspace_elements(args) -> int:
+    key = (_signature(args), torch.is_grad_enabled())
+    if key not in _SIZES:
+        _SIZES[key] = _workspace_bytes(args)
+    return _SIZES[key]
 
 
 def _workspace_bytes(args) -> int:
@@ -128,7 +135,7 @@ def _grouped_mm(func, args, kwargs) -> torch.Tensor:
     return torch.empty(func(a, b, **as_bf16).shape, dtype=dtype, device=named["self"].device)
 
 
-__all__ = ["CpuKernelBuffers"]
+__all__ = ["CpuKernelBuffers", "cpu_kernel_call"]
 
 
 def _group_norm_dtypes(func, args, out: tuple) -> tuple:

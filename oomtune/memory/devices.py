@@ -20,7 +20,6 @@ from ..errors import OomtuneError
 from ..units import card_budget, format_bytes, parse_budget
 from .allocator import CachingAllocatorModel, OutOfMemory
 from .cards import GpuSpec
-from .cpu_kernels import CpuKernelBuffers
 from .cuda_autocast import cuda_autocast
 from .cuda_kernels import cuda_kernels
 from .fakes import real_code_paths
@@ -350,8 +349,9 @@ class FakeDevice(TrackedDevice):
             return super()._accounting()
         with contextlib.ExitStack() as stack:  # a fresh FakeTensorMode per measured stretch; the tracker innermost
             stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
-            stack.enter_context(CpuKernelBuffers())  # oneDNN's LSTM workspace, as the cpu device's kernels make it
-            stack.enter_context(real_code_paths())  # .to() swaps, values of masks, libraries' tracing checks
+            # .to() swaps, values of masks, libraries' tracing checks; oneDNN's LSTM workspace, as the cpu device's
+            # kernels make it (cpu_kernels.py)
+            stack.enter_context(real_code_paths(cpu_kernels=True))
             stack.enter_context(super()._accounting())
             return stack.pop_all()
 

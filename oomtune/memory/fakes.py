@@ -26,17 +26,18 @@ cpu device (and the GPU) would:
    `one_fake_mode` has a fake mode deep-copy as itself.
 5. `torch.tensor(data)` / `torch.as_tensor(data)` where `data` holds FakeTensors (a list of 0-d tensors: torchtune's
    Llama 3 RoPE scaling builds its frequencies so) reads their storages in C++, past the dispatcher, and failed
-   ("data is not allocated yet"). `KnownData` puts their known values in their place (their shadows' numbers);
+   ("data is not allocated yet"). `known_data` puts their known values in their place (their shadows' numbers);
    one without values raises `NeedsValues`, and the search computes instead.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import sys
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch._subclasses.fake_tensor import (
@@ -45,7 +46,6 @@ from torch._subclasses.fake_tensor import (
     FakeTensor,
     FakeTensorMode,
 )
-from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_leaves, tree_map_only
 from torch.utils.weak import WeakIdRef
@@ -189,8 +189,9 @@ class Values(TorchDispatchMode):
     and weights have no values on the fake device, so nothing computed from them is copied (the model's own compute
     never runs here)."""
 
-    def __init__(self) -> None:
+    def __init__(self, call: Callable | None = None) -> None:
         super().__init__()
+        self._call = call  # (func, args, kwargs) -> func's outputs, where the op is run (None: func itself)
         self._shadowed: set[int] = set()  # storages some tensor on which has a shadow
         self._stale: set[int] = set()  # of those, written with unknown values since: their shadows are stale
 
@@ -246,7 +247,7 @@ class Values(TorchDispatchMode):
         if func is _EMBEDDING:
             self._check_indices(args[0], args[1])
         try:
-            out = func(*args, **kwargs)
+            out = func(*args, **kwargs) if self._call is None else self._call(func, args, kwargs)
         except DataDependentOutputException:
             return self._read(func, args, kwargs)
         except DynamicOutputShapeException:
@@ -368,26 +369,51 @@ def _holds_fakes(data) -> bool:
     return isinstance(data, FakeTensor)
 
 
-class KnownData(TorchFunctionMode):
-    """`torch.tensor` / `torch.as_tensor` of data holding FakeTensors: made from their known values (module doc, 5),
-    with the dtype (and the errors) real torch gives those values. A single FakeTensor given to `torch.tensor` is
-    copied as the real call copies it (through the dispatcher)."""
+def _from_known(original: Callable) -> Callable:
+    """`original` (torch.tensor or torch.as_tensor) that makes data holding FakeTensors from their known values,
+    with the dtype (and the errors) real torch gives those values. Anything else, a single FakeTensor too (the real
+    call copies it through the dispatcher), goes to `original` as given."""
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in _FROM_DATA and args and isinstance(args[0], (list, tuple)) and _holds_fakes(args[0]):
-            with _disable_current_modes():  # real torch's own dtype inference and errors, on the known values
-                value = torch.tensor(_as_real(args[0]), dtype=kwargs.get("dtype"))
-            args = (value.tolist(), *args[1:])
-            kwargs = {**kwargs, "dtype": value.dtype}
-        return func(*args, **kwargs)
+    @functools.wraps(original)
+    def from_data(data, *args, **kwargs):
+        if args or not isinstance(data, (list, tuple)) or not _holds_fakes(data):  # (args: torch's own error)
+            return original(data, *args, **kwargs)
+        with _disable_current_modes():  # real torch's own dtype inference and errors, on the known values
+            value = torch.tensor(_as_real(data), dtype=kwargs.get("dtype"))
+        return original(value.tolist(), **{**kwargs, "dtype": value.dtype})
+
+    return from_data
+
+
+_FROM_DATA = ("tensor", "as_tensor")
 
 
 @contextlib.contextmanager
-def real_code_paths() -> Iterator[None]:
+def known_data() -> Iterator[None]:
+    """While inside, `torch.tensor` / `torch.as_tensor` of data holding FakeTensors are made from their known
+    values (module doc, 5). The two functions are replaced on the torch module, which is where model code looks
+    them up, rather than seen by a TorchFunctionMode: a function mode takes every torch call of a step through
+    Python (a GPT-2 small trace, fake, 14% slower with one). Code that bound them before (`from torch import
+    tensor`) gets torch's own."""
+    originals = {name: getattr(torch, name) for name in _FROM_DATA}
+    for name, original in originals.items():
+        setattr(torch, name, _from_known(original))
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(torch, name, original)
+
+
+@contextlib.contextmanager
+def real_code_paths(cpu_kernels: bool = False) -> Iterator[None]:
     """Everything above, for a stretch of work on fake tensors (enter inside FakeTensorMode), with NF4 weights'
-    dequantization made from the first of its kind (made_nf4.py, which reads this module's Values)."""
+    dequantization made from the first of its kind (made_nf4.py, which reads this module's Values). `cpu_kernels`:
+    ops whose outputs the CPU's kernels make otherwise than the meta kernels are made as the CPU's make them
+    (cpu_kernels.py), in Values' own dispatch (no mode of their own: one less Python call per op)."""
+    from .cpu_kernels import cpu_kernel_call
     from .made_nf4 import made_dequant
 
-    with swappable_fakes(), library_view(), Values(), one_fake_mode(), KnownData(), made_dequant():
+    with swappable_fakes(), library_view(), Values(cpu_kernel_call if cpu_kernels else None), one_fake_mode(), \
+            known_data(), made_dequant():
         yield

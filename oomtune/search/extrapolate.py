@@ -21,10 +21,12 @@ from ..memory.repeats import Template
 from ..memory.replay import Lines, Trace
 from . import fan_out
 from .fewer_blocks import FewerBlocks, Stacks
+from .second_steps import levers_key
 from .trial import TrialResult
 
 KEPT = 2  # blocks in the first of the three traced trials (its runs' first and last periods may differ)
-MIN_BLOCKS = 16  # fewer repeated blocks than this: tracing 2 + 3 + 4 of them saves too little to try
+MIN_BLOCKS = 12  # fewer repeated blocks than this: tracing 2 + 3 + 4 of them saves too little to try (GPT-2 small's
+# 12, on 2 cores: its ladder 25-30% faster, and 10-20% in one process)
 
 
 def as_lines(trace: Trace) -> Lines:
@@ -84,6 +86,7 @@ class BlockTrials:
         self.seen = None  # what the first build found (fewer_blocks.Stacks): later builds cut as they are made
         self.off: set[Plan] = set()  # rungs (plans at micro-batch 1) where the three did not line up
         self.fourth = False  # a trial's traces lined up only with a fourth
+        self.levers: set[Plan] = set()  # the levers (levers_key) of the trials traced so far
 
     def knowing(self, repeats: tuple | None) -> BlockTrials:
         """Told what the whole model's build found (StaticMemory.repeated_blocks): no fewer-block build then builds
@@ -109,9 +112,11 @@ class BlockTrials:
             self.blocks, self.seen = fewer.repeated or 0, fewer.seen
         return self.blocks >= self.min_blocks, out
 
-    def fanned(self, tasks: list[Callable], carried: tuple = ()) -> fan_out.Fanned:
+    def fanned(self, tasks: list[Callable], carried: tuple = (), warm: bool = False) -> fan_out.Fanned:
         """The tasks (each a `measured`): the first here, the others side by side in copies of this process once it
-        has found the model's blocks enough to cut (fan_out.py); what the copies' tasks changed here that matters
+        has found the model's blocks enough to cut (fan_out.py); `warm`: the first in a copy too (trials with the
+        same levers ran before, here or in copies forked after them: what a first trial fills, the SecondSteps
+        verdict and the first-of-their-kind calls, is filled). What the copies' tasks changed here that matters
         later is handed back: a model whose blocks cannot be cut, and `carried`'s states."""
         def handed():
             return self.blocks, self.seen.cut if self.seen is not None else None, [c.handed() for c in carried]
@@ -129,7 +134,7 @@ class BlockTrials:
                 c.mark()
             return bool(self.blocks) and self.blocks >= self.min_blocks
 
-        return fan_out.Fanned(tasks, handed, take, ready)
+        return fan_out.Fanned(tasks, handed, take, ready, warm=warm)
 
     def trial(self, model_file, plan: Plan, device: FakeDevice, run: Callable,
               carried: tuple = ()) -> tuple[TrialResult, object] | None:
@@ -146,7 +151,9 @@ class BlockTrials:
         measure = [functools.partial(self.measured, model_file, keep, lambda fewer: run(fewer, plan))
                    for keep in (KEPT, KEPT + 1, KEPT + 2, KEPT + 3)]  # a fourth only where three do not line up
         ahead = 4 if self.fourth else 3  # (with the three, side by side, once a trial needed it)
-        with self.fanned(measure[:ahead], carried) as fanned:
+        warm = levers_key(plan) in self.levers  # (its first trial fills what the later ones read)
+        self.levers.add(levers_key(plan))
+        with self.fanned(measure[:ahead], carried, warm) as fanned:
             for i in range(4):
                 ok, out = fanned.result(i) if i < ahead else measure[i]()
                 if not ok:

@@ -67,21 +67,25 @@ class Fanned:
     caches every later one reads (FakeTensor's dispatch cache, the first-of-their-kind calls: made_calls.py), which
     copies made before it would each fill again. Fetching the second then starts every task between the first and
     the last in a copy, where copies can run and `ready()` says so (called just before: it may prepare for them),
-    runs the last here, and takes the copies' results. `handed` (run in a copy after its task) gives state the task
-    changed there that this process must keep (a check's verdict); `take` (run here) merges it. A task whose copy
-    failed runs here when fetched."""
+    runs the last here, and takes the copies' results. `warm`: the caches are filled already (an earlier run of
+    tasks of the same kind), so the first too starts in a copy, at the first fetch, and no core waits for it.
+    `handed` (run in a copy after its task) gives state the task changed there that this process must keep (a
+    check's verdict); `take` (run here) merges it. A task whose copy failed runs here when fetched."""
 
     def __init__(self, tasks: list[Callable[[], T]], handed: Callable[[], object] | None = None,
-                 take: Callable[[object], None] | None = None, ready: Callable[[], bool] = lambda: True):
+                 take: Callable[[object], None] | None = None, ready: Callable[[], bool] = lambda: True,
+                 warm: bool = False):
         self.tasks = tasks
         self.handed, self.take, self.ready = handed, take, ready
+        self.warm = warm
         self.done: dict[int, T] = {}
         self.copies: list[tuple[int, int] | None] = []  # (None: one that could not start)
 
     def result(self, i: int) -> T:
-        if i not in self.done and 0 in self.done and len(self.done) == 1 and len(self.tasks) > 2 \
+        first = 0 if self.warm and not self.done else 1  # the tasks before it have run here, alone
+        if i not in self.done and sorted(self.done) == list(range(first)) and len(self.tasks) > first + 1 \
                 and can_fan_out() and self.ready():
-            self._side_by_side()
+            self._side_by_side(first)
         if i not in self.done:
             self.done[i] = self.tasks[i]()
         return self.done[i]
@@ -95,13 +99,13 @@ class Fanned:
         for copy in copies:
             _stop(copy, close=True)
 
-    def _side_by_side(self) -> None:
-        self.copies = [_start(task, self.handed) for task in self.tasks[1:-1]]
+    def _side_by_side(self, first: int) -> None:
+        self.copies = [_start(task, self.handed) for task in self.tasks[first:-1]]
         start = time.perf_counter()
         self.done[len(self.tasks) - 1] = self.tasks[-1]()
         deadline = start + max(MIN_WAIT, SLOWER * (time.perf_counter() - start))
         copies, self.copies = self.copies, []
-        pending = list(enumerate(copies, start=1))
+        pending = list(enumerate(copies, start=first))
         try:
             while pending:
                 i, copy = pending.pop(0)

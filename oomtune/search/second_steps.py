@@ -62,7 +62,7 @@ class SecondSteps:
                 or not (getattr(device, "traces", False) and getattr(device, "never_runs_out", False))
                 or device.computes or device.primes):
             return None
-        agreed = self.agreed.get((_key(plan), fewer))
+        agreed = self.agreed.get((levers_key(plan), fewer))
         return "check" if agreed is None else ("make" if agreed else None)
 
     def finish(self, plan: Plan, reading: Reading, device, mode: str, fewer: bool = False) -> Reading:
@@ -74,7 +74,7 @@ class SecondSteps:
                 raise AssertionError("a trial whose second step is made was not traced")
             return reading
         if mode == "check":
-            self.agreed[_key(plan), fewer] = second_step_agrees(reading.events, initial, host_initial,
+            self.agreed[levers_key(plan), fewer] = second_step_agrees(reading.events, initial, host_initial,
                                                                 reading.points, reading.loss_key)
             return reading
         keys = {k for k, _ in (*initial, *host_initial)}
@@ -94,7 +94,7 @@ class SecondSteps:
         return dataclasses.replace(made, trace=trace)
 
 
-def _key(plan: Plan) -> Plan:
+def levers_key(plan: Plan) -> Plan:
     """What a check holds for: the plan's levers, at any micro-batch, context and accumulation (the steps' sizes and
     their micro-steps' count do not change which storages outlive a step), with or without checkpointing and
     activation offloading (they change when a step's activations live, not what outlives it: a sweep of 19 model

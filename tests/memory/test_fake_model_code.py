@@ -56,6 +56,25 @@ def test_a_tensor_made_from_known_fake_scalars_has_their_values_and_dtype():
             torch.tensor([w for w in weight])
 
 
+def test_as_tensor_of_known_fake_scalars_and_no_function_mode_runs():
+    """torch.as_tensor(data, dtype=...) as torch.tensor; a wrong call fails as torch's own does. The known values are
+    put in place by replacing the two functions on the torch module while inside (fakes.known_data), not by a
+    TorchFunctionMode, which would take every torch call of a fake step through Python: inside real_code_paths no
+    function mode of its own is on, and outside it torch.tensor and torch.as_tensor are torch's own again."""
+    from torch.overrides import _get_current_function_mode_stack
+
+    own = torch.tensor, torch.as_tensor
+    with fake():
+        assert [type(m).__name__ for m in _get_current_function_mode_stack()] == ["DeviceContext"]  # (fake()'s)
+        steps = torch.arange(4)
+        made = torch.as_tensor([steps[1], steps[3]], dtype=torch.float64)
+        assert made.dtype == torch.float64 and shadow_of(made).tolist() == [1.0, 3.0]
+        with pytest.raises(TypeError, match="positional"):
+            torch.as_tensor([steps[1]], torch.float64)
+        assert torch.as_tensor(steps) is steps  # (no list: torch's own answer)
+    assert (torch.tensor, torch.as_tensor) == own
+
+
 def test_a_cast_keeps_the_hooks_on_a_fake_parameter():
     """bf16-true's `model.to(torch.bfloat16)` swaps each fake parameter's contents; the hooks stay with it."""
     called = []

@@ -58,6 +58,22 @@ def test_the_first_runs_here_then_the_middle_ones_in_copies_and_the_last_here(st
     assert len(started) == 2
 
 
+def test_warm_tasks_start_in_copies_at_the_first_fetch_all_but_the_last(started):
+    """Warm (an earlier run of the same kind filled the caches): no core waits for the first, alone."""
+    fanned = fan_out.Fanned([where(i) for i in range(3)], warm=True)
+    results = [fanned.result(i) for i in range(3)]
+    assert [r[0] for r in results] == [0, 1, 2]
+    assert [r[2] for r in results] == [True, True, False]
+    assert len(started) == 2
+
+
+def test_warm_but_not_ready_at_first_runs_the_first_here_and_tries_again_at_the_second(started):
+    asked = []
+    fanned = fan_out.Fanned([where(i) for i in range(3)], warm=True, ready=lambda: (asked.append(1), len(asked) > 1)[1])
+    assert [fanned.result(i)[2] for i in range(3)] == [False, True, False]
+    assert len(asked) == 2 and len(started) == 1
+
+
 def test_a_caller_that_stops_after_the_first_starts_no_copy(started):
     with fan_out.Fanned([where(i) for i in range(3)]) as fanned:
         assert fanned.result(0)[0] == 0
@@ -115,8 +131,17 @@ def test_an_estimate_with_copies_is_the_one_made_in_one_process(tmp_path: Path, 
     every trial's figures of the estimate run in one process."""
     mf = load_model_file(_deeper(tmp_path, ROOT / "examples" / "tiny_gpt.py", 8))
     targets = resolve_targets(mf, None, None, None)
+    warms: list[bool] = []
+    init = fan_out.Fanned.__init__
+
+    def noted(self, tasks, *args, warm=False, **kwargs):
+        warms.append(warm)
+        init(self, tasks, *args, warm=warm, **kwargs)
+
+    monkeypatch.setattr(fan_out.Fanned, "__init__", noted)
     side = estimate(mf, FakeDevice("640MiB", gpu=find_gpu("generic")), targets, min_blocks=5)
     assert started, "no copy ran"
+    assert True in warms and False in warms  # (a later trial with a rung's levers: its 2 blocks in a copy too)
     monkeypatch.setattr(fan_out, "PROCESSES", 1)
     alone = estimate(mf, FakeDevice("640MiB", gpu=find_gpu("generic")), targets, min_blocks=5)
     assert side.plan == alone.plan and side.breakdown == alone.breakdown
