@@ -58,7 +58,7 @@ def test_a_tensor_made_from_known_fake_scalars_has_their_values_and_dtype():
 
 def test_as_tensor_of_known_fake_scalars_and_no_function_mode_runs():
     """torch.as_tensor(data, dtype=...) as torch.tensor; a wrong call fails as torch's own does. The known values are
-    put in place by replacing the two functions on the torch module while inside (fakes.known_data), not by a
+    put in place by replacing the two functions on the torch module while inside (memory/known_data.py), not by a
     TorchFunctionMode, which would take every torch call of a fake step through Python: inside real_code_paths no
     function mode of its own is on, and outside it torch.tensor and torch.as_tensor are torch's own again."""
     from torch.overrides import _get_current_function_mode_stack
