@@ -23,6 +23,7 @@ from .cards import GpuSpec
 from .cuda_autocast import cuda_autocast
 from .cuda_kernels import cuda_kernels
 from .fakes import real_code_paths
+from .imports import imports_outside
 from .leftovers import drop_failed_backward
 from .margin import AnyMargin, CardMargin, Margin, parse_margin
 from .on_host import CudaOnHost, cuda_autocast_on_host
@@ -198,6 +199,7 @@ class TrackedDevice(Device):
                 stack.enter_context(cuda_autocast())
                 stack.enter_context(cuda_kernels(self.card))
             stack.enter_context(self.tracker)
+            stack.enter_context(imports_outside())  # what a library makes as it is imported is not the trial's
             return stack.pop_all()
 
     def _model_allocator(self) -> CachingAllocatorModel:
@@ -349,9 +351,7 @@ class FakeDevice(TrackedDevice):
             return super()._accounting()
         with contextlib.ExitStack() as stack:  # a fresh FakeTensorMode per measured stretch; the tracker innermost
             stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
-            # .to() swaps, values of masks, libraries' tracing checks; oneDNN's LSTM workspace, as the cpu device's
-            # kernels make it (cpu_kernels.py)
-            stack.enter_context(real_code_paths(cpu_kernels=True))
+            stack.enter_context(real_code_paths(cpu_kernels=True))  # .to() swaps, masks' values, the CPU's kernels
             stack.enter_context(super()._accounting())
             return stack.pop_all()
 

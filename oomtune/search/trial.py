@@ -264,7 +264,7 @@ def settled_objects() -> Iterator[None]:
     trial of examples/tiny_gpt.py at micro-batch 1-8: 0.13-0.14 s -> 0.04-0.07 s, of which the collection was
     60-75 ms).
 
-    Libraries a trial would import with tensors of their own are imported here too (_libraries_first)."""
+    A library the first trial would import is imported here too, where that is known (_libraries_first)."""
     if _SETTLED:
         yield
         return
@@ -290,11 +290,10 @@ _IMPORTED: list[bool] = []  # _libraries_first's imports tried
 
 def _libraries_first() -> None:
     """PEFT imports bitsandbytes (where installed) as it wraps a model's layers, so a LoRA model's first build did,
-    inside the first trial; and bitsandbytes' import makes tensors (a 256-entry map), which that trial counted as
-    the device's and which live on (module globals): the first trial of a search read 1 KiB more than the same
-    plan traced after it (the second-step check failed on it, a CPU with AVX512-BF16). So where the model file has
-    imported PEFT, bitsandbytes is imported before any trial, outside every mode (levers.nf4_bnb.library); one that
-    fails to import is left for PEFT to meet as it did. Tried once a process."""
+    inside the first trial: its objects (its import brings `kernels` and more) were then made after the freeze, and
+    every later trial's collection walked them. Where the model file has imported PEFT, bitsandbytes is imported
+    before the freeze, outside every mode (levers.nf4_bnb.library); one that fails to import is left for PEFT to
+    meet as it did. What an import inside a trial makes is not the trial's either way (memory/imports.py)."""
     if _IMPORTED or "peft" not in sys.modules:
         return
     _IMPORTED.append(True)  # (tried once: an import that fails is not tried at every trial)
@@ -335,7 +334,6 @@ def run_trial(model_file: ModelFile, plan: Plan, device: Device, steps: int = TR
     context or accumulation changed (ModelCache). `second`: the estimate's traced trials, whose second step is
     made from the first where that was checked (second_steps.py)."""
     start = time.perf_counter()
-    _libraries_first()  # (a search did, before its gc.freeze; a trial run alone does it here)
     fewer = isinstance(model_file, FewerBlocks)  # (its second steps are checked apart from the whole model's)
     mode = second.mode(plan, device, steps, dist.world_size, fewer) if second is not None else None
     box: list = []

@@ -197,10 +197,10 @@ with settled_objects():
 
 def test_the_first_trial_of_a_peft_model_counts_none_of_what_its_libraries_import():
     """device: fake (a card's rules, both steps traced). In a fresh process (this session's may have imported them
-    already): PEFT imports bitsandbytes as it wraps the layers, and bitsandbytes' import makes tensors of its own. A
-    trial imports it first, outside the tracker (trial._libraries_first): the first trial of a LoRA Llama leaves
-    nothing behind and reads what the same plan traced after it reads (it read 1 KiB more, on a CPU with
-    AVX512-BF16)."""
+    already): PEFT imports bitsandbytes as it wraps the layers, and bitsandbytes' import makes tensors of its own
+    (a 256-entry map). A module imported inside a trial runs outside it (memory/imports.py): the first trial of a
+    LoRA Llama leaves nothing behind and reads what the same plan traced after it reads (it read 1 KiB more, on a
+    CPU with AVX512-BF16)."""
     import subprocess
     import sys
 
