@@ -8,7 +8,7 @@ it, on the cpu device as on the fake one. A real run makes them in host memory w
 on the GPU. So while `imports_outside()` is on (simulated devices, inside `measure()`), a module imported for the
 first time runs its code outside every dispatch mode (FakeTensorMode included: real tensors, as an import makes
 them) and untracked. An import of a module already imported costs nothing more: Python asks the finders only for
-a module not in sys.modules.
+a module not in sys.modules (an import that finds nothing, `try: import apex`, asks the finders twice).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import importlib.abc
 import sys
+import threading
 from collections.abc import Iterator
 
 from torch.utils._python_dispatch import _disable_current_modes
@@ -50,19 +51,25 @@ class _Outside(importlib.abc.Loader):
 
 
 class _Finder(importlib.abc.MetaPathFinder):
-    """First on sys.meta_path while on: the spec the finders after it give, its loader wrapped (_Outside)."""
+    """First on sys.meta_path while on: the spec the finders after it give, its loader wrapped (_Outside). Only for
+    the thread that measures: another's import (a progress display's) is its own, and running it untracked would
+    pause the tracker (every thread's) while the trial goes on. A spec asked for without an import
+    (importlib.util.find_spec) has the wrapper too: it acts as the loader does, but is not of its class."""
 
     def __init__(self) -> None:
+        self.owner: int | None = None  # the thread that measures
         self.asking = False  # (a finder after it that asks the finders again: not wrapped twice)
 
     def find_spec(self, fullname, path, target=None):
-        if self.asking:
+        if self.asking or threading.get_ident() != self.owner:
             return None
         self.asking = True
         try:
             for finder in sys.meta_path:
-                if finder is self or not hasattr(finder, "find_spec"):
+                if finder is self:
                     continue
+                if not hasattr(finder, "find_spec"):  # (an old-style finder: Python asks it in its turn)
+                    return None
                 spec = finder.find_spec(fullname, path, target)
                 if spec is None:
                     continue
@@ -84,9 +91,11 @@ def imports_outside() -> Iterator[None]:
     if _FINDER in sys.meta_path:
         yield
         return
+    _FINDER.owner = threading.get_ident()
     sys.meta_path.insert(0, _FINDER)
     try:
         yield
     finally:
+        _FINDER.owner = None
         with contextlib.suppress(ValueError):
             sys.meta_path.remove(_FINDER)

@@ -45,27 +45,32 @@ def _from_known(original: Callable) -> Callable:
         if args or not isinstance(data, (list, tuple)) or not _holds_fakes(data):  # (args: torch's own error)
             return original(data, *args, **kwargs)
         with _disable_current_modes():  # real torch's own dtype inference and errors, on the known values
-            value = torch.tensor(_as_real(data), dtype=kwargs.get("dtype"))
+            value = _OWN["tensor"](_as_real(data), dtype=kwargs.get("dtype"))
         return original(value.tolist(), **{**kwargs, "dtype": value.dtype})
 
     return from_data
 
 
-_FROM_DATA = ("tensor", "as_tensor")
+_OWN = {"tensor": torch.tensor, "as_tensor": torch.as_tensor}  # torch's own
+_MADE = {name: _from_known(f) for name, f in _OWN.items()}
+for _name, _made in _MADE.items():  # TorchScript compiles them as torch's own (a function scripted in a trial)
+    with contextlib.suppress(AttributeError):
+        torch.jit._builtins._register_builtin(_made, f"aten::{_name}")
 
 
 @contextlib.contextmanager
 def known_data() -> Iterator[None]:
     """While inside, `torch.tensor` / `torch.as_tensor` of data holding FakeTensors are made from their known
-    values (module doc, 5). The two functions are replaced on the torch module, which is where model code looks
-    them up, rather than seen by a TorchFunctionMode: a function mode takes every torch call of a step through
-    Python (a GPT-2 small trace, fake, 14% slower with one). Code that bound them before (`from torch import
-    tensor`) gets torch's own."""
-    originals = {name: getattr(torch, name) for name in _FROM_DATA}
-    for name, original in originals.items():
-        setattr(torch, name, _from_known(original))
+    values (fakes.py's module doc, 5). The two functions are replaced on the torch module, which is where model
+    code looks them up, rather than seen by a TorchFunctionMode: a function mode takes every torch call of a step
+    through Python (a GPT-2 small trace, fake, 14% slower with one). Code that bound them before (`from torch
+    import tensor`) gets torch's own; code that binds them inside keeps the replacement, which outside does what
+    torch's own does (nothing holds fakes there). Nested, each restores what it found."""
+    found = {name: getattr(torch, name) for name in _OWN}
+    for name, made in _MADE.items():
+        setattr(torch, name, made)
     try:
         yield
     finally:
-        for name, original in originals.items():
+        for name, original in found.items():
             setattr(torch, name, original)

@@ -151,8 +151,7 @@ class BlockTrials:
         measure = [functools.partial(self.measured, model_file, keep, lambda fewer: run(fewer, plan))
                    for keep in (KEPT, KEPT + 1, KEPT + 2, KEPT + 3)]  # a fourth only where three do not line up
         ahead = 4 if self.fourth else 3  # (with the three, side by side, once a trial needed it)
-        warm = levers_key(plan) in self.levers  # (its first trial fills what the later ones read)
-        self.levers.add(levers_key(plan))
+        warm = levers_key(plan) in self.levers  # (a first trial with them filled what the later ones read)
         with self.fanned(measure[:ahead], carried, warm) as fanned:
             for i in range(4):
                 ok, out = fanned.result(i) if i < ahead else measure[i]()
@@ -164,6 +163,7 @@ class BlockTrials:
                     self.off.add(key)
                     return None
                 runs.append((result, bd))
+                self.levers.add(levers_key(plan))
                 template = Template.fit([r.trace for r, _ in runs], KEPT) if len(runs) >= 3 else None
                 if template is not None:
                     self.fourth |= len(runs) > 3

@@ -4,7 +4,7 @@ measured on fake tensors once per rung, as the ladder reaches it. Where that flo
 leaves tensors, no plan of the rung can fit, whatever its batch: the ladder passes it without trials, as it passes
 the usual rungs whose floor does not fit (probe.out_of_reach). Measuring a floor costs one build and one optimizer
 step of the model, with no forward or backward (in an estimate, of the model with 2, 3 and 4 of its repeated blocks
-where it repeats 16 or more: extrapolate.extrapolated_static); trying a rung costs two or three whole training steps
+where it repeats 12 or more: extrapolate.extrapolated_static); trying a rung costs two or three whole training steps
 (a 7B LoRA estimate's chunked-loss rung kept its frozen weights in fp32, 27.6 GB on a 24 GB card, and ran three
 trials to find micro-batch 1 out of memory)."""
 

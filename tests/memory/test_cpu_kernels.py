@@ -22,7 +22,7 @@ from oomtune.search.trial import run_trial
     ids=["fp32", "bf16-true", "bf16 x2", "bidirectional fp32", "bidirectional bf16 ckpt"])  # (blocks(): the LSTM)
 def test_an_lstm_counts_onednns_workspace_on_fake_as_on_cpu(write_model, plan, bidirectional):
     """nn.LSTM runs oneDNN on the CPU, whose workspace for the backward the meta kernel leaves empty: without
-    cpu_kernels.CpuKernelBuffers the fake device's saved activations read a third of the cpu device's. An autocast
+    cpu_kernels.cpu_kernel_call the fake device's saved activations read a third of the cpu device's. An autocast
     plan on a CPU whose oneDNN has no 16-bit RNN (AVX2) runs on neither device: skipped there, with the reason."""
     from oomtune.memory.host_kernels import lstm_autocast_fails
 

@@ -72,7 +72,13 @@ def test_as_tensor_of_known_fake_scalars_and_no_function_mode_runs():
         with pytest.raises(TypeError, match="positional"):
             torch.as_tensor([steps[1]], torch.float64)
         assert torch.as_tensor(steps) is steps  # (no list: torch's own answer)
+        scripted = torch.jit.script(_pair)  # TorchScript takes the replacements as torch's own
     assert (torch.tensor, torch.as_tensor) == own
+    assert scripted(1.5).tolist() == [1.5, 2.0]  # (run outside: FakeTensorMode crashes on a scripted torch.tensor)
+
+
+def _pair(x: float) -> torch.Tensor:
+    return torch.tensor([x, 2.0])
 
 
 def test_a_cast_keeps_the_hooks_on_a_fake_parameter():

@@ -41,13 +41,27 @@ def test_a_library_imported_by_the_first_trial_is_not_counted_in_it(tmp_path, mo
     assert type(table) is torch.Tensor and table.tolist()[-1] == 1.0  # (not a FakeTensor: it has its values)
 
 
-def test_the_finder_is_in_place_only_inside_and_leaves_imported_modules_as_they_are(monkeypatch):
+def test_the_finder_is_in_place_only_inside_for_the_measuring_thread_and_leaves_modules_as_they_are(monkeypatch):
+    """Inside, a new module's code runs through the wrapper (in this thread only: another thread's import is its
+    own); after, the finder is gone and the module keeps its own loader."""
     import importlib
     import importlib.machinery
+    import threading
 
-    monkeypatch.delitem(sys.modules, "colorsys", raising=False)  # (imported afresh here)
+    from oomtune.memory import imports
+
+    ran: list[str] = []
+    exec_module = imports._Outside.exec_module
+    monkeypatch.setattr(imports._Outside, "exec_module", lambda self, m: (ran.append(m.__name__), exec_module(self, m)))
+    for name in ("colorsys", "this"):
+        monkeypatch.delitem(sys.modules, name, raising=False)  # (imported afresh here)
     with imports_outside(), imports_outside():
+        assert sys.meta_path[0] is imports._FINDER and sys.meta_path.count(imports._FINDER) == 1
         importlib.import_module("colorsys")
+        other = threading.Thread(target=importlib.import_module, args=("this",))  # (it prints the Zen: captured)
+        other.start()
+        other.join()
+    assert ran == ["colorsys"] and "this" in sys.modules
     assert not any(type(f).__name__ == "_Finder" for f in sys.meta_path)
     loader = sys.modules["colorsys"].__loader__
     assert isinstance(loader, importlib.machinery.SourceFileLoader)
