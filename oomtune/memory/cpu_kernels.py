@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._python_dispatch import _disable_current_modes
 
 _LSTM_LAYER = getattr(getattr(torch.ops.aten, "mkldnn_rnn_layer", None), "default", None)
 _GROUPED_MM = getattr(getattr(torch.ops.aten, "_grouped_mm", None), "default", None)
@@ -59,13 +59,6 @@ def cpu_kernel_call(func, args, kwargs):
         if size:
             out = (*out[:3], torch.empty(size, dtype=out[3].dtype, device=out[3].device))
     return out
-
-
-class CpuKernelBuffers(TorchDispatchMode):
-    """cpu_kernel_call as a mode of its own: enter inside FakeTensorMode (below the tracker)."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        return cpu_kernel_call(func, args, kwargs or {})
 
 
 def _workspace_elements(args) -> int:
@@ -135,7 +128,7 @@ def _grouped_mm(func, args, kwargs) -> torch.Tensor:
     return torch.empty(func(a, b, **as_bf16).shape, dtype=dtype, device=named["self"].device)
 
 
-__all__ = ["CpuKernelBuffers", "cpu_kernel_call"]
+__all__ = ["cpu_kernel_call"]
 
 
 def _group_norm_dtypes(func, args, out: tuple) -> tuple:

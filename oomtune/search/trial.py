@@ -290,10 +290,10 @@ _IMPORTED: list[bool] = []  # _libraries_first's imports tried
 
 def _libraries_first() -> None:
     """PEFT imports bitsandbytes (where installed) as it wraps a model's layers, so a LoRA model's first build did,
-    inside the first trial: its objects (its import brings `kernels` and more) were then made after the freeze, and
-    every later trial's collection walked them. Where the model file has imported PEFT, bitsandbytes is imported
-    before the freeze, outside every mode (levers.nf4_bnb.library); one that fails to import is left for PEFT to
-    meet as it did. What an import inside a trial makes is not the trial's either way (memory/imports.py)."""
+    inside the first trial: its objects (70,600 with what it imports, `kernels` among them) were then made after the
+    freeze, and every later trial's collection walked them. Where the model file has imported PEFT, bitsandbytes is
+    imported before the freeze, outside every mode (levers.nf4_bnb.library); one that fails to import is left for
+    PEFT to meet as it did. What an import inside a trial makes is not the trial's either way (memory/imports.py)."""
     if _IMPORTED or "peft" not in sys.modules:
         return
     _IMPORTED.append(True)  # (tried once: an import that fails is not tried at every trial)

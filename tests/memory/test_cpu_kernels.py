@@ -104,7 +104,8 @@ def test_a_grouped_matmul_the_cpu_takes_is_shaped_on_fake_tensors_as_the_cpu_mak
     must match mat_a dtype", as the meta kernel says)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from oomtune.memory.cpu_kernels import CpuKernelBuffers
+    from oomtune.memory.cpu_kernels import cpu_kernel_call
+    from oomtune.memory.fakes import Values
 
     def grouped(a, b, offs):
         return torch._grouped_mm(a, b, offs=offs, out_dtype=out_dtype)
@@ -112,7 +113,7 @@ def test_a_grouped_matmul_the_cpu_takes_is_shaped_on_fake_tensors_as_the_cpu_mak
     args = lambda: (torch.randn(12, 8, dtype=dtype), torch.randn(3, 8, 16, dtype=dtype),  # noqa: E731
                     torch.tensor([4, 8, 12], dtype=torch.int32))
     real = grouped(*args())
-    with FakeTensorMode(allow_non_fake_inputs=True), CpuKernelBuffers():
+    with FakeTensorMode(allow_non_fake_inputs=True), Values(cpu_kernel_call):  # (as the fake device runs it)
         fake = grouped(*args())
     assert (fake.shape, fake.dtype, fake.stride()) == (real.shape, real.dtype, real.stride())
 
@@ -170,10 +171,11 @@ def test_group_norms_input_gradient_keeps_a_channels_last_layout_on_fake_tensors
     """The input's gradient is made like the input, its layout too (a channels-last bf16 input: channels-last)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from oomtune.memory.cpu_kernels import CpuKernelBuffers
+    from oomtune.memory.cpu_kernels import cpu_kernel_call
+    from oomtune.memory.fakes import Values
 
     def grads(fake: bool) -> list[tuple]:
-        with FakeTensorMode() if fake else contextlib.nullcontext(), CpuKernelBuffers() if fake else \
+        with FakeTensorMode() if fake else contextlib.nullcontext(), Values(cpu_kernel_call) if fake else \
                 contextlib.nullcontext():
             x = torch.zeros(2, 16, 4, 2, dtype=torch.bfloat16).contiguous(memory_format=torch.channels_last)
             w = torch.ones(16)
