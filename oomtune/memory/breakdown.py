@@ -148,7 +148,7 @@ def static_memory(model_file: ModelFile, plan: Plan | None = None, levers: str =
     from ..levers.own_optimizer import blocked_levers
 
     tracker = MemoryTracker()
-    with FakeTensorMode(allow_non_fake_inputs=True), real_code_paths(), tracker, torch.device("cpu"):
+    with FakeTensorMode(allow_non_fake_inputs=True), real_code_paths(tracker=tracker), tracker, torch.device("cpu"):
         with CudaOnHost():
             model = model_file.build()
         nf4 = 0 if (four_bit := four_bit_of(model_file, plan)) else sum(w.weight.numel() for w in frozen_linears(model))

@@ -350,8 +350,8 @@ class FakeDevice(TrackedDevice):
         if self.computes:
             return super()._accounting()
         with contextlib.ExitStack() as stack:  # a fresh FakeTensorMode per measured stretch; the tracker innermost
-            stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
-            stack.enter_context(real_code_paths(cpu_kernels=True))  # .to() swaps, masks' values, the CPU's kernels
+            stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))  # .to() swaps, masks' values, the CPU's
+            stack.enter_context(real_code_paths(cpu_kernels=True, tracker=self.tracker))  # kernels, run by the tracker
             stack.enter_context(super()._accounting())
             return stack.pop_all()
 

@@ -45,12 +45,12 @@ from torch._subclasses.fake_tensor import (
     FakeTensor,
     FakeTensorMode,
 )
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes, _get_current_dispatch_mode_stack
 from torch.utils._pytree import tree_leaves, tree_map_only
 from torch.utils.weak import WeakIdRef
 
 from ..errors import OomtuneError
-from .tracker import METADATA_OPS
+from .tracker import METADATA_OPS, MemoryTracker
 
 _aten = torch.ops.aten
 UNINITIALIZED = frozenset(op for op in (_aten.empty.memory_format, _aten.empty_strided.default,
@@ -71,6 +71,9 @@ CONSTANT_FACTORIES = frozenset((_aten.ones, _aten.zeros, _aten.full, _aten.scala
 # LayerDrop's `torch.rand(1) < p`. Weights are drawn far larger, and stay without values.
 RANDOM_FACTORIES = frozenset((_aten.rand, _aten.randn))
 MAX_RANDOM_SHADOW = 64  # elements
+# in-place fills that leave a tensor without values as it was (Values._filled)
+DRAWS = frozenset((_aten.uniform_.default, _aten.normal_.default))
+FILLS = DRAWS | {_aten.fill_.Scalar, _aten.zero_.default}
 
 
 class NeedsValues(OomtuneError):
@@ -243,6 +246,9 @@ class Values(TorchDispatchMode):
         if func in METADATA_OPS:  # a tensor's device (wrapper subclasses ask for it all the time): no values
             return func(*args, **(kwargs or {}))
         kwargs = kwargs or {}
+        if func in FILLS and type(args[0]) is FakeTensor and self._known(args[0]) is None and \
+                (args[0].is_floating_point() or func not in DRAWS):  # (a draw into integers fails, as real ones do)
+            return self._filled(args[0])
         if func is _EMBEDDING:
             self._check_indices(args[0], args[1])
         try:
@@ -270,6 +276,14 @@ class Values(TorchDispatchMode):
             if isinstance(fake, FakeTensor):
                 self._attach(fake, value)
         return out
+
+    def _filled(self, t: FakeTensor) -> FakeTensor:
+        """An in-place fill of a fake tensor without values (a weight's init: uniform_, normal_, fill_, zero_): it
+        still has none after, and a fake tensor's fill makes nothing and returns its tensor; so it is not run (a
+        fake model's build runs one or two for each weight: a tenth of a trial's ops, GPT-2's)."""
+        if self._shadowed:
+            self._mark_stale(t)
+        return t
 
     def _check_indices(self, weight: torch.Tensor, indices: torch.Tensor) -> None:
         """An embedding's known indices past its rows fail as the real op does (a context longer than the model's
@@ -345,15 +359,42 @@ def one_fake_mode() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def real_code_paths(cpu_kernels: bool = False) -> Iterator[None]:
+def real_code_paths(cpu_kernels: bool = False, tracker: MemoryTracker | None = None) -> Iterator[None]:
     """Everything above, for a stretch of work on fake tensors (enter inside FakeTensorMode), with NF4 weights'
     dequantization made from the first of its kind (made_nf4.py, which reads this module's Values). `cpu_kernels`:
     ops whose outputs the CPU's kernels make otherwise than the meta kernels are made as the CPU's make them
-    (cpu_kernels.py), in Values' own dispatch (no mode of their own: one less Python call per op)."""
+    (cpu_kernels.py), in Values' own dispatch (no mode of their own: one less Python call per op). `tracker`: one
+    entered just above FakeTensorMode (nothing between) runs Values' dispatch itself (MemoryTracker.inner), for the
+    same reason: Values is then no mode of its own either (current_values() finds it)."""
     from .cpu_kernels import cpu_kernel_call
     from .known_data import known_data
     from .made_nf4 import made_dequant
 
-    with swappable_fakes(), library_view(), Values(cpu_kernel_call if cpu_kernels else None), one_fake_mode(), \
-            known_data(), made_dequant():
+    values = Values(cpu_kernel_call if cpu_kernels else None)
+    with swappable_fakes(), library_view(), _inside(values, tracker), one_fake_mode(), known_data(), made_dequant():
         yield
+
+
+@contextlib.contextmanager
+def _inside(values: Values, tracker: MemoryTracker | None) -> Iterator[None]:
+    """Values as a mode of its own, or run by `tracker` (its `inner`) while inside."""
+    if tracker is None:
+        with values:
+            yield
+        return
+    previous, tracker.inner = tracker.inner, values.__torch_dispatch__
+    try:
+        yield
+    finally:
+        tracker.inner = previous
+
+
+def current_values() -> Values | None:
+    """The Values at work now: a mode of its own, or the one an active tracker runs (real_code_paths)."""
+    for mode in reversed(_get_current_dispatch_mode_stack()):
+        if isinstance(mode, Values):
+            return mode
+        inner = getattr(mode, "inner", None)
+        if isinstance(getattr(inner, "__self__", None), Values):
+            return inner.__self__
+    return None

@@ -27,7 +27,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes, _get_current_dispatch_mode_stack
 
 from . import tracker
-from .fakes import Values
+from .fakes import current_values
 from .tracker import _tensors, storage_key
 
 Event = tuple  # ("b", index, nbytes, dtype, device) a birth; ("f", index) a free
@@ -156,10 +156,10 @@ def made(pattern: Pattern, written: tuple[torch.Tensor, ...] = (), direct: bool 
         for gone in held.values():
             _let_go(gone, counting)
         raise
-    for mode in modes:
-        if isinstance(mode, Values):
-            for t in written:
-                mode._mark_stale(t)
+    values = current_values()
+    if values is not None:
+        for t in written:
+            values._mark_stale(t)
     if fake is not None:
         return [held[o[0]] for o in pattern.outputs]
     return [held[index].as_strided(size, stride, offset) for index, size, stride, offset in pattern.outputs]

@@ -26,9 +26,8 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 from torch.optim import optimizer as torch_optimizer
-from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-from .fakes import Values
+from .fakes import current_values
 from .made_calls import MadeCalls, fake_call
 
 _CALLS = MadeCalls(direct=True)  # every trial's in this process (kinds by shapes: they hold from trial to trial)
@@ -88,10 +87,6 @@ def stepping(opt: torch.optim.Optimizer, last: bool) -> Iterator[None]:
         del opt.step
 
 
-def _values() -> Values | None:
-    return next((m for m in _get_current_dispatch_mode_stack() if isinstance(m, Values)), None)
-
-
 def _step(opt: torch.optim.Optimizer, last: bool, args: tuple, kwargs: dict):
     call: Callable[[], object] = lambda: type(opt).step(opt, *args, **kwargs)  # noqa: E731
     params = [p for g in opt.param_groups for p in g["params"]]
@@ -113,7 +108,7 @@ def _step(opt: torch.optim.Optimizer, last: bool, args: tuple, kwargs: dict):
                 entries.append((k, ("out", len(made)) if isinstance(v, torch.Tensor) else ("value", v)))
                 made += [v] if isinstance(v, torch.Tensor) else []
             layout.append(tuple(entries))
-        values = _values()
+        values = current_values()
         _STATES[kind] = tuple(layout), tuple(None if values is None or (v := values._known(t)) is None
                                              else v.clone() for t in made)
         return made
@@ -124,7 +119,7 @@ def _step(opt: torch.optim.Optimizer, last: bool, args: tuple, kwargs: dict):
             for p, entries in zip(params, layout, strict=True):
                 if entries:
                     opt.state[p] = {k: tensors[v] if how == "out" else v for k, (how, v) in entries}
-            values = _values()
+            values = current_values()
             for t, v in zip(tensors, known, strict=True):
                 if v is not None and values is not None:
                     values._attach(t, v.clone())  # (the step count a later step reads, as the call left it)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -147,6 +147,9 @@ class MemoryTracker(TorchDispatchMode):
         self._hosting = 0
         self.allocator = None  # a CachingAllocatorModel fed every device storage's birth and death, where set
         self._paused = 0  # inside untracked(): ops run uncounted
+        # where set, what runs each op beneath the tracker in place of the op itself: (func, types, args, kwargs) ->
+        # its outputs (the fake device's Values: one Python mode fewer for each op; fakes.real_code_paths)
+        self.inner: Callable | None = None
         # where set, what the device's storages did, in order (replay.py): ("set", key, bytes before rounding) for
         # a birth or a resize, ("free", key), ("mark", phase) from the device, ("host", key, bytes) and ("hfree", key)
         # for a host storage
@@ -319,7 +322,7 @@ class MemoryTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is _PRIM_DEVICE and type(args[0]) is FakeTensor and not args[0].fake_mode.in_kernel_invocation:
             return args[0].fake_device  # FakeTensor's own answer, without the modes beneath (see _PRIM_DEVICE)
-        out = func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {})) if self.inner is None else self.inner(func, types, args, kwargs)
         if func in METADATA_OPS or self._paused:  # no tensor made, or none to count
             return out
         if self.recorder is not None:

@@ -118,3 +118,43 @@ def test_a_few_random_numbers_drawn_for_a_branch_take_it_as_real_ones_do():
         assert bool(torch.randn(2, 3).isfinite().all())
         weight = torch.randn(64, 64)
         assert shadow_of(weight) is None and not bool((weight > 0).any())  # (no values: a weight's reads are 0)
+
+
+def test_a_fill_of_a_tensor_without_values_is_not_run_and_one_with_values_is():
+    """A weight's init (uniform_, normal_, fill_, zero_ of a tensor without values) leaves it without values and
+    makes nothing: it never reaches FakeTensorMode (a tenth of a fake build's ops). A fill of a tensor with known
+    values still gives them (a mask filled with ones, a draw into zeros), a draw into integers fails as before."""
+    with fake():
+        weight = torch.empty(4, 4)
+        before = FakeTensorMode.cache_hits + FakeTensorMode.cache_misses + sum(FakeTensorMode.cache_bypasses.values())
+        for fill in (lambda t: t.uniform_(-1, 1), lambda t: t.normal_(), lambda t: t.fill_(1.0), torch.Tensor.zero_):
+            assert fill(weight) is weight
+        assert FakeTensorMode.cache_hits + FakeTensorMode.cache_misses + \
+            sum(FakeTensorMode.cache_bypasses.values()) == before  # (none dispatched)
+        assert shadow_of(weight) is None
+        mask = torch.zeros(3)
+        mask.fill_(1.0)
+        assert int(mask.sum()) == 3
+        drawn = torch.zeros(3)
+        drawn.uniform_(1, 2)
+        assert shadow_of(drawn) is not None and float(drawn.min()) >= 1
+        with pytest.raises(RuntimeError):
+            torch.empty(3, dtype=torch.long).normal_()
+
+
+def test_the_fake_device_runs_values_in_its_tracker_one_mode_fewer():
+    """On the fake device, Values is not a mode of its own: the tracker runs its dispatch (one Python call an op
+    fewer), and current_values() still finds it (made_calls, made_optim read it)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    from oomtune.memory.devices import FakeDevice
+    from oomtune.memory.fakes import Values, current_values
+
+    device = FakeDevice("1GiB")
+    with device.measure():
+        modes = [type(m).__name__ for m in _get_current_dispatch_mode_stack()]
+        assert modes == ["FakeTensorMode", "MemoryTracker"]
+        assert isinstance(current_values(), Values)
+        ids = torch.arange(4)
+        assert int(ids.sum()) == 6  # (the known values Values keeps)
+    assert device.tracker.inner is None
