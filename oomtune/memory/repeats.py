@@ -10,150 +10,20 @@ back from the event that frees it, a number of births earlier that is affine in 
 `Template.fit` lines up three traces (k, k+1, k+2 blocks) that way; `Template.at(n)` makes the trace at any n. The
 fit is accepted only where it reproduces all three traces event by event, each affine rule checked on more points
 than it was fitted on; anything else (blocks that differ, an event that is not a line in n) is None, and the caller
-traces the whole model instead.
+traces the whole model instead. (How two traces line up: alignment.py.)
+
+`Template.refit` makes the template of another plan of the same levers and context (another micro-batch) from its
+traces at k and k+1 alone: the layout and storage rules are the fitted template's, each size's rule a line through
+its two points, accepted only where it makes both traces event by event.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
 
-from .allocator import rounded
+from .alignment import SIZED, Run, Token, align, runs_of, token_key, tokens
 from .life_kinds import Kinds
 from .replay import Trace
-
-WINDOW = 12  # events that must match after a mismatch for an insertion (or a changed size) to be taken
-MIN_AGREE = 4  # ... or at least this many, where another insertion follows closer
-Token = tuple  # (kind, value, ref): b birth (raw bytes), r resize (raw), f free (rounded bytes), m mark (phase);
-# B, R, F: the same for a storage in host memory
-SIZED = "brBR"  # the kinds whose value is a size in raw bytes (a rule in the blocks)
-
-
-def tokens(trace: Trace) -> list[Token]:
-    """The trace's events with each storage named by where it was born: ("i", k) for the k-th storage alive at the
-    start (those in host memory after the device's), ("d", d) for the one born d births before the latest."""
-    sizes = dict(enumerate((*trace.initial, *trace.host_initial)))
-    first = len(sizes)
-    born = first
-    out: list[Token] = []
-
-    def ref(n: int) -> tuple:
-        return ("i", n) if n < first else ("d", born - 1 - n)
-
-    for ev in trace.events:
-        kind = ev[0]
-        if kind in ("set", "hset"):
-            n, raw = ev[1], ev[2]
-            if n >= born:
-                out.append(("b" if kind == "set" else "B", raw, None))
-                born += 1
-            else:
-                out.append(("r" if kind == "set" else "R", raw, ref(n)))
-            sizes[n] = rounded(raw)
-        elif kind in ("free", "hfree"):
-            out.append(("f" if kind == "free" else "F", sizes.pop(ev[1]), ref(ev[1])))
-        else:
-            out.append(("m", ev[1], None))
-    return out
-
-
-def _key(t: Token) -> tuple:
-    return t[0], t[1]
-
-
-def _agree(a: list[Token], i: int, b: list[Token], j: int) -> int:
-    """How many events a[i:] and b[j:] agree on in a row, up to WINDOW (or a's end), one of them allowed another size
-    (a size that grows a block, as the stack of per-parameter norms that clipping makes)."""
-    sized = 0
-    for x in range(min(WINDOW, len(a) - i)):
-        if j + x >= len(b):
-            return x
-        ea, eb = a[i + x], b[j + x]
-        if _key(ea) != _key(eb):
-            sized += 1
-            if ea[0] != eb[0] or ea[0] not in SIZED or sized > 1:
-                return x
-    return min(WINDOW, len(a) - i)
-
-
-def _periodic(b: list[Token], j: int, length: int) -> bool:
-    """b[j:j+length] repeats the `length` events before it: the last period of a run (a run's other periods agree
-    with the trace of one block fewer)."""
-    return j >= length and all(_key(b[j - length + x]) == _key(b[j + x]) for x in range(length))
-
-
-def _inserted(a: list[Token], i: int, b: list[Token], j: int) -> tuple[int, int] | None:
-    """The events of b from j on that a lacks, after which a[i:] resumes: (how many, how many then agree). The
-    fewest that repeat the period before them (a run's last period) and after which a whole window agrees; else
-    (another insertion close behind: a parameter's frees after its norms) after which at least MIN_AGREE do; else
-    the fewest after which a window agrees, whether or not they repeat."""
-    full = min(WINDOW, len(a) - i)
-    partial = plain = None
-    for length in range(1, (len(b) - j) - (len(a) - i) + 1):
-        agree = _agree(a, i, b, j + length)
-        if agree < min(MIN_AGREE, full):
-            continue
-        if _periodic(b, j, length):
-            if agree == full:
-                return length, agree
-            partial = partial or (length, agree)
-        elif agree == full:
-            plain = plain or (length, agree)
-    return partial or plain
-
-
-def align(a: list[Token], b: list[Token]) -> list[tuple] | None:
-    """How `b` (one block more) is `a` with periods inserted: ("eq", i, j) pairs, ("sub", i, j) pairs whose size
-    differs, ("ins", j, length) runs of b that a lacks. None where they do not line up so."""
-    ops: list[tuple] = []
-    i = j = 0
-    while i < len(a) or j < len(b):
-        if i < len(a) and j < len(b) and _key(a[i]) == _key(b[j]):
-            ops.append(("eq", i, j))
-            i, j = i + 1, j + 1
-            continue
-        if i < len(a) and j < len(b) and a[i][0] == b[j][0] and a[i][0] in SIZED \
-                and _agree(a, i + 1, b, j + 1) == min(WINDOW, len(a) - i - 1):
-            ops.append(("sub", i, j))
-            i, j = i + 1, j + 1
-            continue
-        found = _inserted(a, i, b, j)
-        if found is None:
-            return None
-        ops.append(("ins", j, found[0]))
-        j += found[0]
-        for _ in range(found[1]):  # what agrees after it, a changed size included
-            ops.append(("eq" if _key(a[i]) == _key(b[j]) else "sub", i, j))
-            i, j = i + 1, j + 1
-    return ops
-
-
-class Run(NamedTuple):
-    """Periods of events repeated once per block: `start` in the trace with k+1 blocks, `length` events a period,
-    `n + offset` periods at n blocks. (A tuple: each event's slot, hashed once per event, hashes in C.)"""
-
-    start: int
-    length: int
-    offset: int
-
-
-def runs_of(b: list[Token], ops: list[tuple], k: int) -> list[Run] | None:
-    """The runs of `b` (k+1 blocks) that end with each inserted period (a run's last: the ones before it lined up
-    with the trace of one block fewer): the period and up to k more repeating it before, not reaching into the
-    run before."""
-    found: list[Run] = []
-    for op in ops:
-        if op[0] != "ins":
-            continue
-        j, length = op[1], op[2]
-        floor = found[-1].start + found[-1].length * (found[-1].offset + k + 1) if found else 0
-        if j < floor:
-            return None  # an insertion inside the run before: not a layout of repeated blocks
-        start = j
-        while (j - start) // length < k and start - length >= floor and _periodic(b, start, length):
-            start -= length
-        found.append(Run(start, length, (j - start) // length - k))
-    return found
 
 
 def _layout(b: list[Token], runs: list[Run], k: int) -> list[tuple]:
@@ -180,9 +50,10 @@ def _positions(layout: list[tuple], n: int, k: int):
                 yield (run, x), t
 
 
-def _solve(points: list[tuple[int, int, int]]) -> tuple[int, int, int] | None:
+def _solve(points: list[tuple[int, int, int]], checked: bool = True) -> tuple[int, int, int] | None:
     """Integer (c0, c1, c2) with v = c0 + c1 n + c2 t at every (n, t, v), fitted on some and checked on at least one
-    more; None where the points do not determine it or it misses one."""
+    more (`checked` False: or on none more, where a rule of the same form was checked elsewhere: Template.refit);
+    None where the points do not determine it or it misses one."""
     ns = sorted({p[0] for p in points})
     if len(ns) < 2:
         return None
@@ -202,7 +73,7 @@ def _solve(points: list[tuple[int, int, int]]) -> tuple[int, int, int] | None:
         if ts1[1] - ts1[0] != 1:
             return None
     c0 = by[(n0, t0)] - c1 * n0 - c2 * t0
-    if len(points) < 4 and len(ts1) > 1 or len(points) < 3:
+    if checked and (len(points) < 4 and len(ts1) > 1 or len(points) < 3):
         return None  # fitted on all it has: nothing checks it
     if any(c0 + c1 * n + c2 * t != v for n, t, v in points):
         return None
@@ -245,6 +116,36 @@ class Template:
             return None
         template = Template(traces[0].initial, layout, k, rules, traces[0].host_initial)
         return None if any(template.at(k + i) != trace for i, trace in enumerate(traces)) else template
+
+    def refit(self, traces: list[Trace]) -> Template | None:
+        """The template of another plan with the same levers and context (another micro-batch), from its traces at
+        k and k+1 blocks: this one's layout and storage rules, each size's rule fitted anew on them (a line through
+        two points in the blocks, where this template's were checked on three: the blocks of a model repeat alike at
+        every micro-batch), accepted only where it makes both traces event by event; else None (the caller traces
+        k+2 and fits as ever)."""
+        traces = [without_last_frees(t) for t in traces]
+        if len(traces) < 2 or any(len(t.initial) != len(self.initial) or len(t.host_initial) !=
+                                  len(self.host_initial) or (t.initial, t.host_initial) !=
+                                  (traces[0].initial, traces[0].host_initial) for t in traces):
+            return None
+        values: dict = {}
+        for i, trace in enumerate(traces):
+            toks = tokens(trace)
+            positions = list(_positions(self.layout, self.k + i, self.k))
+            if len(positions) != len(toks):
+                return None
+            for (slot, t), (kind, value, _) in zip(positions, toks, strict=True):
+                if kind in SIZED:
+                    values.setdefault(slot, []).append((self.k + i, t, value))
+        rules = {}
+        for slot, (kind, value, ref) in self.rules.items():
+            if kind in SIZED:
+                value = _solve(values.get(slot, []), checked=False)
+                if value is None:
+                    return None
+            rules[slot] = (kind, value, ref)
+        made = Template(traces[0].initial, self.layout, self.k, rules, traces[0].host_initial)
+        return made if all(made.at(self.k + i) == trace for i, trace in enumerate(traces)) else None
 
     def at(self, n: int) -> Trace | None:
         """The trace at n blocks, less its last frees (without_last_frees); None where a rule gives a storage that
@@ -344,7 +245,7 @@ def _variants(run: Run, b: list[Token], k: int) -> list[tuple[Run, ...]]:
     periods = k + 1 + run.offset
     for parts in range(2, run.length + 1):
         short = run.length // parts
-        if run.length % parts or not all(_key(b[run.start + x]) == _key(b[run.start + x % short])
+        if run.length % parts or not all(token_key(b[run.start + x]) == token_key(b[run.start + x % short])
                                          for x in range(run.length)):
             continue
         out.append(tuple(Run(run.start + i * short * periods, short, run.offset) for i in range(parts)))

@@ -216,6 +216,7 @@ def _replayed(model_file, device, targets, headroom, steps, objective, amp, on_s
         # to the byte on every kind of model), else whole; its second step made where that was checked (and
         # its breakdown told from the first's records: made_peak.py), else both run
         made = trials.second.made
+        trials.blocks.full = True  # (its own three traces lined up: none refitted from its rung's)
         result = trials.run_one(model_file, plan, twin, steps, LOCAL)
         if plan not in trials.breakdowns and trials.second.made > made:  # a made peak that could not be sorted
             trials.second.whole = True

@@ -87,6 +87,10 @@ class BlockTrials:
         self.off: set[Plan] = set()  # rungs (plans at micro-batch 1) where the three did not line up
         self.fourth = False  # a trial's traces lined up only with a fourth
         self.levers: set[Plan] = set()  # the levers (levers_key) of the trials traced so far
+        self.fitted: dict[Plan, list] = {}  # a rung's (its plan at micro-batch 1) templates fitted on three traces
+        # or more, each with its traced trials ((result, breakdown) pairs), the latest first
+        self.full = False  # every trial fitted on three traces (the estimate's check at its answer), none refitted
+        self.refitted = 0  # trials made from two traces and their rung's template (Template.refit)
 
     def knowing(self, repeats: tuple | None) -> BlockTrials:
         """Told what the whole model's build found (StaticMemory.repeated_blocks): no fewer-block build then builds
@@ -150,7 +154,8 @@ class BlockTrials:
         template = None
         measure = [functools.partial(self.measured, model_file, keep, lambda fewer: run(fewer, plan))
                    for keep in (KEPT, KEPT + 1, KEPT + 2, KEPT + 3)]  # a fourth only where three do not line up
-        ahead = 4 if self.fourth else 3  # (with the three, side by side, once a trial needed it)
+        fitted = [] if self.full else self.fitted.get(key, [])  # (other micro-batches of the rung, on three)
+        ahead = 2 if fitted else 4 if self.fourth else 3  # (side by side: once a trial needed a fourth)
         warm = levers_key(plan) in self.levers  # (a first trial with them filled what the later ones read)
         with self.fanned(measure[:ahead], carried, warm) as fanned:
             for i in range(4):
@@ -164,11 +169,10 @@ class BlockTrials:
                     return None
                 runs.append((result, bd))
                 self.levers.add(levers_key(plan))
-                template = Template.fit([r.trace for r, _ in runs], KEPT) if len(runs) >= 3 else None
+                template, kinds_of = self._fit(key, runs, fitted)
                 if template is not None:
-                    self.fourth |= len(runs) > 3
                     break
-        made = self._made(plan, device, runs, template) if template is not None else None
+        made = self._made(plan, device, runs, template, kinds_of) if template is not None else None
         if made is None:
             self.off.add(key)
             return None
@@ -176,7 +180,26 @@ class BlockTrials:
         return dataclasses.replace(result, seconds=time.perf_counter() - start,
                                    build_seconds=sum(r.build_seconds for r, _ in runs)), bd
 
-    def _made(self, plan: Plan, device: FakeDevice, runs: list, template: Template) -> tuple | None:
+    def _fit(self, key: Plan, runs: list, fitted: list) -> tuple[Template | None, list]:
+        """(the template of the trials traced so far, the trials whose lives' parts its breakdown may read): on
+        the first two, a template of the rung fitted on three (`fitted`) refitted where that makes them (not where
+        micro-batch 1 took another path: a size-1 dim that is a view there and a copy at 2); else fitted on three
+        or more (kept as the rung's); else (None, []): trace another."""
+        traces = [r.trace for r, _ in runs]
+        if fitted and len(runs) == 2:
+            for template, traced in fitted:
+                refitted = template.refit(traces)
+                if refitted is not None:
+                    self.refitted += 1
+                    return refitted, traced
+            return None, []
+        template = Template.fit(traces, KEPT) if len(runs) >= 3 else None
+        if template is not None:
+            self.fourth |= len(runs) > 3
+            self.fitted.setdefault(key, []).insert(0, (template, list(runs)))
+        return template, []
+
+    def _made(self, plan: Plan, device: FakeDevice, runs: list, template: Template, kinds_of: list) -> tuple | None:
         trace = template.at(self.blocks)
         reading = device.replay(as_lines(trace), plan.micro_batch_size) if trace is not None else None
         # the host's peak is the made trace's, as the device's: counted on the three traced, it must read theirs (a
@@ -184,19 +207,27 @@ class BlockTrials:
         if reading is None or any(r.trace.host_peak() != r.host_peak_bytes for r, _ in runs):
             return None
         result = TrialResult.from_reading(plan, reading, trace=trace, extrapolated=True)
-        return result, _made_breakdown(template, self.blocks, runs, result, device)
+        return result, _made_breakdown(template, self.blocks, runs, result, device, kinds_of)
 
 
-def _made_breakdown(template: Template, blocks: int, runs: list, result: TrialResult, device: FakeDevice):
+def _made_kinds(template: Template, blocks: int, runs: list):
+    kinds = [r.kinds for r, _ in runs]
+    return template.kinds_at(blocks, [r.trace for r, _ in runs], kinds) if all(k is not None for k in kinds) else None
+
+
+def _made_breakdown(template: Template, blocks: int, runs: list, result: TrialResult, device: FakeDevice,
+                    kinds_of: list = ()):
     """The breakdown of the made trial's peak: its lives' parts from those of the three traced (life_kinds.py),
     wherever its peak falls; else each figure on its line through theirs, where the peak stays in one place (the
-    two must give the made trace's peak); else None."""
-    kinds = [r.kinds for r, _ in runs]
-    made = (template.kinds_at(blocks, [r.trace for r, _ in runs], kinds)
-            if all(k is not None for k in kinds) else None)
+    two must give the made trace's peak); else None. Refitted on two traces (`kinds_of`: the rung's trials its
+    template was fitted on), the parts are theirs where the two do not tell every slot's (a run's period between
+    its first and last is seen from 4 blocks on), and never lines (through two points, nothing checks them)."""
+    made = _made_kinds(template, blocks, runs) or (_made_kinds(template, blocks, kinds_of) if kinds_of else None)
     parts = peak_parts(result.trace, made) if made is not None else None
     if parts is not None:
         bd = breakdown_of(*parts, result, device.margin)
+    elif kinds_of:
+        bd = None
     else:
         bds = [bd for _, bd in runs]
         bd = (extrapolated_breakdown(bds, blocks, (result.modelled_reserved_bytes, device.margin))

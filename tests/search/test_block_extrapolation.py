@@ -1,10 +1,12 @@
-"""A trial of N repeated blocks made from trials of 2, 3 and 4 of them (search/extrapolate.py, memory/repeats.py):
-its figures equal the whole model's trace to the byte, and where the traces do not line up it answers nothing (the
+"""A trial of N repeated blocks made from trials of 2, 3 and 4 of them (search/extrapolate.py, memory/repeats.py),
+and another micro-batch of its rung from 2 and 3 of them (its template refitted): their figures equal the whole
+model's trace to the byte, and where the traces do not line up it answers nothing (the
 trial then runs whole). Device: fake (the estimate's never-out twin, which traces). Models: the finetune kinds with
 six layers instead of two (a BERT classifier among them), the examples' GPT with nine."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 from pathlib import Path
@@ -18,7 +20,7 @@ from oomtune.memory.breakdown import recorded_trial
 from oomtune.memory.cards import find_gpu
 from oomtune.memory.devices import FakeDevice
 from oomtune.memory.repeats import Template, tokens, without_last_frees
-from oomtune.model_file import load_model_file
+from oomtune.model_file import ModelFile, load_model_file
 from oomtune.search.estimate import estimate
 from oomtune.search.extrapolate import BlockTrials, extrapolated_breakdown
 from oomtune.search.fewer_blocks import FewerBlocks, repeated_runs
@@ -45,11 +47,14 @@ def _twin() -> FakeDevice:
     return FakeDevice("80GiB", gpu=find_gpu("a100-80"), never_runs_out=True, traces=True)
 
 
-def _blocks_and_whole(path: Path, plan: Plan, recorded: bool = False):
+def _blocks_and_whole(path, plan: Plan, recorded: bool = False, trials: BlockTrials | None = None):
     """(the made trial, the whole model's, the BlockTrials); `recorded`: each with its breakdown, the fewer-block
-    trials' second steps made where that checks, as the estimate runs them ((result, breakdown) pairs then)."""
-    mf = load_model_file(path)
-    trials = BlockTrials(min_blocks=5)
+    trials' second steps made where that checks, as the estimate runs them ((result, breakdown) pairs then).
+    `trials`: those of an earlier call (its rung's template kept: a plan of the same rung is then refitted), with
+    the same ModelFile as `path` (a model file loaded again has classes of its own: its blocks are not the ones
+    seen)."""
+    mf = path if isinstance(path, ModelFile) else load_model_file(path)
+    trials = trials or BlockTrials(min_blocks=5)
     device = _twin()
     if not recorded:
         made = trials.trial(mf, plan, device, lambda fewer, p: (run_trial(fewer, p, device), None))
@@ -88,8 +93,8 @@ def test_the_made_trial_is_the_whole_models_to_the_byte(tmp_path, source, layers
     built tracked, the blocks they cut constructed untracked). The host memory of the offload and NF4 levers (NF4's
     build on the host) too."""
     wide = source == "wide"  # the LoRA Llama, wide enough for NF4
-    made, (whole, whole_bd), trials = _blocks_and_whole(
-        _deeper(tmp_path, MODELS / "hf_llama_lora.py" if wide else source, layers, wide), plan, recorded=True)
+    mf = load_model_file(_deeper(tmp_path, MODELS / "hf_llama_lora.py" if wide else source, layers, wide))
+    made, (whole, whole_bd), trials = _blocks_and_whole(mf, plan, recorded=True)
     assert trials.blocks == layers
     assert made is not None, "the three traces did not line up"
     result = made[0]
@@ -98,6 +103,20 @@ def test_the_made_trial_is_the_whole_models_to_the_byte(tmp_path, source, layers
     assert (result.peak_bytes, result.peak_allocated_bytes, result.modelled_reserved_bytes, result.host_peak_bytes) \
         == (whole.peak_bytes, whole.peak_allocated_bytes, whole.modelled_reserved_bytes, whole.host_peak_bytes)
     assert result.phase_peaks == whole.phase_peaks  # the build's (setup) too: the fewer-block builds are traced
+    # other micro-batches of the rung: made from 2 and 3 blocks with the rung's template refitted (Template.refit),
+    # where micro-batch 1's did not take another path (a size-1 dim a view there, a copy at 3: then fitted on three
+    # at 3, and 5 is refitted from that)
+    for more in (2, 4):
+        other = dataclasses.replace(plan, micro_batch_size=plan.micro_batch_size + more, global_batch_size=0)
+        made, (whole, whole_bd), _ = _blocks_and_whole(mf, other, recorded=True, trials=trials)
+        assert made is not None and made[1] == whole_bd
+        assert (made[0].peak_bytes, made[0].peak_allocated_bytes, made[0].modelled_reserved_bytes,
+                made[0].host_peak_bytes, made[0].phase_peaks) == (whole.peak_bytes, whole.peak_allocated_bytes,
+                                                                 whole.modelled_reserved_bytes,
+                                                                 whole.host_peak_bytes, whole.phase_peaks)
+        if trials.refitted:
+            break
+    assert trials.refitted == 1
 
 
 
