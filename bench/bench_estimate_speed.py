@@ -20,6 +20,7 @@ Each pair must choose the same plan with the same peak, to the byte. Written int
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import shlex
 import sys
@@ -69,9 +70,12 @@ def timed_estimate(path: str, gpu: str, batch: int | None, context: int | None, 
     from oomtune.model_file import load_model_file
     from oomtune.search.estimate import estimate, make_fake_device
     from oomtune.search.options import resolve_targets
+    from oomtune.search.trial import imports_settled
 
     mf = load_model_file(ROOT / path)
     targets = resolve_targets(mf, batch, context, None)
+    gc.collect()  # as `oomtune estimate`'s process stands once its imports and the model file are loaded (little
+    imports_settled()  # garbage: here, what earlier runs left is collected first), frozen as the CLI freezes it
     start = time.perf_counter()
     result = estimate(mf, make_fake_device(None, gpu, None), targets, **kw)
     return time.perf_counter() - start, result
@@ -84,11 +88,14 @@ def timed_context_search(traced: bool) -> tuple[float, object]:
     from oomtune.model_file import load_model_file
     from oomtune.search.estimate import estimate, make_fake_device
     from oomtune.search.options import parse_levers, resolve_targets
+    from oomtune.search.trial import imports_settled
 
     path, gpu, budget, batch, context, min_context, levers = LONG
     mf = load_model_file(ROOT / path)
     checked, prior.CHECKED = prior.CHECKED, (1 << 30 if traced else prior.CHECKED)
     try:
+        gc.collect()  # (as timed_estimate)
+        imports_settled()
         start = time.perf_counter()
         result = estimate(mf, make_fake_device(budget, gpu, None), resolve_targets(mf, batch, context, min_context),
                           levers=parse_levers(levers))

@@ -166,6 +166,7 @@ def estimate(
         from .. import api
         from ..errors import OomtuneError
         from ..search.options import check_estimate_options, check_what_if_options, with_compile
+        from ..search.trial import imports_settled
 
         levers = with_compile(levers, compile_, one_plan=micro_batch is not None)
         source = model_source(model, task, dtype, padding, lora_r, lora_alpha, lora_dropout, lora_targets, model_arg)
@@ -177,6 +178,7 @@ def estimate(
                                        header=f"written by `oomtune estimate {model}`: predicted on fake tensors, "
                                               "never measured on a GPU (check it with `oomtune probe` there) - edit "
                                               "`train:` freely")
+            imports_settled()
             _ladder(job, gpu, as_json, savings)
             return
         check_estimate_options(objective, headroom, steps, amp)  # options the one plan ignores, still checked

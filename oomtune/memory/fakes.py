@@ -4,7 +4,7 @@ The fake device runs the model on FakeTensors: shapes, dtypes and storages, no d
 closer than the shapes in these places, and each is met here so that what the fake device measures is what the
 cpu device (and the GPU) would:
 
-1. `Module._apply` (`.to()`, `.half()`, PEFT putting an adapter next to its base layer) swaps a FakeTensor
+1. `Module._apply` (`.to()`, `.half()`, PEFT putting an adapter next to its base layer; swaps.py) swaps a FakeTensor
    parameter's contents with `torch.utils.swap_tensors`, which refuses a tensor something holds a weak reference
    to, and FakeTensorMode memoises every tensor it makes by weak reference. `swappable_fakes` drops a tensor's
    memo entries just before it is swapped (they map the meta tensor of the op that made it, long gone), so the
@@ -33,7 +33,6 @@ cpu device (and the GPU) would:
 from __future__ import annotations
 
 import contextlib
-import gc
 import sys
 import weakref
 from collections.abc import Callable, Iterator
@@ -47,9 +46,9 @@ from torch._subclasses.fake_tensor import (
 )
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes, _get_current_dispatch_mode_stack
 from torch.utils._pytree import tree_leaves, tree_map_only
-from torch.utils.weak import WeakIdRef
 
 from ..errors import OomtuneError
+from .swaps import swappable_fakes
 from .tracker import METADATA_OPS, MemoryTracker
 
 _aten = torch.ops.aten
@@ -84,60 +83,6 @@ class NeedsValues(OomtuneError):
         name = getattr(func, "__name__", str(func)).split(".")[0]
         super().__init__(what or f"aten.{name} has an output that depends on tensor values (data-dependent), which "
                          "fake tensors do not have")
-
-
-# -- 1. swaps -----------------------------------------------------------------------------------------------------
-
-_SWAP = torch.utils.swap_tensors
-
-
-def _forget(t: torch.Tensor) -> None:
-    """Drop the fake mode's weak references to `t`: its memo entries (the converter's, and its meta converter's,
-    where `copy.deepcopy` made it: nn.TransformerEncoder's layers), and, for a constant, its alias list."""
-    if not isinstance(t, FakeTensor) or not weakref.getweakrefcount(t):
-        return
-    converter = t.fake_mode.fake_tensor_converter
-    meta = getattr(getattr(converter, "meta_converter", None), "tensor_memo", {})  # (a deep copy's, by its id)
-    for memo in (converter.tensor_memo, meta):
-        for key in [k for k, v in list(memo.items()) if v is t]:
-            del memo[key]
-    for refs in getattr(converter, "constant_storage_mapping", {}).values():
-        refs[:] = [r for r in refs if r() is not t]
-    for ref in weakref.getweakrefs(t):  # what is left: a deep copy's entries in another converter's memo and its
-        for d in gc.get_referrers(ref):  # describer's id lookup, found the slow way (none left for other tensors)
-            if not isinstance(d, dict):
-                continue
-            if isinstance(ref, weakref.KeyedRef) and d.get(ref.key) is ref:
-                del d[ref.key]
-            elif isinstance(ref, WeakIdRef) and any(k is ref for k in d):
-                del d[ref]
-
-
-_TENSOR_HOOKS = ("_backward_hooks", "_post_accumulate_grad_hooks")
-
-
-def _swap_fakes(t1: torch.Tensor, t2: torch.Tensor) -> None:
-    """The swap, and `t1`'s own hooks (`register_hook`, `register_post_accumulate_grad_hook`: a model file's
-    optimizer-in-backward) kept on it: autograd keeps them with the tensor's contents, which the swap hands to `t2`,
-    where `param.data = ...` (a real tensor's cast) keeps them. Setting them again registers them for the new
-    contents."""
-    hooks = {name: getattr(t1, name, None) for name in _TENSOR_HOOKS}
-    _forget(t1)
-    _forget(t2)
-    _SWAP(t1, t2)
-    for name, value in hooks.items():
-        if value:
-            setattr(t1, name, value)
-
-
-@contextlib.contextmanager
-def swappable_fakes() -> Iterator[None]:
-    """While inside, `Module._apply` can swap FakeTensor parameters (see the module doc, 1)."""
-    torch.utils.swap_tensors = _swap_fakes
-    try:
-        yield
-    finally:
-        torch.utils.swap_tensors = _SWAP
 
 
 # -- 2. values ----------------------------------------------------------------------------------------------------
@@ -363,15 +308,18 @@ def real_code_paths(cpu_kernels: bool = False, tracker: MemoryTracker | None = N
     """Everything above, for a stretch of work on fake tensors (enter inside FakeTensorMode), with NF4 weights'
     dequantization made from the first of its kind (made_nf4.py, which reads this module's Values). `cpu_kernels`:
     ops whose outputs the CPU's kernels make otherwise than the meta kernels are made as the CPU's make them
-    (cpu_kernels.py), in Values' own dispatch (no mode of their own: one less Python call per op). `tracker`: one
+    (cpu_kernels.py), in Values' own dispatch (no mode of their own: one less Python call per op); FakeTensorMode's
+    cache keys laid out in fewer Python calls (cache_keys.py). `tracker`: one
     entered just above FakeTensorMode (nothing between) runs Values' dispatch itself (MemoryTracker.inner), for the
     same reason: Values is then no mode of its own either (current_values() finds it)."""
+    from .cache_keys import fast_cache_keys
     from .cpu_kernels import cpu_kernel_call
     from .known_data import known_data
     from .made_nf4 import made_dequant
 
     values = Values(cpu_kernel_call if cpu_kernels else None)
-    with swappable_fakes(), library_view(), _inside(values, tracker), one_fake_mode(), known_data(), made_dequant():
+    with swappable_fakes(), library_view(), _inside(values, tracker), one_fake_mode(), known_data(), made_dequant(), \
+            fast_cache_keys():
         yield
 
 

@@ -195,6 +195,31 @@ with settled_objects():
     assert int(out.stdout.split()[-1]) < 20_000, out.stdout
 
 
+def test_what_the_cli_froze_at_its_start_is_left_out_until_the_search_ends():
+    """In a fresh process: imports_settled (the CLI's estimate, once the model file is loaded) freezes what the
+    process holds (torch and the model file: over 100k objects) with no collection, so the search's collection
+    before its own freeze walks only what was made since - and the search's end unfreezes them all."""
+    import subprocess
+    import sys
+
+    code = f'''
+import gc
+from oomtune.model_file import load_model_file
+from oomtune.search.trial import imports_settled, settled_objects
+
+mf = load_model_file({str(EXAMPLES / "tiny_gpt.py")!r})
+imports_settled()
+frozen = gc.get_freeze_count()
+with settled_objects():
+    inside = gc.get_freeze_count()
+print(frozen, inside, gc.get_freeze_count())
+'''
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    frozen, inside, after = (int(x) for x in out.stdout.split()[-3:])
+    assert frozen > 100_000 and inside >= frozen and after == 0, out.stdout
+
+
 def test_the_first_trial_of_a_peft_model_counts_none_of_what_its_libraries_import():
     """device: fake (a card's rules, both steps traced). In a fresh process (this session's may have imported them
     already): PEFT imports bitsandbytes as it wraps the layers, and bitsandbytes' import makes tensors of its own
