@@ -122,7 +122,10 @@ class Template:
         k and k+1 blocks: this one's layout and storage rules, each size's rule fitted anew on them (a line through
         two points in the blocks, where this template's were checked on three: the blocks of a model repeat alike at
         every micro-batch), accepted only where it makes both traces event by event; else None (the caller traces
-        k+2 and fits as ever)."""
+        k+2 and fits as ever). A size that is the same in every block keeps to that, on every point (checked); one
+        that grows with the blocks or the periods keeps to growing (a line through two points): where its form
+        changes, the layout is not this micro-batch's (a tiny GPT's checkpointed 8-bit offload rung: its last
+        block's activations differ at micro-batch 16 and not at 1), and None."""
         traces = [without_last_frees(t) for t in traces]
         if len(traces) < 2 or any(len(t.initial) != len(self.initial) or len(t.host_initial) !=
                                   len(self.host_initial) or (t.initial, t.host_initial) !=
@@ -140,9 +143,11 @@ class Template:
         rules = {}
         for slot, (kind, value, ref) in self.rules.items():
             if kind in SIZED:
-                value = _solve(values.get(slot, []), checked=False)
-                if value is None:
-                    return None
+                fitted, value = value, _solve(values.get(slot, []), checked=False)
+                if value is None or any((a == 0) != (b == 0) for a, b in zip(value[1:], fitted[1:], strict=True)):
+                    return None  # a size the same in every block there and not here (or the other way): a period
+                    # that differs at this micro-batch alone (the last block's, at 16 and not at 1), which two block
+                    # counts would take for a line
             rules[slot] = (kind, value, ref)
         made = Template(traces[0].initial, self.layout, self.k, rules, traces[0].host_initial)
         return made if all(made.at(self.k + i) == trace for i, trace in enumerate(traces)) else None

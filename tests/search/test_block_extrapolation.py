@@ -120,6 +120,21 @@ def test_the_made_trial_is_the_whole_models_to_the_byte(tmp_path, source, layers
 
 
 
+def test_a_period_that_differs_at_one_micro_batch_alone_is_not_refitted(tmp_path):
+    """device: fake. A tiny GPT's checkpointed rung with 8-bit AdamW offloaded: at micro-batch 16 its last block's
+    saved input is smaller than the others' (at 1 all are alike), so the rung's template, fitted at 1, does not lay
+    out 16's traces; two block counts took that for a line (each block's size falling by the block) and made 16's
+    peak right but its sizes wrong, and a size replayed between the two 2 MiB off. The refit is refused (a size the
+    same in every block at 1 and not at 16) and 16 is fitted on three traces: the whole model's to the byte."""
+    mf = load_model_file(_deeper(tmp_path, ROOT / "examples" / "tiny_gpt.py", 9))
+    plan = Plan(1, 128, "fp32", activation_checkpointing=True, optimizer_8bit=True, offload_optimizer=True)
+    _, _, trials = _blocks_and_whole(mf, plan)
+    made, whole, _ = _blocks_and_whole(mf, dataclasses.replace(plan, micro_batch_size=16, global_batch_size=0),
+                                       trials=trials)
+    assert trials.refitted == 0 and made is not None
+    assert without_last_frees(made[0].trace) == without_last_frees(whole.trace)
+
+
 @pytest.mark.parametrize(("layers", "made"), [(12, True), (11, False)])
 def test_by_default_12_alike_blocks_are_made_from_fewer_and_11_are_traced_whole(tmp_path, layers, made):
     """device: fake (the static build). GPT-2 small's 12 layers are enough (extrapolate.MIN_BLOCKS): on 2 cores its
