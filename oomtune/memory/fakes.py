@@ -112,6 +112,19 @@ def _out_tensors(out) -> list[torch.Tensor] | None:
     return None
 
 
+def _plain_fill(func, args, kwargs) -> bool:
+    """A fill FakeTensorMode would run without an error or a change of its own (Values._filled): not a draw into
+    integers nor a normal draw with a negative std (both fail, as on real tensors), not into a fake constant (whose
+    constant the mode drops)."""
+    t = args[0]
+    if t.constant is not None:
+        return False
+    if func not in DRAWS:
+        return True
+    std = args[2] if len(args) > 2 else kwargs.get("std", 1.0)
+    return t.is_floating_point() and (func is not _aten.normal_.default or std >= 0)
+
+
 def _written(func, args, kwargs) -> list[torch.Tensor]:
     """The tensors `func` writes into (in-place and out= ops)."""
     schema = getattr(func, "_schema", None)
@@ -192,7 +205,7 @@ class Values(TorchDispatchMode):
             return func(*args, **(kwargs or {}))
         kwargs = kwargs or {}
         if func in FILLS and type(args[0]) is FakeTensor and self._known(args[0]) is None and \
-                (args[0].is_floating_point() or func not in DRAWS):  # (a draw into integers fails, as real ones do)
+                _plain_fill(func, args, kwargs):
             return self._filled(args[0])
         if func is _EMBEDDING:
             self._check_indices(args[0], args[1])

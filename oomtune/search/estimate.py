@@ -211,6 +211,8 @@ def _replayed(model_file, device, targets, headroom, steps, objective, amp, on_s
     if search.config is None:
         return search
     plan = search.config.plan
+    if plan in trials.blocks.refits:  # made from two traces: checked on three, as a replayed answer is
+        trials.breakdowns.pop(plan, None)
     if plan not in trials.breakdowns:  # replayed (or made without a breakdown on its lines): traced as its check
         # and for its breakdown, from fewer blocks where the model repeats them (as exact: the tests hold the two
         # to the byte on every kind of model), else whole; its second step made where that was checked (and

@@ -91,6 +91,7 @@ class BlockTrials:
         # or more, each with its traced trials ((result, breakdown) pairs), the latest first
         self.full = False  # every trial fitted on three traces (the estimate's check at its answer), none refitted
         self.refitted = 0  # trials made from two traces and their rung's template (Template.refit)
+        self.refits: set[Plan] = set()  # their plans (the estimate's answer among them is checked on three)
 
     def knowing(self, repeats: tuple | None) -> BlockTrials:
         """Told what the whole model's build found (StaticMemory.repeated_blocks): no fewer-block build then builds
@@ -177,6 +178,8 @@ class BlockTrials:
             self.off.add(key)
             return None
         result, bd = made
+        if len(runs) == 2:
+            self.refits.add(plan)
         return dataclasses.replace(result, seconds=time.perf_counter() - start,
                                    build_seconds=sum(r.build_seconds for r, _ in runs)), bd
 
@@ -189,7 +192,7 @@ class BlockTrials:
         if fitted and len(runs) == 2:
             for template, traced in fitted:
                 refitted = template.refit(traces)
-                if refitted is not None:
+                if refitted is not None and refitted.at(self.blocks) is not None:  # (else a third trace, not `off`)
                     self.refitted += 1
                     return refitted, traced
             return None, []

@@ -140,6 +140,8 @@ def test_a_fill_of_a_tensor_without_values_is_not_run_and_one_with_values_is():
         assert shadow_of(drawn) is not None and float(drawn.min()) >= 1
         with pytest.raises(RuntimeError):
             torch.empty(3, dtype=torch.long).normal_()
+        with pytest.raises(RuntimeError, match="std"):
+            torch.empty(3).normal_(0.0, -1.0)  # (a negative std fails as on real tensors)
 
 
 def test_the_fake_device_runs_values_in_its_tracker_one_mode_fewer():
