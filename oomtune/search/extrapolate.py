@@ -90,8 +90,8 @@ class BlockTrials:
         self.fitted: dict[Plan, list] = {}  # a rung's (its plan at micro-batch 1) templates fitted on three traces
         # or more, each with its traced trials ((result, breakdown) pairs), the latest first
         self.full = False  # every trial fitted on three traces (the estimate's check at its answer), none refitted
-        self.refitted = 0  # trials made from two traces and their rung's template (Template.refit)
-        self.refits: set[Plan] = set()  # their plans (the estimate's answer among them is checked on three)
+        self.refits: set[Plan] = set()  # plans made from two traces and their rung's template (Template.refit): the
+        # estimate's answer among them is checked on three
 
     def knowing(self, repeats: tuple | None) -> BlockTrials:
         """Told what the whole model's build found (StaticMemory.repeated_blocks): no fewer-block build then builds
@@ -193,7 +193,6 @@ class BlockTrials:
             for template, traced in fitted:
                 refitted = template.refit(traces)
                 if refitted is not None and refitted.at(self.blocks) is not None:  # (else a third trace, not `off`)
-                    self.refitted += 1
                     return refitted, traced
             return None, []
         template = Template.fit(traces, KEPT) if len(runs) >= 3 else None
